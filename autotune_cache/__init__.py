@@ -1,0 +1,1 @@
+"""Autotuned kernel configs, <device>/<kernel>.json, read at launch time."""

@@ -1,0 +1,1 @@
+"""moetriton for JAX (the bindings land with the JAX issue)."""

@@ -1,0 +1,77 @@
+"""Framework-neutral launch plans.
+
+A plan says everything a binding needs to run an op: which buffers to allocate (shape, dtype, whether they
+must start zeroed) and which kernels to launch, in order, with their grids, arguments and compile options.
+The PyTorch and JAX bindings each have one small executor that turns a plan into allocations and launches;
+neither ever computes a grid or a block size itself.
+
+Argument convention of every kernel: input pointers and scalars first (in `Launch.args` order), then output
+pointers (`Launch.outputs`), then constexprs. This is the order jax-triton passes arguments in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A buffer a plan allocates.
+
+    `dtype` is a numpy-style name ("int32", "float32") or "like:<input>" for the dtype of a named input.
+    `zero` asks for zero-initialised memory; plans use it only where a kernel does not write every element.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    zero: bool = False
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch. `args` holds input/buffer names (str) and scalar ints, in kernel order."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple[str | int, ...]
+    outputs: tuple[str, ...]
+    constexprs: dict[str, Any] = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 1
+    # Combine-style kernels turn fused multiply-add off so that results equal a plain fp32 reference bit for bit.
+    fp_fusion: bool = True
+    # True when the kernel holds device-side checks of data-dependent input rules (index ranges);
+    # the PyTorch binding compiles such launches with Triton's debug mode on CUDA.
+    checks: bool = False
+
+    @property
+    def num_programs(self) -> int:
+        return math.prod(self.grid)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Buffers plus the launches that fill them. `results` names what the op returns, in order."""
+
+    buffers: dict[str, Buffer]
+    launches: tuple[Launch, ...]
+    results: tuple[str, ...]
+
+
+def next_pow2(value: int) -> int:
+    """Smallest power of two >= value (1 for value <= 1)."""
+    return 1 if value <= 1 else 1 << (value - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What plans may know about the device: a cache key and the multiprocessor count."""
+
+    name: str = "cpu"
+    num_sms: int = 4

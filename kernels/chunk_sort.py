@@ -1,0 +1,116 @@
+"""Chunk sort: reorder contiguous row chunks (e.g. rank-major -> expert-major after an all-to-all).
+
+The input's first sum(split_sizes) rows form S chunks, chunk c holding split_sizes[c] rows. Output chunk j
+is input chunk sorted_indices[j]; rows past sum(split_sizes) stay where they are. `row_id_map` [N] int32
+gives the destination row of every input row. The map is computed inside the data kernel (one launch per
+direction), so the backward, a gather through the same map, needs nothing saved but the split arguments.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._plan import Buffer, Launch, Plan, cdiv, next_pow2
+from .permutation import _as_bits
+
+_TILE_ELEMENTS = 4096
+
+
+@triton.jit
+def _sort_chunks_kernel(
+    inp_ptr,  # [N, H]
+    split_sizes_ptr,  # [S] integer
+    sorted_indices_ptr,  # [S] integer, a permutation of [0, S)
+    probs_ptr,  # [N] (HAS_PROBS)
+    num_rows,
+    hidden,
+    num_splits,
+    out_ptr,  # [N, H]
+    row_map_ptr,  # [N] int32 (WRITE_MAP)
+    out_probs_ptr,  # [N] (HAS_PROBS)
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    GATHER: tl.constexpr,
+    WRITE_MAP: tl.constexpr,
+):
+    """Grid (cdiv(N, ROWS), cdiv(H, BLOCK_H)). Program (b, c) computes the destination of rows
+    [b*ROWS, (b+1)*ROWS) from the split sizes (O(ROWS * S) compares) and moves their columns
+    [c*BLOCK_H, (c+1)*BLOCK_H): scattered to the destinations (forward), or gathered from them (GATHER,
+    the backward). Program (b, 0) also moves the probs and writes the row map."""
+    row_block = tl.program_id(0)
+    chunk = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_POW2)
+    smask = splits < num_splits
+    sizes = tl.load(split_sizes_ptr + splits, mask=smask, other=0).to(tl.int32)
+    src_start = tl.cumsum(sizes, axis=0) - sizes
+    src_end = src_start + sizes
+    total = tl.sum(sizes, axis=0)
+    order = tl.load(sorted_indices_ptr + splits, mask=smask, other=0).to(tl.int32)
+    sorted_sizes = tl.load(split_sizes_ptr + order, mask=smask, other=0).to(tl.int32)
+    dst_start_by_position = tl.cumsum(sorted_sizes, axis=0) - sorted_sizes
+
+    rows = row_block * ROWS + tl.arange(0, ROWS)
+    rmask = rows < num_rows
+    # The chunk of a row is the number of chunks that end at or before it (empty chunks included).
+    chunk_of_row = tl.sum(((src_end[None, :] <= rows[:, None]) & smask[None, :]).to(tl.int32), axis=1)
+    src_first = tl.sum(tl.where(splits[None, :] == chunk_of_row[:, None], src_start[None, :], 0), axis=1)
+    dst_first = tl.sum(
+        tl.where((order[None, :] == chunk_of_row[:, None]) & smask[None, :], dst_start_by_position[None, :], 0),
+        axis=1,
+    )
+    dst = tl.where(rows < total, dst_first + rows - src_first, rows)
+
+    if GATHER:
+        read_rows = dst
+        write_rows = rows
+    else:
+        read_rows = rows
+        write_rows = dst
+    cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = rmask[:, None] & (cols[None, :] < hidden)
+    values = tl.load(_as_bits(inp_ptr) + read_rows.to(tl.int64)[:, None] * hidden + cols[None, :], mask=mask)
+    tl.store(_as_bits(out_ptr) + write_rows.to(tl.int64)[:, None] * hidden + cols[None, :], values, mask=mask)
+    if chunk == 0:
+        if HAS_PROBS:
+            probs = tl.load(_as_bits(probs_ptr) + read_rows, mask=rmask)
+            tl.store(_as_bits(out_probs_ptr) + write_rows, probs, mask=rmask)
+        if WRITE_MAP:
+            tl.store(row_map_ptr + rows, dst, mask=rmask)
+
+
+def sort_chunks_plan(
+    *,
+    num_rows: int,
+    hidden: int,
+    num_splits: int,
+    element_bytes: int,
+    has_probs: bool,
+    backward: bool,
+) -> Plan:
+    """Inputs: "inp" [N, H], "split_sizes" [S], "sorted_indices" [S], "probs" [N] or None.
+    Results: output [N, H], row_id_map [N] int32 (forward only; [0] in the backward), permuted_probs [N]."""
+    buffers = {
+        "output": Buffer((num_rows, hidden), "like:inp"),
+        "row_id_map": Buffer((0,) if backward else (num_rows,), "int32"),
+        "permuted_probs": Buffer((num_rows,) if has_probs else (0,), "like:probs" if has_probs else "float32"),
+    }
+    results = ("output", "row_id_map", "permuted_probs")
+    if num_rows == 0:
+        return Plan(buffers, (), results)
+    splits_pow2 = next_pow2(num_splits)
+    block_h = max(16, min(next_pow2(hidden), 8192 // element_bytes))
+    rows = max(1, min(_TILE_ELEMENTS // splits_pow2, 16384 // (block_h * element_bytes), 64))
+    rows = 1 << (rows.bit_length() - 1)
+    launch = Launch(
+        kernel=_sort_chunks_kernel,
+        grid=(cdiv(num_rows, rows), cdiv(hidden, block_h)),
+        args=("inp", "split_sizes", "sorted_indices", "probs", num_rows, hidden, num_splits),
+        outputs=("output", "row_id_map", "permuted_probs"),
+        constexprs=dict(ROWS=rows, BLOCK_H=block_h, SPLITS_POW2=splits_pow2, HAS_PROBS=has_probs,
+                        GATHER=backward, WRITE_MAP=not backward),
+        num_warps=4,
+    )
+    return Plan(buffers, (launch,), results)

@@ -1,0 +1,148 @@
+"""Argument rules shared by both bindings.
+
+Bindings describe arrays as (shape, dtype name) with numpy-style dtype names ("bfloat16", "float8_e4m3fn",
+"bool", "int32", ...) and call these functions before launching. Every error names the argument and what
+was expected. Checks that need the array's values (index ranges, split sizes) live in the bindings, since
+only they know whether reading values is free (CPU) or a device sync (GPU).
+"""
+
+from __future__ import annotations
+
+FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8")
+MASK_DTYPES = ("bool", *INT_DTYPES)
+INDEX_DTYPES = ("int32", "int64")
+
+
+def _fail(name: str, message: str) -> None:
+    raise ValueError(f"{name}: {message}")
+
+
+def check_array(name: str, shape: tuple[int, ...], dtype: str, *, ndim: int, dtypes: tuple[str, ...]) -> None:
+    if len(shape) != ndim:
+        _fail(name, f"expected a {ndim}-D array, got shape {tuple(shape)}")
+    if dtype not in dtypes:
+        _fail(name, f"expected dtype in {dtypes}, got {dtype}")
+
+
+def check_dim(name: str, got: int, expected: int, what: str) -> None:
+    if got != expected:
+        _fail(name, f"expected {what} = {expected}, got {got}")
+
+
+def check_positive(name: str, value: int | None, *, allow_zero: bool = False) -> None:
+    if value is None:
+        _fail(name, "required (a Python int)")
+    if not isinstance(value, int) or isinstance(value, bool):
+        _fail(name, f"expected a Python int, got {type(value).__name__}")
+    if value < 0 or (value == 0 and not allow_zero):
+        _fail(name, f"expected {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def check_dispatch(
+    *,
+    inp: tuple[tuple[int, ...], str],
+    routing_map: tuple[tuple[int, ...], str] | None,
+    indices: tuple[tuple[int, ...], str] | None,
+    num_experts: int | None,
+    num_out_tokens: int,
+    probs: tuple[tuple[int, ...], str] | None,
+    scales: tuple[tuple[int, ...], str] | None,
+    align_size: int | None,
+) -> tuple[bool, int, int]:
+    """Validates token_dispatch arguments; returns (is_mask, num_slots, num_experts)."""
+    check_array("inp", *inp, ndim=2, dtypes=FLOAT_DTYPES + FP8_DTYPES)
+    num_tokens = inp[0][0]
+    if (routing_map is None) == (indices is None):
+        raise ValueError("routing_map / indices: pass exactly one of them")
+    if routing_map is not None:
+        check_array("routing_map", *routing_map, ndim=2, dtypes=MASK_DTYPES)
+        check_dim("routing_map", routing_map[0][0], num_tokens, "shape[0] (tokens, as inp)")
+        num_slots = routing_map[0][1]
+        if num_experts is not None and num_experts != num_slots:
+            _fail("num_experts", f"expected {num_slots} (routing_map.shape[1]) or None, got {num_experts}")
+        num_experts = num_slots
+        check_positive("routing_map.shape[1] (num_experts)", num_experts)
+    else:
+        check_array("indices", *indices, ndim=2, dtypes=INDEX_DTYPES)
+        check_dim("indices", indices[0][0], num_tokens, "shape[0] (tokens, as inp)")
+        num_slots = indices[0][1]
+        if num_experts is None:
+            _fail("num_experts", "required with indices (the number of experts E; ids lie in [-1, E))")
+        check_positive("num_experts", num_experts)
+    check_positive("num_out_tokens", num_out_tokens, allow_zero=True)
+    if probs is not None:
+        check_array("probs", *probs, ndim=2, dtypes=FLOAT_DTYPES)
+        if tuple(probs[0]) != (num_tokens, num_slots):
+            _fail("probs", f"expected shape {(num_tokens, num_slots)} (one per routing slot), got {tuple(probs[0])}")
+    if scales is not None:
+        check_array("scales", *scales, ndim=2, dtypes=FLOAT_DTYPES + FP8_DTYPES + ("uint8", "int8", "int32"))
+        check_dim("scales", scales[0][0], num_tokens, "shape[0] (tokens, as inp)")
+    if align_size is not None:
+        check_positive("align_size", align_size)
+    return routing_map is not None, num_slots, num_experts
+
+
+def check_row_map(row_id_map: tuple[tuple[int, ...], str]) -> tuple[int, int]:
+    """Returns (num_tokens, num_slots) of a row_id_map made by token_dispatch."""
+    check_array("row_id_map", *row_id_map, ndim=2, dtypes=("int32",))
+    if row_id_map[0][1] < 2:
+        _fail("row_id_map", f"expected shape [T, S + 1] with S >= 1 (from token_dispatch), got {row_id_map[0]}")
+    return row_id_map[0][0], row_id_map[0][1] - 1
+
+
+def check_combine(
+    *,
+    inp: tuple[tuple[int, ...], str],
+    row_id_map: tuple[tuple[int, ...], str],
+    merging_probs: tuple[tuple[int, ...], str] | None,
+    pad_offsets: tuple[tuple[int, ...], str] | None,
+) -> tuple[int, int]:
+    """Validates token_combine arguments; returns (num_tokens, num_slots)."""
+    check_array("inp", *inp, ndim=2, dtypes=FLOAT_DTYPES)
+    num_tokens, num_slots = check_row_map(row_id_map)
+    if merging_probs is not None:
+        check_array("merging_probs", *merging_probs, ndim=2, dtypes=FLOAT_DTYPES)
+        if tuple(merging_probs[0]) != (num_tokens, num_slots):
+            _fail("merging_probs",
+                  f"expected shape {(num_tokens, num_slots)} (the routing layout of row_id_map), "
+                  f"got {tuple(merging_probs[0])}")
+    if pad_offsets is not None:
+        check_array("pad_offsets", *pad_offsets, ndim=1, dtypes=INDEX_DTYPES)
+    return num_tokens, num_slots
+
+
+def check_sort_chunks(
+    *,
+    inp: tuple[tuple[int, ...], str],
+    split_sizes: tuple[tuple[int, ...], str],
+    sorted_indices: tuple[tuple[int, ...], str],
+    probs: tuple[tuple[int, ...], str] | None,
+) -> int:
+    """Validates sort_chunks_by_index arguments; returns the number of splits."""
+    check_array("inp", *inp, ndim=2, dtypes=FLOAT_DTYPES + FP8_DTYPES)
+    check_array("split_sizes", *split_sizes, ndim=1, dtypes=INDEX_DTYPES)
+    check_array("sorted_indices", *sorted_indices, ndim=1, dtypes=INDEX_DTYPES)
+    num_splits = split_sizes[0][0]
+    check_dim("sorted_indices", sorted_indices[0][0], num_splits, "length (as split_sizes)")
+    if probs is not None:
+        check_array("probs", *probs, ndim=1, dtypes=FLOAT_DTYPES)
+        check_dim("probs", probs[0][0], inp[0][0], "length (rows of inp)")
+    return num_splits
+
+
+def check_index_values(min_id: int, max_id: int, num_experts: int) -> None:
+    """Range rule of expert ids, for bindings that can read the values cheaply."""
+    if min_id < -1 or max_id >= num_experts:
+        _fail("indices", f"expected expert ids in [-1, {num_experts}), got values in [{min_id}, {max_id}]")
+
+
+def check_split_values(sizes: list[int], order: list[int], num_rows: int) -> None:
+    """Value rules of chunk sort, for bindings that can read the values cheaply."""
+    if any(size < 0 for size in sizes):
+        _fail("split_sizes", f"expected sizes >= 0, got {sizes}")
+    if sum(sizes) > num_rows:
+        _fail("split_sizes", f"expected a sum <= {num_rows} (rows of inp), got {sum(sizes)}")
+    if sorted(order) != list(range(len(sizes))):
+        _fail("sorted_indices", f"expected a permutation of [0, {len(sizes)}), got {order}")

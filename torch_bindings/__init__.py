@@ -1,0 +1,29 @@
+"""moetriton for PyTorch: MoE token dispatch / combine / chunk sort as torch.library ops.
+
+On CUDA the Triton kernels run compiled; on CPU they run under the Triton interpreter when TRITON_INTERPRET=1
+was set before import, and otherwise the pure-PyTorch reference (`moetriton.torch.reference`) runs instead.
+"""
+
+from . import reference
+from .api import sort_chunks_by_index, token_combine, token_dispatch
+from .te import (
+    moe_permute,
+    moe_permute_and_pad_with_probs,
+    moe_permute_with_probs,
+    moe_sort_chunks_by_index,
+    moe_sort_chunks_by_index_with_probs,
+    moe_unpermute,
+)
+
+__all__ = [
+    "moe_permute",
+    "moe_permute_and_pad_with_probs",
+    "moe_permute_with_probs",
+    "moe_sort_chunks_by_index",
+    "moe_sort_chunks_by_index_with_probs",
+    "moe_unpermute",
+    "reference",
+    "sort_chunks_by_index",
+    "token_combine",
+    "token_dispatch",
+]

@@ -1,0 +1,150 @@
+"""Public PyTorch API: token_dispatch, token_combine, sort_chunks_by_index."""
+
+from __future__ import annotations
+
+import torch
+
+from moetriton.kernels import validation
+
+from . import ops
+from ._launch import describe
+
+
+def _same_device(**tensors: torch.Tensor | None) -> torch.device:
+    present = {name: t for name, t in tensors.items() if t is not None}
+    first_name, first = next(iter(present.items()))
+    for name, tensor in present.items():
+        if tensor.device != first.device:
+            raise ValueError(f"{name}: expected device {first.device} (as {first_name}), got {tensor.device}")
+    return first.device
+
+
+def _check_index_values(indices: torch.Tensor, num_experts: int) -> None:
+    # Reading values is free on CPU; on CUDA the map kernel checks them with a device-side assertion,
+    # so the hot path never syncs.
+    if indices.device.type == "cpu" and indices.numel():
+        validation.check_index_values(int(indices.min()), int(indices.max()), num_experts)
+
+
+def token_dispatch(
+    inp: torch.Tensor,
+    routing_map: torch.Tensor | None = None,
+    num_out_tokens: int | None = None,
+    probs: torch.Tensor | None = None,
+    align_size: int | None = None,
+    *,
+    indices: torch.Tensor | None = None,
+    num_experts: int | None = None,
+    scales: torch.Tensor | None = None,
+) -> tuple:
+    """Permute tokens into expert-major order (MoE dispatch).
+
+    Args:
+        inp: [T, H] tokens; float32/float64/bfloat16/float16, or float8_e4m3fn/e5m2 payloads.
+        routing_map: [T, E] mask (bool or integer, nonzero = routed). Pass this or `indices`.
+        num_out_tokens: rows of the output before padding (a Python int). Slots whose row would fall past
+            the buffer are dropped (no row, weight 0 in combine), so `num_out_tokens` smaller than the routed
+            count truncates the highest experts first, like TE's index map. Defaults to T * K with `indices`.
+        probs: [T, E] (mask) or [T, K] (indices) routing probabilities, permuted alongside the tokens.
+        align_size: pad every expert's block to a multiple of this (grouped-GEMM tiles). The buffer then has
+            the static worst-case size floor((num_out_tokens + E * (A - 1)) / A) * A rows; pad rows and rows
+            past the last expert are exactly zero in every output.
+        indices: [T, K] int32/int64 expert ids, -1 = no expert. Needs `num_experts`.
+        num_experts: E; required with `indices`, implied by a mask.
+        scales: [T, C] row-wise scales of FP8 payloads (any dtype), permuted like the rows.
+
+    Returns:
+        (output [N, H], permuted_probs [N] or None, row_id_map [T, S + 1] int32, pad_offsets [E] int32 or None
+        (padding only), tokens_per_expert [E] int32 (rows per expert in the buffer, padding included)),
+        plus permuted_scales [N, C] as a sixth element when `scales` is given. S = E for a mask, K for
+        indices. Destination rows are expert-major, token order stable inside each expert. No host sync.
+
+    Example:
+        >>> x = torch.randn(4, 8)
+        >>> mask = torch.tensor([[1, 1, 0], [1, 0, 1], [0, 0, 1], [0, 0, 0]], dtype=torch.bool)
+        >>> out, _, row_id_map, _, counts = token_dispatch(x, mask, num_out_tokens=5)
+        >>> counts.tolist()
+        [2, 1, 2]
+    """
+    if num_out_tokens is None and indices is not None:
+        num_out_tokens = indices.numel()
+    is_mask, _, num_experts = validation.check_dispatch(
+        inp=describe(inp), routing_map=describe(routing_map), indices=describe(indices), num_experts=num_experts,
+        num_out_tokens=num_out_tokens, probs=describe(probs), scales=describe(scales), align_size=align_size,
+    )
+    routing = routing_map if is_mask else indices
+    _same_device(inp=inp, routing_map=routing_map, indices=indices, probs=probs, scales=scales)
+    if not is_mask:
+        _check_index_values(indices, num_experts)
+    output, permuted_probs, permuted_scales, row_id_map, pad_offsets, tokens_per_expert = ops.dispatch(
+        inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size or 0)
+    result = (output, permuted_probs if probs is not None else None, row_id_map,
+              pad_offsets if align_size is not None else None, tokens_per_expert)
+    return result + (permuted_scales,) if scales is not None else result
+
+
+def token_combine(
+    inp: torch.Tensor,
+    row_id_map: torch.Tensor,
+    merging_probs: torch.Tensor | None = None,
+    pad_offsets: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gather expert outputs back to tokens (MoE combine), optionally weighted.
+
+    Args:
+        inp: [N, H] expert outputs in the layout token_dispatch produced; float32/float64/bfloat16/float16.
+        row_id_map: [T, S + 1] int32 from token_dispatch.
+        merging_probs: [T, S] weights in the routing layout ([T, E] for a mask, [T, K] for indices).
+        pad_offsets: pass what token_dispatch returned when it padded (rows in row_id_map already include
+            padding; this tells the backward that pad rows exist).
+
+    Returns:
+        [T, H] in inp.dtype: out[t] = sum over t's slots, in ascending slot order, of w[t, s] * inp[row(t, s)],
+        accumulated in fp32 without atomics (bitwise reproducible). Tokens with no row get zeros.
+
+    Example:
+        >>> x = torch.randn(4, 8)
+        >>> mask = torch.tensor([[1, 1], [1, 0], [0, 1], [0, 0]], dtype=torch.bool)
+        >>> out, _, row_id_map, _, _ = token_dispatch(x, mask, num_out_tokens=4)
+        >>> torch.equal(token_combine(out, row_id_map)[0], 2 * x[0])
+        True
+    """
+    validation.check_combine(inp=describe(inp), row_id_map=describe(row_id_map),
+                             merging_probs=describe(merging_probs), pad_offsets=describe(pad_offsets))
+    _same_device(inp=inp, row_id_map=row_id_map, merging_probs=merging_probs, pad_offsets=pad_offsets)
+    return ops.combine(inp, row_id_map, merging_probs, pad_offsets is not None)
+
+
+def sort_chunks_by_index(
+    inp: torch.Tensor,
+    split_sizes: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    probs: torch.Tensor | None = None,
+) -> tuple:
+    """Reorder row chunks: output chunk j is input chunk sorted_indices[j] (e.g. rank-major -> expert-major
+    after an expert-parallel all-to-all).
+
+    Args:
+        inp: [N, H] rows; any float or FP8 dtype (moved bit for bit).
+        split_sizes: [S] int32/int64 chunk sizes; rows past their sum stay in place.
+        sorted_indices: [S] int32/int64 permutation of [0, S).
+        probs: optional [N] per-row values permuted alongside.
+
+    Returns:
+        (output [N, H], row_id_map [N] int32 destination of each input row[, permuted_probs [N]]).
+
+    Example:
+        >>> x = torch.arange(6.0).reshape(6, 1)
+        >>> out, _ = sort_chunks_by_index(x, torch.tensor([2, 3, 1]), torch.tensor([2, 0, 1]))
+        >>> out[:, 0].tolist()
+        [5.0, 0.0, 1.0, 2.0, 3.0, 4.0]
+    """
+    validation.check_sort_chunks(inp=describe(inp), split_sizes=describe(split_sizes),
+                                 sorted_indices=describe(sorted_indices), probs=describe(probs))
+    _same_device(inp=inp, probs=probs)
+    split_sizes = split_sizes.to(inp.device, non_blocking=True)
+    sorted_indices = sorted_indices.to(inp.device, non_blocking=True)
+    if inp.device.type == "cpu":
+        validation.check_split_values(split_sizes.tolist(), sorted_indices.tolist(), inp.shape[0])
+    output, row_id_map, permuted_probs = ops.sort_chunks(inp, split_sizes, sorted_indices, probs, False)
+    return (output, row_id_map) if probs is None else (output, row_id_map, permuted_probs)

@@ -1,0 +1,229 @@
+"""Pure-PyTorch reference of every moetriton op: vectorised, differentiable, independent of the kernels.
+
+Used as the test oracle, as the CPU fallback when the Triton interpreter is off, and as the benchmark
+baseline. Row maps are built with a stable argsort (the kernels count and scan), combine accumulates in
+fp32 in ascending slot order like the kernels, so data movement matches bit for bit.
+
+The op-level functions (`dispatch`, `combine`, ...) return what the moetriton::* custom ops return; the
+public-API mirrors (`token_dispatch`, `token_combine`, `sort_chunks_by_index`) are what tests differentiate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_BIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _raw(x: torch.Tensor) -> torch.Tensor:
+    """Same-width integer view, for moving payloads (fp8 included) bit for bit."""
+    return x.view(_BIT_DTYPES[x.element_size()])
+
+
+def _move_rows(values: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """out[dst[i]] = values[src[i]], every other row zero; differentiable for float payloads."""
+    if values.dtype.is_floating_point and values.element_size() > 1:
+        out = values.new_zeros((num_rows, *values.shape[1:]))
+        return out.index_put((dst,), values[src])
+    out = _raw(values).new_zeros((num_rows, *values.shape[1:]))
+    return out.index_put((dst,), _raw(values)[src]).view(values.dtype)
+
+
+def row_map(
+    routing: torch.Tensor, num_experts: int, is_mask: bool, num_rows: int, align: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row map [T, S + 1], kept rows per expert [E], pad offsets [E] and pad row ranges [E, 2] (int32)."""
+    num_tokens, num_slots = routing.shape
+    device = routing.device
+    if is_mask:
+        valid = routing != 0
+        experts = torch.arange(num_slots, device=device).expand(num_tokens, num_slots)
+    else:
+        experts = routing.long()
+        valid = experts >= 0
+    flat = torch.where(valid, experts, num_experts).reshape(-1)
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    aligned = (counts + align - 1) // align * align
+    start = torch.cumsum(aligned, 0) - aligned
+    plain_start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    rank = torch.arange(flat.numel(), device=device) - torch.cat([plain_start, zero])[sorted_experts]
+    rows = torch.empty_like(flat)
+    rows[order] = torch.cat([start, zero])[sorted_experts] + rank
+    rows = torch.where(valid.reshape(-1) & (rows < num_rows), rows, -1)
+    end = aligned.sum().clamp(max=num_rows)
+    kept = (num_rows - start).clamp(min=0).minimum(aligned)
+    full_map = torch.cat([rows.view(num_tokens, num_slots), end.expand(num_tokens, 1)], dim=1).int()
+    pad_table = torch.stack([start + counts.minimum(kept), start + kept], dim=1).int()
+    return full_map, kept.int(), (start - plain_start).int(), pad_table
+
+
+def _slots(row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token, slot, row) of every slot that has a row, in (token, slot) order."""
+    rows = row_id_map[:, :-1].long()
+    tokens, slots = torch.nonzero(rows >= 0, as_tuple=True)
+    return tokens, slots, rows[tokens, slots]
+
+
+def dispatch(
+    inp: torch.Tensor,
+    routing: torch.Tensor,
+    probs: torch.Tensor | None,
+    scales: torch.Tensor | None,
+    num_experts: int,
+    is_mask: bool,
+    num_out_tokens: int,
+    align_size: int,
+) -> tuple[torch.Tensor, ...]:
+    """moetriton::dispatch: (output, permuted_probs, permuted_scales, row_id_map, pad_offsets,
+    tokens_per_expert); absent probs/scales give empty tensors. align_size 0 = no padding."""
+    align = align_size or 1
+    num_rows = num_out_tokens if align_size == 0 else (
+        (num_out_tokens + num_experts * (align - 1)) // align * align)
+    full_map, kept, pad_offsets, _ = row_map(routing, num_experts, is_mask, num_rows, align)
+    tokens, slots, rows = _slots(full_map)
+    output = _move_rows(inp, rows, tokens, num_rows)
+    permuted_probs = inp.new_empty(0, dtype=torch.float32) if probs is None else _move_rows(
+        probs[tokens, slots], rows, torch.arange(rows.numel(), device=rows.device), num_rows)
+    permuted_scales = inp.new_empty(0, dtype=torch.float32) if scales is None else _move_rows(
+        scales, rows, tokens, num_rows)
+    return output, permuted_probs, permuted_scales, full_map, pad_offsets, kept
+
+
+def combine(inp: torch.Tensor, row_id_map: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """moetriton::combine: per token, the sum over its slots in ascending order of w * inp[row], in fp32
+    (fp64 for fp64 input), cast to inp.dtype."""
+    acc_dtype = torch.float64 if inp.dtype == torch.float64 else torch.float32
+    rows = row_id_map[:, :-1].long()
+    num_tokens, num_slots = rows.shape
+    valid = rows >= 0
+    # Compact each token's slots to the front, keeping ascending slot order.
+    keys = torch.where(valid, 0, num_slots) + torch.arange(num_slots, device=rows.device)
+    order = torch.sort(keys, dim=1, stable=True).indices
+    width = int(valid.sum(1).max()) if num_tokens and num_slots else 0
+    acc = torch.zeros((num_tokens, inp.shape[1]), dtype=acc_dtype, device=inp.device)
+    for k in range(width):
+        slot = order[:, k]
+        row = rows.gather(1, slot[:, None])[:, 0]
+        has_row = row >= 0
+        term = inp[row.clamp(min=0)].to(acc_dtype)
+        if weights is not None:
+            term = term * weights.gather(1, slot[:, None]).to(acc_dtype)
+        acc = torch.where(has_row[:, None], acc + term, acc)
+    return acc.to(inp.dtype)
+
+
+def dispatch_backward(
+    grad_output: torch.Tensor, grad_permuted_probs: torch.Tensor | None, row_id_map: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """moetriton::dispatch_backward: (grad_inp [T, H], grad_probs [T, S] or empty)."""
+    grad_inp = combine(grad_output, row_id_map, None)
+    if grad_permuted_probs is None:
+        return grad_inp, grad_output.new_empty(0, dtype=torch.float32)
+    rows = row_id_map[:, :-1].long()
+    gathered = grad_permuted_probs[rows.clamp(min=0)]
+    return grad_inp, torch.where(rows >= 0, gathered, torch.zeros_like(gathered))
+
+
+def scatter_rows(grad: torch.Tensor, row_id_map: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """moetriton::scatter_rows: grad [T, H] copied to the rows of its slots; other rows zero."""
+    tokens, _, rows = _slots(row_id_map)
+    return _move_rows(grad, rows, tokens, num_rows)
+
+
+def combine_backward(
+    grad: torch.Tensor, row_id_map: torch.Tensor, inp: torch.Tensor, weights: torch.Tensor, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """moetriton::combine_backward: grad_inp[row(t, s)] = g[t] * w[t, s] (other rows zero) and
+    grad_weights[t, s] = <inp[row(t, s)], g[t]> (0 for slots without a row)."""
+    acc_dtype = torch.float64 if inp.dtype == torch.float64 else torch.float32
+    tokens, slots, rows = _slots(row_id_map)
+    scaled = (grad[tokens].to(acc_dtype) * weights[tokens, slots].to(acc_dtype)[:, None]).to(inp.dtype)
+    grad_inp = inp.new_zeros((num_rows, inp.shape[1])).index_put((rows,), scaled)
+    dots = (inp[rows].to(acc_dtype) * grad[tokens].to(acc_dtype)).sum(1)
+    grad_weights = torch.zeros(weights.shape, dtype=acc_dtype, device=weights.device)
+    grad_weights[tokens, slots] = dots
+    return grad_inp, grad_weights.to(weights.dtype)
+
+
+def chunk_sort_map(split_sizes: torch.Tensor, sorted_indices: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Destination row [N] (int32) of every input row for chunk sort; rows past the chunks stay put."""
+    device = split_sizes.device
+    sizes = split_sizes.long()
+    order = sorted_indices.long()
+    total = int(sizes.sum())
+    src_start = torch.cumsum(sizes, 0) - sizes
+    sorted_sizes = sizes[order]
+    dst_start = torch.empty_like(sizes)
+    dst_start[order] = torch.cumsum(sorted_sizes, 0) - sorted_sizes
+    chunk = torch.repeat_interleave(torch.arange(sizes.numel(), device=device), sizes)
+    rows = torch.arange(num_rows, device=device)
+    dst = rows.clone()
+    dst[:total] = dst_start[chunk] + rows[:total] - src_start[chunk]
+    return dst.int()
+
+
+def sort_chunks(
+    inp: torch.Tensor,
+    split_sizes: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    probs: torch.Tensor | None,
+    backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moetriton::sort_chunks: forward scatters row i to map[i]; backward gathers row i from map[i]."""
+    num_rows = inp.shape[0]
+    dst = chunk_sort_map(split_sizes.to(inp.device), sorted_indices.to(inp.device), num_rows).long()
+    rows = torch.arange(num_rows, device=inp.device)
+    dst_rows, src_rows = (rows, dst) if backward else (dst, rows)
+    output = _move_rows(inp, dst_rows, src_rows, num_rows)
+    permuted = inp.new_empty(0, dtype=torch.float32) if probs is None else _move_rows(
+        probs, dst_rows, src_rows, num_rows)
+    return output, (inp.new_empty(0, dtype=torch.int32) if backward else dst.int()), permuted
+
+
+# Public-API mirrors -------------------------------------------------------------------------------------
+
+
+def token_dispatch(
+    inp: torch.Tensor,
+    routing_map: torch.Tensor | None = None,
+    num_out_tokens: int | None = None,
+    probs: torch.Tensor | None = None,
+    align_size: int | None = None,
+    *,
+    indices: torch.Tensor | None = None,
+    num_experts: int | None = None,
+    scales: torch.Tensor | None = None,
+) -> tuple:
+    """Reference of moetriton.torch.token_dispatch (same arguments and results)."""
+    is_mask = routing_map is not None
+    routing = routing_map if is_mask else indices
+    if is_mask:
+        num_experts = routing.shape[1]
+    if num_out_tokens is None:
+        num_out_tokens = routing.numel()
+    output, permuted_probs, permuted_scales, full_map, pad_offsets, kept = dispatch(
+        inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size or 0)
+    result = (output, permuted_probs if probs is not None else None, full_map,
+              pad_offsets if align_size is not None else None, kept)
+    return result + (permuted_scales,) if scales is not None else result
+
+
+def token_combine(
+    inp: torch.Tensor,
+    row_id_map: torch.Tensor,
+    merging_probs: torch.Tensor | None = None,
+    pad_offsets: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference of moetriton.torch.token_combine."""
+    return combine(inp, row_id_map, merging_probs)
+
+
+def sort_chunks_by_index(
+    inp: torch.Tensor, split_sizes: torch.Tensor, sorted_indices: torch.Tensor, probs: torch.Tensor | None = None
+) -> tuple:
+    """Reference of moetriton.torch.sort_chunks_by_index."""
+    output, dst, permuted = sort_chunks(inp, split_sizes, sorted_indices, probs, backward=False)
+    return (output, dst) if probs is None else (output, dst, permuted)
