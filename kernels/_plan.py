@@ -40,7 +40,7 @@ class Launch:
     constexprs: dict[str, Any] = field(default_factory=dict)
     num_warps: int = 4
     num_stages: int = 1
-    # Combine-style kernels turn fused multiply-add off so that results equal a plain fp32 reference bit for bit.
+    # Combine-style kernels turn fused multiply-add off so results equal a plain fp32 reference bit for bit.
     fp_fusion: bool = True
     # True when the kernel holds device-side checks of data-dependent input rules (index ranges);
     # the PyTorch binding compiles such launches with Triton's debug mode on CUDA.
@@ -75,3 +75,7 @@ class DeviceInfo:
 
     name: str = "cpu"
     num_sms: int = 4
+
+
+#: Plans made without device information (CPU, the interpreter, tests) use this.
+DEFAULT_DEVICE = DeviceInfo()

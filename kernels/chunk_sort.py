@@ -58,7 +58,9 @@ def _sort_chunks_kernel(
     chunk_of_row = tl.sum(((src_end[None, :] <= rows[:, None]) & smask[None, :]).to(tl.int32), axis=1)
     src_first = tl.sum(tl.where(splits[None, :] == chunk_of_row[:, None], src_start[None, :], 0), axis=1)
     dst_first = tl.sum(
-        tl.where((order[None, :] == chunk_of_row[:, None]) & smask[None, :], dst_start_by_position[None, :], 0),
+        tl.where(
+            (order[None, :] == chunk_of_row[:, None]) & smask[None, :], dst_start_by_position[None, :], 0
+        ),
         axis=1,
     )
     dst = tl.where(rows < total, dst_first + rows - src_first, rows)
@@ -95,7 +97,9 @@ def sort_chunks_plan(
     buffers = {
         "output": Buffer((num_rows, hidden), "like:inp"),
         "row_id_map": Buffer((0,) if backward else (num_rows,), "int32"),
-        "permuted_probs": Buffer((num_rows,) if has_probs else (0,), "like:probs" if has_probs else "float32"),
+        "permuted_probs": Buffer(
+            (num_rows,) if has_probs else (0,), "like:probs" if has_probs else "float32"
+        ),
     }
     results = ("output", "row_id_map", "permuted_probs")
     if num_rows == 0:
@@ -109,8 +113,14 @@ def sort_chunks_plan(
         grid=(cdiv(num_rows, rows), cdiv(hidden, block_h)),
         args=("inp", "split_sizes", "sorted_indices", "probs", num_rows, hidden, num_splits),
         outputs=("output", "row_id_map", "permuted_probs"),
-        constexprs=dict(ROWS=rows, BLOCK_H=block_h, SPLITS_POW2=splits_pow2, HAS_PROBS=has_probs,
-                        GATHER=backward, WRITE_MAP=not backward),
+        constexprs=dict(
+            ROWS=rows,
+            BLOCK_H=block_h,
+            SPLITS_POW2=splits_pow2,
+            HAS_PROBS=has_probs,
+            GATHER=backward,
+            WRITE_MAP=not backward,
+        ),
         num_warps=4,
     )
     return Plan(buffers, (launch,), results)

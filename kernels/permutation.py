@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._plan import Buffer, DeviceInfo, Launch, Plan, cdiv, next_pow2
+from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, cdiv, next_pow2
 
 # Largest number of elements one program holds in a tile; keeps register use bounded for any E, K and H.
 _TILE_ELEMENTS = 4096
@@ -82,7 +82,9 @@ def _count_experts_kernel(
             for t0 in range(first, last, TILE_T):
                 tokens = t0 + tl.arange(0, TILE_T)
                 ok = (tokens[:, None] < last) & (slots[None, :] < num_slots)
-                routed = tl.load(routing_ptr + tokens[:, None] * row_stride + slots[None, :], mask=ok, other=0)
+                routed = tl.load(
+                    routing_ptr + tokens[:, None] * row_stride + slots[None, :], mask=ok, other=0
+                )
                 acc += tl.sum((routed != 0).to(tl.int32), axis=0)
             tl.store(counts_ptr + block * num_experts + slots, acc, mask=slots < num_slots)
     else:
@@ -103,7 +105,16 @@ def _count_experts_kernel(
 
 @triton.jit
 def _expert_layout(
-    counts_ptr, block, num_blocks, num_experts, experts, emask, carry_padded, carry_plain, align, num_rows,
+    counts_ptr,
+    block,
+    num_blocks,
+    num_experts,
+    experts,
+    emask,
+    carry_padded,
+    carry_plain,
+    align,
+    num_rows,
     TILE_B: tl.constexpr,
 ):
     """For a vector of experts: their token counts, this block's offset inside each expert, and where each
@@ -127,7 +138,15 @@ def _expert_layout(
 
 @triton.jit
 def _store_expert_outputs(
-    tokens_per_expert_ptr, pad_offsets_ptr, pad_table_ptr, experts, emask, total, aligned, start, plain_start,
+    tokens_per_expert_ptr,
+    pad_offsets_ptr,
+    pad_table_ptr,
+    experts,
+    emask,
+    total,
+    aligned,
+    start,
+    plain_start,
     num_rows,
 ):
     """Per-expert results, clamped to the buffer: rows kept, TE-style pad offsets, and the pad row ranges."""
@@ -178,13 +197,30 @@ def _assign_rows_kernel(
             experts = s0 + tl.arange(0, TILE_S)
             emask = experts < num_slots
             total, before, aligned, start, plain_start = _expert_layout(
-                counts_ptr, block, num_blocks, num_experts, experts, emask, carry_padded, carry_plain, align,
-                num_rows, TILE_B,
+                counts_ptr,
+                block,
+                num_blocks,
+                num_experts,
+                experts,
+                emask,
+                carry_padded,
+                carry_plain,
+                align,
+                num_rows,
+                TILE_B,
             )
             if block == 0:
                 _store_expert_outputs(
-                    tokens_per_expert_ptr, pad_offsets_ptr, pad_table_ptr, experts, emask, total, aligned, start,
-                    plain_start, num_rows,
+                    tokens_per_expert_ptr,
+                    pad_offsets_ptr,
+                    pad_table_ptr,
+                    experts,
+                    emask,
+                    total,
+                    aligned,
+                    start,
+                    plain_start,
+                    num_rows,
                 )
             carry_padded += tl.sum(aligned, axis=0)
             carry_plain += tl.sum(total, axis=0)
@@ -192,7 +228,9 @@ def _assign_rows_kernel(
             for t0 in range(first, last, TILE_T):
                 tokens = t0 + tl.arange(0, TILE_T)
                 ok = (tokens[:, None] < last) & emask[None, :]
-                routed = tl.load(routing_ptr + tokens[:, None] * in_stride + experts[None, :], mask=ok, other=0)
+                routed = tl.load(
+                    routing_ptr + tokens[:, None] * in_stride + experts[None, :], mask=ok, other=0
+                )
                 routed = (routed != 0).to(tl.int32)
                 rows = base[None, :] + tl.cumsum(routed, axis=0) - routed
                 rows = tl.where((routed != 0) & (rows < num_rows), rows, -1)
@@ -208,8 +246,16 @@ def _assign_rows_kernel(
         )
         if block == 0:
             _store_expert_outputs(
-                tokens_per_expert_ptr, pad_offsets_ptr, pad_table_ptr, experts, emask, total, aligned, start,
-                plain_start, num_rows,
+                tokens_per_expert_ptr,
+                pad_offsets_ptr,
+                pad_table_ptr,
+                experts,
+                emask,
+                total,
+                aligned,
+                start,
+                plain_start,
+                num_rows,
             )
         end = tl.minimum(tl.sum(aligned, axis=0), num_rows)
         # base[e]: first row of this block's slots of expert e; bin num_experts collects "no expert".
@@ -236,14 +282,29 @@ def _assign_rows_kernel(
             )
             base += tl.histogram(ids, BINS)
     tokens = first + tl.arange(0, BLOCK_T)
-    tl.store(row_map_ptr + tokens * map_stride + num_slots, tl.full([BLOCK_T], 0, tl.int32) + end,
-             mask=tokens < last)
+    tl.store(
+        row_map_ptr + tokens * map_stride + num_slots,
+        tl.full([BLOCK_T], 0, tl.int32) + end,
+        mask=tokens < last,
+    )
 
 
 @triton.jit
-def _zero_rows(out_ptr, out_probs_ptr, out_scales_ptr, first, last, step, hidden, scale_cols,
-               HAS_PROBS: tl.constexpr, HAS_SCALES: tl.constexpr, FILL_ROWS: tl.constexpr,
-               BLOCK_H: tl.constexpr, SCALES_POW2: tl.constexpr):
+def _zero_rows(
+    out_ptr,
+    out_probs_ptr,
+    out_scales_ptr,
+    first,
+    last,
+    step,
+    hidden,
+    scale_cols,
+    HAS_PROBS: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    FILL_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SCALES_POW2: tl.constexpr,
+):
     """Zeroes rows first + i*step + [0, FILL_ROWS) (i = 0, 1, ...) below `last` of every permuted output."""
     for r0 in range(first, last, step):
         rows = r0 + tl.arange(0, FILL_ROWS)
@@ -251,35 +312,80 @@ def _zero_rows(out_ptr, out_probs_ptr, out_scales_ptr, first, last, step, hidden
         offsets = rows.to(tl.int64)[:, None] * hidden
         for h0 in range(0, hidden, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
-            tl.store(out_ptr + offsets + cols[None, :],
-                     tl.zeros([FILL_ROWS, BLOCK_H], out_ptr.dtype.element_ty),
-                     mask=rmask[:, None] & (cols[None, :] < hidden))
+            tl.store(
+                out_ptr + offsets + cols[None, :],
+                tl.zeros([FILL_ROWS, BLOCK_H], out_ptr.dtype.element_ty),
+                mask=rmask[:, None] & (cols[None, :] < hidden),
+            )
         if HAS_PROBS:
             tl.store(out_probs_ptr + rows, tl.zeros([FILL_ROWS], out_probs_ptr.dtype.element_ty), mask=rmask)
         if HAS_SCALES:
             cols = tl.arange(0, SCALES_POW2)
-            tl.store(out_scales_ptr + rows.to(tl.int64)[:, None] * scale_cols + cols[None, :],
-                     tl.zeros([FILL_ROWS, SCALES_POW2], out_scales_ptr.dtype.element_ty),
-                     mask=rmask[:, None] & (cols[None, :] < scale_cols))
+            tl.store(
+                out_scales_ptr + rows.to(tl.int64)[:, None] * scale_cols + cols[None, :],
+                tl.zeros([FILL_ROWS, SCALES_POW2], out_scales_ptr.dtype.element_ty),
+                mask=rmask[:, None] & (cols[None, :] < scale_cols),
+            )
 
 
 @triton.jit
-def _fill_unused_rows(fill, row_map_ptr, pad_table_ptr, num_slots, num_rows, num_experts, hidden, scale_cols,
-                      out_ptr, out_probs_ptr, out_scales_ptr,
-                      HAS_PROBS: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_PAD_TABLE: tl.constexpr,
-                      NUM_FILL: tl.constexpr, FILL_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                      SCALES_POW2: tl.constexpr):
+def _fill_unused_rows(
+    fill,
+    row_map_ptr,
+    pad_table_ptr,
+    num_slots,
+    num_rows,
+    num_experts,
+    hidden,
+    scale_cols,
+    out_ptr,
+    out_probs_ptr,
+    out_scales_ptr,
+    HAS_PROBS: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_PAD_TABLE: tl.constexpr,
+    NUM_FILL: tl.constexpr,
+    FILL_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SCALES_POW2: tl.constexpr,
+):
     """Fill program `fill` of NUM_FILL: zeroes its share of the pad rows of every expert and of the tail
     rows [end, N). `end` is read from the row map's last column (token 0)."""
     if HAS_PAD_TABLE:
         for expert in range(fill, num_experts, NUM_FILL):
             pad_first = tl.load(pad_table_ptr + 2 * expert)
             pad_last = tl.load(pad_table_ptr + 2 * expert + 1)
-            _zero_rows(out_ptr, out_probs_ptr, out_scales_ptr, pad_first, pad_last, FILL_ROWS, hidden, scale_cols,
-                       HAS_PROBS, HAS_SCALES, FILL_ROWS, BLOCK_H, SCALES_POW2)
+            _zero_rows(
+                out_ptr,
+                out_probs_ptr,
+                out_scales_ptr,
+                pad_first,
+                pad_last,
+                FILL_ROWS,
+                hidden,
+                scale_cols,
+                HAS_PROBS,
+                HAS_SCALES,
+                FILL_ROWS,
+                BLOCK_H,
+                SCALES_POW2,
+            )
     end = tl.load(row_map_ptr + num_slots)
-    _zero_rows(out_ptr, out_probs_ptr, out_scales_ptr, end + fill * FILL_ROWS, num_rows, NUM_FILL * FILL_ROWS,
-               hidden, scale_cols, HAS_PROBS, HAS_SCALES, FILL_ROWS, BLOCK_H, SCALES_POW2)
+    _zero_rows(
+        out_ptr,
+        out_probs_ptr,
+        out_scales_ptr,
+        end + fill * FILL_ROWS,
+        num_rows,
+        NUM_FILL * FILL_ROWS,
+        hidden,
+        scale_cols,
+        HAS_PROBS,
+        HAS_SCALES,
+        FILL_ROWS,
+        BLOCK_H,
+        SCALES_POW2,
+    )
 
 
 @triton.jit
@@ -328,10 +434,9 @@ def _dispatch_kernel(
         slots = tl.arange(0, SLOTS_POW2)
         rows = tl.load(map_row + slots, mask=slots < num_slots, other=-1)
         valid = rows >= 0
-        if HAS_PROBS:
-            if chunk == 0:
-                probs = tl.load(_as_bits(probs_ptr) + token.to(tl.int64) * num_slots + slots, mask=valid)
-                tl.store(_as_bits(out_probs_ptr) + rows, probs, mask=valid)
+        if HAS_PROBS and chunk == 0:
+            probs = tl.load(_as_bits(probs_ptr) + token.to(tl.int64) * num_slots + slots, mask=valid)
+            tl.store(_as_bits(out_probs_ptr) + rows, probs, mask=valid)
         if HAS_SCALES:
             scale_idx = tl.arange(0, SCALES_POW2)
             smask = scale_idx < scale_cols
@@ -341,14 +446,30 @@ def _dispatch_kernel(
             slot = tl.min(tl.where(valid & (slots > previous), slots, SLOTS_POW2), axis=0)
             row = tl.load(map_row + slot).to(tl.int64)
             tl.store(out + row * hidden + cols, values, mask=cmask)
-            if HAS_SCALES:
-                if chunk == 0:
-                    tl.store(_as_bits(out_scales_ptr) + row * scale_cols + scale_idx, scales, mask=smask)
+            if HAS_SCALES and chunk == 0:
+                tl.store(_as_bits(out_scales_ptr) + row * scale_cols + scale_idx, scales, mask=smask)
             previous = slot
     else:
-        _fill_unused_rows(pid - token_programs, row_map_ptr, pad_table_ptr, num_slots, num_rows, num_experts,
-                          hidden, scale_cols, _as_bits(out_ptr), _as_bits(out_probs_ptr), _as_bits(out_scales_ptr),
-                          HAS_PROBS, HAS_SCALES, HAS_PAD_TABLE, NUM_FILL, FILL_ROWS, BLOCK_H, SCALES_POW2)
+        _fill_unused_rows(
+            pid - token_programs,
+            row_map_ptr,
+            pad_table_ptr,
+            num_slots,
+            num_rows,
+            num_experts,
+            hidden,
+            scale_cols,
+            _as_bits(out_ptr),
+            _as_bits(out_probs_ptr),
+            _as_bits(out_scales_ptr),
+            HAS_PROBS,
+            HAS_SCALES,
+            HAS_PAD_TABLE,
+            NUM_FILL,
+            FILL_ROWS,
+            BLOCK_H,
+            SCALES_POW2,
+        )
 
 
 @triton.jit
@@ -387,10 +508,9 @@ def _combine_kernel(
     smask = slots < num_slots
     rows = tl.load(map_row + slots, mask=smask, other=-1)
     valid = rows >= 0
-    if GATHER_PROBS:
-        if chunk == 0:
-            gathered = tl.load(_as_bits(permuted_probs_ptr) + rows, mask=valid, other=0)
-            tl.store(_as_bits(out_probs_ptr) + token.to(tl.int64) * num_slots + slots, gathered, mask=smask)
+    if GATHER_PROBS and chunk == 0:
+        gathered = tl.load(_as_bits(permuted_probs_ptr) + rows, mask=valid, other=0)
+        tl.store(_as_bits(out_probs_ptr) + token.to(tl.int64) * num_slots + slots, gathered, mask=smask)
     acc = tl.zeros([BLOCK_H], dtype=acc_dtype)
     previous = tl.full([], -1, tl.int32)
     for _ in range(tl.sum(valid.to(tl.int32), axis=0)):
@@ -452,17 +572,40 @@ def _combine_backward_kernel(
                 cmask = cols < hidden
                 grad = tl.load(grad_row + cols, mask=cmask, other=0).to(acc_dtype)
                 values = tl.load(inp_ptr + row * hidden + cols, mask=cmask, other=0).to(acc_dtype)
-                tl.store(grad_inp_ptr + row * hidden + cols, (grad * weight).to(grad_inp_ptr.dtype.element_ty),
-                         mask=cmask)
+                tl.store(
+                    grad_inp_ptr + row * hidden + cols,
+                    (grad * weight).to(grad_inp_ptr.dtype.element_ty),
+                    mask=cmask,
+                )
                 dot += values * grad
             weight_grads = tl.where(slots == slot, tl.sum(dot, axis=0), weight_grads)
             previous = slot
-        tl.store(grad_weights_ptr + token.to(tl.int64) * num_slots + slots,
-                 weight_grads.to(grad_weights_ptr.dtype.element_ty), mask=smask)
+        tl.store(
+            grad_weights_ptr + token.to(tl.int64) * num_slots + slots,
+            weight_grads.to(grad_weights_ptr.dtype.element_ty),
+            mask=smask,
+        )
     else:
-        _fill_unused_rows(pid - num_tokens, row_map_ptr, row_map_ptr, num_slots, num_rows, 0, hidden, 0,
-                          _as_bits(grad_inp_ptr), grad_inp_ptr, grad_inp_ptr,
-                          False, False, False, NUM_FILL, FILL_ROWS, BLOCK_H, 1)
+        _fill_unused_rows(
+            pid - num_tokens,
+            row_map_ptr,
+            row_map_ptr,
+            num_slots,
+            num_rows,
+            0,
+            hidden,
+            0,
+            _as_bits(grad_inp_ptr),
+            grad_inp_ptr,
+            grad_inp_ptr,
+            False,
+            False,
+            False,
+            NUM_FILL,
+            FILL_ROWS,
+            BLOCK_H,
+            1,
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -531,7 +674,16 @@ def row_map_plan(
     assign = Launch(
         kernel=_assign_rows_kernel,
         grid=(num_blocks,),
-        args=("routing", "block_counts", num_tokens, num_slots, num_experts, num_blocks, num_rows, align_size),
+        args=(
+            "routing",
+            "block_counts",
+            num_tokens,
+            num_slots,
+            num_experts,
+            num_blocks,
+            num_rows,
+            align_size,
+        ),
         outputs=("row_id_map", "tokens_per_expert", "pad_offsets", "pad_table"),
         constexprs=dict(common, TILE_B=tile_b),
     )
@@ -550,7 +702,7 @@ def dispatch_plan(
     element_bytes: int,
     has_probs: bool,
     scale_cols: int | None,
-    device: DeviceInfo = DeviceInfo(),
+    device: DeviceInfo = DEFAULT_DEVICE,
 ) -> Plan:
     """token_dispatch: row map + scatter of tokens, probs and scales.
 
@@ -560,17 +712,25 @@ def dispatch_plan(
     """
     num_rows = buffer_rows(num_out_tokens, num_experts, align_size)
     buffers, map_launches = row_map_plan(
-        num_tokens=num_tokens, num_slots=num_slots, num_experts=num_experts, is_mask=is_mask,
-        num_rows=num_rows, align_size=align_size or 1,
+        num_tokens=num_tokens,
+        num_slots=num_slots,
+        num_experts=num_experts,
+        is_mask=is_mask,
+        num_rows=num_rows,
+        align_size=align_size or 1,
     )
     has_scales = scale_cols is not None
     empty = num_tokens == 0
     buffers.update(
         output=Buffer((num_rows, hidden), "like:inp", zero=empty),
-        permuted_probs=Buffer((num_rows,) if has_probs else (0,), "like:probs" if has_probs else "float32",
-                              zero=empty),
-        permuted_scales=Buffer((num_rows, scale_cols) if has_scales else (0,),
-                               "like:scales" if has_scales else "float32", zero=empty),
+        permuted_probs=Buffer(
+            (num_rows,) if has_probs else (0,), "like:probs" if has_probs else "float32", zero=empty
+        ),
+        permuted_scales=Buffer(
+            (num_rows, scale_cols) if has_scales else (0,),
+            "like:scales" if has_scales else "float32",
+            zero=empty,
+        ),
     )
     launches = map_launches
     if not empty:
@@ -580,19 +740,38 @@ def dispatch_plan(
             Launch(
                 kernel=_dispatch_kernel,
                 grid=(num_tokens * cdiv(hidden, block_h) + num_fill,),
-                args=("inp", "row_id_map", "probs", "scales", "pad_table", num_tokens, hidden, num_slots,
-                      num_rows, num_experts, scale_cols or 0),
+                args=(
+                    "inp",
+                    "row_id_map",
+                    "probs",
+                    "scales",
+                    "pad_table",
+                    num_tokens,
+                    hidden,
+                    num_slots,
+                    num_rows,
+                    num_experts,
+                    scale_cols or 0,
+                ),
                 outputs=("output", "permuted_probs", "permuted_scales"),
                 constexprs=dict(
-                    BLOCK_H=block_h, SLOTS_POW2=next_pow2(num_slots), SCALES_POW2=next_pow2(scale_cols or 1),
-                    HAS_PROBS=has_probs, HAS_SCALES=has_scales, HAS_PAD_TABLE=align_size is not None,
-                    NUM_FILL=num_fill, FILL_ROWS=4,
+                    BLOCK_H=block_h,
+                    SLOTS_POW2=next_pow2(num_slots),
+                    SCALES_POW2=next_pow2(scale_cols or 1),
+                    HAS_PROBS=has_probs,
+                    HAS_SCALES=has_scales,
+                    HAS_PAD_TABLE=align_size is not None,
+                    NUM_FILL=num_fill,
+                    FILL_ROWS=4,
                 ),
                 num_warps=4 if block_h * element_bytes <= 4096 else 8,
             ),
         )
-    return Plan(buffers, launches, ("output", "permuted_probs", "permuted_scales", "row_id_map", "pad_offsets",
-                                    "tokens_per_expert"))
+    return Plan(
+        buffers,
+        launches,
+        ("output", "permuted_probs", "permuted_scales", "row_id_map", "pad_offsets", "tokens_per_expert"),
+    )
 
 
 def scatter_plan(
@@ -603,7 +782,7 @@ def scatter_plan(
     num_rows: int,
     padded: bool,
     element_bytes: int,
-    device: DeviceInfo = DeviceInfo(),
+    device: DeviceInfo = DEFAULT_DEVICE,
 ) -> Plan:
     """Backward of unweighted combine: "grad" [T, H] scattered to "grad_input" [N, H] through "row_id_map".
 
@@ -623,11 +802,29 @@ def scatter_plan(
     launch = Launch(
         kernel=_dispatch_kernel,
         grid=(num_tokens * cdiv(hidden, block_h) + num_fill,),
-        args=("grad", "row_id_map", "grad", "grad", "row_id_map", num_tokens, hidden, num_slots, num_rows, 0, 0),
+        args=(
+            "grad",
+            "row_id_map",
+            "grad",
+            "grad",
+            "row_id_map",
+            num_tokens,
+            hidden,
+            num_slots,
+            num_rows,
+            0,
+            0,
+        ),
         outputs=("grad_input", "unused_probs", "unused_scales"),
         constexprs=dict(
-            BLOCK_H=block_h, SLOTS_POW2=next_pow2(num_slots), SCALES_POW2=1, HAS_PROBS=False, HAS_SCALES=False,
-            HAS_PAD_TABLE=False, NUM_FILL=max(num_fill, 1), FILL_ROWS=4,
+            BLOCK_H=block_h,
+            SLOTS_POW2=next_pow2(num_slots),
+            SCALES_POW2=1,
+            HAS_PROBS=False,
+            HAS_SCALES=False,
+            HAS_PAD_TABLE=False,
+            NUM_FILL=max(num_fill, 1),
+            FILL_ROWS=4,
         ),
         num_warps=4 if block_h * element_bytes <= 4096 else 8,
     )
@@ -661,8 +858,12 @@ def combine_plan(
         grid=(num_tokens * cdiv(hidden, block_h),),
         args=("inp", "row_id_map", "weights", "permuted_probs", num_tokens, hidden, num_slots),
         outputs=("output", "probs"),
-        constexprs=dict(BLOCK_H=block_h, SLOTS_POW2=next_pow2(num_slots), HAS_WEIGHTS=has_weights,
-                        GATHER_PROBS=gather_probs),
+        constexprs=dict(
+            BLOCK_H=block_h,
+            SLOTS_POW2=next_pow2(num_slots),
+            HAS_WEIGHTS=has_weights,
+            GATHER_PROBS=gather_probs,
+        ),
         num_warps=4 if block_h <= 1024 else 8,
         fp_fusion=False,
     )
@@ -677,7 +878,7 @@ def combine_backward_plan(
     num_rows: int,
     padded: bool,
     element_bytes: int,
-    device: DeviceInfo = DeviceInfo(),
+    device: DeviceInfo = DEFAULT_DEVICE,
 ) -> Plan:
     """Backward of weighted combine.
 
@@ -698,8 +899,9 @@ def combine_backward_plan(
         grid=(num_tokens + num_fill,),
         args=("grad", "row_id_map", "inp", "weights", num_tokens, hidden, num_slots, num_rows),
         outputs=("grad_input", "grad_weights"),
-        constexprs=dict(BLOCK_H=block_h, SLOTS_POW2=next_pow2(num_slots), NUM_FILL=max(num_fill, 1),
-                        FILL_ROWS=4),
+        constexprs=dict(
+            BLOCK_H=block_h, SLOTS_POW2=next_pow2(num_slots), NUM_FILL=max(num_fill, 1), FILL_ROWS=4
+        ),
         num_warps=4 if block_h <= 1024 else 8,
         fp_fusion=False,
     )

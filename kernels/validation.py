@@ -75,7 +75,10 @@ def check_dispatch(
     if probs is not None:
         check_array("probs", *probs, ndim=2, dtypes=FLOAT_DTYPES)
         if tuple(probs[0]) != (num_tokens, num_slots):
-            _fail("probs", f"expected shape {(num_tokens, num_slots)} (one per routing slot), got {tuple(probs[0])}")
+            _fail(
+                "probs",
+                f"expected shape {(num_tokens, num_slots)} (one per routing slot), got {tuple(probs[0])}",
+            )
     if scales is not None:
         check_array("scales", *scales, ndim=2, dtypes=FLOAT_DTYPES + FP8_DTYPES + ("uint8", "int8", "int32"))
         check_dim("scales", scales[0][0], num_tokens, "shape[0] (tokens, as inp)")
@@ -88,7 +91,9 @@ def check_row_map(row_id_map: tuple[tuple[int, ...], str]) -> tuple[int, int]:
     """Returns (num_tokens, num_slots) of a row_id_map made by token_dispatch."""
     check_array("row_id_map", *row_id_map, ndim=2, dtypes=("int32",))
     if row_id_map[0][1] < 2:
-        _fail("row_id_map", f"expected shape [T, S + 1] with S >= 1 (from token_dispatch), got {row_id_map[0]}")
+        _fail(
+            "row_id_map", f"expected shape [T, S + 1] with S >= 1 (from token_dispatch), got {row_id_map[0]}"
+        )
     return row_id_map[0][0], row_id_map[0][1] - 1
 
 
@@ -105,9 +110,11 @@ def check_combine(
     if merging_probs is not None:
         check_array("merging_probs", *merging_probs, ndim=2, dtypes=FLOAT_DTYPES)
         if tuple(merging_probs[0]) != (num_tokens, num_slots):
-            _fail("merging_probs",
-                  f"expected shape {(num_tokens, num_slots)} (the routing layout of row_id_map), "
-                  f"got {tuple(merging_probs[0])}")
+            _fail(
+                "merging_probs",
+                f"expected shape {(num_tokens, num_slots)} (the routing layout of row_id_map), "
+                f"got {tuple(merging_probs[0])}",
+            )
     if pad_offsets is not None:
         check_array("pad_offsets", *pad_offsets, ndim=1, dtypes=INDEX_DTYPES)
     return num_tokens, num_slots

@@ -6,7 +6,6 @@ import contextlib
 import functools
 
 import torch
-
 from moetriton.kernels import INTERPRETER, DeviceInfo, Plan
 
 _DTYPES = {
@@ -55,8 +54,9 @@ def _buffer_dtype(spec_dtype: str, inputs: dict[str, torch.Tensor | None]) -> to
     return _DTYPES[spec_dtype]
 
 
-def allocate(plan: Plan, inputs: dict[str, torch.Tensor | None], device: torch.device,
-             *, fake: bool = False) -> dict[str, torch.Tensor]:
+def allocate(
+    plan: Plan, inputs: dict[str, torch.Tensor | None], device: torch.device, *, fake: bool = False
+) -> dict[str, torch.Tensor]:
     """Buffers of a plan; `fake` allocates without zeroing (for torch.library fake implementations)."""
     buffers = {}
     for name, spec in plan.buffers.items():
@@ -65,7 +65,9 @@ def allocate(plan: Plan, inputs: dict[str, torch.Tensor | None], device: torch.d
     return buffers
 
 
-def run_plan(plan: Plan, inputs: dict[str, torch.Tensor | None], device: torch.device) -> tuple[torch.Tensor, ...]:
+def run_plan(
+    plan: Plan, inputs: dict[str, torch.Tensor | None], device: torch.device
+) -> tuple[torch.Tensor, ...]:
     """Allocates the plan's buffers, runs its launches in order and returns its results."""
     buffers = allocate(plan, inputs, device)
     if plan.launches:
@@ -75,11 +77,15 @@ def run_plan(plan: Plan, inputs: dict[str, torch.Tensor | None], device: torch.d
         with context:
             for launch in plan.launches:
                 args = [
-                    (dummy if env[arg] is None else env[arg]) if isinstance(arg, str) else arg for arg in launch.args
+                    (dummy if env[arg] is None else env[arg]) if isinstance(arg, str) else arg
+                    for arg in launch.args
                 ]
                 outputs = [buffers[name] for name in launch.outputs]
-                options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages,
-                               enable_fp_fusion=launch.fp_fusion)
+                options = dict(
+                    num_warps=launch.num_warps,
+                    num_stages=launch.num_stages,
+                    enable_fp_fusion=launch.fp_fusion,
+                )
                 if launch.checks and device.type == "cuda":
                     options["debug"] = True
                 launch.kernel[launch.grid](*args, *outputs, **launch.constexprs, **options)

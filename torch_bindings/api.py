@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from moetriton.kernels import validation
 
 from . import ops
@@ -69,18 +68,30 @@ def token_dispatch(
     if num_out_tokens is None and indices is not None:
         num_out_tokens = indices.numel()
     is_mask, _, num_experts = validation.check_dispatch(
-        inp=describe(inp), routing_map=describe(routing_map), indices=describe(indices), num_experts=num_experts,
-        num_out_tokens=num_out_tokens, probs=describe(probs), scales=describe(scales), align_size=align_size,
+        inp=describe(inp),
+        routing_map=describe(routing_map),
+        indices=describe(indices),
+        num_experts=num_experts,
+        num_out_tokens=num_out_tokens,
+        probs=describe(probs),
+        scales=describe(scales),
+        align_size=align_size,
     )
     routing = routing_map if is_mask else indices
     _same_device(inp=inp, routing_map=routing_map, indices=indices, probs=probs, scales=scales)
     if not is_mask:
         _check_index_values(indices, num_experts)
     output, permuted_probs, permuted_scales, row_id_map, pad_offsets, tokens_per_expert = ops.dispatch(
-        inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size or 0)
-    result = (output, permuted_probs if probs is not None else None, row_id_map,
-              pad_offsets if align_size is not None else None, tokens_per_expert)
-    return result + (permuted_scales,) if scales is not None else result
+        inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size or 0
+    )
+    result = (
+        output,
+        permuted_probs if probs is not None else None,
+        row_id_map,
+        pad_offsets if align_size is not None else None,
+        tokens_per_expert,
+    )
+    return (*result, permuted_scales) if scales is not None else result
 
 
 def token_combine(
@@ -99,8 +110,9 @@ def token_combine(
             padding; this tells the backward that pad rows exist).
 
     Returns:
-        [T, H] in inp.dtype: out[t] = sum over t's slots, in ascending slot order, of w[t, s] * inp[row(t, s)],
-        accumulated in fp32 without atomics (bitwise reproducible). Tokens with no row get zeros.
+        [T, H] in inp.dtype: out[t] = sum over t's slots, in ascending slot order, of
+        w[t, s] * inp[row(t, s)], accumulated in fp32 without atomics (bitwise reproducible).
+        Tokens with no row get zeros.
 
     Example:
         >>> x = torch.randn(4, 8)
@@ -109,8 +121,12 @@ def token_combine(
         >>> torch.equal(token_combine(out, row_id_map)[0], 2 * x[0])
         True
     """
-    validation.check_combine(inp=describe(inp), row_id_map=describe(row_id_map),
-                             merging_probs=describe(merging_probs), pad_offsets=describe(pad_offsets))
+    validation.check_combine(
+        inp=describe(inp),
+        row_id_map=describe(row_id_map),
+        merging_probs=describe(merging_probs),
+        pad_offsets=describe(pad_offsets),
+    )
     _same_device(inp=inp, row_id_map=row_id_map, merging_probs=merging_probs, pad_offsets=pad_offsets)
     return ops.combine(inp, row_id_map, merging_probs, pad_offsets is not None)
 
@@ -139,8 +155,12 @@ def sort_chunks_by_index(
         >>> out[:, 0].tolist()
         [5.0, 0.0, 1.0, 2.0, 3.0, 4.0]
     """
-    validation.check_sort_chunks(inp=describe(inp), split_sizes=describe(split_sizes),
-                                 sorted_indices=describe(sorted_indices), probs=describe(probs))
+    validation.check_sort_chunks(
+        inp=describe(inp),
+        split_sizes=describe(split_sizes),
+        sorted_indices=describe(sorted_indices),
+        probs=describe(probs),
+    )
     _same_device(inp=inp, probs=probs)
     split_sizes = split_sizes.to(inp.device, non_blocking=True)
     sorted_indices = sorted_indices.to(inp.device, non_blocking=True)

@@ -80,15 +80,22 @@ def dispatch(
     """moetriton::dispatch: (output, permuted_probs, permuted_scales, row_id_map, pad_offsets,
     tokens_per_expert); absent probs/scales give empty tensors. align_size 0 = no padding."""
     align = align_size or 1
-    num_rows = num_out_tokens if align_size == 0 else (
-        (num_out_tokens + num_experts * (align - 1)) // align * align)
+    num_rows = (
+        num_out_tokens if align_size == 0 else ((num_out_tokens + num_experts * (align - 1)) // align * align)
+    )
     full_map, kept, pad_offsets, _ = row_map(routing, num_experts, is_mask, num_rows, align)
     tokens, slots, rows = _slots(full_map)
     output = _move_rows(inp, rows, tokens, num_rows)
-    permuted_probs = inp.new_empty(0, dtype=torch.float32) if probs is None else _move_rows(
-        probs[tokens, slots], rows, torch.arange(rows.numel(), device=rows.device), num_rows)
-    permuted_scales = inp.new_empty(0, dtype=torch.float32) if scales is None else _move_rows(
-        scales, rows, tokens, num_rows)
+    permuted_probs = (
+        inp.new_empty(0, dtype=torch.float32)
+        if probs is None
+        else _move_rows(probs[tokens, slots], rows, torch.arange(rows.numel(), device=rows.device), num_rows)
+    )
+    permuted_scales = (
+        inp.new_empty(0, dtype=torch.float32)
+        if scales is None
+        else _move_rows(scales, rows, tokens, num_rows)
+    )
     return output, permuted_probs, permuted_scales, full_map, pad_offsets, kept
 
 
@@ -178,8 +185,11 @@ def sort_chunks(
     rows = torch.arange(num_rows, device=inp.device)
     dst_rows, src_rows = (rows, dst) if backward else (dst, rows)
     output = _move_rows(inp, dst_rows, src_rows, num_rows)
-    permuted = inp.new_empty(0, dtype=torch.float32) if probs is None else _move_rows(
-        probs, dst_rows, src_rows, num_rows)
+    permuted = (
+        inp.new_empty(0, dtype=torch.float32)
+        if probs is None
+        else _move_rows(probs, dst_rows, src_rows, num_rows)
+    )
     return output, (inp.new_empty(0, dtype=torch.int32) if backward else dst.int()), permuted
 
 
@@ -205,10 +215,16 @@ def token_dispatch(
     if num_out_tokens is None:
         num_out_tokens = routing.numel()
     output, permuted_probs, permuted_scales, full_map, pad_offsets, kept = dispatch(
-        inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size or 0)
-    result = (output, permuted_probs if probs is not None else None, full_map,
-              pad_offsets if align_size is not None else None, kept)
-    return result + (permuted_scales,) if scales is not None else result
+        inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size or 0
+    )
+    result = (
+        output,
+        permuted_probs if probs is not None else None,
+        full_map,
+        pad_offsets if align_size is not None else None,
+        kept,
+    )
+    return (*result, permuted_scales) if scales is not None else result
 
 
 def token_combine(
@@ -222,7 +238,10 @@ def token_combine(
 
 
 def sort_chunks_by_index(
-    inp: torch.Tensor, split_sizes: torch.Tensor, sorted_indices: torch.Tensor, probs: torch.Tensor | None = None
+    inp: torch.Tensor,
+    split_sizes: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    probs: torch.Tensor | None = None,
 ) -> tuple:
     """Reference of moetriton.torch.sort_chunks_by_index."""
     output, dst, permuted = sort_chunks(inp, split_sizes, sorted_indices, probs, backward=False)

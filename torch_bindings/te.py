@@ -18,7 +18,6 @@ Differences from TE (all deliberate, see docs/te_migration.md):
 from __future__ import annotations
 
 import torch
-
 from moetriton.kernels import validation
 
 from .api import sort_chunks_by_index, token_combine, token_dispatch
@@ -57,7 +56,8 @@ def moe_permute(
         num_experts = int(routing_map.max()) + 1 if routing_map.numel() else 1
     num_rows = num_out_tokens if num_out_tokens > 0 else routing_map.numel()
     output, _, row_id_map, _, _ = token_dispatch(
-        inp, None, num_rows, indices=routing_map.to(torch.int32), num_experts=num_experts)
+        inp, None, num_rows, indices=routing_map.to(torch.int32), num_experts=num_experts
+    )
     return output, row_id_map
 
 
@@ -104,14 +104,14 @@ def moe_permute_and_pad_with_probs(
     mismatch = (counts != tokens_per_expert.to(counts.device)).any()
     routed, padded_total, bad = torch.stack([counts.sum(), target.sum(), mismatch.long()]).tolist()
     if bad:
-        raise ValueError("tokens_per_expert: expected the per-expert counts of routing_map "
-                         f"{counts.tolist()}, got {tokens_per_expert.tolist()}")
+        raise ValueError(
+            "tokens_per_expert: expected the per-expert counts of routing_map "
+            f"{counts.tolist()}, got {tokens_per_expert.tolist()}"
+        )
     output, permuted_probs, row_id_map, pad_offsets, _ = token_dispatch(
-        inp, routing_map, routed, probs, align_size=align_size)
-    if padded_total == routed:
-        pad_offsets = None
-    else:
-        pad_offsets = pad_offsets.long()
+        inp, routing_map, routed, probs, align_size=align_size
+    )
+    pad_offsets = None if padded_total == routed else pad_offsets.long()
     return output[:padded_total], permuted_probs[:padded_total], row_id_map, pad_offsets, target.long()
 
 
@@ -129,7 +129,8 @@ def moe_unpermute(
 
     Example:
         >>> x = torch.randn(4, 8)
-        >>> out, row_id_map = moe_permute(x, torch.tensor([[0], [1], [0], [1]]), map_type="index", num_experts=2)
+        >>> ids = torch.tensor([[0], [1], [0], [1]])
+        >>> out, row_id_map = moe_permute(x, ids, map_type="index", num_experts=2)
         >>> torch.equal(moe_unpermute(out, row_id_map, map_type="index"), x)
         True
     """
@@ -140,8 +141,10 @@ def moe_unpermute(
             raise ValueError("probs: deprecated alias of merging_probs; pass only one of them")
         merging_probs = probs
     if restore_shape is not None and tuple(restore_shape) != (row_id_map.shape[0], inp.shape[1]):
-        raise ValueError(f"restore_shape: expected {(row_id_map.shape[0], inp.shape[1])} (tokens of row_id_map, "
-                         f"hidden of inp), got {tuple(restore_shape)}")
+        raise ValueError(
+            f"restore_shape: expected {(row_id_map.shape[0], inp.shape[1])} (tokens of row_id_map, "
+            f"hidden of inp), got {tuple(restore_shape)}"
+        )
     return token_combine(inp, row_id_map, merging_probs, pad_offsets)
 
 
@@ -151,7 +154,8 @@ def moe_sort_chunks_by_index(
     """TE's moe_sort_chunks_by_index -> output [N, H].
 
     Example:
-        >>> moe_sort_chunks_by_index(torch.arange(3.0)[:, None], torch.tensor([1, 2]), torch.tensor([1, 0]))[:, 0]
+        >>> x = torch.arange(3.0)[:, None]
+        >>> moe_sort_chunks_by_index(x, torch.tensor([1, 2]), torch.tensor([1, 0]))[:, 0]
         tensor([1., 2., 0.])
     """
     return sort_chunks_by_index(inp, split_sizes, sorted_index)[0]
