@@ -67,6 +67,9 @@ def _count_experts_kernel(
 ):
     """Per-block expert histogram. Grid (B,): program b counts the slots of tokens [b*BLOCK_T, (b+1)*BLOCK_T).
 
+    (Scalar arguments may arrive as constexprs: Triton specialises integers equal to 1. Kernels therefore
+    widen the tensor side of an offset, never call methods on a scalar argument.)
+
     Masks are summed column by column in [TILE_T, TILE_S] tiles; expert ids go through `tl.histogram` with
     one extra bin that absorbs -1 (no expert). Index ranges are checked by a device assertion, compiled in
     only when the binding asks for checks.
@@ -74,7 +77,6 @@ def _count_experts_kernel(
     block = tl.program_id(0)
     first = block * BLOCK_T
     last = tl.minimum(first + BLOCK_T, num_tokens)
-    row_stride = num_slots.to(tl.int64)
     if IS_MASK:
         for s0 in range(0, num_slots, TILE_S):
             slots = s0 + tl.arange(0, TILE_S)
@@ -83,7 +85,7 @@ def _count_experts_kernel(
                 tokens = t0 + tl.arange(0, TILE_T)
                 ok = (tokens[:, None] < last) & (slots[None, :] < num_slots)
                 routed = tl.load(
-                    routing_ptr + tokens[:, None] * row_stride + slots[None, :], mask=ok, other=0
+                    routing_ptr + tokens.to(tl.int64)[:, None] * num_slots + slots[None, :], mask=ok, other=0
                 )
                 acc += tl.sum((routed != 0).to(tl.int32), axis=0)
             tl.store(counts_ptr + block * num_experts + slots, acc, mask=slots < num_slots)
@@ -93,7 +95,9 @@ def _count_experts_kernel(
             tokens = t0 + tl.arange(0, TILE_T)
             slots = tl.arange(0, TILE_S)
             ok = (tokens[:, None] < last) & (slots[None, :] < num_slots)
-            ids = tl.load(routing_ptr + tokens[:, None] * row_stride + slots[None, :], mask=ok, other=-1)
+            ids = tl.load(
+                routing_ptr + tokens.to(tl.int64)[:, None] * num_slots + slots[None, :], mask=ok, other=-1
+            )
             ids = ids.to(tl.int32)
             tl.device_assert((ids >= -1) & (ids < num_experts), "indices must lie in [-1, num_experts)")
             # -1 (and anything out of range) lands in bin num_experts, which is never stored.
@@ -188,8 +192,6 @@ def _assign_rows_kernel(
     block = tl.program_id(0)
     first = block * BLOCK_T
     last = tl.minimum(first + BLOCK_T, num_tokens)
-    in_stride = num_slots.to(tl.int64)
-    map_stride = in_stride + 1
     if IS_MASK:
         carry_padded = tl.full([], 0, tl.int32)
         carry_plain = tl.full([], 0, tl.int32)
@@ -229,12 +231,18 @@ def _assign_rows_kernel(
                 tokens = t0 + tl.arange(0, TILE_T)
                 ok = (tokens[:, None] < last) & emask[None, :]
                 routed = tl.load(
-                    routing_ptr + tokens[:, None] * in_stride + experts[None, :], mask=ok, other=0
+                    routing_ptr + tokens.to(tl.int64)[:, None] * num_slots + experts[None, :],
+                    mask=ok,
+                    other=0,
                 )
                 routed = (routed != 0).to(tl.int32)
                 rows = base[None, :] + tl.cumsum(routed, axis=0) - routed
                 rows = tl.where((routed != 0) & (rows < num_rows), rows, -1)
-                tl.store(row_map_ptr + tokens[:, None] * map_stride + experts[None, :], rows, mask=ok)
+                tl.store(
+                    row_map_ptr + tokens.to(tl.int64)[:, None] * (num_slots + 1) + experts[None, :],
+                    rows,
+                    mask=ok,
+                )
                 base += tl.sum(routed, axis=0)
         end = tl.minimum(carry_padded, num_rows)
     else:
@@ -265,7 +273,9 @@ def _assign_rows_kernel(
             tokens = t0 + positions // TILE_S
             slots = positions % TILE_S
             ok = (tokens < last) & (slots < num_slots)
-            ids = tl.load(routing_ptr + tokens * in_stride + slots, mask=ok, other=-1).to(tl.int32)
+            ids = tl.load(routing_ptr + tokens.to(tl.int64) * num_slots + slots, mask=ok, other=-1).to(
+                tl.int32
+            )
             ids = tl.where(ok & (ids >= 0) & (ids < num_experts), ids, num_experts)
             keys = tl.sort(ids * (TILE_T * TILE_S) + positions)
             sorted_ids = keys // (TILE_T * TILE_S)
@@ -276,14 +286,14 @@ def _assign_rows_kernel(
             dst_tokens = t0 + sorted_pos // TILE_S
             dst_slots = sorted_pos % TILE_S
             tl.store(
-                row_map_ptr + dst_tokens * map_stride + dst_slots,
+                row_map_ptr + dst_tokens.to(tl.int64) * (num_slots + 1) + dst_slots,
                 rows,
                 mask=(dst_tokens < last) & (dst_slots < num_slots),
             )
             base += tl.histogram(ids, BINS)
     tokens = first + tl.arange(0, BLOCK_T)
     tl.store(
-        row_map_ptr + tokens * map_stride + num_slots,
+        row_map_ptr + tokens.to(tl.int64) * (num_slots + 1) + num_slots,
         tl.full([BLOCK_T], 0, tl.int32) + end,
         mask=tokens < last,
     )

@@ -1,0 +1,32 @@
+"""What every benchmark module reports, and how the runner turns it into the table.
+
+A benchmark module exposes `results(shape: MoEShape, quick: bool) -> list[Result]`. It times its own ops
+(each framework has its own honest timer) and states the ideal bytes of each op: every input read once and
+every output written once. The runner divides those bytes by the time for GB/s and by the measured
+device-to-device copy bandwidth for % of ceiling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Result:
+    op: str  # e.g. "dispatch", "combine", "combine_bwd", "chunk_sort", "topk_fwd"
+    framework: str  # "torch" or "jax"
+    impl: str  # "moetriton", or the baseline's name ("torch-ref", "jax-ref", ...)
+    shape: str  # named shape
+    ms: float  # median time per call
+    bytes: int  # ideal bytes moved (read + write)
+    note: str = ""
+
+    def gbps(self) -> float:
+        return self.bytes / (self.ms * 1e-3) / 1e9
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def token_bytes(rows: int, hidden: int, element_bytes: int) -> int:
+    return rows * hidden * element_bytes

@@ -1,0 +1,176 @@
+"""Runs a framework-neutral launch plan on JAX arrays.
+
+GPU: every launch becomes a `jax_triton.triton_call` (imported lazily: jax-triton refuses to import without
+GPU JAX), with the plan's grid, warps and stages, and the plan's zero-initialised buffers passed as
+`zeroed_outputs`. CPU with TRITON_INTERPRET=1: the whole plan runs inside one `jax.pure_callback`, the
+kernels interpreted on numpy buffers. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton.language as tl
+from moetriton.kernels import INTERPRETER, DeviceInfo, Plan
+
+_TRITON_DTYPES = {
+    "bool": tl.int1,
+    "uint8": tl.uint8,
+    "int8": tl.int8,
+    "int16": tl.int16,
+    "int32": tl.int32,
+    "int64": tl.int64,
+    "float16": tl.float16,
+    "bfloat16": tl.bfloat16,
+    "float32": tl.float32,
+    "float64": tl.float64,
+    "float8_e4m3fn": tl.float8e4nv,
+    "float8_e5m2": tl.float8e5,
+}
+
+
+def dtype_name(dtype) -> str:
+    """numpy-style name of a JAX dtype, as moetriton.kernels.validation expects."""
+    return jnp.dtype(dtype).name
+
+
+def describe(x) -> tuple[tuple[int, ...], str] | None:
+    return None if x is None else (tuple(x.shape), dtype_name(x.dtype))
+
+
+def on_gpu() -> bool:
+    """Whether plans run as compiled Triton kernels (the default JAX backend is a GPU)."""
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+def uses_kernels() -> bool:
+    """Kernels run compiled on GPU, interpreted on CPU under TRITON_INTERPRET=1; otherwise the reference."""
+    return on_gpu() or INTERPRETER
+
+
+def device_info() -> DeviceInfo:
+    if on_gpu():
+        device = jax.devices()[0]
+        return DeviceInfo(name=device.device_kind, num_sms=getattr(device, "core_count", None) or 132)
+    return DeviceInfo()
+
+
+def _dtype(spec_dtype: str, inputs: dict) -> jnp.dtype:
+    if spec_dtype.startswith("like:"):
+        return jnp.dtype(inputs[spec_dtype.removeprefix("like:")].dtype)
+    return jnp.dtype(spec_dtype)
+
+
+def _result_specs(plan: Plan, inputs: dict) -> dict[str, jax.ShapeDtypeStruct]:
+    return {
+        name: jax.ShapeDtypeStruct(spec.shape, _dtype(spec.dtype, inputs))
+        for name, spec in plan.buffers.items()
+    }
+
+
+def run_plan(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
+    """Runs `plan` on `inputs` (name -> array or None) and returns the arrays named by `plan.results`."""
+    if on_gpu():
+        return _run_triton(plan, inputs)
+    if INTERPRETER:
+        return _run_interpreted(plan, inputs)
+    raise RuntimeError("moetriton: no GPU backend and TRITON_INTERPRET is not set; use the reference instead")
+
+
+def _run_triton(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
+    import jax_triton
+
+    specs = _result_specs(plan, inputs)
+    env = dict(inputs)
+    dummy = jnp.zeros((0,), jnp.int32)
+    for launch in plan.launches:
+        args = [
+            (dummy if env[arg] is None else env[arg]) if isinstance(arg, str) else arg for arg in launch.args
+        ]
+        outputs = jax_triton.triton_call(
+            *args,
+            kernel=launch.kernel,
+            out_shape=[specs[name] for name in launch.outputs],
+            grid=launch.grid,
+            num_warps=launch.num_warps,
+            num_stages=launch.num_stages,
+            enable_fp_fusion=launch.fp_fusion,
+            zeroed_outputs=[i for i, name in enumerate(launch.outputs) if plan.buffers[name].zero],
+            **launch.constexprs,
+        )
+        env.update(zip(launch.outputs, outputs, strict=True))
+    results = []
+    for name in plan.results:
+        if name not in env:  # written by no launch (empty op): zeros of its shape
+            env[name] = jnp.zeros(specs[name].shape, specs[name].dtype)
+        results.append(env[name])
+    return tuple(results)
+
+
+class _HostArray:
+    """The slice of torch.Tensor's interface the Triton interpreter touches, over a numpy buffer."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+        self.dtype = _TRITON_DTYPES[array.dtype.name]
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+    def untyped_storage(self) -> _HostArray:
+        return self
+
+    def cpu(self) -> _HostArray:
+        return self
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self) -> tuple[int, ...]:
+        return self.array.shape
+
+    def stride(self, *dims):
+        strides = tuple(s // self.array.itemsize for s in self.array.strides)
+        return strides[dims[0]] if dims else strides
+
+    def new_empty(self, *args, **kwargs) -> _HostArray:
+        return self
+
+    def set_(self, *args, **kwargs) -> _HostArray:
+        return self
+
+    def copy_(self, other) -> _HostArray:
+        return self
+
+
+def _run_interpreted(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
+    specs = _result_specs(plan, inputs)
+    names = [name for name, value in inputs.items() if value is not None]
+
+    def host(*arrays):
+        env = {name: None for name in inputs}
+        env.update({name: np.ascontiguousarray(array) for name, array in zip(names, arrays, strict=True)})
+        buffers = {
+            name: (np.zeros if spec.zero else np.empty)(spec.shape, specs[name].dtype)
+            for name, spec in plan.buffers.items()
+        }
+        env.update(buffers)
+        dummy = np.zeros(0, np.int32)
+        for launch in plan.launches:
+            args = [
+                _HostArray(dummy if env[arg] is None else env[arg]) if isinstance(arg, str) else arg
+                for arg in launch.args
+            ]
+            outputs = [_HostArray(buffers[name]) for name in launch.outputs]
+            launch.kernel[launch.grid](*args, *outputs, **launch.constexprs)
+        return tuple(buffers[name] for name in plan.results)
+
+    return tuple(
+        jax.pure_callback(
+            host,
+            tuple(specs[name] for name in plan.results),
+            *(inputs[name] for name in names),
+            vmap_method="sequential",
+        )
+    )

@@ -1,0 +1,27 @@
+"""Named MoE shapes (DESIGN.md), shared by benchmarks, the autotuner and tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """T tokens of hidden size H routed to top-K of E experts."""
+
+    name: str
+    num_tokens: int
+    hidden: int
+    num_experts: int
+    topk: int
+
+
+NAMED_SHAPES: dict[str, MoEShape] = {
+    shape.name: shape
+    for shape in (
+        MoEShape("mixtral", 16384, 4096, 8, 2),
+        MoEShape("qwen3", 16384, 2048, 128, 8),
+        MoEShape("dsv3", 8192, 7168, 256, 8),
+        MoEShape("small", 4096, 1024, 64, 4),
+    )
+}
