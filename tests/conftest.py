@@ -1,4 +1,4 @@
-"""Test session set-up: pick the device, switch the Triton interpreter on for CPU, load the hypothesis profile.
+"""Test session set-up: pick the device, use the Triton interpreter on CPU, load the hypothesis profile.
 
 Runs before any test module imports moetriton, so TRITON_INTERPRET=1 is in place before kernels are
 compiled. On a machine with a CUDA GPU the same tests run against compiled kernels.
