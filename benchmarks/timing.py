@@ -1,0 +1,74 @@
+"""GPU timing for PyTorch callables (device/METHOD.md: warm-up, median, rotating inputs, graphs).
+
+`time_graph` captures `repeats` calls, each on its own input set so that no call finds the previous one's
+data in L2, into one CUDA graph and times its replays with CUDA events: the median replay over `repeats`
+is the time per call without Python launch overhead (what a CUDA-graphed training step sees).
+`time_eager` times plain calls with events (for baselines that sync with the host and cannot be captured).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+L2_FLUSH_BYTES = 2 * 60 * 2**20  # rotate through at least twice the largest L2 of the devices we use
+
+
+def input_sets(bytes_per_call: int, minimum: int = 2, maximum: int = 16) -> int:
+    """How many input sets to rotate through so their total exceeds twice the L2."""
+    return max(minimum, min(maximum, -(-L2_FLUSH_BYTES // max(bytes_per_call, 1))))
+
+
+def time_graph(calls: list[Callable[[], object]], replays: int = 20) -> float:
+    """Median ms per call of `calls` (one per input set), captured together in one CUDA graph."""
+    for call in calls:  # compile and warm up outside the capture
+        call()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    return statistics.median(times)
+
+
+def time_eager(calls: list[Callable[[], object]], rounds: int = 5) -> float:
+    """Median ms per call of plain (uncaptured) calls, rotating through the input sets."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        for call in calls:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbps(num_bytes: int = 2**30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written (the ceiling we divide by)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_graph([lambda: dst.copy_(src)] * 4)
+    return 2 * num_bytes / (ms * 1e-3) / 1e9

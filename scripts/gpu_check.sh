@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device-tool call: install what the GPU machine lacks, run the whole test suite on CUDA, run the
+# benchmarks, and leave logs under $OUT. Usage (device tool, repo root): bash scripts/gpu_check.sh [stage...]
+# Stages: smoke tests bench autotune (default: tests bench). Carry `.whl` (the jax-triton wheel).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+stages=${*:-tests bench}
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site . 2>&1 | tail -2
+} > "$OUT/setup.log" 2>&1
+export PYTHONPATH=/tmp/site
+cd /tmp  # import the installed package, not the source folders
+python3 -c "import torch, triton, jax; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__, jax.devices())" | tee -a "$OUT/setup.log"
+repo=$OLDPWD
+for stage in $stages; do
+  case $stage in
+    smoke) python3 "$repo/scripts/gpu_smoke.py" 2>&1 | tee "$OUT/smoke.log" ;;
+    tests) (cd "$repo" && timeout 420 python3 -m pytest tests -q -x -p no:cacheprovider -n 4 \
+              --junitxml="$OUT/junit.xml" 2>&1 | tail -40 | tee "$OUT/tests.log") ;;
+    bench) (cd "$repo" && timeout 300 python3 -m benchmarks.run --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log") ;;
+    autotune) (cd "$repo" && timeout 500 python3 scripts/autotune.py --out "$OUT" ${AUTOTUNE_ARGS:-} 2>&1 | tail -60 | tee "$OUT/autotune.log") ;;
+  esac
+done

@@ -1,0 +1,1 @@
+"""moetriton tests."""
