@@ -1,0 +1,764 @@
+"""Router kernels (fused top-k with score functions, aux-loss scores, aux loss) and their launch plans.
+
+Symbols: T tokens, E experts, K = topk, G groups of GS = E / G experts, R x C the aux-loss probs.
+
+Semantics (per token, x = fp32(logits[t]); all math in fp32, outputs in the logits dtype):
+    softmax, pre:  s = softmax(x)            select on s,          w = s[selected]
+    softmax, post: -                          select on x,          w = softmax(x[selected])
+    sigmoid:       a = sigmoid(x)             select on a + bias,   w = a[selected]
+    sqrtsoftplus:  a = sqrt(softplus(x))      select on a + bias,   w = a[selected]
+    (sigmoid / sqrtsoftplus with K > 1: w = w / (sum(w) + 1e-20))
+    probs[t, selected] = scaling_factor * w; routing_map[t, selected] = True; everything else 0 / False.
+softplus follows PyTorch (x > 20 -> x). The weights use the unbiased score a itself, not TE's
+(a + bias) - bias. Group-limited top-k: a group's score is the sum of its top (K / group_topk) selection
+scores (added in descending order); the group_topk best groups are kept and the K experts are chosen only
+inside them.
+
+Order. Every selection (experts, groups) ranks by score descending and breaks ties by the LOWEST index.
+NaN ranks below every number, -inf included, so a NaN score is only chosen when a token has fewer than K
+non-NaN candidates; -0.0 ties with +0.0. Values follow IEEE arithmetic: a NaN or +inf that enters a
+softmax or a normalisation makes the affected probs NaN (as the framework references do).
+
+Ranking works on int64 keys, one per candidate: the fp32 score mapped to an order-preserving int32 in the
+high word and (WIDTH - column) in the low word. Keys are unique within a row, so the K-th largest key is
+found by K rounds of "largest key below the previous one" (one integer max-reduction each), and the
+selection is "key >= K-th key". Excluded candidates (padding, unchosen groups) get the smallest int64.
+
+Layout. One program owns BLOCK_T tokens and holds their scores in registers as a [BLOCK_T, WIDTH] tile.
+Without groups WIDTH = next_pow2(E). With groups, column c holds expert (c // GS_POW2) * GS + c % GS_POW2,
+so that a reshape to [BLOCK_T, G_POW2, GS_POW2] gives per-group rows; WIDTH = G_POW2 * GS_POW2.
+Backward kernels recompute the scores from the logits and the routing map, so nothing fp32 is saved.
+
+Aux loss (TE's definition): loss = C * sum_c (sum_r probs[r, c]) * tokens_per_expert[c],
+C = num_experts * coeff / (topk * total_num_tokens^2). It is reduced without atomics: every program of a
+fixed, shape-only grid sums its row stripe to one fp32 partial, and a single program adds the partials in a
+fixed order, so the result is bitwise reproducible run to run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import triton
+import triton.language as tl
+
+from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, cdiv, next_pow2
+
+#: Score-function ids used as constexprs.
+SCORE_FUNCTION_IDS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+#: Largest tile (elements) one program holds; sets BLOCK_T for a given WIDTH.
+_TILE_ELEMENTS = 4096
+#: Aux-loss partial sums: at most this many programs, each over at least _MIN_LOSS_ROWS rows.
+_MAX_LOSS_BLOCKS = 512
+_MIN_LOSS_ROWS = 64
+
+# Sentinels for keys: excluded candidates, "no previous key", and the ordered image of NaN.
+_INT64_MIN = tl.constexpr(-(2**63))
+_INT64_MAX = tl.constexpr(2**63 - 1)
+_NAN_ORDER = tl.constexpr(-(2**31))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Device helpers
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sqrt_softplus(x):
+    """sqrt(softplus(x)); softplus(x) = x for x > 20 (PyTorch's threshold), else log1p(exp(x)).
+
+    log1p is Kahan's log(u) * e / (u - 1) with u = 1 + e, accurate for tiny e = exp(x). `tl.where`, not
+    tl.minimum, clamps the exponent, so NaN stays NaN.
+    """
+    e = tl.exp(tl.where(x > 20.0, 20.0, x))
+    u = 1.0 + e
+    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+    return tl.sqrt(tl.where(x > 20.0, x, log1p))
+
+
+@triton.jit
+def _activation(x, SCORE_FUNCTION: tl.constexpr):
+    """a(x) of sigmoid (1) or sqrtsoftplus (2)."""
+    if SCORE_FUNCTION == 1:
+        return tl.sigmoid(x)
+    else:
+        return _sqrt_softplus(x)
+
+
+@triton.jit
+def _activation_grad(x, a, SCORE_FUNCTION: tl.constexpr):
+    """da/dx given a = a(x): a(1 - a) for sigmoid; sigmoid(x) / (2a + eps) for sqrtsoftplus (1 / (2a + eps)
+    past the softplus threshold), eps = 1e-20 as in TE, so a = 0 gives 0 rather than 0 / 0."""
+    if SCORE_FUNCTION == 1:
+        return a * (1.0 - a)
+    else:
+        slope = tl.where(x > 20.0, 1.0, tl.sigmoid(x))
+        return slope / (2.0 * a + 1e-20)
+
+
+@triton.jit
+def _softmax_rows(x, valid):
+    """Row softmax over the `valid` entries of a [BLOCK_T, WIDTH] tile (0 elsewhere)."""
+    xm = tl.where(valid, x, float("-inf"))
+    m = tl.max(xm, axis=1)
+    e = tl.where(valid, tl.exp(xm - m[:, None]), 0.0)
+    return e / tl.sum(e, axis=1)[:, None]
+
+
+@triton.jit
+def _order_keys(score, cols, WIDTH: tl.constexpr):
+    """int64 keys ordered like (score descending, column ascending), NaN below -inf, -0.0 == +0.0.
+
+    High word: the fp32 bits as a signed int32 with the magnitude bits of negatives flipped (an
+    order-preserving map); low word: WIDTH - column (>= 1, so real keys stay above the int64 minimum).
+    """
+    bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    ordered = tl.where(score != score, _NAN_ORDER, ordered)
+    return (ordered.to(tl.int64) << 32) | (WIDTH - cols).to(tl.int64)
+
+
+@triton.jit
+def _key_score(keys):
+    """The fp32 score a key was made from (NaN for NaN and for excluded keys)."""
+    ordered = (keys >> 32).to(tl.int32)
+    bits = tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _kth_key(keys, K: tl.constexpr):
+    """K-th largest key of every row of a 2-D key tile (keys are unique within a row)."""
+    kth = tl.full([keys.shape[0]], _INT64_MAX, tl.int64)
+    for _ in range(K):
+        kth = tl.max(tl.where(keys < kth[:, None], keys, _INT64_MIN), axis=1)
+    return kth
+
+
+@triton.jit
+def _ranked_columns(keys, K: tl.constexpr, K_POW2: tl.constexpr, WIDTH: tl.constexpr):
+    """(K-th largest key, [BLOCK_T, K_POW2] columns of the K largest keys in rank order)."""
+    kth = tl.full([keys.shape[0]], _INT64_MAX, tl.int64)
+    ranks = tl.arange(0, K_POW2)
+    columns = tl.zeros([keys.shape[0], K_POW2], tl.int32)
+    for k in range(K):
+        kth = tl.max(tl.where(keys < kth[:, None], keys, _INT64_MIN), axis=1)
+        column = WIDTH - kth.to(tl.int32)  # the low word: int64 -> int32 keeps it
+        columns = tl.where(ranks[None, :] == k, column[:, None], columns)
+    return kth, columns
+
+
+@triton.jit
+def _keep_best_groups(
+    keys,
+    BLOCK_T: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUPS_POW2: tl.constexpr,
+    GROUP_POW2: tl.constexpr,
+    PER_GROUP: tl.constexpr,
+    GROUP_TOPK: tl.constexpr,
+):
+    """Group-limited selection: keys of experts outside the GROUP_TOPK best groups become the minimum.
+
+    A group's score is the sum of its PER_GROUP largest scores, added in descending order.
+    """
+    keys3 = tl.reshape(keys, [BLOCK_T, GROUPS_POW2, GROUP_POW2])
+    group_score = tl.zeros([BLOCK_T, GROUPS_POW2], tl.float32)
+    kth = tl.full([BLOCK_T, GROUPS_POW2], _INT64_MAX, tl.int64)
+    for _ in range(PER_GROUP):
+        kth = tl.max(tl.where(keys3 < kth[:, :, None], keys3, _INT64_MIN), axis=2)
+        group_score += _key_score(kth)
+    groups = tl.arange(0, GROUPS_POW2)
+    group_keys = _order_keys(group_score, groups[None, :], GROUPS_POW2)
+    group_keys = tl.where(groups[None, :] < NUM_GROUPS, group_keys, _INT64_MIN)
+    chosen = group_keys >= _kth_key(group_keys, GROUP_TOPK)[:, None]
+    kept = tl.where(chosen[:, :, None], keys3, _INT64_MIN)
+    return tl.reshape(kept, [BLOCK_T, GROUPS_POW2 * GROUP_POW2])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _topk_forward_kernel(
+    logits_ptr,  # [T, E]
+    bias_ptr,  # [E] (HAS_BIAS)
+    num_tokens,
+    probs_ptr,  # [T, E] logits dtype
+    routing_map_ptr,  # [T, E] bool
+    indices_ptr,  # [T, K] int32 (RETURN_INDICES)
+    NUM_EXPERTS: tl.constexpr,
+    TOPK: tl.constexpr,
+    TOPK_POW2: tl.constexpr,
+    SCORE_FUNCTION: tl.constexpr,
+    USE_PRE_SOFTMAX: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    GROUPS_POW2: tl.constexpr,
+    GROUP_POW2: tl.constexpr,
+    GROUP_TOPK: tl.constexpr,
+    SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RETURN_INDICES: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Fused top-k with score function. Grid (cdiv(T, BLOCK_T),): program b routes tokens
+    [b*BLOCK_T, (b+1)*BLOCK_T): one coalesced [BLOCK_T, WIDTH] load of logits, scores and keys in
+    registers, optional group pruning, K max-reductions for the top-k, then probs, routing map and
+    (optionally) the ranked expert ids are stored. Ungrouped calls pass NUM_GROUPS = 1, GROUP_SIZE = E.
+    """
+    WIDTH: tl.constexpr = GROUPS_POW2 * GROUP_POW2
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < num_tokens
+    cols = tl.arange(0, WIDTH)
+    experts = (cols // GROUP_POW2) * GROUP_SIZE + cols % GROUP_POW2
+    col_ok = (cols // GROUP_POW2 < NUM_GROUPS) & (cols % GROUP_POW2 < GROUP_SIZE)
+    valid = row_ok[:, None] & col_ok[None, :]
+    offsets = rows.to(tl.int64)[:, None] * NUM_EXPERTS + experts[None, :]
+    x = tl.load(logits_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+
+    if SCORE_FUNCTION == 0:
+        if USE_PRE_SOFTMAX:
+            soft = _softmax_rows(x, valid)
+            select = soft
+        else:
+            select = x
+    else:
+        act = _activation(x, SCORE_FUNCTION)
+        select = act
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + experts, mask=col_ok, other=0.0).to(tl.float32)
+            select = act + bias[None, :]
+
+    keys = tl.where(valid, _order_keys(select, cols[None, :], WIDTH), _INT64_MIN)
+    if GROUP_TOPK > 0:
+        keys = _keep_best_groups(
+            keys, BLOCK_T, NUM_GROUPS, GROUPS_POW2, GROUP_POW2, TOPK // GROUP_TOPK, GROUP_TOPK
+        )
+    if RETURN_INDICES:
+        kth, ranked = _ranked_columns(keys, TOPK, TOPK_POW2, WIDTH)
+        ranks = tl.arange(0, TOPK_POW2)
+        ranked_experts = (ranked // GROUP_POW2) * GROUP_SIZE + ranked % GROUP_POW2
+        tl.store(
+            indices_ptr + rows.to(tl.int64)[:, None] * TOPK + ranks[None, :],
+            ranked_experts,
+            mask=row_ok[:, None] & (ranks[None, :] < TOPK),
+        )
+    else:
+        kth = _kth_key(keys, TOPK)
+    selected = valid & (keys >= kth[:, None])
+
+    if SCORE_FUNCTION == 0:
+        if USE_PRE_SOFTMAX:
+            weights = tl.where(selected, soft, 0.0)
+        else:
+            weights = tl.where(selected, _softmax_rows(x, selected), 0.0)
+    else:
+        weights = tl.where(selected, act, 0.0)
+        if TOPK > 1:
+            # The outer where keeps unselected probs exactly 0 when a selected score is NaN.
+            weights = tl.where(selected, weights / (tl.sum(weights, axis=1)[:, None] + 1e-20), 0.0)
+    probs = weights * SCALE
+    tl.store(probs_ptr + offsets, probs.to(probs_ptr.dtype.element_ty), mask=valid)
+    tl.store(routing_map_ptr + offsets, selected, mask=valid)
+
+
+@triton.jit
+def _topk_backward_kernel(
+    grad_probs_ptr,  # [T, E]
+    logits_ptr,  # [T, E]
+    routing_map_ptr,  # [T, E] bool
+    num_tokens,
+    grad_logits_ptr,  # [T, E] logits dtype
+    NUM_EXPERTS: tl.constexpr,
+    TOPK: tl.constexpr,
+    SCORE_FUNCTION: tl.constexpr,
+    USE_PRE_SOFTMAX: tl.constexpr,
+    SCALE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+):
+    """Backward of the fused top-k. Grid (cdiv(T, BLOCK_T),): program b recomputes the scores of tokens
+    [b*BLOCK_T, (b+1)*BLOCK_T) from their logits and routing map and writes grad_logits. With
+    g = grad_probs * scaling_factor and r the routing map:
+      softmax post: y = softmax(x[r]); dx = r * y * (g - sum_r g y)
+      softmax pre:  y = softmax(x); g' = r * g; dx = y * (g' - sum g' y)
+      sigmoid / sqrtsoftplus: ga = r * (g / S - sum_r(g a) / S^2), S = sum_r a + 1e-20 (ga = r * g when
+      K == 1); dx = ga * da/dx. The expert bias gets no gradient.
+    """
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < num_tokens
+    cols = tl.arange(0, EXPERTS_POW2)
+    valid = row_ok[:, None] & (cols[None, :] < NUM_EXPERTS)
+    offsets = rows.to(tl.int64)[:, None] * NUM_EXPERTS + cols[None, :]
+    x = tl.load(logits_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+    grad = tl.load(grad_probs_ptr + offsets, mask=valid, other=0.0).to(tl.float32) * SCALE
+    routed = valid & (tl.load(routing_map_ptr + offsets, mask=valid, other=0) != 0)
+
+    if SCORE_FUNCTION == 0:
+        if USE_PRE_SOFTMAX:
+            y = _softmax_rows(x, valid)
+            grad = tl.where(routed, grad, 0.0)
+            dot = tl.sum(tl.where(valid, grad * y, 0.0), axis=1)
+            dx = tl.where(valid, y * (grad - dot[:, None]), 0.0)
+        else:
+            y = _softmax_rows(x, routed)
+            dot = tl.sum(tl.where(routed, grad * y, 0.0), axis=1)
+            dx = tl.where(routed, y * (grad - dot[:, None]), 0.0)
+    else:
+        act = _activation(x, SCORE_FUNCTION)
+        if TOPK > 1:
+            total = tl.sum(tl.where(routed, act, 0.0), axis=1)[:, None] + 1e-20
+            dot = tl.sum(tl.where(routed, grad * act, 0.0), axis=1)[:, None]
+            grad_act = tl.where(routed, grad / total - dot / (total * total), 0.0)
+        else:
+            grad_act = tl.where(routed, grad, 0.0)
+        dx = tl.where(routed, grad_act * _activation_grad(x, act, SCORE_FUNCTION), 0.0)
+    tl.store(grad_logits_ptr + offsets, dx.to(grad_logits_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _aux_scores_forward_kernel(
+    logits_ptr,  # [T, E]
+    num_tokens,
+    routing_map_ptr,  # [T, E] bool
+    scores_ptr,  # [T, E] fp32
+    NUM_EXPERTS: tl.constexpr,
+    TOPK: tl.constexpr,
+    SCORE_FUNCTION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+):
+    """Aux-loss scores. Grid (cdiv(T, BLOCK_T),): program b writes, for tokens [b*BLOCK_T, (b+1)*BLOCK_T),
+    scores = softmax(x), or a / (sum_E a + 1e-20) for sigmoid / sqrtsoftplus (always normalised), and the
+    top-K mask of those scores (no bias, groups or scaling)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < num_tokens
+    cols = tl.arange(0, EXPERTS_POW2)
+    valid = row_ok[:, None] & (cols[None, :] < NUM_EXPERTS)
+    offsets = rows.to(tl.int64)[:, None] * NUM_EXPERTS + cols[None, :]
+    x = tl.load(logits_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+    if SCORE_FUNCTION == 0:
+        scores = _softmax_rows(x, valid)
+    else:
+        act = tl.where(valid, _activation(x, SCORE_FUNCTION), 0.0)
+        scores = act / (tl.sum(act, axis=1)[:, None] + 1e-20)
+    keys = tl.where(valid, _order_keys(scores, cols[None, :], EXPERTS_POW2), _INT64_MIN)
+    selected = valid & (keys >= _kth_key(keys, TOPK)[:, None])
+    tl.store(scores_ptr + offsets, scores, mask=valid)
+    tl.store(routing_map_ptr + offsets, selected, mask=valid)
+
+
+@triton.jit
+def _aux_scores_backward_kernel(
+    grad_scores_ptr,  # [T, E]
+    logits_ptr,  # [T, E]
+    num_tokens,
+    grad_logits_ptr,  # [T, E] logits dtype
+    NUM_EXPERTS: tl.constexpr,
+    SCORE_FUNCTION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+):
+    """Backward of the aux-loss scores. Grid (cdiv(T, BLOCK_T),): program b recomputes the scores of its
+    tokens and writes grad_logits: softmax s * (g - sum g s); sigmoid / sqrtsoftplus
+    (g / S - sum(g a) / S^2) * da/dx over all E, S = sum_E a + 1e-20."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < num_tokens
+    cols = tl.arange(0, EXPERTS_POW2)
+    valid = row_ok[:, None] & (cols[None, :] < NUM_EXPERTS)
+    offsets = rows.to(tl.int64)[:, None] * NUM_EXPERTS + cols[None, :]
+    x = tl.load(logits_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+    grad = tl.load(grad_scores_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+    if SCORE_FUNCTION == 0:
+        scores = _softmax_rows(x, valid)
+        dot = tl.sum(tl.where(valid, grad * scores, 0.0), axis=1)
+        dx = scores * (grad - dot[:, None])
+    else:
+        act = tl.where(valid, _activation(x, SCORE_FUNCTION), 0.0)
+        total = tl.sum(act, axis=1)[:, None] + 1e-20
+        dot = tl.sum(tl.where(valid, grad * act, 0.0), axis=1)[:, None]
+        dx = (grad / total - dot / (total * total)) * _activation_grad(x, act, SCORE_FUNCTION)
+    tl.store(grad_logits_ptr + offsets, dx.to(grad_logits_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _total_tokens(total_ptr, total, TOTAL_ON_DEVICE: tl.constexpr):
+    """total_num_tokens as an fp32 scalar, from a 0-dim device array or a scalar argument."""
+    if TOTAL_ON_DEVICE:
+        return tl.load(total_ptr).to(tl.float32)
+    else:
+        # `total` may arrive as a constexpr (Triton specialises 1), so it is widened by addition.
+        return tl.full([], 0.0, tl.float32) + total
+
+
+@triton.jit
+def _aux_loss_partial_kernel(
+    probs_ptr,  # [R, C]
+    counts_ptr,  # [C] tokens per expert (column)
+    num_rows,
+    num_cols,
+    rows_per_block,
+    partials_ptr,  # [B] fp32
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Aux-loss stage 1. Grid (B,): program b sums rows [b*rows_per_block, (b+1)*rows_per_block) of
+    probs per column (fp32, fixed order), weights each column by its token count and stores the sum."""
+    block = tl.program_id(0)
+    first = block * rows_per_block
+    last = tl.minimum(first + rows_per_block, num_rows)
+    partial = tl.zeros([BLOCK_C], tl.float32)
+    for c0 in range(0, num_cols, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        col_ok = cols < num_cols
+        acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+        for r0 in range(first, last, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            mask = (rows[:, None] < last) & col_ok[None, :]
+            acc += tl.load(
+                probs_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0
+            ).to(tl.float32)
+        counts = tl.load(counts_ptr + cols, mask=col_ok, other=0).to(tl.float32)
+        partial += tl.sum(acc, axis=0) * counts
+    tl.store(partials_ptr + block, tl.sum(partial, axis=0))
+
+
+@triton.jit
+def _aux_loss_finish_kernel(
+    partials_ptr,  # [B] fp32
+    total_ptr,  # 0-dim total_num_tokens (TOTAL_ON_DEVICE)
+    total,
+    num_blocks,
+    loss_ptr,  # 0-dim
+    COEFF: tl.constexpr,
+    TOTAL_ON_DEVICE: tl.constexpr,
+    BLOCKS_POW2: tl.constexpr,
+):
+    """Aux-loss stage 2. Grid (1,): adds the B partials in a fixed order and scales by
+    C = COEFF / total^2, COEFF = num_experts * coeff / topk."""
+    blocks = tl.arange(0, BLOCKS_POW2)
+    partials = tl.load(partials_ptr + blocks, mask=blocks < num_blocks, other=0.0)
+    tokens = _total_tokens(total_ptr, total, TOTAL_ON_DEVICE)
+    loss = tl.sum(partials, axis=0) * (COEFF / (tokens * tokens))
+    tl.store(loss_ptr, loss.to(loss_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _aux_loss_backward_kernel(
+    grad_loss_ptr,  # 0-dim
+    counts_ptr,  # [C]
+    total_ptr,  # 0-dim total_num_tokens (TOTAL_ON_DEVICE)
+    total,
+    num_rows,
+    num_cols,
+    grad_probs_ptr,  # [R, C]
+    COEFF: tl.constexpr,
+    TOTAL_ON_DEVICE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Aux-loss backward. Grid (cdiv(R, BLOCK_R), cdiv(C, BLOCK_C)): program (i, j) writes its tile of
+    grad_probs[r, c] = C * tokens_per_expert[c] * grad_loss (the loss is linear in probs)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < num_cols
+    tokens = _total_tokens(total_ptr, total, TOTAL_ON_DEVICE)
+    scale = tl.load(grad_loss_ptr).to(tl.float32) * (COEFF / (tokens * tokens))
+    counts = tl.load(counts_ptr + cols, mask=col_ok, other=0).to(tl.float32)
+    grad = tl.zeros([BLOCK_R, BLOCK_C], tl.float32) + (counts * scale)[None, :]
+    tl.store(
+        grad_probs_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :],
+        grad.to(grad_probs_ptr.dtype.element_ty),
+        mask=(rows[:, None] < num_rows) & col_ok[None, :],
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launch plans
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _row_tiles(
+    num_tokens: int, width: int, device: DeviceInfo, block_t: int | None, num_warps: int | None
+) -> tuple[int, int]:
+    """(BLOCK_T, num_warps) for a [BLOCK_T, width] register tile per program.
+
+    BLOCK_T fills _TILE_ELEMENTS, but stays small enough to give every SM about four programs; warps
+    give each thread about 16 elements.
+    """
+    if block_t is None:
+        spread = next_pow2(cdiv(max(num_tokens, 1), 4 * device.num_sms))
+        block_t = max(1, min(_TILE_ELEMENTS // width, spread))
+    if num_warps is None:
+        num_warps = max(1, min(16, block_t * width // 512))
+    return block_t, num_warps
+
+
+def _group_layout(num_experts: int, num_groups: int) -> tuple[int, int, int, int]:
+    """(groups, group size, groups_pow2, group size pow2); one group of E experts when ungrouped."""
+    groups = num_groups or 1
+    size = num_experts // groups
+    return groups, size, next_pow2(groups), next_pow2(size)
+
+
+@functools.lru_cache(maxsize=512)
+def topk_plan(
+    *,
+    num_tokens: int,
+    num_experts: int,
+    topk: int,
+    score_function: str,
+    use_pre_softmax: bool,
+    num_groups: int,
+    group_topk: int,
+    scaling_factor: float,
+    has_bias: bool,
+    return_indices: bool,
+    device: DeviceInfo = DEFAULT_DEVICE,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+) -> Plan:
+    """fused_topk_with_score_function forward. num_groups = group_topk = 0: no groups.
+
+    Inputs: "logits" [T, E], "bias" [E] or None. Results: probs [T, E] (logits dtype), routing_map [T, E]
+    bool, indices [T, K] int32 ([T, 0] unless `return_indices`): the selected experts by rank.
+    """
+    groups, size, groups_pow2, size_pow2 = _group_layout(num_experts, num_groups)
+    block_t, num_warps = _row_tiles(num_tokens, groups_pow2 * size_pow2, device, block_t, num_warps)
+    buffers = {
+        "probs": Buffer((num_tokens, num_experts), "like:logits"),
+        "routing_map": Buffer((num_tokens, num_experts), "bool"),
+        "indices": Buffer((num_tokens, topk if return_indices else 0), "int32"),
+    }
+    results = ("probs", "routing_map", "indices")
+    if num_tokens == 0:
+        return Plan(buffers, (), results)
+    launch = Launch(
+        kernel=_topk_forward_kernel,
+        grid=(cdiv(num_tokens, block_t),),
+        args=("logits", "bias", num_tokens),
+        outputs=results,
+        constexprs=dict(
+            NUM_EXPERTS=num_experts,
+            TOPK=topk,
+            TOPK_POW2=next_pow2(topk),
+            SCORE_FUNCTION=SCORE_FUNCTION_IDS[score_function],
+            USE_PRE_SOFTMAX=use_pre_softmax,
+            NUM_GROUPS=groups,
+            GROUP_SIZE=size,
+            GROUPS_POW2=groups_pow2,
+            GROUP_POW2=size_pow2,
+            GROUP_TOPK=group_topk,
+            SCALE=scaling_factor,
+            HAS_BIAS=has_bias,
+            RETURN_INDICES=return_indices,
+            BLOCK_T=block_t,
+        ),
+        num_warps=num_warps,
+    )
+    return Plan(buffers, (launch,), results)
+
+
+@functools.lru_cache(maxsize=512)
+def topk_backward_plan(
+    *,
+    num_tokens: int,
+    num_experts: int,
+    topk: int,
+    score_function: str,
+    use_pre_softmax: bool,
+    scaling_factor: float,
+    device: DeviceInfo = DEFAULT_DEVICE,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+) -> Plan:
+    """Backward of the fused top-k. Inputs: "grad_probs" [T, E], "logits" [T, E], "routing_map" [T, E].
+    Result: grad_logits [T, E] in the logits dtype."""
+    width = next_pow2(num_experts)
+    block_t, num_warps = _row_tiles(num_tokens, width, device, block_t, num_warps)
+    buffers = {"grad_logits": Buffer((num_tokens, num_experts), "like:logits")}
+    if num_tokens == 0:
+        return Plan(buffers, (), ("grad_logits",))
+    launch = Launch(
+        kernel=_topk_backward_kernel,
+        grid=(cdiv(num_tokens, block_t),),
+        args=("grad_probs", "logits", "routing_map", num_tokens),
+        outputs=("grad_logits",),
+        constexprs=dict(
+            NUM_EXPERTS=num_experts,
+            TOPK=topk,
+            SCORE_FUNCTION=SCORE_FUNCTION_IDS[score_function],
+            USE_PRE_SOFTMAX=use_pre_softmax,
+            SCALE=scaling_factor,
+            BLOCK_T=block_t,
+            EXPERTS_POW2=width,
+        ),
+        num_warps=num_warps,
+    )
+    return Plan(buffers, (launch,), ("grad_logits",))
+
+
+@functools.lru_cache(maxsize=512)
+def aux_scores_plan(
+    *,
+    num_tokens: int,
+    num_experts: int,
+    topk: int,
+    score_function: str,
+    device: DeviceInfo = DEFAULT_DEVICE,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+) -> Plan:
+    """fused_compute_score_for_moe_aux_loss forward. Input "logits" [T, E]. Results: routing_map [T, E]
+    bool, scores [T, E] fp32."""
+    width = next_pow2(num_experts)
+    block_t, num_warps = _row_tiles(num_tokens, width, device, block_t, num_warps)
+    buffers = {
+        "routing_map": Buffer((num_tokens, num_experts), "bool"),
+        "scores": Buffer((num_tokens, num_experts), "float32"),
+    }
+    results = ("routing_map", "scores")
+    if num_tokens == 0:
+        return Plan(buffers, (), results)
+    launch = Launch(
+        kernel=_aux_scores_forward_kernel,
+        grid=(cdiv(num_tokens, block_t),),
+        args=("logits", num_tokens),
+        outputs=results,
+        constexprs=dict(
+            NUM_EXPERTS=num_experts,
+            TOPK=topk,
+            SCORE_FUNCTION=SCORE_FUNCTION_IDS[score_function],
+            BLOCK_T=block_t,
+            EXPERTS_POW2=width,
+        ),
+        num_warps=num_warps,
+    )
+    return Plan(buffers, (launch,), results)
+
+
+@functools.lru_cache(maxsize=512)
+def aux_scores_backward_plan(
+    *,
+    num_tokens: int,
+    num_experts: int,
+    score_function: str,
+    device: DeviceInfo = DEFAULT_DEVICE,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+) -> Plan:
+    """Backward of the aux-loss scores. Inputs: "grad_scores" [T, E], "logits" [T, E]. Result:
+    grad_logits [T, E] in the logits dtype."""
+    width = next_pow2(num_experts)
+    block_t, num_warps = _row_tiles(num_tokens, width, device, block_t, num_warps)
+    buffers = {"grad_logits": Buffer((num_tokens, num_experts), "like:logits")}
+    if num_tokens == 0:
+        return Plan(buffers, (), ("grad_logits",))
+    launch = Launch(
+        kernel=_aux_scores_backward_kernel,
+        grid=(cdiv(num_tokens, block_t),),
+        args=("grad_scores", "logits", num_tokens),
+        outputs=("grad_logits",),
+        constexprs=dict(
+            NUM_EXPERTS=num_experts,
+            SCORE_FUNCTION=SCORE_FUNCTION_IDS[score_function],
+            BLOCK_T=block_t,
+            EXPERTS_POW2=width,
+        ),
+        num_warps=num_warps,
+    )
+    return Plan(buffers, (launch,), ("grad_logits",))
+
+
+def _loss_tiles(num_cols: int) -> tuple[int, int]:
+    block_c = min(next_pow2(num_cols), 1024)
+    return max(1, _TILE_ELEMENTS // block_c), block_c
+
+
+def _coeff(num_experts: int, topk: int, coeff: float) -> float:
+    return num_experts * coeff / topk
+
+
+@functools.lru_cache(maxsize=512)
+def aux_loss_plan(
+    *,
+    num_rows: int,
+    num_cols: int,
+    num_experts: int,
+    topk: int,
+    coeff: float,
+    total: int | None,
+    loss_dtype: str = "like:probs",
+) -> Plan:
+    """fused_moe_aux_loss forward. Inputs: "probs" [R, C], "counts" [C], "total" (0-dim, used when
+    `total` is None). Result: loss, a 0-dim array of `loss_dtype`.
+
+    The partial-sum grid depends on the shape only (not on the device), so the result is the same bits on
+    every run and every GPU.
+    """
+    block_r, block_c = _loss_tiles(num_cols)
+    num_blocks = max(1, min(_MAX_LOSS_BLOCKS, cdiv(num_rows, _MIN_LOSS_ROWS)))
+    rows_per_block = cdiv(num_rows, num_blocks)
+    buffers = {
+        "partials": Buffer((num_blocks,), "float32"),
+        "loss": Buffer((), loss_dtype),
+    }
+    on_device = total is None
+    partial = Launch(
+        kernel=_aux_loss_partial_kernel,
+        grid=(num_blocks,),
+        args=("probs", "counts", num_rows, num_cols, rows_per_block),
+        outputs=("partials",),
+        constexprs=dict(BLOCK_R=block_r, BLOCK_C=block_c),
+        num_warps=4,
+    )
+    finish = Launch(
+        kernel=_aux_loss_finish_kernel,
+        grid=(1,),
+        args=("partials", "total", 0 if on_device else total, num_blocks),
+        outputs=("loss",),
+        constexprs=dict(
+            COEFF=_coeff(num_experts, topk, coeff),
+            TOTAL_ON_DEVICE=on_device,
+            BLOCKS_POW2=next_pow2(num_blocks),
+        ),
+        num_warps=4,
+    )
+    return Plan(buffers, (partial, finish), ("loss",))
+
+
+@functools.lru_cache(maxsize=512)
+def aux_loss_backward_plan(
+    *,
+    num_rows: int,
+    num_cols: int,
+    num_experts: int,
+    topk: int,
+    coeff: float,
+    total: int | None,
+    probs_dtype: str,
+) -> Plan:
+    """Backward of the aux loss. Inputs: "grad_loss" (0-dim), "counts" [C], "total" (0-dim, used when
+    `total` is None). Result: grad_probs [R, C] of `probs_dtype`."""
+    buffers = {"grad_probs": Buffer((num_rows, num_cols), probs_dtype)}
+    if num_rows == 0:
+        return Plan(buffers, (), ("grad_probs",))
+    block_r, block_c = _loss_tiles(num_cols)
+    on_device = total is None
+    launch = Launch(
+        kernel=_aux_loss_backward_kernel,
+        grid=(cdiv(num_rows, block_r), cdiv(num_cols, block_c)),
+        args=("grad_loss", "counts", "total", 0 if on_device else total, num_rows, num_cols),
+        outputs=("grad_probs",),
+        constexprs=dict(
+            COEFF=_coeff(num_experts, topk, coeff),
+            TOTAL_ON_DEVICE=on_device,
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+        ),
+        num_warps=4,
+    )
+    return Plan(buffers, (launch,), ("grad_probs",))

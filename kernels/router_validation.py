@@ -1,0 +1,205 @@
+"""Argument rules of the router ops, shared by both bindings.
+
+Bindings describe arrays as (shape, dtype name) with numpy-style dtype names and call these functions
+before launching. Every error is a ValueError that names the argument and what was expected. The rules here
+need no array values, so they never cost a device sync.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+LOGITS_DTYPES = ("float32", "bfloat16", "float16")
+BIAS_DTYPES = ("float32", "bfloat16", "float16")
+PROBS_DTYPES = ("float32", "bfloat16", "float16")
+COUNT_DTYPES = ("int32", "int64", "float32", "bfloat16", "float16")
+TOTAL_DTYPES = ("int32", "int64", "float32")
+#: Largest number of experts the router kernels take: one token's scores live in one program's registers.
+MAX_EXPERTS = 8192
+
+Desc = tuple[tuple[int, ...], str]
+
+
+def _fail(name: str, message: str) -> None:
+    raise ValueError(f"{name}: {message}")
+
+
+def _int(name: str, value, *, low: int, high: int | None = None) -> int:
+    """A Python (or numpy) integer in [low, high]; bools and floats are rejected."""
+    if isinstance(value, bool):
+        _fail(name, f"expected an int, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        _fail(name, f"expected an int, got {type(value).__name__}")
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        _fail(name, f"expected an int in {bound}, got {value}")
+    return value
+
+
+def _real(name: str, value) -> float:
+    """A finite Python real number (int or float, not bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        _fail(name, f"expected a Python float, got {type(value).__name__}")
+    if not math.isfinite(value):
+        _fail(name, f"expected a finite number, got {value}")
+    return float(value)
+
+
+def _score_function(score_function) -> str:
+    if score_function not in SCORE_FUNCTIONS:
+        _fail("score_function", f"expected one of {SCORE_FUNCTIONS}, got {score_function!r}")
+    return score_function
+
+
+def _logits(logits: Desc) -> tuple[int, int]:
+    """(tokens, experts) of logits [..., E]: leading dimensions flatten to tokens."""
+    shape, dtype = logits
+    if len(shape) < 1:
+        _fail("logits", f"expected shape [..., num_experts] (at least 1-D), got {tuple(shape)}")
+    if dtype not in LOGITS_DTYPES:
+        _fail("logits", f"expected dtype in {LOGITS_DTYPES} (router math is fp32), got {dtype}")
+    num_experts = shape[-1]
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        _fail("logits", f"expected 1 <= num_experts (last dim) <= {MAX_EXPERTS}, got {num_experts}")
+    return math.prod(shape[:-1]), num_experts
+
+
+@dataclass(frozen=True)
+class TopkConfig:
+    """Normalised arguments of fused_topk_with_score_function. num_groups = group_topk = 0: no groups."""
+
+    num_tokens: int
+    num_experts: int
+    topk: int
+    score_function: str
+    use_pre_softmax: bool
+    num_groups: int
+    group_topk: int
+    scaling_factor: float
+    has_bias: bool
+
+
+def check_topk(
+    *,
+    logits: Desc,
+    topk,
+    use_pre_softmax,
+    num_groups,
+    group_topk,
+    scaling_factor,
+    score_function,
+    expert_bias: Desc | None,
+) -> TopkConfig:
+    """Validates fused_topk_with_score_function arguments.
+
+    `use_pre_softmax` only matters for softmax and is ignored for sigmoid/sqrtsoftplus (as in TE). Groups:
+    both `num_groups` and `group_topk` or neither; E % num_groups == 0, group_topk <= num_groups,
+    topk % group_topk == 0 and topk / group_topk <= E / num_groups (each chosen group supplies the same
+    number of experts).
+    """
+    num_tokens, num_experts = _logits(logits)
+    topk = _int("topk", topk, low=1, high=num_experts)
+    score_function = _score_function(score_function)
+    if not isinstance(use_pre_softmax, bool):
+        _fail("use_pre_softmax", f"expected a bool, got {type(use_pre_softmax).__name__}")
+    if (num_groups is None) != (group_topk is None):
+        _fail(
+            "num_groups / group_topk",
+            f"pass both (group-limited top-k) or neither, got num_groups={num_groups}, "
+            f"group_topk={group_topk}",
+        )
+    if num_groups is None:
+        num_groups = group_topk = 0
+    else:
+        num_groups = _int("num_groups", num_groups, low=1, high=num_experts)
+        if num_experts % num_groups:
+            _fail("num_groups", f"expected a divisor of num_experts = {num_experts}, got {num_groups}")
+        group_topk = _int("group_topk", group_topk, low=1, high=num_groups)
+        if topk % group_topk:
+            _fail("group_topk", f"expected a divisor of topk = {topk}, got {group_topk}")
+        if topk // group_topk > num_experts // num_groups:
+            _fail(
+                "topk",
+                f"expected topk / group_topk <= experts per group = {num_experts // num_groups}, "
+                f"got {topk} / {group_topk}",
+            )
+    scaling_factor = 1.0 if scaling_factor is None else _real("scaling_factor", scaling_factor)
+    if expert_bias is not None:
+        if score_function == "softmax":
+            _fail("expert_bias", "only supported with score_function 'sigmoid' or 'sqrtsoftplus'")
+        shape, dtype = expert_bias
+        if tuple(shape) != (num_experts,):
+            _fail("expert_bias", f"expected shape ({num_experts},) (one per expert), got {tuple(shape)}")
+        if dtype not in BIAS_DTYPES:
+            _fail("expert_bias", f"expected dtype in {BIAS_DTYPES}, got {dtype}")
+    return TopkConfig(
+        num_tokens=num_tokens,
+        num_experts=num_experts,
+        topk=topk,
+        score_function=score_function,
+        use_pre_softmax=use_pre_softmax and score_function == "softmax",
+        num_groups=num_groups,
+        group_topk=group_topk,
+        scaling_factor=scaling_factor,
+        has_bias=expert_bias is not None,
+    )
+
+
+def check_aux_scores(*, logits: Desc, topk, score_function) -> tuple[int, int, int, str]:
+    """Validates fused_compute_score_for_moe_aux_loss; returns (tokens, experts, topk, score_function)."""
+    num_tokens, num_experts = _logits(logits)
+    topk = _int("topk", topk, low=1, high=num_experts)
+    return num_tokens, num_experts, topk, _score_function(score_function)
+
+
+@dataclass(frozen=True)
+class AuxLossConfig:
+    num_rows: int
+    num_cols: int
+    num_experts: int
+    topk: int
+    coeff: float
+    total: int | None  # a Python int total, or None when it is a device scalar
+
+
+def check_aux_loss(
+    *, probs: Desc, tokens_per_expert: Desc, total_num_tokens, num_experts, topk, coeff
+) -> AuxLossConfig:
+    """Validates fused_moe_aux_loss. `total_num_tokens` is a Python int >= 1 or a Desc of a 0-dim array.
+
+    probs is [rows, cols] with cols a multiple of num_experts (a sequence-level loss passes
+    [seq, batch * E]); tokens_per_expert has one count per column.
+    """
+    shape, dtype = probs
+    if len(shape) != 2:
+        _fail("probs", f"expected a 2-D array [tokens, cols], got shape {tuple(shape)}")
+    if dtype not in PROBS_DTYPES:
+        _fail("probs", f"expected dtype in {PROBS_DTYPES}, got {dtype}")
+    num_rows, num_cols = shape
+    num_experts = _int("num_experts", num_experts, low=1)
+    if num_cols % num_experts:
+        _fail("probs", f"expected shape[1] a multiple of num_experts = {num_experts}, got {num_cols}")
+    counts_shape, counts_dtype = tokens_per_expert
+    if tuple(counts_shape) != (num_cols,):
+        _fail(
+            "tokens_per_expert", f"expected shape ({num_cols},) (probs.shape[1]), got {tuple(counts_shape)}"
+        )
+    if counts_dtype not in COUNT_DTYPES:
+        _fail("tokens_per_expert", f"expected dtype in {COUNT_DTYPES}, got {counts_dtype}")
+    topk = _int("topk", topk, low=1, high=num_experts)
+    coeff = _real("coeff", coeff)
+    if isinstance(total_num_tokens, tuple):
+        total_shape, total_dtype = total_num_tokens
+        if tuple(total_shape) != ():
+            _fail("total_num_tokens", f"expected a 0-dim array or a Python int, got shape {total_shape}")
+        if total_dtype not in TOTAL_DTYPES:
+            _fail("total_num_tokens", f"expected dtype in {TOTAL_DTYPES}, got {total_dtype}")
+        total = None
+    else:
+        total = _int("total_num_tokens", total_num_tokens, low=1)
+    return AuxLossConfig(num_rows, num_cols, num_experts, topk, coeff, total)

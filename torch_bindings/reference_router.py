@@ -1,0 +1,250 @@
+"""Pure-PyTorch reference of the router ops: vectorised, differentiable, independent of the kernels.
+
+Used as the test oracle (tests differentiate it with autograd), as the CPU fallback when the Triton
+interpreter is off, and as the eager benchmark baseline. Semantics are those of moetriton.kernels.router:
+selection ranks scores descending with ties to the lowest index and NaN below every number (built here
+from two stable sorts, not from the kernels' integer keys); group scores add each group's top scores in
+descending order; weights use the unbiased score. Math runs in fp32 (fp64 for fp64 input, so gradcheck
+can verify the reference itself); results are cast to the logits dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EPSILON = 1e-20
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def rank(scores: torch.Tensor, excluded: torch.Tensor | None = None) -> torch.Tensor:
+    """Column order of every row of `scores` [N, n]: numbers by value descending, then NaN, then
+    `excluded` entries; ties in ascending column order (-0.0 ties +0.0)."""
+    tier = torch.isnan(scores).to(torch.int8)
+    if excluded is not None:
+        tier = torch.where(excluded, 2, tier)
+    value = torch.where(tier == 0, scores, float("-inf"))
+    by_value = torch.sort(value, dim=-1, descending=True, stable=True).indices
+    by_tier = torch.sort(tier.gather(-1, by_value), dim=-1, stable=True).indices
+    return by_value.gather(-1, by_tier)
+
+
+def _activation(x: torch.Tensor, score_function: str) -> torch.Tensor:
+    if score_function == "sigmoid":
+        return torch.sigmoid(x)
+    return torch.sqrt(torch.nn.functional.softplus(x))  # softplus(x) = x past 20, as the kernels
+
+
+def _group_excluded(select: torch.Tensor, topk: int, num_groups: int, group_topk: int) -> torch.Tensor:
+    """[T, E] True for experts outside each token's group_topk best groups (group score: the sum of the
+    group's top topk / group_topk selection scores, added in descending order)."""
+    num_tokens, num_experts = select.shape
+    size = num_experts // num_groups
+    grouped = select.reshape(num_tokens * num_groups, size)
+    best = grouped.gather(-1, rank(grouped)[:, : topk // group_topk]).reshape(num_tokens, num_groups, -1)
+    group_score = best[..., 0]
+    for i in range(1, best.shape[-1]):
+        group_score = group_score + best[..., i]
+    chosen = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=select.device)
+    chosen.scatter_(-1, rank(group_score)[:, :group_topk], True)
+    return ~chosen.repeat_interleave(size, dim=-1)
+
+
+def weights_from_map(
+    logits: torch.Tensor,
+    routing_map: torch.Tensor,
+    topk: int,
+    use_pre_softmax: bool,
+    scaling_factor: float,
+    score_function: str,
+) -> torch.Tensor:
+    """Differentiable probs [T, E] (logits dtype) of the experts a routing map selects."""
+    x = logits.to(_compute_dtype(logits.dtype))
+    if score_function == "softmax":
+        if use_pre_softmax:
+            weights = torch.where(routing_map, torch.softmax(x, dim=-1), 0.0)
+        else:
+            weights = torch.softmax(x.masked_fill(~routing_map, float("-inf")), dim=-1)
+            weights = torch.where(routing_map, weights, 0.0)
+    else:
+        weights = torch.where(routing_map, _activation(x, score_function), 0.0)
+        if topk > 1:
+            weights = torch.where(routing_map, weights / (weights.sum(-1, keepdim=True) + EPSILON), 0.0)
+    return (weights * scaling_factor).to(logits.dtype)
+
+
+def topk_forward(
+    logits: torch.Tensor,
+    expert_bias: torch.Tensor | None,
+    topk: int,
+    use_pre_softmax: bool,
+    num_groups: int,
+    group_topk: int,
+    scaling_factor: float,
+    score_function: str,
+    return_indices: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moetriton::router_topk on [T, E] logits: (probs, routing_map, indices [T, K] or [T, 0] int32).
+    num_groups = group_topk = 0: no groups."""
+    x = logits.detach().to(_compute_dtype(logits.dtype))
+    if score_function == "softmax":
+        select = torch.softmax(x, dim=-1) if use_pre_softmax else x
+    else:
+        select = _activation(x, score_function)
+        if expert_bias is not None:
+            select = select + expert_bias.to(select.dtype)
+    excluded = _group_excluded(select, topk, num_groups, group_topk) if group_topk else None
+    indices = rank(select, excluded)[:, :topk]
+    routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    routing_map.scatter_(-1, indices, True)
+    probs = weights_from_map(logits, routing_map, topk, use_pre_softmax, scaling_factor, score_function)
+    return probs, routing_map, indices[:, : topk if return_indices else 0].to(torch.int32)
+
+
+def _vjp(fn, primal: torch.Tensor, cotangent: torch.Tensor) -> torch.Tensor:
+    with torch.enable_grad():
+        primal = primal.detach().requires_grad_(True)
+        (grad,) = torch.autograd.grad(fn(primal), primal, cotangent)
+    return grad
+
+
+def topk_backward(
+    grad_probs: torch.Tensor,
+    logits: torch.Tensor,
+    routing_map: torch.Tensor,
+    topk: int,
+    use_pre_softmax: bool,
+    scaling_factor: float,
+    score_function: str,
+) -> torch.Tensor:
+    """moetriton::router_topk_backward: grad_logits [T, E] by autograd of weights_from_map."""
+    return _vjp(
+        lambda x: weights_from_map(x, routing_map, topk, use_pre_softmax, scaling_factor, score_function),
+        logits,
+        grad_probs.to(logits.dtype),
+    )
+
+
+def aux_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """Differentiable aux-loss scores [..., E] in fp32 (fp64 for fp64 logits)."""
+    x = logits.to(_compute_dtype(logits.dtype))
+    if score_function == "softmax":
+        return torch.softmax(x, dim=-1)
+    act = _activation(x, score_function)
+    return act / (act.sum(-1, keepdim=True) + EPSILON)
+
+
+def aux_scores_forward(
+    logits: torch.Tensor, topk: int, score_function: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """moetriton::router_aux_scores on [T, E] logits: (routing_map, scores fp32)."""
+    scores = aux_scores(logits.detach(), score_function).float()
+    routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    routing_map.scatter_(-1, rank(scores)[:, :topk], True)
+    return routing_map, scores
+
+
+def aux_scores_backward(grad_scores: torch.Tensor, logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """moetriton::router_aux_scores_backward: grad_logits by autograd of aux_scores."""
+    return _vjp(lambda x: aux_scores(x, score_function).float(), logits, grad_scores.float())
+
+
+def aux_loss(
+    probs: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    total_num_tokens: int | torch.Tensor,
+    num_experts: int,
+    topk: int,
+    coeff: float,
+) -> torch.Tensor:
+    """0-dim loss in probs.dtype: C * sum_c (sum_r probs[r, c]) * tokens_per_expert[c],
+    C = num_experts * coeff / (topk * total_num_tokens^2)."""
+    dtype = _compute_dtype(probs.dtype)
+    total = (
+        total_num_tokens.to(dtype)
+        if isinstance(total_num_tokens, torch.Tensor)
+        else torch.tensor(float(total_num_tokens), dtype=dtype, device=probs.device)
+    )
+    column_sums = probs.to(dtype).sum(0)
+    loss = (column_sums * tokens_per_expert.to(dtype)).sum() * (num_experts * coeff / topk) / (total * total)
+    return loss.to(probs.dtype)
+
+
+def aux_loss_backward(
+    grad_loss: torch.Tensor,
+    probs_shape: tuple[int, int],
+    probs_dtype: torch.dtype,
+    tokens_per_expert: torch.Tensor,
+    total_num_tokens: int | torch.Tensor,
+    num_experts: int,
+    topk: int,
+    coeff: float,
+) -> torch.Tensor:
+    """moetriton::router_aux_loss_backward: grad_probs by autograd of aux_loss."""
+    zeros = torch.zeros(probs_shape, dtype=probs_dtype, device=tokens_per_expert.device)
+    return _vjp(
+        lambda p: aux_loss(p, tokens_per_expert, total_num_tokens, num_experts, topk, coeff),
+        zeros,
+        grad_loss.to(probs_dtype),
+    )
+
+
+# Public-API mirrors (what tests differentiate and benchmarks time) ------------------------------------------
+
+
+def fused_topk_with_score_function(
+    logits: torch.Tensor,
+    topk: int,
+    use_pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    scaling_factor: float | None = None,
+    score_function: str = "softmax",
+    expert_bias: torch.Tensor | None = None,
+    *,
+    return_indices: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Reference of moetriton.torch.router.fused_topk_with_score_function (differentiable in logits)."""
+    num_experts = logits.shape[-1]
+    flat = logits.reshape(-1, num_experts)
+    use_pre_softmax = use_pre_softmax and score_function == "softmax"
+    scale = 1.0 if scaling_factor is None else scaling_factor
+    _, routing_map, indices = topk_forward(
+        flat,
+        expert_bias,
+        topk,
+        use_pre_softmax,
+        num_groups or 0,
+        group_topk or 0,
+        scale,
+        score_function,
+        True,
+    )
+    probs = weights_from_map(flat, routing_map, topk, use_pre_softmax, scale, score_function)
+    result = (probs.reshape(logits.shape), routing_map.reshape(logits.shape))
+    if return_indices:
+        result += (indices.reshape(*logits.shape[:-1], topk),)
+    return result
+
+
+def fused_compute_score_for_moe_aux_loss(
+    logits: torch.Tensor, topk: int, score_function: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of moetriton.torch.router.fused_compute_score_for_moe_aux_loss: (routing_map, scores)."""
+    num_experts = logits.shape[-1]
+    routing_map, _ = aux_scores_forward(logits.reshape(-1, num_experts), topk, score_function)
+    return routing_map.reshape(logits.shape), aux_scores(logits, score_function).float()
+
+
+def fused_moe_aux_loss(
+    probs: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    total_num_tokens: int | torch.Tensor,
+    num_experts: int,
+    topk: int,
+    coeff: float,
+) -> torch.Tensor:
+    """Reference of moetriton.torch.router.fused_moe_aux_loss."""
+    return aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
