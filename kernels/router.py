@@ -504,6 +504,34 @@ def _group_layout(num_experts: int, num_groups: int) -> tuple[int, int, int, int
     return groups, size, next_pow2(groups), next_pow2(size)
 
 
+def _rows_plan(
+    kernel,
+    *,
+    num_tokens: int,
+    width: int,
+    inputs: tuple[str, ...],
+    buffers: dict[str, Buffer],
+    constexprs: dict,
+    device: DeviceInfo,
+    block_t: int | None,
+    num_warps: int | None,
+) -> Plan:
+    """A plan of one token-block kernel: grid (cdiv(T, BLOCK_T),), arguments (*inputs, T, *buffers)."""
+    results = tuple(buffers)
+    if num_tokens == 0:
+        return Plan(buffers, (), results)
+    block_t, num_warps = _row_tiles(num_tokens, width, device, block_t, num_warps)
+    launch = Launch(
+        kernel=kernel,
+        grid=(cdiv(num_tokens, block_t),),
+        args=(*inputs, num_tokens),
+        outputs=results,
+        constexprs=dict(constexprs, BLOCK_T=block_t),
+        num_warps=num_warps,
+    )
+    return Plan(buffers, (launch,), results)
+
+
 @functools.lru_cache(maxsize=512)
 def topk_plan(
     *,
@@ -527,20 +555,16 @@ def topk_plan(
     bool, indices [T, K] int32 ([T, 0] unless `return_indices`): the selected experts by rank.
     """
     groups, size, groups_pow2, size_pow2 = _group_layout(num_experts, num_groups)
-    block_t, num_warps = _row_tiles(num_tokens, groups_pow2 * size_pow2, device, block_t, num_warps)
-    buffers = {
-        "probs": Buffer((num_tokens, num_experts), "like:logits"),
-        "routing_map": Buffer((num_tokens, num_experts), "bool"),
-        "indices": Buffer((num_tokens, topk if return_indices else 0), "int32"),
-    }
-    results = ("probs", "routing_map", "indices")
-    if num_tokens == 0:
-        return Plan(buffers, (), results)
-    launch = Launch(
-        kernel=_topk_forward_kernel,
-        grid=(cdiv(num_tokens, block_t),),
-        args=("logits", "bias", num_tokens),
-        outputs=results,
+    return _rows_plan(
+        _topk_forward_kernel,
+        num_tokens=num_tokens,
+        width=groups_pow2 * size_pow2,
+        inputs=("logits", "bias"),
+        buffers={
+            "probs": Buffer((num_tokens, num_experts), "like:logits"),
+            "routing_map": Buffer((num_tokens, num_experts), "bool"),
+            "indices": Buffer((num_tokens, topk if return_indices else 0), "int32"),
+        },
         constexprs=dict(
             NUM_EXPERTS=num_experts,
             TOPK=topk,
@@ -555,11 +579,11 @@ def topk_plan(
             SCALE=scaling_factor,
             HAS_BIAS=has_bias,
             RETURN_INDICES=return_indices,
-            BLOCK_T=block_t,
         ),
+        device=device,
+        block_t=block_t,
         num_warps=num_warps,
     )
-    return Plan(buffers, (launch,), results)
 
 
 @functools.lru_cache(maxsize=512)
@@ -577,28 +601,24 @@ def topk_backward_plan(
 ) -> Plan:
     """Backward of the fused top-k. Inputs: "grad_probs" [T, E], "logits" [T, E], "routing_map" [T, E].
     Result: grad_logits [T, E] in the logits dtype."""
-    width = next_pow2(num_experts)
-    block_t, num_warps = _row_tiles(num_tokens, width, device, block_t, num_warps)
-    buffers = {"grad_logits": Buffer((num_tokens, num_experts), "like:logits")}
-    if num_tokens == 0:
-        return Plan(buffers, (), ("grad_logits",))
-    launch = Launch(
-        kernel=_topk_backward_kernel,
-        grid=(cdiv(num_tokens, block_t),),
-        args=("grad_probs", "logits", "routing_map", num_tokens),
-        outputs=("grad_logits",),
+    return _rows_plan(
+        _topk_backward_kernel,
+        num_tokens=num_tokens,
+        width=next_pow2(num_experts),
+        inputs=("grad_probs", "logits", "routing_map"),
+        buffers={"grad_logits": Buffer((num_tokens, num_experts), "like:logits")},
         constexprs=dict(
             NUM_EXPERTS=num_experts,
             TOPK=topk,
             SCORE_FUNCTION=SCORE_FUNCTION_IDS[score_function],
             USE_PRE_SOFTMAX=use_pre_softmax,
             SCALE=scaling_factor,
-            BLOCK_T=block_t,
-            EXPERTS_POW2=width,
+            EXPERTS_POW2=next_pow2(num_experts),
         ),
+        device=device,
+        block_t=block_t,
         num_warps=num_warps,
     )
-    return Plan(buffers, (launch,), ("grad_logits",))
 
 
 @functools.lru_cache(maxsize=512)
@@ -614,30 +634,25 @@ def aux_scores_plan(
 ) -> Plan:
     """fused_compute_score_for_moe_aux_loss forward. Input "logits" [T, E]. Results: routing_map [T, E]
     bool, scores [T, E] fp32."""
-    width = next_pow2(num_experts)
-    block_t, num_warps = _row_tiles(num_tokens, width, device, block_t, num_warps)
-    buffers = {
-        "routing_map": Buffer((num_tokens, num_experts), "bool"),
-        "scores": Buffer((num_tokens, num_experts), "float32"),
-    }
-    results = ("routing_map", "scores")
-    if num_tokens == 0:
-        return Plan(buffers, (), results)
-    launch = Launch(
-        kernel=_aux_scores_forward_kernel,
-        grid=(cdiv(num_tokens, block_t),),
-        args=("logits", num_tokens),
-        outputs=results,
+    return _rows_plan(
+        _aux_scores_forward_kernel,
+        num_tokens=num_tokens,
+        width=next_pow2(num_experts),
+        inputs=("logits",),
+        buffers={
+            "routing_map": Buffer((num_tokens, num_experts), "bool"),
+            "scores": Buffer((num_tokens, num_experts), "float32"),
+        },
         constexprs=dict(
             NUM_EXPERTS=num_experts,
             TOPK=topk,
             SCORE_FUNCTION=SCORE_FUNCTION_IDS[score_function],
-            BLOCK_T=block_t,
-            EXPERTS_POW2=width,
+            EXPERTS_POW2=next_pow2(num_experts),
         ),
+        device=device,
+        block_t=block_t,
         num_warps=num_warps,
     )
-    return Plan(buffers, (launch,), results)
 
 
 @functools.lru_cache(maxsize=512)
@@ -652,25 +667,21 @@ def aux_scores_backward_plan(
 ) -> Plan:
     """Backward of the aux-loss scores. Inputs: "grad_scores" [T, E], "logits" [T, E]. Result:
     grad_logits [T, E] in the logits dtype."""
-    width = next_pow2(num_experts)
-    block_t, num_warps = _row_tiles(num_tokens, width, device, block_t, num_warps)
-    buffers = {"grad_logits": Buffer((num_tokens, num_experts), "like:logits")}
-    if num_tokens == 0:
-        return Plan(buffers, (), ("grad_logits",))
-    launch = Launch(
-        kernel=_aux_scores_backward_kernel,
-        grid=(cdiv(num_tokens, block_t),),
-        args=("grad_scores", "logits", num_tokens),
-        outputs=("grad_logits",),
+    return _rows_plan(
+        _aux_scores_backward_kernel,
+        num_tokens=num_tokens,
+        width=next_pow2(num_experts),
+        inputs=("grad_scores", "logits"),
+        buffers={"grad_logits": Buffer((num_tokens, num_experts), "like:logits")},
         constexprs=dict(
             NUM_EXPERTS=num_experts,
             SCORE_FUNCTION=SCORE_FUNCTION_IDS[score_function],
-            BLOCK_T=block_t,
-            EXPERTS_POW2=width,
+            EXPERTS_POW2=next_pow2(num_experts),
         ),
+        device=device,
+        block_t=block_t,
         num_warps=num_warps,
     )
-    return Plan(buffers, (launch,), ("grad_logits",))
 
 
 def _loss_tiles(num_cols: int) -> tuple[int, int]:

@@ -174,16 +174,20 @@ def aux_loss(
 
 def aux_loss_backward(
     grad_loss: torch.Tensor,
-    probs_shape: tuple[int, int],
-    probs_dtype: torch.dtype,
     tokens_per_expert: torch.Tensor,
-    total_num_tokens: int | torch.Tensor,
+    total: torch.Tensor | None,
+    num_rows: int,
+    num_cols: int,
+    probs_dtype: torch.dtype,
+    total_int: int,
     num_experts: int,
     topk: int,
     coeff: float,
 ) -> torch.Tensor:
-    """moetriton::router_aux_loss_backward: grad_probs by autograd of aux_loss."""
-    zeros = torch.zeros(probs_shape, dtype=probs_dtype, device=tokens_per_expert.device)
+    """moetriton::router_aux_loss_backward: grad_probs by autograd of aux_loss (`total_int` when `total`
+    is None)."""
+    zeros = torch.zeros((num_rows, num_cols), dtype=probs_dtype, device=tokens_per_expert.device)
+    total_num_tokens = total_int if total is None else total
     return _vjp(
         lambda p: aux_loss(p, tokens_per_expert, total_num_tokens, num_experts, topk, coeff),
         zeros,

@@ -35,17 +35,19 @@ def _check_devices(**tensors: Tensor | None) -> None:
 
 
 # top-k -----------------------------------------------------------------------------------------------------
+# Op bodies collect their non-tensor arguments as `options`, in the order the plan builders and the
+# reference functions take them, so the real and fake implementations share one argument list.
 
 
 def _topk_plan(
     logits,
+    expert_bias,
     topk,
     use_pre_softmax,
     num_groups,
     group_topk,
     scaling_factor,
     score_function,
-    has_bias,
     return_indices,
 ):
     return plans.topk_plan(
@@ -57,7 +59,7 @@ def _topk_plan(
         num_groups=num_groups,
         group_topk=group_topk,
         scaling_factor=scaling_factor,
-        has_bias=has_bias,
+        has_bias=expert_bias is not None,
         return_indices=return_indices,
         device=device_info(logits.device),
     )
@@ -77,67 +79,29 @@ def router_topk(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(probs [T, E], routing_map [T, E] bool, indices [T, K] int32 or [T, 0]) of [T, E] logits;
     num_groups = group_topk = 0: no groups."""
+    options = (topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function, return_indices)
     if not uses_kernels(logits.device):
-        return reference.topk_forward(
-            logits,
-            expert_bias,
-            topk,
-            use_pre_softmax,
-            num_groups,
-            group_topk,
-            scaling_factor,
-            score_function,
-            return_indices,
-        )
-    plan = _topk_plan(
-        logits,
-        topk,
-        use_pre_softmax,
-        num_groups,
-        group_topk,
-        scaling_factor,
-        score_function,
-        expert_bias is not None,
-        return_indices,
-    )
+        return reference.topk_forward(logits, expert_bias, *options)
+    plan = _topk_plan(logits, expert_bias, *options)
     return run_plan(plan, dict(logits=logits, bias=expert_bias), logits.device)
 
 
 @router_topk.register_fake
-def _(
-    logits,
-    expert_bias,
-    topk,
-    use_pre_softmax,
-    num_groups,
-    group_topk,
-    scaling_factor,
-    score_function,
-    return_indices,
-):
-    plan = _topk_plan(
-        logits,
-        topk,
-        use_pre_softmax,
-        num_groups,
-        group_topk,
-        scaling_factor,
-        score_function,
-        expert_bias is not None,
-        return_indices,
+def _(logits, expert_bias, *options):
+    return _fake(
+        _topk_plan(logits, expert_bias, *options), dict(logits=logits, bias=expert_bias), logits.device
     )
-    return _fake(plan, dict(logits=logits, bias=expert_bias), logits.device)
 
 
 def _topk_setup(ctx, inputs, output):
     logits, _, topk, use_pre_softmax, _, _, scaling_factor, score_function, _ = inputs
-    ctx.args = (topk, use_pre_softmax, scaling_factor, score_function)
+    ctx.options = (topk, use_pre_softmax, scaling_factor, score_function)
     ctx.save_for_backward(logits, output[1])
 
 
 def _topk_backward(ctx, grad_probs, grad_map, grad_indices):
     logits, routing_map = ctx.saved_tensors
-    grad_logits = router_topk_backward(grad_probs.contiguous(), logits, routing_map, *ctx.args)
+    grad_logits = router_topk_backward(grad_probs.contiguous(), logits, routing_map, *ctx.options)
     return grad_logits, None, None, None, None, None, None, None, None
 
 
@@ -167,19 +131,17 @@ def router_topk_backward(
     score_function: str,
 ) -> Tensor:
     """grad_logits [T, E] (logits dtype), recomputing the scores from logits and the routing map."""
+    options = (topk, use_pre_softmax, scaling_factor, score_function)
     if not uses_kernels(logits.device):
-        return reference.topk_backward(
-            grad_probs, logits, routing_map, topk, use_pre_softmax, scaling_factor, score_function
-        )
-    plan = _topk_backward_plan(logits, topk, use_pre_softmax, scaling_factor, score_function)
+        return reference.topk_backward(grad_probs, logits, routing_map, *options)
     inputs = dict(grad_probs=grad_probs, logits=logits, routing_map=routing_map)
-    return run_plan(plan, inputs, logits.device)[0]
+    return run_plan(_topk_backward_plan(logits, *options), inputs, logits.device)[0]
 
 
 @router_topk_backward.register_fake
-def _(grad_probs, logits, routing_map, topk, use_pre_softmax, scaling_factor, score_function):
-    plan = _topk_backward_plan(logits, topk, use_pre_softmax, scaling_factor, score_function)
-    return _fake(plan, dict(grad_probs=grad_probs, logits=logits, routing_map=routing_map), logits.device)[0]
+def _(grad_probs, logits, routing_map, *options):
+    inputs = dict(grad_probs=grad_probs, logits=logits, routing_map=routing_map)
+    return _fake(_topk_backward_plan(logits, *options), inputs, logits.device)[0]
 
 
 # aux-loss scores -------------------------------------------------------------------------------------------
@@ -249,7 +211,7 @@ def _(grad_scores, logits, score_function):
 # aux loss --------------------------------------------------------------------------------------------------
 
 
-def _loss_plan(probs, num_experts, topk, coeff, total, total_int):
+def _loss_plan(probs, total, total_int, num_experts, topk, coeff):
     return plans.aux_loss_plan(
         num_rows=probs.shape[0],
         num_cols=probs.shape[1],
@@ -272,36 +234,35 @@ def router_aux_loss(
 ) -> Tensor:
     """0-dim aux loss in probs.dtype. The token total is the 0-dim `total` tensor, or `total_int` when
     `total` is None."""
+    options = (num_experts, topk, coeff)
     if not uses_kernels(probs.device):
-        return reference.aux_loss(
-            probs, tokens_per_expert, total_int if total is None else total, num_experts, topk, coeff
-        )
-    plan = _loss_plan(probs, num_experts, topk, coeff, total, total_int)
-    return run_plan(plan, dict(probs=probs, counts=tokens_per_expert, total=total), probs.device)[0]
+        return reference.aux_loss(probs, tokens_per_expert, total_int if total is None else total, *options)
+    inputs = dict(probs=probs, counts=tokens_per_expert, total=total)
+    return run_plan(_loss_plan(probs, total, total_int, *options), inputs, probs.device)[0]
 
 
 @router_aux_loss.register_fake
-def _(probs, tokens_per_expert, total, total_int, num_experts, topk, coeff):
-    plan = _loss_plan(probs, num_experts, topk, coeff, total, total_int)
-    return _fake(plan, dict(probs=probs, counts=tokens_per_expert, total=total), probs.device)[0]
+def _(probs, tokens_per_expert, total, total_int, *options):
+    inputs = dict(probs=probs, counts=tokens_per_expert, total=total)
+    return _fake(_loss_plan(probs, total, total_int, *options), inputs, probs.device)[0]
 
 
 def _loss_setup(ctx, inputs, output):
     probs, tokens_per_expert, total, total_int, num_experts, topk, coeff = inputs
-    ctx.args = (probs.shape[0], probs.shape[1], total_int, num_experts, topk, coeff, probs.dtype)
+    ctx.options = (probs.shape[0], probs.shape[1], probs.dtype, total_int, num_experts, topk, coeff)
     ctx.save_for_backward(tokens_per_expert, total)
 
 
 def _loss_backward(ctx, grad_loss):
     tokens_per_expert, total = ctx.saved_tensors
-    grad_probs = router_aux_loss_backward(grad_loss, tokens_per_expert, total, *ctx.args)
+    grad_probs = router_aux_loss_backward(grad_loss, tokens_per_expert, total, *ctx.options)
     return grad_probs, None, None, None, None, None, None
 
 
 router_aux_loss.register_autograd(_loss_backward, setup_context=_loss_setup)
 
 
-def _loss_backward_plan(num_rows, num_cols, total, total_int, num_experts, topk, coeff, probs_dtype):
+def _loss_backward_plan(total, num_rows, num_cols, probs_dtype, total_int, num_experts, topk, coeff):
     return plans.aux_loss_backward_plan(
         num_rows=num_rows,
         num_cols=num_cols,
@@ -320,36 +281,24 @@ def router_aux_loss_backward(
     total: Tensor | None,
     num_rows: int,
     num_cols: int,
+    probs_dtype: torch.dtype,
     total_int: int,
     num_experts: int,
     topk: int,
     coeff: float,
-    probs_dtype: torch.dtype,
 ) -> Tensor:
     """grad_probs [R, C] = C * tokens_per_expert[c] * grad_loss, in probs_dtype."""
+    options = (num_rows, num_cols, probs_dtype, total_int, num_experts, topk, coeff)
     if not uses_kernels(grad_loss.device):
-        return reference.aux_loss_backward(
-            grad_loss,
-            (num_rows, num_cols),
-            probs_dtype,
-            tokens_per_expert,
-            total_int if total is None else total,
-            num_experts,
-            topk,
-            coeff,
-        )
-    plan = _loss_backward_plan(num_rows, num_cols, total, total_int, num_experts, topk, coeff, probs_dtype)
+        return reference.aux_loss_backward(grad_loss, tokens_per_expert, total, *options)
     inputs = dict(grad_loss=grad_loss, counts=tokens_per_expert, total=total)
-    return run_plan(plan, inputs, grad_loss.device)[0]
+    return run_plan(_loss_backward_plan(total, *options), inputs, grad_loss.device)[0]
 
 
 @router_aux_loss_backward.register_fake
-def _(
-    grad_loss, tokens_per_expert, total, num_rows, num_cols, total_int, num_experts, topk, coeff, probs_dtype
-):
-    plan = _loss_backward_plan(num_rows, num_cols, total, total_int, num_experts, topk, coeff, probs_dtype)
+def _(grad_loss, tokens_per_expert, total, *options):
     inputs = dict(grad_loss=grad_loss, counts=tokens_per_expert, total=total)
-    return _fake(plan, inputs, grad_loss.device)[0]
+    return _fake(_loss_backward_plan(total, *options), inputs, grad_loss.device)[0]
 
 
 # Public API ------------------------------------------------------------------------------------------------
