@@ -1,1 +1,13 @@
-"""moetriton for JAX (the bindings land with the JAX issue)."""
+"""moetriton for JAX: MoE token dispatch / combine / chunk sort on the moetriton Triton kernels.
+
+On GPU the kernels run compiled through jax-triton (imported lazily); on CPU they run under the Triton
+interpreter (through jax.pure_callback) when TRITON_INTERPRET=1 was set before import, and otherwise the
+pure-JAX reference (`moetriton.jax.reference`) runs instead. Every op is differentiable (custom_vjp), works
+under jax.jit and jax.vmap, and partitions along the token axis under jax.jit sharding (custom_partitioning
+with Shardy rules). Never imports torch. See docs/jax.md.
+"""
+
+from . import reference
+from .api import sort_chunks_by_index, token_combine, token_dispatch
+
+__all__ = ["reference", "sort_chunks_by_index", "token_combine", "token_dispatch"]

@@ -2,16 +2,21 @@
 
 GPU: every launch becomes a `jax_triton.triton_call` (imported lazily: jax-triton refuses to import without
 GPU JAX), with the plan's grid, warps and stages, and the plan's zero-initialised buffers passed as
-`zeroed_outputs`. CPU with TRITON_INTERPRET=1: the whole plan runs inside one `jax.pure_callback`, the
-kernels interpreted on numpy buffers. Never imports torch.
+`zeroed_outputs`. Launches marked `checks` run without their device assertions there: jax-triton cannot
+compile Triton's debug mode without dumping IR, so out-of-range expert ids are not checked on GPU (the kernels
+treat them as "no expert"). CPU with TRITON_INTERPRET=1: the whole plan runs inside one `jax.pure_callback`,
+the kernels interpreted on numpy buffers, one plan at a time. Never imports torch.
 """
 
 from __future__ import annotations
+
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import triton.language as tl
+
 from moetriton.kernels import INTERPRETER, DeviceInfo, Plan
 
 _TRITON_DTYPES = {
@@ -144,27 +149,18 @@ class _HostArray:
         return self
 
 
+# The Triton interpreter keeps global state (the current program id), so interpreted plans must not overlap
+# when XLA runs independent callbacks on several threads.
+_INTERPRETER_LOCK = threading.Lock()
+
+
 def _run_interpreted(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
     specs = _result_specs(plan, inputs)
     names = [name for name, value in inputs.items() if value is not None]
 
     def host(*arrays):
-        env = {name: None for name in inputs}
-        env.update({name: np.ascontiguousarray(array) for name, array in zip(names, arrays, strict=True)})
-        buffers = {
-            name: (np.zeros if spec.zero else np.empty)(spec.shape, specs[name].dtype)
-            for name, spec in plan.buffers.items()
-        }
-        env.update(buffers)
-        dummy = np.zeros(0, np.int32)
-        for launch in plan.launches:
-            args = [
-                _HostArray(dummy if env[arg] is None else env[arg]) if isinstance(arg, str) else arg
-                for arg in launch.args
-            ]
-            outputs = [_HostArray(buffers[name]) for name in launch.outputs]
-            launch.kernel[launch.grid](*args, *outputs, **launch.constexprs)
-        return tuple(buffers[name] for name in plan.results)
+        with _INTERPRETER_LOCK:
+            return _interpret(plan, specs, inputs, names, arrays)
 
     return tuple(
         jax.pure_callback(
@@ -174,3 +170,22 @@ def _run_interpreted(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
             vmap_method="sequential",
         )
     )
+
+
+def _interpret(plan: Plan, specs: dict, inputs: dict, names: list[str], arrays) -> tuple[np.ndarray, ...]:
+    env = {name: None for name in inputs}
+    env.update({name: np.ascontiguousarray(array) for name, array in zip(names, arrays, strict=True)})
+    buffers = {
+        name: (np.zeros if spec.zero else np.empty)(spec.shape, specs[name].dtype)
+        for name, spec in plan.buffers.items()
+    }
+    env.update(buffers)
+    dummy = np.zeros(0, np.int32)
+    for launch in plan.launches:
+        args = [
+            _HostArray(dummy if env[arg] is None else env[arg]) if isinstance(arg, str) else arg
+            for arg in launch.args
+        ]
+        outputs = [_HostArray(buffers[name]) for name in launch.outputs]
+        launch.kernel[launch.grid](*args, *outputs, **launch.constexprs)
+    return tuple(buffers[name] for name in plan.results)

@@ -1,0 +1,247 @@
+"""Shard-major ops: one definition gives unsharded execution, token-dimension partitioning and vmap.
+
+Every moetriton.jax op is defined by what ONE token shard computes (`ShardedOp.one_shard`). An op with
+`num_shards = n` splits each array argument into n equal blocks along its first axis, runs one shard per block
+and concatenates each result along its first axis. Every argument and result of every op is shard-major in
+this sense (tokens, buffer rows, per-expert counts, chunk sizes), so the same rule explains:
+
+* unsharded execution: n shards run one after the other on one device;
+* partitioning under jax.jit: when the first axis is sharded k ways over mesh axes and k divides n, each
+  device runs its n / k shards locally and no token moves between devices (custom_partitioning, with a
+  Shardy rule that ties the first axes of all arrays to one "shard" factor of size n, and GSPMD callbacks for
+  when Shardy is off). Otherwise the op asks for replicated operands and every device runs all n shards.
+  The hidden axis may stay sharded too: rows move column by column, and reductions over it are all-reduced;
+* jax.vmap: a batch of B problems of n shards is one problem of B * n shards (custom_vmap), so vmap folds the
+  batch into the first axis instead of looping.
+
+Inside a partitioned computation the shard runs the kernels only on GPU: JAX cannot keep a host callback
+alive inside custom_partitioning (jax-ml/jax#23620), so CPU runs the reference there, interpreter or not.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+from functools import partial
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ._launch import on_gpu, uses_kernels
+
+#: Layout role of the hidden axis: the only non-leading axis that may stay sharded.
+HIDDEN = "h"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardedOp(abc.ABC):
+    """Static description of an op; subclasses add their parameters (all per shard).
+
+    `layouts[name]` names the role of every axis of an argument or result: the first is the shard-major axis
+    (e.g. "t" tokens, "r" buffer rows), HIDDEN marks the hidden axis, anything else must stay whole.
+    `hidden_axes` is set while partitioning: the mesh axes the hidden axis is split over, for ops that
+    reduce over it.
+    """
+
+    num_shards: int = 1
+    hidden_axes: tuple[str, ...] = ()
+
+    layouts: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    @property
+    @abc.abstractmethod
+    def args(self) -> tuple[str, ...]:
+        """Names of the array arguments, in call order (absent optional inputs are left out)."""
+
+    @property
+    @abc.abstractmethod
+    def results(self) -> tuple[str, ...]:
+        """Names of the results, in return order."""
+
+    @abc.abstractmethod
+    def one_shard(self, arrays: dict[str, jax.Array], use_kernels: bool) -> dict[str, jax.Array]:
+        """What one shard computes: the launch plan's results (use_kernels) or the reference's."""
+
+
+def _split(x: jax.Array, parts: int) -> list[jax.Array]:
+    return [x] if parts == 1 else jnp.split(x, parts)
+
+
+def run_local(op: ShardedOp, arrays: Sequence[jax.Array], use_kernels: bool) -> tuple[jax.Array, ...]:
+    """Runs op.num_shards shards on local arrays, one after the other, and concatenates their results."""
+    blocks = [_split(x, op.num_shards) for x in arrays]
+    outs = [
+        op.one_shard(dict(zip(op.args, [b[i] for b in blocks], strict=True)), use_kernels)
+        for i in range(op.num_shards)
+    ]
+    if op.num_shards == 1:
+        return tuple(outs[0][name] for name in op.results)
+    return tuple(jnp.concatenate([out[name] for out in outs]) for name in op.results)
+
+
+# Partitioning -------------------------------------------------------------------------------------------
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _axes_size(mesh, axes: tuple[str, ...]) -> int:
+    return math.prod(mesh.shape[axis] for axis in axes)
+
+
+def _axis_orders(mesh, size: int, exclude: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every ordered choice of mesh axes (outside `exclude`) whose sizes multiply to `size`."""
+    names = [axis for axis in mesh.axis_names if axis not in exclude]
+    return [
+        axes
+        for count in range(len(names) + 1)
+        for axes in itertools.permutations(names, count)
+        if _axes_size(mesh, axes) == size
+    ]
+
+
+def _decode(mesh, first) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(mesh axes of the leading axis, mesh axes of the hidden axis) of the first argument's sharding, or None
+    when it is not a split over whole mesh axes (Shardy may split one axis into sub-axes)."""
+    shape, sharding = first.shape, first.sharding
+    if 0 in shape:
+        return (), ()
+    tiles = [size // local for size, local in zip(shape, sharding.shard_shape(shape), strict=True)]
+    for token_axes in _axis_orders(mesh, tiles[0]):
+        for hidden_axes in _axis_orders(mesh, tiles[1], exclude=token_axes):
+            candidate = NamedSharding(mesh, PartitionSpec(token_axes or None, hidden_axes or None))
+            if candidate.is_equivalent_to(sharding, len(shape)):
+                return token_axes, hidden_axes
+    return None
+
+
+def _choose_axes(op: ShardedOp, mesh, arg_shapes) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(mesh axes of the shard-major axis, mesh axes of the hidden axis) the op runs with, read from its
+    first argument (the payload, [rows, hidden]): kept where the shard count divides num_shards and the
+    hidden size, replicated otherwise."""
+    decoded = _decode(mesh, arg_shapes[0])
+    if decoded is None:
+        return (), ()
+    token_axes, hidden_axes = decoded
+    if op.num_shards % _axes_size(mesh, token_axes):
+        token_axes = ()
+    return token_axes, hidden_axes
+
+
+def _named(mesh, layout: tuple[str, ...], token_axes, hidden_axes) -> NamedSharding:
+    entries = []
+    for dim, role in enumerate(layout):
+        axes = token_axes if dim == 0 else hidden_axes if role == HIDDEN else ()
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return NamedSharding(mesh, PartitionSpec(*entries))
+
+
+def _shardings(op: ShardedOp, mesh, names, token_axes, hidden_axes) -> tuple[NamedSharding, ...]:
+    return tuple(_named(mesh, op.layouts[name], token_axes, hidden_axes) for name in names)
+
+
+def _lower(op: ShardedOp, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    return run_local(op, arrays, use_kernels=on_gpu())
+
+
+def _partition(op: ShardedOp, mesh, arg_shapes, result_shape):
+    token_axes, hidden_axes = _choose_axes(op, mesh, arg_shapes)
+    local = dataclasses.replace(
+        op, num_shards=op.num_shards // _axes_size(mesh, token_axes), hidden_axes=hidden_axes
+    )
+    return (
+        mesh,
+        partial(_lower, local),
+        _shardings(op, mesh, op.results, token_axes, hidden_axes),
+        _shardings(op, mesh, op.args, token_axes, hidden_axes),
+    )
+
+
+def _infer(op: ShardedOp, mesh, arg_shapes, result_shape):
+    token_axes, hidden_axes = _choose_axes(op, mesh, arg_shapes)
+    return _shardings(op, mesh, op.results, token_axes, hidden_axes)
+
+
+def _shardy_rule(op: ShardedOp, mesh, operand_types, result_types):
+    """Einsum-like Shardy rule: the first axis of every array is the compound (s <role>) with s the shard
+    factor of size num_shards; roles other than the hidden axis need replication."""
+    n = op.num_shards
+    seen: list[str] = []  # factors in order of first use: Shardy wants special factors listed in that order
+    whole: set[str] = set()
+    local_sizes: dict[str, int] = {}
+
+    def use(*factors: str) -> None:
+        seen.extend(factor for factor in factors if factor not in seen)
+
+    def mapping(name: str, shape: Sequence[int]) -> str:
+        factors = []
+        for dim, (role, size) in enumerate(zip(op.layouts[name], shape, strict=True)):
+            if dim == 0 and n > 1 and size == n:
+                factors.append("s")
+                whole.add("s")
+                use("s")
+            elif dim == 0 and n > 1 and size > 0:
+                factors.append(f"(s {role})")
+                local_sizes[role] = size // n
+                use("s", role)
+            else:
+                factors.append(role)
+                whole.add(role)
+                use(role)
+        return " ".join(factors)
+
+    operands = ", ".join(mapping(name, t.shape) for name, t in zip(op.args, operand_types, strict=True))
+    results = ", ".join(mapping(name, t.shape) for name, t in zip(op.results, result_types, strict=True))
+    sizes = dict(local_sizes)
+    if "s" in seen and "s" not in whole:
+        sizes["s"] = n
+    replicated = tuple(factor for factor in seen if factor not in ("s", HIDDEN))
+    return f"{operands} -> {results}", dict(sizes, need_replication_factors=replicated)
+
+
+@partial(custom_partitioning, static_argnums=(0,))
+def _partitioned(op: ShardedOp, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    return run_local(op, arrays, use_kernels=uses_kernels())
+
+
+# decode_shardings=False: Shardy may hand over shardings on sub-axes, which have no PartitionSpec; `_decode`
+# matches shardings against whole-axis candidates itself and replicates otherwise.
+_partitioned.def_partition(
+    partition=_partition,
+    infer_sharding_from_operands=_infer,
+    sharding_rule=_shardy_rule,
+    decode_shardings=False,
+)
+
+
+# Batching -----------------------------------------------------------------------------------------------
+
+
+def _batched(op: ShardedOp, axis_size: int, in_batched: list[bool], *arrays: jax.Array):
+    flat = []
+    for x, batched in zip(arrays, in_batched, strict=True):
+        x = x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+        flat.append(x.reshape(axis_size * x.shape[1], *x.shape[2:]))
+    outs = call(dataclasses.replace(op, num_shards=op.num_shards * axis_size), *flat)
+    unfolded = tuple(y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:]) for y in outs)
+    return unfolded, (True,) * len(unfolded)
+
+
+def call(op: ShardedOp, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """Runs `op` on its shard-major arguments (in op.args order); returns its results (op.results order)."""
+
+    @jax.custom_batching.custom_vmap
+    def run(*arrays):
+        return _partitioned(op, *arrays)
+
+    run.def_vmap(partial(_batched, op))
+    return tuple(run(*arrays))

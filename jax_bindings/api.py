@@ -1,0 +1,319 @@
+"""Public JAX API: token_dispatch, token_combine, sort_chunks_by_index.
+
+Same names, arguments, results and row_id_map format as moetriton.torch, plus a keyword-only `num_shards`
+(static) that gives the op per-shard semantics: with num_shards = n, the token (row) axis of every argument
+is n equal blocks, each block is processed as an independent call, and every result is the concatenation of
+the n blocks' results along its first axis. Under jax.jit with the token axis sharded over k devices, k
+dividing n, every device processes its own blocks and no token crosses devices. See docs/jax.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moetriton.kernels import validation
+
+from . import ops
+from ._launch import describe
+from ._sharding import call
+
+_FP8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def _host_values(x) -> np.ndarray | None:
+    """The values of `x` when reading them is free (a numpy array, or a concrete JAX array on CPU)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) or not x.is_fully_addressable:
+        return None
+    if any(device.platform != "cpu" for device in x.devices()):
+        return None
+    return np.asarray(x)
+
+
+def _check_shards(num_shards: int, *sizes: tuple[str, str, int]) -> None:
+    """Every (argument, what, size) must split into num_shards equal blocks."""
+    validation.check_positive("num_shards", num_shards)
+    for name, what, size in sizes:
+        if size % num_shards:
+            raise ValueError(f"{name}: expected {what} a multiple of num_shards = {num_shards}, got {size}")
+
+
+def _asarray(x):
+    return None if x is None else jnp.asarray(x)
+
+
+# dispatch ------------------------------------------------------------------------------------------------
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dispatch(op: ops.Dispatch, inp, routing, probs, scales):
+    return call(op, *(x for x in (inp, routing, probs, scales) if x is not None))
+
+
+def _dispatch_fwd(op, inp, routing, probs, scales):
+    results = _dispatch(op, inp, routing, probs, scales)
+    return results, results[op.results.index("row_id_map")]
+
+
+def _dispatch_bwd(op, row_map, cotangents):
+    named = dict(zip(op.results, cotangents, strict=True))
+    grad = named["output"]
+    inp_dtype = grad.dtype
+    # FP8 payloads have no FP8 combine: their cotangent is summed in fp32 and rounded once.
+    if grad.dtype in _FP8:
+        grad = grad.astype(jnp.float32)
+    backward = ops.DispatchBackward(num_shards=op.num_shards, has_probs=op.has_probs)
+    args = (grad, row_map) + ((named["permuted_probs"],) if op.has_probs else ())
+    grads = dict(zip(backward.results, call(backward, *args), strict=True))
+    grad_probs = grads.get("grad_probs")
+    return grads["grad_inp"].astype(inp_dtype), None, grad_probs, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def token_dispatch(
+    inp: jax.Array,
+    routing_map: jax.Array | None = None,
+    num_out_tokens: int | None = None,
+    probs: jax.Array | None = None,
+    align_size: int | None = None,
+    *,
+    indices: jax.Array | None = None,
+    num_experts: int | None = None,
+    scales: jax.Array | None = None,
+    num_shards: int = 1,
+) -> tuple:
+    """Permute tokens into expert-major order (MoE dispatch).
+
+    Args:
+        inp: [T, H] tokens; float32/float64/bfloat16/float16, or float8_e4m3fn/e5m2 payloads (moved as bits).
+        routing_map: [T, E] mask (bool or integer, nonzero = routed). Pass this or `indices`.
+        num_out_tokens: rows of the output before padding, a static Python int (over all shards). Slots whose
+            row would fall past the buffer are dropped (no row, weight 0 in combine), so a value below the
+            routed count truncates the highest experts first. Defaults to T * K with `indices`.
+        probs: [T, E] (mask) or [T, K] (indices) routing probabilities, permuted alongside the tokens.
+        align_size: pad every expert's block to a multiple of this (grouped-GEMM tiles). A shard's buffer then
+            has the static worst case floor((n_out + E * (A - 1)) / A) * A rows, n_out = num_out_tokens /
+            num_shards; pad rows and rows past the last expert are exactly zero in every output.
+        indices: [T, K] int32/int64 expert ids, -1 = no expert. Needs `num_experts`. Ids are range-checked
+            when their values are free to read (concrete CPU arrays); elsewhere (GPU, inside jit) an id
+            outside [-1, E) is treated like -1.
+        num_experts: E; required with `indices`, implied by a mask.
+        scales: [T, C] row-wise scales of FP8 payloads (any dtype), permuted like the rows (no gradient).
+        num_shards: n, a static Python int dividing T and num_out_tokens. Each of the n token blocks is
+            dispatched on its own into its own block of every result (see the module docstring).
+
+    Returns:
+        (output [N, H], permuted_probs [N] or None, row_id_map [T, S + 1] int32, pad_offsets [n * E] int32 or
+        None (padding only), tokens_per_expert [n * E] int32 (rows per expert in the buffer, padding
+        included)), plus permuted_scales [N, C] as a sixth element when `scales` is given. N = n * (rows of a
+        shard's buffer); S = E for a mask, K for indices. Rows in row_id_map are local to their shard's
+        block. Destination rows are expert-major, token order stable inside each expert.
+
+    Example:
+        >>> x = jnp.ones((4, 8))
+        >>> mask = jnp.array([[1, 1, 0], [1, 0, 1], [0, 0, 1], [0, 0, 0]], dtype=bool)
+        >>> out, _, row_id_map, _, counts = token_dispatch(x, mask, num_out_tokens=5)
+        >>> counts.tolist()
+        [2, 1, 2]
+    """
+    if num_out_tokens is None and indices is not None:
+        num_out_tokens = int(np.prod(np.shape(indices)))
+    is_mask, _, num_experts = validation.check_dispatch(
+        inp=describe(inp),
+        routing_map=describe(routing_map),
+        indices=describe(indices),
+        num_experts=num_experts,
+        num_out_tokens=num_out_tokens,
+        probs=describe(probs),
+        scales=describe(scales),
+        align_size=align_size,
+    )
+    _check_shards(num_shards, ("inp", "shape[0]", inp.shape[0]), ("num_out_tokens", "it", num_out_tokens))
+    if not is_mask:
+        values = _host_values(indices)
+        if values is not None and values.size:
+            validation.check_index_values(int(values.min()), int(values.max()), num_experts)
+    op = ops.Dispatch(
+        num_shards=num_shards,
+        num_experts=num_experts,
+        is_mask=is_mask,
+        num_out_tokens=num_out_tokens // num_shards,
+        align_size=align_size,
+        has_probs=probs is not None,
+        has_scales=scales is not None,
+    )
+    routing = routing_map if is_mask else indices
+    results = _dispatch(op, jnp.asarray(inp), jnp.asarray(routing), _asarray(probs), _asarray(scales))
+    named = dict(zip(op.results, results, strict=True))
+    result = (
+        named["output"],
+        named.get("permuted_probs"),
+        named["row_id_map"],
+        named.get("pad_offsets"),
+        named["tokens_per_expert"],
+    )
+    return (*result, named["permuted_scales"]) if scales is not None else result
+
+
+# combine -------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _CombineStatics:
+    num_shards: int
+    padded: bool
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _combine(statics: _CombineStatics, inp, row_map, weights):
+    op = ops.Combine(num_shards=statics.num_shards, has_weights=weights is not None)
+    return call(op, *(x for x in (inp, row_map, weights) if x is not None))[0]
+
+
+def _combine_fwd(statics, inp, row_map, weights):
+    return _combine(statics, inp, row_map, weights), (inp, row_map, weights)
+
+
+def _combine_bwd(statics, residuals, grad):
+    inp, row_map, weights = residuals
+    if weights is None:
+        op = ops.Scatter(
+            num_shards=statics.num_shards, num_rows=inp.shape[0] // statics.num_shards, padded=statics.padded
+        )
+        (grad_inp,) = call(op, grad, row_map)
+        return grad_inp, None, None
+    op = ops.CombineBackward(num_shards=statics.num_shards, padded=statics.padded)
+    grad_inp, grad_weights = call(op, grad, row_map, inp, weights)
+    return grad_inp, None, grad_weights
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def token_combine(
+    inp: jax.Array,
+    row_id_map: jax.Array,
+    merging_probs: jax.Array | None = None,
+    pad_offsets: jax.Array | None = None,
+    *,
+    num_shards: int = 1,
+) -> jax.Array:
+    """Gather expert outputs back to tokens (MoE combine), optionally weighted.
+
+    Args:
+        inp: [N, H] expert outputs in the layout token_dispatch produced; float32/float64/bfloat16/float16.
+        row_id_map: [T, S + 1] int32 from token_dispatch.
+        merging_probs: [T, S] weights in the routing layout ([T, E] for a mask, [T, K] for indices).
+        pad_offsets: pass what token_dispatch returned when it padded (rows in row_id_map already include
+            padding; this tells the backward that pad rows exist, so their gradient is written as zeros).
+        num_shards: the num_shards token_dispatch was called with (static; divides N and T).
+
+    Returns:
+        [T, H] in inp.dtype: out[t] = sum over t's slots, in ascending slot order, of
+        w[t, s] * inp[row(t, s)], accumulated in fp32 without atomics (bitwise reproducible).
+        Tokens with no row get zeros. Gradients: inp's is exactly zero on rows no slot owns (padding, tail);
+        merging_probs' is <inp[row(t, s)], g[t]> in fp32, 0 for slots without a row.
+
+    Example:
+        >>> x = jnp.ones((4, 8))
+        >>> mask = jnp.array([[1, 1], [1, 0], [0, 1], [0, 0]], dtype=bool)
+        >>> out, _, row_id_map, _, _ = token_dispatch(x, mask, num_out_tokens=4)
+        >>> token_combine(out, row_id_map)[0, 0].item()
+        2.0
+    """
+    validation.check_combine(
+        inp=describe(inp),
+        row_id_map=describe(row_id_map),
+        merging_probs=describe(merging_probs),
+        pad_offsets=describe(pad_offsets),
+    )
+    _check_shards(
+        num_shards, ("inp", "shape[0]", inp.shape[0]), ("row_id_map", "shape[0]", row_id_map.shape[0])
+    )
+    statics = _CombineStatics(num_shards=num_shards, padded=pad_offsets is not None)
+    return _combine(statics, jnp.asarray(inp), jnp.asarray(row_id_map), _asarray(merging_probs))
+
+
+# chunk sort ----------------------------------------------------------------------------------------------
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sort_chunks(op: ops.SortChunks, inp, split_sizes, sorted_indices, probs):
+    return call(op, *(x for x in (inp, split_sizes, sorted_indices, probs) if x is not None))
+
+
+def _sort_chunks_fwd(op, inp, split_sizes, sorted_indices, probs):
+    return _sort_chunks(op, inp, split_sizes, sorted_indices, probs), (split_sizes, sorted_indices)
+
+
+def _sort_chunks_bwd(op, residuals, cotangents):
+    split_sizes, sorted_indices = residuals
+    named = dict(zip(op.results, cotangents, strict=True))
+    inverse = dataclasses.replace(op, backward=True)
+    probs = (named["permuted_probs"],) if op.has_probs else ()
+    args = (named["output"], split_sizes, sorted_indices, *probs)
+    grads = dict(zip(inverse.results, call(inverse, *args), strict=True))
+    return grads["output"], None, None, grads.get("permuted_probs")
+
+
+_sort_chunks.defvjp(_sort_chunks_fwd, _sort_chunks_bwd)
+
+
+def sort_chunks_by_index(
+    inp: jax.Array,
+    split_sizes: jax.Array,
+    sorted_indices: jax.Array,
+    probs: jax.Array | None = None,
+    *,
+    num_shards: int = 1,
+) -> tuple:
+    """Reorder row chunks: output chunk j is input chunk sorted_indices[j] (e.g. rank-major -> expert-major
+    after an expert-parallel all-to-all).
+
+    Args:
+        inp: [N, H] rows; any float or FP8 dtype (moved bit for bit).
+        split_sizes: [n * S] int32/int64 chunk sizes, shard-major; a shard's rows past their sum stay put.
+        sorted_indices: [n * S] int32/int64, each shard's S entries a permutation of [0, S).
+        probs: optional [N] per-row values permuted alongside.
+        num_shards: n, a static Python int: each of the n row blocks is sorted by its own S sizes and indices.
+            Sizes and indices are checked when their values are free to read (concrete CPU arrays).
+
+    Returns:
+        (output [N, H], row_id_map [N] int32 destination of each input row within its shard's block[,
+        permuted_probs [N]]).
+
+    Example:
+        >>> x = jnp.arange(6.0).reshape(6, 1)
+        >>> out, _ = sort_chunks_by_index(x, jnp.array([2, 3, 1]), jnp.array([2, 0, 1]))
+        >>> out[:, 0].tolist()
+        [5.0, 0.0, 1.0, 2.0, 3.0, 4.0]
+    """
+    validation.check_sort_chunks(
+        inp=describe(inp),
+        split_sizes=describe(split_sizes),
+        sorted_indices=describe(sorted_indices),
+        probs=describe(probs),
+    )
+    _check_shards(
+        num_shards, ("inp", "shape[0]", inp.shape[0]), ("split_sizes", "its length", split_sizes.shape[0])
+    )
+    sizes, order = _host_values(split_sizes), _host_values(sorted_indices)
+    if sizes is not None and order is not None:
+        rows = inp.shape[0] // num_shards
+        for shard_sizes, shard_order in zip(
+            np.split(sizes, num_shards), np.split(order, num_shards), strict=True
+        ):
+            validation.check_split_values(shard_sizes.tolist(), shard_order.tolist(), rows)
+    op = ops.SortChunks(num_shards=num_shards, has_probs=probs is not None, backward=False)
+    results = _sort_chunks(
+        op, jnp.asarray(inp), jnp.asarray(split_sizes), jnp.asarray(sorted_indices), _asarray(probs)
+    )
+    return tuple(results)

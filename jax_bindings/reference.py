@@ -1,0 +1,351 @@
+"""Pure-JAX reference of every moetriton op: vectorised, differentiable, independent of the kernels.
+
+Used as the test oracle, as the fallback when no kernel can run (no GPU and TRITON_INTERPRET unset, or
+inside a partitioned computation on CPU), and as a benchmark baseline. Row maps come from a stable argsort of
+expert ids (the kernels count and scan instead); rows move by scatter and gather, so data movement matches the
+kernels bit for bit. Combine accumulates in fp32 in ascending slot order like the kernels; XLA may contract a
+multiply and an add into one fused multiply-add, so weighted sums can differ from the kernels in the last bit.
+
+The op-level functions (`dispatch`, `combine`, ...) return what one shard of a moetriton.jax op computes, with
+None for absent optional results; the public-API mirrors (`token_dispatch`, `token_combine`,
+`sort_chunks_by_index`) take the arguments of moetriton.jax's functions (without `num_shards`) and are what
+tests differentiate. `argsort_dispatch` / `argsort_combine` are a MaxText-style gather-based baseline.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_BIT_DTYPES = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _acc_dtype(dtype) -> jnp.dtype:
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+def _move_rows(values: jax.Array, dst: jax.Array, src: jax.Array, num_rows: int) -> jax.Array:
+    """out[dst[i]] = values[src[i]] (entries with dst[i] == num_rows are dropped); every other row zero.
+
+    Float payloads wider than a byte move as floats (differentiable); everything else moves as raw bits.
+    """
+    shape = (num_rows, *values.shape[1:])
+    if values.shape[0] == 0 or src.shape[0] == 0:
+        return jnp.zeros(shape, values.dtype)
+    if jnp.issubdtype(values.dtype, jnp.floating) and values.dtype.itemsize > 1:
+        return jnp.zeros(shape, values.dtype).at[dst].set(values[src], mode="drop")
+    bits = jax.lax.bitcast_convert_type(values, _BIT_DTYPES[values.dtype.itemsize])
+    moved = jnp.zeros(shape, bits.dtype).at[dst].set(bits[src], mode="drop")
+    return jax.lax.bitcast_convert_type(moved, values.dtype)
+
+
+def buffer_rows(num_out_tokens: int, num_experts: int, align_size: int | None) -> int:
+    """Rows of a shard's buffer: num_out_tokens, or with padding floor((num_out_tokens + E(A-1)) / A) * A."""
+    if align_size is None:
+        return num_out_tokens
+    return (num_out_tokens + num_experts * (align_size - 1)) // align_size * align_size
+
+
+def row_map(
+    routing: jax.Array, num_experts: int, is_mask: bool, num_rows: int, align: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Row map [T, S + 1], rows per expert in the buffer [E] and pad offsets [E] (all int32).
+
+    A slot's row is its expert's (padded) block start plus its rank among that expert's slots in
+    (token, slot) order; slots past the buffer, with no expert, or with an id outside [0, E) get -1.
+    """
+    num_tokens, num_slots = routing.shape
+    if is_mask:
+        valid = routing != 0
+        experts = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), routing.shape)
+    else:
+        experts = routing.astype(jnp.int32)
+        valid = (experts >= 0) & (experts < num_experts)
+    flat = jnp.where(valid, experts, num_experts).reshape(-1)
+    counts = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    aligned = (counts + align - 1) // align * align
+    start = jnp.cumsum(aligned, dtype=jnp.int32) - aligned
+    plain_start = jnp.cumsum(counts, dtype=jnp.int32) - counts
+    order = jnp.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    pad = jnp.zeros(1, jnp.int32)
+    rank = jnp.arange(flat.shape[0], dtype=jnp.int32) - jnp.concatenate([plain_start, pad])[sorted_experts]
+    sorted_rows = jnp.concatenate([start, pad])[sorted_experts] + rank
+    rows = jnp.zeros_like(flat).at[order].set(sorted_rows)
+    rows = jnp.where(valid.reshape(-1) & (rows < num_rows), rows, -1)
+    end = jnp.minimum(aligned.sum(), num_rows)
+    kept = jnp.minimum(jnp.maximum(num_rows - start, 0), aligned)
+    full_map = jnp.concatenate(
+        [rows.reshape(num_tokens, num_slots), jnp.full((num_tokens, 1), end, jnp.int32)], axis=1
+    )
+    return full_map.astype(jnp.int32), kept.astype(jnp.int32), (start - plain_start).astype(jnp.int32)
+
+
+def _slot_rows(row_id_map: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """(token of every slot, destination row of every slot) flattened in (token, slot) order; slots without
+    a row point at `num_rows`, which scatters drop."""
+    rows = row_id_map[:, :-1]
+    tokens = jnp.broadcast_to(jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None], rows.shape)
+    return tokens.reshape(-1), jnp.where(rows >= 0, rows, num_rows).reshape(-1)
+
+
+def dispatch(
+    inp: jax.Array,
+    routing: jax.Array,
+    probs: jax.Array | None,
+    scales: jax.Array | None,
+    num_experts: int,
+    is_mask: bool,
+    num_out_tokens: int,
+    align_size: int | None,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array, jax.Array, jax.Array]:
+    """One shard of token_dispatch: (output [N, H], permuted_probs [N] | None, permuted_scales [N, C] | None,
+    row_id_map [T, S + 1], pad_offsets [E], tokens_per_expert [E])."""
+    num_rows = buffer_rows(num_out_tokens, num_experts, align_size)
+    full_map, kept, pad_offsets = row_map(routing, num_experts, is_mask, num_rows, align_size or 1)
+    tokens, dst = _slot_rows(full_map, num_rows)
+    output = _move_rows(inp, dst, tokens, num_rows)
+    permuted_probs = (
+        None if probs is None else _move_rows(probs.reshape(-1), dst, jnp.arange(dst.shape[0]), num_rows)
+    )
+    permuted_scales = None if scales is None else _move_rows(scales, dst, tokens, num_rows)
+    return output, permuted_probs, permuted_scales, full_map, pad_offsets, kept
+
+
+def combine(inp: jax.Array, row_id_map: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """One shard of token_combine: per token, the sum over its slots in ascending order of w * inp[row]
+    (w = 1 without weights), in fp32 (fp64 for fp64 input), cast to inp.dtype."""
+    acc_dtype = _acc_dtype(inp.dtype)
+    rows = row_id_map[:, :-1]
+    num_tokens = rows.shape[0]
+    acc = jnp.zeros((num_tokens, inp.shape[1]), acc_dtype)
+    if inp.shape[0] == 0 or num_tokens == 0:
+        return acc.astype(inp.dtype)
+
+    def add_slot(acc, slot):
+        slot_rows, slot_weights = slot
+        term = inp[jnp.maximum(slot_rows, 0)].astype(acc_dtype)
+        if slot_weights is not None:
+            term = term * slot_weights.astype(acc_dtype)[:, None]
+        return jnp.where((slot_rows >= 0)[:, None], acc + term, acc), None
+
+    acc, _ = jax.lax.scan(add_slot, acc, (rows.T, None if weights is None else weights.T))
+    return acc.astype(inp.dtype)
+
+
+def dispatch_backward(
+    grad_output: jax.Array, grad_permuted_probs: jax.Array | None, row_id_map: jax.Array
+) -> tuple[jax.Array, jax.Array | None]:
+    """Backward of one dispatch shard: (grad_inp [T, H], the combined cotangent; grad_probs [T, S] / None)."""
+    grad_inp = combine(grad_output, row_id_map)
+    if grad_permuted_probs is None:
+        return grad_inp, None
+    rows = row_id_map[:, :-1]
+    if grad_permuted_probs.shape[0] == 0:
+        return grad_inp, jnp.zeros(rows.shape, grad_permuted_probs.dtype)
+    gathered = grad_permuted_probs[jnp.maximum(rows, 0)]
+    return grad_inp, jnp.where(rows >= 0, gathered, jnp.zeros_like(gathered))
+
+
+def scatter_rows(grad: jax.Array, row_id_map: jax.Array, num_rows: int) -> jax.Array:
+    """Backward of one unweighted combine shard: grad [T, H] copied to the rows of its slots, others zero."""
+    tokens, dst = _slot_rows(row_id_map, num_rows)
+    return _move_rows(grad, dst, tokens, num_rows)
+
+
+def combine_backward(
+    grad: jax.Array, row_id_map: jax.Array, inp: jax.Array, weights: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Backward of one weighted combine shard: grad_inp[row(t, s)] = g[t] * w[t, s] (fp32, cast to inp.dtype;
+    rows no slot owns are zero) and grad_weights[t, s] = <inp[row(t, s)], g[t]> in fp32 (0 without a row)."""
+    acc_dtype = _acc_dtype(inp.dtype)
+    num_rows = inp.shape[0]
+    rows = row_id_map[:, :-1]
+    if num_rows == 0 or rows.shape[0] == 0:
+        return jnp.zeros_like(inp), jnp.zeros(weights.shape, weights.dtype)
+    tokens, dst = _slot_rows(row_id_map, num_rows)
+    slots = jnp.broadcast_to(jnp.arange(rows.shape[1], dtype=jnp.int32), rows.shape).reshape(-1)
+    owned = jnp.zeros(num_rows, bool).at[dst].set(True, mode="drop")
+    owner_token = jnp.zeros(num_rows, jnp.int32).at[dst].set(tokens, mode="drop")
+    owner_slot = jnp.zeros(num_rows, jnp.int32).at[dst].set(slots, mode="drop")
+    grad_rows = grad[owner_token].astype(acc_dtype)
+    row_weights = weights[owner_token, owner_slot].astype(acc_dtype)
+    grad_inp = jnp.where(owned[:, None], (grad_rows * row_weights[:, None]).astype(inp.dtype), 0)
+    dots = jnp.sum(inp.astype(acc_dtype) * grad_rows, axis=1)
+    grad_weights = jnp.where(rows >= 0, dots[jnp.maximum(rows, 0)], 0)
+    return grad_inp, grad_weights.astype(weights.dtype)
+
+
+def chunk_sort_map(split_sizes: jax.Array, sorted_indices: jax.Array, num_rows: int) -> jax.Array:
+    """Destination row [N] (int32) of every input row for chunk sort; rows past the chunks stay put."""
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    if split_sizes.shape[0] == 0:
+        return rows
+    sizes = split_sizes.astype(jnp.int32)
+    order = sorted_indices.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    src_start = ends - sizes
+    sorted_sizes = sizes[order]
+    dst_start = jnp.zeros_like(sizes).at[order].set(jnp.cumsum(sorted_sizes) - sorted_sizes)
+    chunk = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), sizes.shape[0] - 1)
+    return jnp.where(rows < ends[-1], dst_start[chunk] + rows - src_start[chunk], rows).astype(jnp.int32)
+
+
+def sort_chunks(
+    inp: jax.Array,
+    split_sizes: jax.Array,
+    sorted_indices: jax.Array,
+    probs: jax.Array | None,
+    backward: bool,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """One shard of chunk sort: (output, row_id_map | None (backward), permuted_probs | None). The forward
+    scatters row i to map[i]; the backward gathers row i from map[i]."""
+    num_rows = inp.shape[0]
+    dst = chunk_sort_map(split_sizes, sorted_indices, num_rows)
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    dst_rows, src_rows = (rows, dst) if backward else (dst, rows)
+    output = _move_rows(inp, dst_rows, src_rows, num_rows)
+    permuted = None if probs is None else _move_rows(probs, dst_rows, src_rows, num_rows)
+    return output, None if backward else dst, permuted
+
+
+# Public-API mirrors -------------------------------------------------------------------------------------
+
+
+def token_dispatch(
+    inp: jax.Array,
+    routing_map: jax.Array | None = None,
+    num_out_tokens: int | None = None,
+    probs: jax.Array | None = None,
+    align_size: int | None = None,
+    *,
+    indices: jax.Array | None = None,
+    num_experts: int | None = None,
+    scales: jax.Array | None = None,
+) -> tuple:
+    """Reference of moetriton.jax.token_dispatch with num_shards=1 (same arguments and results).
+
+    Example:
+        >>> mask = jnp.array([[True, False], [True, True]])
+        >>> out, _, row_id_map, _, counts = token_dispatch(jnp.ones((2, 4)), mask, num_out_tokens=3)
+        >>> counts.tolist()
+        [2, 1]
+    """
+    is_mask = routing_map is not None
+    routing = jnp.asarray(routing_map if is_mask else indices)
+    if is_mask:
+        num_experts = routing.shape[1]
+    if num_out_tokens is None:
+        num_out_tokens = routing.size
+    output, permuted_probs, permuted_scales, full_map, pad_offsets, kept = dispatch(
+        jnp.asarray(inp),
+        routing,
+        None if probs is None else jnp.asarray(probs),
+        None if scales is None else jnp.asarray(scales),
+        num_experts,
+        is_mask,
+        num_out_tokens,
+        align_size,
+    )
+    result = (output, permuted_probs, full_map, pad_offsets if align_size is not None else None, kept)
+    return (*result, permuted_scales) if scales is not None else result
+
+
+def token_combine(
+    inp: jax.Array,
+    row_id_map: jax.Array,
+    merging_probs: jax.Array | None = None,
+    pad_offsets: jax.Array | None = None,
+) -> jax.Array:
+    """Reference of moetriton.jax.token_combine with num_shards=1: [T, H] in inp.dtype."""
+    return combine(
+        jnp.asarray(inp),
+        jnp.asarray(row_id_map),
+        None if merging_probs is None else jnp.asarray(merging_probs),
+    )
+
+
+def sort_chunks_by_index(
+    inp: jax.Array,
+    split_sizes: jax.Array,
+    sorted_indices: jax.Array,
+    probs: jax.Array | None = None,
+) -> tuple:
+    """Reference of moetriton.jax.sort_chunks_by_index with num_shards=1: (output, row_id_map[, probs])."""
+    output, dst, permuted = sort_chunks(
+        jnp.asarray(inp),
+        jnp.asarray(split_sizes),
+        jnp.asarray(sorted_indices),
+        None if probs is None else jnp.asarray(probs),
+        backward=False,
+    )
+    return (output, dst) if probs is None else (output, dst, permuted)
+
+
+# MaxText-style baseline -----------------------------------------------------------------------------------
+
+
+@jax.custom_vjp
+def _permute_rows(x: jax.Array, order: jax.Array) -> jax.Array:
+    return x[order]
+
+
+def _permute_rows_fwd(x, order):
+    return x[order], order
+
+
+def _permute_rows_bwd(order, grad):
+    # The inverse permutation is a gather too, so the backward never lowers to a scatter-add.
+    return grad[jnp.argsort(order)], None
+
+
+_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
+def argsort_dispatch(
+    inp: jax.Array, indices: jax.Array, num_experts: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gather-based dispatch as MaxText does it: repeat every token K times, then gather the copies in the
+    order of a stable argsort of the flat expert ids.
+
+    Args:
+        inp: [T, H] tokens.
+        indices: [T, K] expert ids, all in [0, E) (no -1: they would sort first).
+        num_experts: E.
+
+    Returns:
+        (output [T * K, H], the same rows as token_dispatch(inp, indices=indices, num_experts=E)[0];
+        order [T * K] int32, the argsort to pass to argsort_combine; group_sizes [E] int32).
+
+    Example:
+        >>> out, order, sizes = argsort_dispatch(jnp.ones((3, 2)), jnp.array([[1], [0], [1]]), 2)
+        >>> sizes.tolist()
+        [1, 2]
+    """
+    topk = indices.shape[1]
+    flat = indices.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    output = _permute_rows(jnp.repeat(inp, topk, axis=0), order)
+    return output, order, jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+def argsort_combine(expert_out: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
+    """Inverse of argsort_dispatch, weighted: out[t] = sum_k weights[t, k] * row of (t, k), summed in fp32.
+
+    Args:
+        expert_out: [T * K, H] rows in argsort_dispatch's order.
+        order: [T * K] from argsort_dispatch.
+        weights: [T, K].
+
+    Returns:
+        [T, H] in expert_out.dtype.
+
+    Example:
+        >>> out, order, _ = argsort_dispatch(jnp.ones((3, 2)), jnp.array([[1], [0], [1]]), 2)
+        >>> argsort_combine(out, order, jnp.full((3, 1), 0.5)).tolist()[0]
+        [0.5, 0.5]
+    """
+    num_tokens, topk = weights.shape
+    rows = _permute_rows(expert_out, jnp.argsort(order)).reshape(num_tokens, topk, -1)
+    summed = jnp.einsum("tkh,tk->th", rows.astype(jnp.float32), weights.astype(jnp.float32))
+    return summed.astype(expert_out.dtype)
