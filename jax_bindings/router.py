@@ -1,0 +1,476 @@
+"""JAX router: fused top-k with score functions, aux-loss scores and the aux loss.
+
+Same names, arguments and semantics as moetriton.torch.router (see moetriton.kernels.router and
+docs/router.md). Every op is a jax.custom_vjp over kernel calls that run through `_launch.run_plan`:
+jax-triton on GPU, the Triton interpreter through jax.pure_callback on CPU when TRITON_INTERPRET=1, and
+otherwise `moetriton.jax.reference_router`.
+
+Sharding: every kernel call is a custom_partitioning op with a Shardy rule. Tokens are independent, so the
+token axis keeps its sharding and each device routes its own tokens; the expert axis is replicated. The aux
+loss reduces over tokens: each device sums its rows and the partial losses are psum-ed over the token mesh
+axes, so a token-sharded `fused_moe_aux_loss` returns the GLOBAL loss (the same value as unsharded). Inside
+a partitioned computation the kernels run only on GPU: JAX cannot keep a host callback alive there
+(jax-ml/jax#23620), so on CPU meshes each device runs the reference. The token-wise ops also work under
+jax.vmap (the batch folds into the token axis). Never imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from moetriton.kernels import router as plans
+from moetriton.kernels import router_validation as rules
+
+from . import reference_router as reference
+from ._launch import describe, device_info, on_gpu, run_plan, uses_kernels
+
+# Local computations: (use_kernels, options, *arrays) -> results. `options` holds the static arguments in the
+# order the reference functions take them after their array arguments.
+
+
+def _topk_local(use_kernels, options, logits, bias=None):
+    topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function, return_indices = options
+    if not use_kernels:
+        return reference.topk_forward(logits, bias, *options)
+    plan = plans.topk_plan(
+        num_tokens=logits.shape[0],
+        num_experts=logits.shape[1],
+        topk=topk,
+        score_function=score_function,
+        use_pre_softmax=use_pre_softmax,
+        num_groups=num_groups,
+        group_topk=group_topk,
+        scaling_factor=scaling_factor,
+        has_bias=bias is not None,
+        return_indices=return_indices,
+        device=device_info(),
+    )
+    return run_plan(plan, dict(logits=logits, bias=bias))
+
+
+def _topk_backward_local(use_kernels, options, grad_probs, logits, routing_map):
+    topk, use_pre_softmax, scaling_factor, score_function = options
+    if not use_kernels:
+        return (reference.topk_backward(grad_probs, logits, routing_map, *options),)
+    plan = plans.topk_backward_plan(
+        num_tokens=logits.shape[0],
+        num_experts=logits.shape[1],
+        topk=topk,
+        score_function=score_function,
+        use_pre_softmax=use_pre_softmax,
+        scaling_factor=scaling_factor,
+        device=device_info(),
+    )
+    return run_plan(plan, dict(grad_probs=grad_probs, logits=logits, routing_map=routing_map))
+
+
+def _scores_local(use_kernels, options, logits):
+    topk, score_function = options
+    if not use_kernels:
+        return reference.aux_scores_forward(logits, *options)
+    plan = plans.aux_scores_plan(
+        num_tokens=logits.shape[0],
+        num_experts=logits.shape[1],
+        topk=topk,
+        score_function=score_function,
+        device=device_info(),
+    )
+    return run_plan(plan, dict(logits=logits))
+
+
+def _scores_backward_local(use_kernels, options, grad_scores, logits):
+    (score_function,) = options
+    if not use_kernels:
+        return (reference.aux_scores_backward(grad_scores, logits, score_function),)
+    plan = plans.aux_scores_backward_plan(
+        num_tokens=logits.shape[0],
+        num_experts=logits.shape[1],
+        score_function=score_function,
+        device=device_info(),
+    )
+    return run_plan(plan, dict(grad_scores=grad_scores, logits=logits))
+
+
+def _loss_local(use_kernels, options, probs, counts, total=None):
+    """Sum of this shard's rows, scaled by the global coefficient: an fp32 0-dim partial loss."""
+    total_int, num_experts, topk, coeff = options
+    total_num_tokens = total_int if total is None else total
+    if not use_kernels:
+        return (reference.aux_loss(probs, counts, total_num_tokens, num_experts, topk, coeff),)
+    plan = plans.aux_loss_plan(
+        num_rows=probs.shape[0],
+        num_cols=probs.shape[1],
+        num_experts=num_experts,
+        topk=topk,
+        coeff=coeff,
+        total=total_int if total is None else None,
+        loss_dtype="float32",
+    )
+    return run_plan(plan, dict(probs=probs, counts=counts, total=total))
+
+
+def _loss_backward_local(use_kernels, options, rows, grad_loss, counts, total=None):
+    """grad_probs of this shard's rows. `rows` is the forward's probs, never read: it gives the backward a
+    token axis, so the gradient takes the sharding of probs (a zero-width slice loses it under Shardy)."""
+    probs_dtype, total_int, num_experts, topk, coeff = options
+    total_num_tokens = total_int if total is None else total
+    if not use_kernels:
+        grad = reference.aux_loss_backward(
+            grad_loss, rows.shape[0], probs_dtype, counts, total_num_tokens, num_experts, topk, coeff
+        )
+        return (grad,)
+    plan = plans.aux_loss_backward_plan(
+        num_rows=rows.shape[0],
+        num_cols=counts.shape[0],
+        num_experts=num_experts,
+        topk=topk,
+        coeff=coeff,
+        total=total_int if total is None else None,
+        probs_dtype=probs_dtype,
+    )
+    return run_plan(plan, dict(grad_loss=grad_loss, counts=counts, total=total))
+
+
+# Token-parallel partitioning ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    """A kernel call as a custom_partitioning op.
+
+    `token_args[i]`: whether array argument i has tokens on its first axis (others are replicated; at least
+    one argument has tokens). Results have tokens on their first axis, except with `reduce_tokens`: one
+    0-dim sum over tokens, psum-ed over the token mesh axes.
+    """
+
+    local: Callable
+    options: tuple
+    token_args: tuple[bool, ...]
+    reduce_tokens: bool = False
+
+    def run(self, use_kernels: bool, arrays) -> tuple[jax.Array, ...]:
+        return tuple(self.local(use_kernels, self.options, *arrays))
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _sharding(mesh, ndim: int, axes: tuple[str, ...], tokens: bool) -> NamedSharding:
+    first = (axes[0] if len(axes) == 1 else axes) if tokens and axes else None
+    return NamedSharding(mesh, PartitionSpec(*([first] + [None] * (ndim - 1))[:ndim]))
+
+
+def _token_axes_of(op: _Op, arg_shapes) -> tuple[str, ...]:
+    """Mesh axes of the token axis, read from the first token argument."""
+    first = next(shape for shape, tokens in zip(arg_shapes, op.token_args, strict=True) if tokens)
+    spec = getattr(first.sharding, "spec", None)
+    return _mesh_axes(spec[0]) if spec else ()
+
+
+def _shardings(op: _Op, mesh, arg_shapes, results, axes):
+    args = tuple(
+        _sharding(mesh, len(shape.shape), axes, tokens)
+        for shape, tokens in zip(arg_shapes, op.token_args, strict=True)
+    )
+    return args, tuple(_sharding(mesh, len(shape.shape), axes, not op.reduce_tokens) for shape in results)
+
+
+def _partition(op: _Op, mesh, arg_shapes, result_shape):
+    results = result_shape if isinstance(result_shape, tuple | list) else (result_shape,)
+    axes = _token_axes_of(op, arg_shapes)
+    arg_shardings, result_shardings = _shardings(op, mesh, arg_shapes, results, axes)
+
+    def lower(*arrays):
+        out = op.run(on_gpu(), arrays)
+        if op.reduce_tokens and axes:
+            out = tuple(jax.lax.psum(x, axes) for x in out)
+        return out
+
+    return mesh, lower, result_shardings, arg_shardings
+
+
+def _infer(op: _Op, mesh, arg_shapes, result_shape):
+    results = result_shape if isinstance(result_shape, tuple | list) else (result_shape,)
+    return _shardings(op, mesh, arg_shapes, results, _token_axes_of(op, arg_shapes))[1]
+
+
+def _rule(op: _Op, mesh, operand_types, result_types):
+    """Shardy rule: factor "t" is the token axis of token arguments and results; every other axis gets its
+    own factor and must be replicated. A reduction over tokens makes "t" a reduction factor."""
+    others: list[str] = []
+
+    def mapping(shape, tokens: bool) -> str:
+        factors = []
+        for dim in range(len(shape)):
+            if dim == 0 and tokens:
+                factors.append("t")
+            else:
+                others.append(f"d{len(others)}")
+                factors.append(others[-1])
+        return " ".join(factors)
+
+    operands = ", ".join(
+        mapping(t.shape, tokens) for t, tokens in zip(operand_types, op.token_args, strict=True)
+    )
+    results = ", ".join(mapping(t.shape, not op.reduce_tokens) for t in result_types)
+    extra = dict(need_replication_factors=tuple(others))
+    if op.reduce_tokens:
+        extra["reduction_factors"] = ("t",)
+    return f"{operands} -> {results}", extra
+
+
+@partial(custom_partitioning, static_argnums=(0,))
+def _partitioned(op: _Op, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    return op.run(uses_kernels(), arrays)
+
+
+_partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_infer, sharding_rule=_rule)
+
+
+def _call(op: _Op, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """Runs a token-parallel op; under jax.vmap the batch axis folds into the token axis."""
+
+    @jax.custom_batching.custom_vmap
+    def run(*arrays):
+        return tuple(_partitioned(op, *arrays))
+
+    @run.def_vmap
+    def _(axis_size, in_batched, *arrays):
+        if op.reduce_tokens:
+            raise NotImplementedError("moetriton.jax: the aux loss does not support jax.vmap")
+        flat = [
+            (x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))).reshape(-1, *x.shape[-1:])
+            if tokens
+            else x
+            for x, batched, tokens in zip(arrays, in_batched, op.token_args, strict=True)
+        ]
+        if any(batched and not tokens for batched, tokens in zip(in_batched, op.token_args, strict=True)):
+            raise NotImplementedError("moetriton.jax: a batched expert_bias is not supported under jax.vmap")
+        outs = _call(op, *flat)
+        return tuple(y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:]) for y in outs), (
+            True,
+        ) * len(outs)
+
+    return run(*arrays)
+
+
+# Differentiable ops ------------------------------------------------------------------------------------
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _topk(logits, bias, options):
+    return _topk_fwd(logits, bias, options)[0]
+
+
+def _topk_fwd(logits, bias, options):
+    arrays = (logits,) if bias is None else (logits, bias)
+    op = _Op(_topk_local, options, (True, False)[: len(arrays)])
+    probs, routing_map, indices = _call(op, *arrays)
+    return (probs, routing_map, indices), (logits, routing_map)
+
+
+def _topk_bwd(options, residuals, cotangents):
+    logits, routing_map = residuals
+    topk, use_pre_softmax, _, _, scaling_factor, score_function, _ = options
+    op = _Op(_topk_backward_local, (topk, use_pre_softmax, scaling_factor, score_function), (True,) * 3)
+    (grad_logits,) = _call(op, cotangents[0], logits, routing_map)
+    return grad_logits, None
+
+
+_topk.defvjp(_topk_fwd, _topk_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _scores(logits, options):
+    return _scores_fwd(logits, options)[0]
+
+
+def _scores_fwd(logits, options):
+    routing_map, scores = _call(_Op(_scores_local, options, (True,)), logits)
+    return (routing_map, scores), logits
+
+
+def _scores_bwd(options, logits, cotangents):
+    op = _Op(_scores_backward_local, (options[1],), (True, True))
+    (grad_logits,) = _call(op, cotangents[1], logits)
+    return (grad_logits,)
+
+
+_scores.defvjp(_scores_fwd, _scores_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _loss(probs, counts, total, options):
+    return _loss_fwd(probs, counts, total, options)[0]
+
+
+def _loss_fwd(probs, counts, total, options):
+    _, total_int, num_experts, topk, coeff = options
+    arrays = (probs, counts) if total is None else (probs, counts, total)
+    op = _Op(_loss_local, (total_int, num_experts, topk, coeff), (True, False, False)[: len(arrays)], True)
+    (loss,) = _call(op, *arrays)
+    return loss, (probs, counts, total)
+
+
+def _loss_bwd(options, residuals, grad_loss):
+    rows, counts, total = residuals
+    arrays = (rows, grad_loss, counts) if total is None else (rows, grad_loss, counts, total)
+    (grad_probs,) = _call(
+        _Op(_loss_backward_local, options, (True, False, False, False)[: len(arrays)]), *arrays
+    )
+    return grad_probs, None, None
+
+
+_loss.defvjp(_loss_fwd, _loss_bwd)
+
+
+# Public API --------------------------------------------------------------------------------------------
+
+
+def fused_topk_with_score_function(
+    logits: jax.Array,
+    topk: int,
+    use_pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    scaling_factor: float | None = None,
+    score_function: str = "softmax",
+    expert_bias: jax.Array | None = None,
+    *,
+    return_indices: bool = False,
+) -> tuple[jax.Array, ...]:
+    """Route every token to its top-k experts (fused score function, group limit, bias, scaling).
+
+    Args:
+        logits: [..., E] router logits, float32/bfloat16/float16; 1 <= E <= 8192. Leading dims are tokens.
+        topk: K experts per token, 1 <= K <= E (a Python int).
+        use_pre_softmax: softmax only: softmax over all E before the top-k (probs are those softmax values),
+            instead of a softmax over the K selected logits. Ignored for sigmoid / sqrtsoftplus (as TE).
+        num_groups, group_topk: group-limited top-k (DeepSeek-V3): experts form num_groups equal groups; a
+            group's score is the sum of its top K / group_topk selection scores; experts are chosen only in
+            the group_topk best groups. Both or neither.
+        scaling_factor: multiplies the probs (a Python float; None = 1.0).
+        score_function: "softmax", "sigmoid" or "sqrtsoftplus" (sqrt(softplus(x))). Sigmoid and
+            sqrtsoftplus weights are renormalised over the K selected experts when K > 1.
+        expert_bias: [E] float bias added to the sigmoid / sqrtsoftplus scores for selection only (the
+            weights use the unbiased score; no gradient). Not allowed with softmax.
+        return_indices: also return the selected expert ids [..., K] int32 in rank order (best first).
+
+    Returns:
+        (probs [..., E] in logits.dtype, zero outside the selection; routing_map [..., E] bool) and, with
+        `return_indices`, indices [..., K] int32. Ties go to the lowest expert index; NaN scores rank below
+        every number. Math is fp32. Differentiable in logits; token-sharded inputs stay sharded.
+
+    Example:
+        >>> logits = jnp.array([[1.0, 3.0, 2.0, 3.0]])
+        >>> probs, routing_map, indices = fused_topk_with_score_function(logits, 2, return_indices=True)
+        >>> routing_map.tolist(), indices.tolist()
+        ([[False, True, False, True]], [[1, 3]])
+    """
+    config = rules.check_topk(
+        logits=describe(logits),
+        topk=topk,
+        use_pre_softmax=use_pre_softmax,
+        num_groups=num_groups,
+        group_topk=group_topk,
+        scaling_factor=scaling_factor,
+        score_function=score_function,
+        expert_bias=describe(expert_bias),
+    )
+    if not isinstance(return_indices, bool):
+        raise ValueError(f"return_indices: expected a bool, got {type(return_indices).__name__}")
+    options = (
+        config.topk,
+        config.use_pre_softmax,
+        config.num_groups,
+        config.group_topk,
+        config.scaling_factor,
+        config.score_function,
+        return_indices,
+    )
+    shape = logits.shape
+    probs, routing_map, indices = _topk(
+        logits.reshape(config.num_tokens, config.num_experts), expert_bias, options
+    )
+    result = (probs.reshape(shape), routing_map.reshape(shape))
+    return (*result, indices.reshape(*shape[:-1], config.topk)) if return_indices else result
+
+
+def fused_compute_score_for_moe_aux_loss(
+    logits: jax.Array, topk: int, score_function: str = "softmax"
+) -> tuple[jax.Array, jax.Array]:
+    """Scores for the load-balancing loss and their top-k mask (no bias, groups or scaling).
+
+    Args:
+        logits: [..., E] float32/bfloat16/float16, 1 <= E <= 8192.
+        topk: K, 1 <= K <= E.
+        score_function: "softmax" (softmax over E), or "sigmoid" / "sqrtsoftplus", whose activations are
+            always normalised over all E experts: a / (sum a + 1e-20).
+
+    Returns:
+        (routing_map [..., E] bool: the top-K of the scores, ties to the lowest index; scores [..., E]
+        float32). Differentiable in logits (through scores).
+
+    Example:
+        >>> routing_map, scores = fused_compute_score_for_moe_aux_loss(jnp.zeros((1, 4)), 2, "softmax")
+        >>> routing_map.tolist(), scores.tolist()
+        ([[True, True, False, False]], [[0.25, 0.25, 0.25, 0.25]])
+    """
+    num_tokens, num_experts, topk, score_function = rules.check_aux_scores(
+        logits=describe(logits), topk=topk, score_function=score_function
+    )
+    routing_map, scores = _scores(logits.reshape(num_tokens, num_experts), (topk, score_function))
+    return routing_map.reshape(logits.shape), scores.reshape(logits.shape)
+
+
+def fused_moe_aux_loss(
+    probs: jax.Array,
+    tokens_per_expert: jax.Array,
+    total_num_tokens: int | jax.Array,
+    num_experts: int,
+    topk: int,
+    coeff: float,
+) -> jax.Array:
+    """Switch-style load-balancing loss, reduced deterministically (no atomics).
+
+    loss = C * sum_c (sum_r probs[r, c]) * tokens_per_expert[c], C = num_experts * coeff /
+    (topk * total_num_tokens^2). Under token sharding the result is the global loss: every device sums its
+    rows and the partial losses are psum-ed (TE's JAX op would silently return a per-shard loss).
+
+    Args:
+        probs: [R, C] float32/bfloat16/float16 scores (C a multiple of num_experts, e.g. [seq, batch * E]
+            for a sequence-level loss).
+        tokens_per_expert: [C] int32/int64/float counts (replicated).
+        total_num_tokens: a Python int >= 1, or a 0-dim int32/int64/float32 array (traced, no host sync).
+        num_experts, topk: E and K (coefficient only); coeff: the loss weight (a Python float).
+
+    Returns:
+        0-dim array in probs.dtype. Differentiable in probs.
+
+    Example:
+        >>> probs = jnp.full((4, 2), 0.5)
+        >>> float(fused_moe_aux_loss(probs, jnp.array([4, 4]), 4, num_experts=2, topk=1, coeff=1.0))
+        2.0
+    """
+    total_is_array = not isinstance(total_num_tokens, int)
+    config = rules.check_aux_loss(
+        probs=describe(probs),
+        tokens_per_expert=describe(tokens_per_expert),
+        total_num_tokens=describe(total_num_tokens) if total_is_array else total_num_tokens,
+        num_experts=num_experts,
+        topk=topk,
+        coeff=coeff,
+    )
+    options = (jnp.dtype(probs.dtype).name, config.total or 0, config.num_experts, config.topk, config.coeff)
+    loss = _loss(probs, tokens_per_expert, total_num_tokens if total_is_array else None, options)
+    return loss.astype(probs.dtype)
