@@ -504,6 +504,42 @@ def _group_layout(num_experts: int, num_groups: int) -> tuple[int, int, int, int
     return groups, size, next_pow2(groups), next_pow2(size)
 
 
+# Output buffers: shape arithmetic only, so that fake (meta) implementations can call these with symbolic
+# sizes; the plans below add their launches (and internal buffers) on top.
+
+
+def topk_outputs(num_tokens, num_experts, topk, return_indices: bool) -> dict[str, Buffer]:
+    """probs [T, E] (logits dtype), routing_map [T, E] bool, indices [T, K] int32 ([T, 0] if not asked)."""
+    return {
+        "probs": Buffer((num_tokens, num_experts), "like:logits"),
+        "routing_map": Buffer((num_tokens, num_experts), "bool"),
+        "indices": Buffer((num_tokens, topk if return_indices else 0), "int32"),
+    }
+
+
+def grad_logits_outputs(num_tokens, num_experts) -> dict[str, Buffer]:
+    """grad_logits [T, E] in the logits dtype (both router backwards)."""
+    return {"grad_logits": Buffer((num_tokens, num_experts), "like:logits")}
+
+
+def aux_scores_outputs(num_tokens, num_experts) -> dict[str, Buffer]:
+    """routing_map [T, E] bool, scores [T, E] fp32."""
+    return {
+        "routing_map": Buffer((num_tokens, num_experts), "bool"),
+        "scores": Buffer((num_tokens, num_experts), "float32"),
+    }
+
+
+def aux_loss_outputs(loss_dtype: str = "like:probs") -> dict[str, Buffer]:
+    """The 0-dim loss."""
+    return {"loss": Buffer((), loss_dtype)}
+
+
+def aux_loss_backward_outputs(num_rows, num_cols, probs_dtype: str) -> dict[str, Buffer]:
+    """grad_probs [R, C]."""
+    return {"grad_probs": Buffer((num_rows, num_cols), probs_dtype)}
+
+
 def _rows_plan(
     kernel,
     *,
@@ -560,11 +596,7 @@ def topk_plan(
         num_tokens=num_tokens,
         width=groups_pow2 * size_pow2,
         inputs=("logits", "bias"),
-        buffers={
-            "probs": Buffer((num_tokens, num_experts), "like:logits"),
-            "routing_map": Buffer((num_tokens, num_experts), "bool"),
-            "indices": Buffer((num_tokens, topk if return_indices else 0), "int32"),
-        },
+        buffers=topk_outputs(num_tokens, num_experts, topk, return_indices),
         constexprs=dict(
             NUM_EXPERTS=num_experts,
             TOPK=topk,
@@ -606,7 +638,7 @@ def topk_backward_plan(
         num_tokens=num_tokens,
         width=next_pow2(num_experts),
         inputs=("grad_probs", "logits", "routing_map"),
-        buffers={"grad_logits": Buffer((num_tokens, num_experts), "like:logits")},
+        buffers=grad_logits_outputs(num_tokens, num_experts),
         constexprs=dict(
             NUM_EXPERTS=num_experts,
             TOPK=topk,
@@ -639,10 +671,7 @@ def aux_scores_plan(
         num_tokens=num_tokens,
         width=next_pow2(num_experts),
         inputs=("logits",),
-        buffers={
-            "routing_map": Buffer((num_tokens, num_experts), "bool"),
-            "scores": Buffer((num_tokens, num_experts), "float32"),
-        },
+        buffers=aux_scores_outputs(num_tokens, num_experts),
         constexprs=dict(
             NUM_EXPERTS=num_experts,
             TOPK=topk,
@@ -672,7 +701,7 @@ def aux_scores_backward_plan(
         num_tokens=num_tokens,
         width=next_pow2(num_experts),
         inputs=("grad_scores", "logits"),
-        buffers={"grad_logits": Buffer((num_tokens, num_experts), "like:logits")},
+        buffers=grad_logits_outputs(num_tokens, num_experts),
         constexprs=dict(
             NUM_EXPERTS=num_experts,
             SCORE_FUNCTION=SCORE_FUNCTION_IDS[score_function],
@@ -713,10 +742,7 @@ def aux_loss_plan(
     block_r, block_c = _loss_tiles(num_cols)
     num_blocks = max(1, min(_MAX_LOSS_BLOCKS, cdiv(num_rows, _MIN_LOSS_ROWS)))
     rows_per_block = cdiv(num_rows, num_blocks)
-    buffers = {
-        "partials": Buffer((num_blocks,), "float32"),
-        "loss": Buffer((), loss_dtype),
-    }
+    buffers = {"partials": Buffer((num_blocks,), "float32"), **aux_loss_outputs(loss_dtype)}
     on_device = total is None
     partial = Launch(
         kernel=_aux_loss_partial_kernel,
@@ -754,7 +780,7 @@ def aux_loss_backward_plan(
 ) -> Plan:
     """Backward of the aux loss. Inputs: "grad_loss" (0-dim), "counts" [C], "total" (0-dim, used when
     `total` is None). Result: grad_probs [R, C] of `probs_dtype`."""
-    buffers = {"grad_probs": Buffer((num_rows, num_cols), probs_dtype)}
+    buffers = aux_loss_backward_outputs(num_rows, num_cols, probs_dtype)
     if num_rows == 0:
         return Plan(buffers, (), ("grad_probs",))
     block_r, block_c = _loss_tiles(num_cols)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from moetriton.kernels import Plan
 from moetriton.kernels import router as plans
 from moetriton.kernels import router_validation as rules
 
@@ -21,9 +22,10 @@ from . import reference_router as reference
 from ._launch import allocate, describe, device_info, dtype_name, run_plan, uses_kernels
 
 
-def _fake(plan, inputs: dict[str, Tensor | None], device: torch.device) -> tuple[Tensor, ...]:
-    buffers = allocate(plan, inputs, device, fake=True)
-    return tuple(buffers[name] for name in plan.results)
+def _fake(outputs: dict, inputs: dict[str, Tensor | None], device: torch.device) -> tuple[Tensor, ...]:
+    """Fake (meta) results from a plan's output buffers, which allow symbolic sizes (dynamic shapes)."""
+    buffers = allocate(Plan(outputs, (), tuple(outputs)), inputs, device, fake=True)
+    return tuple(buffers.values())
 
 
 def _check_devices(**tensors: Tensor | None) -> None:
@@ -36,7 +38,8 @@ def _check_devices(**tensors: Tensor | None) -> None:
 
 # top-k -----------------------------------------------------------------------------------------------------
 # Op bodies collect their non-tensor arguments as `options`, in the order the plan builders and the
-# reference functions take them, so the real and fake implementations share one argument list.
+# reference functions take them. Fake implementations allocate the plans' output buffers only, which
+# accept symbolic sizes (torch.compile with dynamic shapes).
 
 
 def _topk_plan(
@@ -87,10 +90,9 @@ def router_topk(
 
 
 @router_topk.register_fake
-def _(logits, expert_bias, *options):
-    return _fake(
-        _topk_plan(logits, expert_bias, *options), dict(logits=logits, bias=expert_bias), logits.device
-    )
+def _(logits, expert_bias, topk, *options):
+    outputs = plans.topk_outputs(*logits.shape, topk, return_indices=options[-1])
+    return _fake(outputs, dict(logits=logits), logits.device)
 
 
 def _topk_setup(ctx, inputs, output):
@@ -140,8 +142,7 @@ def router_topk_backward(
 
 @router_topk_backward.register_fake
 def _(grad_probs, logits, routing_map, *options):
-    inputs = dict(grad_probs=grad_probs, logits=logits, routing_map=routing_map)
-    return _fake(_topk_backward_plan(logits, *options), inputs, logits.device)[0]
+    return _fake(plans.grad_logits_outputs(*logits.shape), dict(logits=logits), logits.device)[0]
 
 
 # aux-loss scores -------------------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ def router_aux_scores(logits: Tensor, topk: int, score_function: str) -> tuple[T
 
 @router_aux_scores.register_fake
 def _(logits, topk, score_function):
-    return _fake(_scores_plan(logits, topk, score_function), dict(logits=logits), logits.device)
+    return _fake(plans.aux_scores_outputs(*logits.shape), {}, logits.device)
 
 
 def _scores_setup(ctx, inputs, output):
@@ -204,8 +205,7 @@ def router_aux_scores_backward(grad_scores: Tensor, logits: Tensor, score_functi
 
 @router_aux_scores_backward.register_fake
 def _(grad_scores, logits, score_function):
-    plan = _scores_backward_plan(logits, score_function)
-    return _fake(plan, dict(grad_scores=grad_scores, logits=logits), logits.device)[0]
+    return _fake(plans.grad_logits_outputs(*logits.shape), dict(logits=logits), logits.device)[0]
 
 
 # aux loss --------------------------------------------------------------------------------------------------
@@ -243,8 +243,7 @@ def router_aux_loss(
 
 @router_aux_loss.register_fake
 def _(probs, tokens_per_expert, total, total_int, *options):
-    inputs = dict(probs=probs, counts=tokens_per_expert, total=total)
-    return _fake(_loss_plan(probs, total, total_int, *options), inputs, probs.device)[0]
+    return _fake(plans.aux_loss_outputs(), dict(probs=probs), probs.device)[0]
 
 
 def _loss_setup(ctx, inputs, output):
@@ -296,9 +295,9 @@ def router_aux_loss_backward(
 
 
 @router_aux_loss_backward.register_fake
-def _(grad_loss, tokens_per_expert, total, *options):
-    inputs = dict(grad_loss=grad_loss, counts=tokens_per_expert, total=total)
-    return _fake(_loss_backward_plan(total, *options), inputs, grad_loss.device)[0]
+def _(grad_loss, tokens_per_expert, total, num_rows, num_cols, probs_dtype, *options):
+    outputs = plans.aux_loss_backward_outputs(num_rows, num_cols, dtype_name(probs_dtype))
+    return _fake(outputs, {}, grad_loss.device)[0]
 
 
 # Public API ------------------------------------------------------------------------------------------------

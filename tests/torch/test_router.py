@@ -1,0 +1,381 @@
+"""PyTorch router ops against the pure-torch reference: forward, gradients, ties, non-finite logits, errors.
+
+On CPU the kernels run under the Triton interpreter (tests/conftest.py), so shapes stay small.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+
+from moetriton.torch import reference_router as reference
+from moetriton.torch.router import (
+    fused_compute_score_for_moe_aux_loss,
+    fused_moe_aux_loss,
+    fused_topk_with_score_function,
+)
+
+from ..strategies_router import AuxLossProblem, RouterProblem, aux_loss_problems, router_problems
+
+DEVICE = os.environ.get("MOETRITON_TEST_DEVICE", "cpu")
+# Kernels and references round fp32 differently in the last bits (sum order, exp); after the cast to the
+# output dtype that is at most about one unit in the last place.
+RTOL = {"float32": 1e-5, "bfloat16": 1.6e-2, "float16": 2e-3}
+
+
+def _tensor(values: np.ndarray, dtype: str = "float32") -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(values)).to(DEVICE, getattr(torch, dtype))
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: str, *, grad: bool = False) -> None:
+    """Close to within the dtype's rounding; gradients (cancellation in y * (g - D)) get an absolute
+    tolerance relative to their largest entry."""
+    rtol = RTOL[dtype] * (10 if grad else 1)
+    finite = expected.detach().float().nan_to_num(posinf=0, neginf=0)
+    scale = float(finite.abs().max()) if expected.numel() else 0.0
+    atol = (rtol if grad else 1e-6) * max(scale, 1e-6)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def _inputs(problem: RouterProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits = _tensor(problem.logits, problem.dtype)
+    bias = None if problem.bias is None else _tensor(problem.bias)
+    return logits, bias
+
+
+@given(problem=router_problems())
+def test_topk_matches_reference(problem: RouterProblem):
+    logits, bias = _inputs(problem)
+    mine = logits.clone().requires_grad_(problem.finite)
+    theirs = logits.clone().requires_grad_(problem.finite)
+    kwargs = dict(problem.topk_kwargs(), expert_bias=bias, return_indices=True)
+    probs, routing_map, indices = fused_topk_with_score_function(mine, problem.topk, **kwargs)
+    ref_probs, ref_map, ref_indices = reference.fused_topk_with_score_function(theirs, problem.topk, **kwargs)
+
+    assert probs.shape == routing_map.shape == logits.shape and probs.dtype == logits.dtype
+    assert indices.shape == (*problem.lead_shape, problem.topk) and indices.dtype == torch.int32
+    assert torch.equal(routing_map, ref_map)
+    assert torch.equal(indices, ref_indices)
+    assert bool((routing_map.sum(-1) == problem.topk).all())
+    assert bool((probs[~routing_map] == 0).all())
+    _assert_close(probs, ref_probs, problem.dtype)
+    if problem.finite and probs.numel():
+        cotangent = torch.randn(probs.shape, generator=torch.Generator().manual_seed(0)).to(probs)
+        (grad,) = torch.autograd.grad(probs, mine, cotangent)
+        (ref_grad,) = torch.autograd.grad(ref_probs, theirs, cotangent)
+        _assert_close(grad, ref_grad, problem.dtype, grad=True)
+
+
+@given(problem=router_problems(groups=False, bias=False))
+def test_aux_scores_match_reference(problem: RouterProblem):
+    logits, _ = _inputs(problem)
+    mine = logits.clone().requires_grad_(problem.finite)
+    theirs = logits.clone().requires_grad_(problem.finite)
+    routing_map, scores = fused_compute_score_for_moe_aux_loss(mine, problem.topk, problem.score_function)
+    ref_map, ref_scores = reference.fused_compute_score_for_moe_aux_loss(
+        theirs, problem.topk, problem.score_function
+    )
+    assert scores.dtype == torch.float32 and scores.shape == routing_map.shape == logits.shape
+    assert torch.equal(routing_map, ref_map)
+    _assert_close(scores, ref_scores, "float32")
+    if problem.finite and scores.numel():
+        cotangent = torch.randn(scores.shape, generator=torch.Generator().manual_seed(1)).to(scores)
+        (grad,) = torch.autograd.grad(scores, mine, cotangent)
+        (ref_grad,) = torch.autograd.grad(ref_scores, theirs, cotangent)
+        _assert_close(grad, ref_grad, problem.dtype, grad=True)
+
+
+@given(problem=aux_loss_problems())
+def test_aux_loss_matches_reference(problem: AuxLossProblem):
+    probs = _tensor(problem.probs, problem.dtype).requires_grad_(True)
+    counts = _tensor(problem.tokens_per_expert, problem.counts_dtype)
+    args = (problem.num_experts, problem.topk, problem.coeff)
+    expected = reference.fused_moe_aux_loss(probs, counts, problem.total_num_tokens, *args)
+    (ref_grad,) = torch.autograd.grad(expected, probs)
+    total_tensor = torch.tensor(problem.total_num_tokens, device=DEVICE)
+    for total in (problem.total_num_tokens, total_tensor):
+        loss = fused_moe_aux_loss(probs, counts, total, *args)
+        assert loss.shape == () and loss.dtype == probs.dtype
+        _assert_close(loss, expected, problem.dtype)
+        # A fixed reduction order: the same bits every run.
+        assert torch.equal(loss, fused_moe_aux_loss(probs, counts, total, *args))
+        (grad,) = torch.autograd.grad(loss, probs)
+        _assert_close(grad, ref_grad, problem.dtype)
+
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+@pytest.mark.parametrize("score_function", SCORE_FUNCTIONS)
+@pytest.mark.parametrize("use_pre_softmax", [False, True])
+def test_ties_go_to_the_lowest_expert(score_function: str, use_pre_softmax: bool):
+    equal = torch.zeros(3, 10, device=DEVICE)
+    _, routing_map, indices = fused_topk_with_score_function(
+        equal, 4, use_pre_softmax, score_function=score_function, return_indices=True
+    )
+    assert indices.tolist() == [[0, 1, 2, 3]] * 3
+    assert routing_map[:, :4].all() and not routing_map[:, 4:].any()
+    # Four identical groups: the two lowest groups win, and inside them the lowest index of each value.
+    tiled = torch.tensor([[1.0, 2.0, 3.0, 4.0] * 4], device=DEVICE)
+    _, _, indices = fused_topk_with_score_function(
+        tiled, 4, use_pre_softmax, 4, 2, score_function=score_function, return_indices=True
+    )
+    assert indices.tolist() == [[3, 7, 2, 6]]
+    # -0.0 ties +0.0.
+    zeros = torch.tensor([[-1.0, -0.0, 0.0, -2.0]], device=DEVICE)
+    _, _, indices = fused_topk_with_score_function(
+        zeros, 1, use_pre_softmax, score_function=score_function, return_indices=True
+    )
+    assert indices.tolist() == [[1]]
+    routing_map, _ = fused_compute_score_for_moe_aux_loss(equal, 3, score_function)
+    assert routing_map[:, :3].all() and not routing_map[:, 3:].any()
+
+
+def test_nonfinite_logits_policy():
+    nan, inf = math.nan, math.inf
+    logits = torch.tensor([[nan, 1.0, nan, 0.5, -inf]], device=DEVICE)
+    # NaN ranks below every number, -inf included: chosen only when fewer than K experts are numbers.
+    probs, routing_map, indices = fused_topk_with_score_function(logits, 2, return_indices=True)
+    assert indices.tolist() == [[1, 3]]
+    torch.testing.assert_close(probs[0, [1, 3]], torch.softmax(torch.tensor([1.0, 0.5]), 0).to(DEVICE))
+    probs, _, indices = fused_topk_with_score_function(logits, 4, return_indices=True)
+    assert indices.tolist() == [[1, 3, 4, 0]]
+    # A selected NaN makes the selected probs NaN; probs stay exactly 0 outside the selection.
+    assert probs[0, [0, 1, 3, 4]].isnan().all() and probs[0, 2] == 0
+    # +inf under sigmoid saturates to 1; under a softmax it makes the row NaN (IEEE, like torch.softmax).
+    probs, _ = fused_topk_with_score_function(
+        torch.tensor([[inf, 0.0, -inf]], device=DEVICE), 2, score_function="sigmoid"
+    )
+    torch.testing.assert_close(probs, torch.tensor([[2 / 3, 1 / 3, 0.0]], device=DEVICE))
+    probs, routing_map = fused_topk_with_score_function(
+        torch.tensor([[0.0, inf, 1.0]], device=DEVICE), 2, use_pre_softmax=True
+    )
+    assert routing_map.tolist() == [[True, True, False]] and probs[0, :2].isnan().all() and probs[0, 2] == 0
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "topk", "score_function", "groups"),
+    [
+        (3, 1, 1, "softmax", None),
+        (2, 2048, 16, "sigmoid", None),
+        (2, 2048, 16, "sqrtsoftplus", (64, 8)),
+        (1, 8192, 8, "softmax", None),
+        (2, 96, 96, "sigmoid", (3, 3)),
+    ],
+)
+def test_expert_count_range(num_tokens, num_experts, topk, score_function, groups):
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(num_experts))
+    logits = logits.to(DEVICE).requires_grad_(True)
+    num_groups, group_topk = groups or (None, None)
+    args = (logits, topk, False, num_groups, group_topk, 1.0, score_function)
+    probs, routing_map, indices = fused_topk_with_score_function(*args, return_indices=True)
+    ref_probs, ref_map, ref_indices = reference.fused_topk_with_score_function(*args, return_indices=True)
+    assert torch.equal(routing_map, ref_map) and torch.equal(indices, ref_indices)
+    _assert_close(probs, ref_probs, "float32")
+    cotangent = torch.randn(probs.shape, generator=torch.Generator().manual_seed(0)).to(probs)
+    (grad,) = torch.autograd.grad(probs, logits, cotangent)
+    (ref_grad,) = torch.autograd.grad(ref_probs, logits, cotangent)
+    _assert_close(grad, ref_grad, "float32", grad=True)
+
+
+@pytest.mark.parametrize("shape", [(10,), (2, 3, 10), (0, 10), (2, 0, 10)])
+def test_leading_dims_are_preserved(shape):
+    logits = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    probs, routing_map, indices = fused_topk_with_score_function(
+        logits, 3, score_function="sigmoid", return_indices=True
+    )
+    assert probs.shape == routing_map.shape == logits.shape and indices.shape == (*shape[:-1], 3)
+    expected = reference.fused_topk_with_score_function(logits, 3, score_function="sigmoid")
+    assert torch.equal(routing_map, expected[1])
+    routing_map, scores = fused_compute_score_for_moe_aux_loss(logits, 3, "softmax")
+    assert routing_map.shape == scores.shape == logits.shape
+
+
+def _bias(*shape, dtype=torch.float32):
+    return torch.zeros(shape, dtype=dtype, device=DEVICE)
+
+
+SIGMOID = dict(score_function="sigmoid")
+
+
+@pytest.mark.parametrize(
+    ("topk", "kwargs", "message"),
+    [
+        (0, {}, "topk: expected an int in [1, 8]"),
+        (9, {}, "topk: expected an int in [1, 8]"),
+        (2.0, {}, "topk: expected an int"),
+        (2, dict(score_function="relu"), "score_function: expected one of"),
+        (2, dict(expert_bias=_bias(8)), "expert_bias: only supported with score_function"),
+        (2, dict(SIGMOID, expert_bias=_bias(7)), "expert_bias: expected shape (8,)"),
+        (2, dict(SIGMOID, expert_bias=_bias(8, dtype=torch.int32)), "expert_bias: expected dtype"),
+        (2, dict(num_groups=4), "num_groups / group_topk: pass both"),
+        (2, dict(num_groups=3, group_topk=1), "num_groups: expected a divisor of num_experts = 8"),
+        (2, dict(num_groups=2, group_topk=3), "group_topk: expected an int in [1, 2]"),
+        (3, dict(num_groups=4, group_topk=2), "group_topk: expected a divisor of topk = 3"),
+        (6, dict(num_groups=4, group_topk=2), "topk: expected topk / group_topk <= experts per group = 2"),
+        (2, dict(scaling_factor=math.inf), "scaling_factor: expected a finite number"),
+        (2, dict(scaling_factor="2"), "scaling_factor: expected a Python float"),
+        (2, dict(use_pre_softmax=1), "use_pre_softmax: expected a bool"),
+        (2, dict(return_indices=None), "return_indices: expected a bool"),
+    ],
+)
+def test_bad_topk_arguments(topk, kwargs, message):
+    with pytest.raises(ValueError) as error:
+        fused_topk_with_score_function(torch.zeros(4, 8, device=DEVICE), topk, **kwargs)
+    assert str(error.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("logits", "message"),
+    [
+        (_bias(4, 8, dtype=torch.float64), "logits: expected dtype in"),
+        (_bias(4, 8, dtype=torch.int32), "logits: expected dtype in"),
+        (_bias(), "logits: expected shape [..., num_experts]"),
+        (_bias(4, 0), "logits: expected 1 <= num_experts (last dim) <= 8192, got 0"),
+        (_bias(1, 8193), "logits: expected 1 <= num_experts (last dim) <= 8192, got 8193"),
+    ],
+)
+def test_bad_logits(logits, message):
+    for call in (fused_topk_with_score_function, fused_compute_score_for_moe_aux_loss):
+        with pytest.raises(ValueError) as error:
+            call(logits, 1)
+        assert str(error.value).startswith(message)
+
+
+def test_bad_aux_scores_arguments():
+    with pytest.raises(ValueError, match=r"^topk: expected an int in \[1, 8\]"):
+        fused_compute_score_for_moe_aux_loss(_bias(4, 8), 9)
+    with pytest.raises(ValueError, match=r"^score_function: expected one of"):
+        fused_compute_score_for_moe_aux_loss(_bias(4, 8), 2, "tanh")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (dict(probs=_bias(2, 2, 4)), "probs: expected a 2-D array"),
+        (dict(probs=_bias(4, 6)), "probs: expected shape[1] a multiple of num_experts = 4"),
+        (dict(probs=_bias(4, 4, dtype=torch.float64)), "probs: expected dtype"),
+        (dict(tokens_per_expert=_bias(3)), "tokens_per_expert: expected shape (4,)"),
+        (dict(tokens_per_expert=_bias(4, dtype=torch.int8)), "tokens_per_expert: expected dtype"),
+        (dict(total_num_tokens=0), "total_num_tokens: expected an int in >= 1"),
+        (dict(total_num_tokens=_bias(1)), "total_num_tokens: expected a 0-dim array"),
+        (dict(total_num_tokens=4.0), "total_num_tokens: expected an int"),
+        (dict(topk=5), "topk: expected an int in [1, 4]"),
+        (dict(coeff=math.nan), "coeff: expected a finite number"),
+    ],
+)
+def test_bad_aux_loss_arguments(args, message):
+    call = dict(
+        probs=_bias(4, 4),
+        tokens_per_expert=_bias(4, dtype=torch.int32),
+        total_num_tokens=4,
+        num_experts=4,
+        topk=2,
+        coeff=1.0,
+    )
+    with pytest.raises(ValueError) as error:
+        fused_moe_aux_loss(**dict(call, **args))
+    assert str(error.value).startswith(message)
+
+
+def test_torch_compile_fullgraph():
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 16, generator=generator).to(DEVICE).requires_grad_(True)
+    bias = torch.randn(16, generator=generator).to(DEVICE)
+    counts = torch.arange(16, device=DEVICE)
+    total = torch.tensor(6, device=DEVICE)
+
+    def router(x):
+        kwargs = dict(num_groups=4, group_topk=2, scaling_factor=2.0, expert_bias=bias, return_indices=True)
+        probs, routing_map, indices = fused_topk_with_score_function(x, 4, score_function="sigmoid", **kwargs)
+        _, scores = fused_compute_score_for_moe_aux_loss(x, 4, "sqrtsoftplus")
+        loss = fused_moe_aux_loss(scores, counts, total, 16, 4, 0.1)
+        return probs, routing_map, indices, loss
+
+    compiled = torch.compile(router, fullgraph=True)
+    eager = router(logits)
+    traced = compiled(logits)
+    for a, b in zip(traced, eager, strict=True):
+        torch.testing.assert_close(a, b)
+    grads = [torch.autograd.grad(out[0].sum() + out[3], logits)[0] for out in (traced, eager)]
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_torch_compile_dynamic_token_count():
+    compiled = torch.compile(
+        lambda x: fused_compute_score_for_moe_aux_loss(x, 2, "sigmoid"), fullgraph=True, dynamic=True
+    )
+    for num_tokens in (3, 7):
+        logits = torch.randn(num_tokens, 8, generator=torch.Generator().manual_seed(num_tokens)).to(DEVICE)
+        for actual, expected in zip(
+            compiled(logits),
+            reference.fused_compute_score_for_moe_aux_loss(logits, 2, "sigmoid"),
+            strict=True,
+        ):
+            torch.testing.assert_close(actual, expected)
+
+
+def test_custom_ops_pass_opcheck():
+    generator = torch.Generator().manual_seed(6)
+    logits = torch.randn(5, 8, generator=generator).to(DEVICE).requires_grad_(True)
+    bias = torch.randn(8, generator=generator).to(DEVICE)
+    ops = torch.ops.moetriton
+    torch.library.opcheck(ops.router_topk, (logits, bias, 2, False, 2, 1, 1.5, "sigmoid", True))
+    torch.library.opcheck(ops.router_topk, (logits, None, 3, True, 0, 0, 1.0, "softmax", False))
+    # opcheck's AOT helper sums the outputs in order and cannot start with a bool one (the routing map).
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(ops.router_aux_scores, (logits, 2, "sqrtsoftplus"), test_utils=checks)
+    probs = torch.rand(5, 8, generator=generator).to(DEVICE).requires_grad_(True)
+    counts = torch.arange(8, device=DEVICE)
+    torch.library.opcheck(ops.router_aux_loss, (probs, counts, None, 5, 8, 2, 0.5))
+    torch.library.opcheck(ops.router_aux_loss, (probs, counts, torch.tensor(5, device=DEVICE), 0, 8, 2, 0.5))
+
+
+@pytest.mark.parametrize("score_function", SCORE_FUNCTIONS)
+def test_reference_gradients_pass_gradcheck(score_function: str):
+    """The oracle itself, in fp64: autograd of the reference against finite differences."""
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 8, dtype=torch.float64, generator=generator).requires_grad_(True)
+    bias = torch.randn(8, dtype=torch.float64, generator=generator)
+    for use_pre_softmax, groups in [(False, (None, None)), (True, (4, 2))]:
+        expert_bias = None if score_function == "softmax" else bias
+
+        def probs(x, use_pre_softmax=use_pre_softmax, groups=groups, expert_bias=expert_bias):
+            return reference.fused_topk_with_score_function(
+                x, 4, use_pre_softmax, *groups, 1.5, score_function, expert_bias
+            )[0]
+
+        assert torch.autograd.gradcheck(probs, (logits,))
+    assert torch.autograd.gradcheck(lambda x: reference.aux_scores(x, score_function), (logits,))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_cuda_graph_capture_matches_eager():
+    generator = torch.Generator(device="cuda").manual_seed(8)
+    logits = torch.randn(64, 32, device="cuda", generator=generator).requires_grad_(True)
+    bias = torch.randn(32, device="cuda", generator=generator)
+    counts = torch.arange(32, device="cuda")
+    total = torch.tensor(64, device="cuda")
+
+    def step():
+        probs, _ = fused_topk_with_score_function(logits, 4, score_function="sigmoid", expert_bias=bias)
+        loss = fused_moe_aux_loss(probs, counts, total, 32, 4, 0.01)
+        return torch.autograd.grad(loss + probs.square().sum(), logits)[0]
+
+    expected = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, expected, rtol=0, atol=0)
