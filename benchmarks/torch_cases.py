@@ -8,6 +8,7 @@ E chunks from rank-major to expert-major as after an all-to-all over min(8, E) r
 from __future__ import annotations
 
 import torch
+
 from moetriton.kernels.shapes import MoEShape
 
 from .common import Result, token_bytes

@@ -6,9 +6,13 @@ importing to run the kernels under the Triton interpreter on CPU.
 
 from triton.runtime.interpreter import InterpretedFunction
 
-from ._plan import Buffer, DeviceInfo, Launch, Plan, cdiv, next_pow2
-from .chunk_sort import sort_chunks_plan
+from ._plan import Buffer, DeviceInfo, Launch, Plan, SearchSpace, cdiv, next_pow2
+from .chunk_sort import SORT_CHUNKS_SPACE, sort_chunks_plan
 from .permutation import (
+    COMBINE_BACKWARD_SPACE,
+    COMBINE_SPACE,
+    DISPATCH_SPACE,
+    ROW_MAP_SPACE,
     _dispatch_kernel,
     buffer_rows,
     combine_backward_plan,
@@ -21,12 +25,20 @@ from .permutation import (
 #: True when TRITON_INTERPRET=1 was set before this package was imported: kernels then run on CPU arrays.
 INTERPRETER: bool = isinstance(_dispatch_kernel, InterpretedFunction)
 
+#: Every kernel's search space, by kernel name.
+SEARCH_SPACES = {
+    space.kernel: space
+    for space in (ROW_MAP_SPACE, DISPATCH_SPACE, COMBINE_SPACE, COMBINE_BACKWARD_SPACE, SORT_CHUNKS_SPACE)
+}
+
 __all__ = [
     "INTERPRETER",
+    "SEARCH_SPACES",
     "Buffer",
     "DeviceInfo",
     "Launch",
     "Plan",
+    "SearchSpace",
     "buffer_rows",
     "cdiv",
     "combine_backward_plan",

@@ -11,6 +11,7 @@ pointers (`Launch.outputs`), then constexprs. This is the order jax-triton passe
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,28 @@ def next_pow2(value: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Tunable parameters of one kernel and their candidate values.
+
+    Plans take a config (a dict of these parameters); `default` validates the heuristic's choice, so every
+    config a plan can use is a member of the space, and tests and the autotuner enumerate `configs()`.
+    """
+
+    kernel: str
+    params: dict[str, tuple[int, ...]]
+
+    def configs(self) -> list[dict[str, int]]:
+        names = list(self.params)
+        return [dict(zip(names, values, strict=True)) for values in itertools.product(*self.params.values())]
+
+    def default(self, **choice: int) -> dict[str, int]:
+        for name, value in choice.items():
+            if value not in self.params[name]:
+                raise ValueError(f"{self.kernel}: heuristic {name}={value} is outside the search space")
+        return choice
 
 
 @dataclass(frozen=True)

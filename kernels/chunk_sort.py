@@ -8,10 +8,12 @@ direction), so the backward, a gather through the same map, needs nothing saved 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import triton
 import triton.language as tl
 
-from ._plan import Buffer, Launch, Plan, cdiv, next_pow2
+from ._plan import Buffer, Launch, Plan, SearchSpace, cdiv, next_pow2
 from .permutation import _as_bits
 
 _TILE_ELEMENTS = 4096
@@ -83,6 +85,16 @@ def _sort_chunks_kernel(
             tl.store(row_map_ptr + rows, dst, mask=rmask)
 
 
+SORT_CHUNKS_SPACE = SearchSpace(
+    "sort_chunks",
+    {
+        "rows": (1, 2, 4, 8, 16, 32, 64),
+        "block_bytes": (1024, 2048, 4096, 8192, 16384),
+        "num_warps": (2, 4, 8),
+    },
+)
+
+
 def sort_chunks_plan(
     *,
     num_rows: int,
@@ -91,9 +103,12 @@ def sort_chunks_plan(
     element_bytes: int,
     has_probs: bool,
     backward: bool,
+    config: Mapping[str, int] | None = None,
 ) -> Plan:
     """Inputs: "inp" [N, H], "split_sizes" [S], "sorted_indices" [S], "probs" [N] or None.
-    Results: output [N, H], row_id_map [N] int32 (forward only; [0] in the backward), permuted_probs [N]."""
+    Results: output [N, H], row_id_map [N] int32 (forward only; [0] in the backward), permuted_probs [N].
+    `config["rows"]` is an upper bound: the [rows, S] compare tile stays within 4096 elements."""
+    cfg = dict(SORT_CHUNKS_SPACE.default(rows=16, block_bytes=8192, num_warps=4), **(config or {}))
     buffers = {
         "output": Buffer((num_rows, hidden), "like:inp"),
         "row_id_map": Buffer((0,) if backward else (num_rows,), "int32"),
@@ -105,8 +120,8 @@ def sort_chunks_plan(
     if num_rows == 0:
         return Plan(buffers, (), results)
     splits_pow2 = next_pow2(num_splits)
-    block_h = max(16, min(next_pow2(hidden), 8192 // element_bytes))
-    rows = max(1, min(_TILE_ELEMENTS // splits_pow2, 16384 // (block_h * element_bytes), 64))
+    block_h = max(16, min(next_pow2(hidden), cfg["block_bytes"] // element_bytes))
+    rows = max(1, min(cfg["rows"], _TILE_ELEMENTS // splits_pow2))
     rows = 1 << (rows.bit_length() - 1)
     launch = Launch(
         kernel=_sort_chunks_kernel,
@@ -121,6 +136,6 @@ def sort_chunks_plan(
             GATHER=backward,
             WRITE_MAP=not backward,
         ),
-        num_warps=4,
+        num_warps=cfg["num_warps"],
     )
     return Plan(buffers, (launch,), results)

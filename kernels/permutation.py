@@ -19,10 +19,13 @@ programs appended to the grid of the kernels that produce permuted buffers; noth
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import replace
+
 import triton
 import triton.language as tl
 
-from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, cdiv, next_pow2
+from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, SearchSpace, cdiv, next_pow2
 
 # Largest number of elements one program holds in a tile; keeps register use bounded for any E, K and H.
 _TILE_ELEMENTS = 4096
@@ -623,14 +626,27 @@ def _combine_backward_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _block_h(hidden: int, element_bytes: int) -> int:
-    """Columns per program: 16 KiB of payload per row chunk at most, and no wider than the row."""
-    return max(16, min(next_pow2(hidden), 16384 // element_bytes))
+ROW_MAP_SPACE = SearchSpace("row_map", {"block_tokens": (64, 128, 256), "num_warps": (4, 8)})
+DISPATCH_SPACE = SearchSpace(
+    "dispatch",
+    {"block_bytes": (1024, 2048, 4096, 8192, 16384), "num_warps": (2, 4, 8, 16), "fill_per_sm": (1, 4)},
+)
+COMBINE_SPACE = SearchSpace("combine", {"block_h": (256, 512, 1024, 2048, 4096), "num_warps": (2, 4, 8, 16)})
+COMBINE_BACKWARD_SPACE = SearchSpace(
+    "combine_backward",
+    {"block_h": (256, 512, 1024, 2048, 4096), "num_warps": (2, 4, 8, 16), "fill_per_sm": (1, 4)},
+)
 
 
-def _num_fill(device: DeviceInfo, padded: bool, num_experts: int) -> int:
+def _columns(hidden: int, block: int) -> int:
+    """Columns per program: the configured block, no wider than the row (power of two, at least 16)."""
+    return max(16, min(next_pow2(hidden), block))
+
+
+def _num_fill(device: DeviceInfo, padded: bool, num_experts: int, fill_per_sm: int) -> int:
     # Padded buffers spread one expert's pad rows per program; unpadded ones only ever zero a tail.
-    return min(max(num_experts, device.num_sms), 1024) if padded else device.num_sms
+    programs = fill_per_sm * device.num_sms
+    return min(max(num_experts, programs), 1024) if padded else programs
 
 
 def buffer_rows(num_out_tokens: int, num_experts: int, align_size: int | None) -> int:
@@ -650,10 +666,13 @@ def row_map_plan(
     is_mask: bool,
     num_rows: int,
     align_size: int,
+    config: Mapping[str, int] | None = None,
 ) -> tuple[dict[str, Buffer], tuple[Launch, ...]]:
     """Buffers and launches that turn a routing input ("routing") into "row_id_map", "tokens_per_expert",
-    "pad_offsets" and the internal "pad_table". Two launches, O(T * S + B * E * B) work with B <= 128."""
-    block_t = max(_MIN_BLOCK_T, next_pow2(cdiv(num_tokens, _MAX_BLOCKS)))
+    "pad_offsets" and the internal "pad_table". Two launches; O(T * S + B * B * E) work with B <= 128 blocks,
+    so linear in T * E (a block of at least 64 tokens does B * E prefix work)."""
+    cfg = dict(ROW_MAP_SPACE.default(block_tokens=_MIN_BLOCK_T, num_warps=4), **(config or {}))
+    block_t = max(cfg["block_tokens"], next_pow2(cdiv(num_tokens, _MAX_BLOCKS)))
     num_blocks = cdiv(num_tokens, block_t)
     buffers = {
         "block_counts": Buffer((num_blocks, num_experts), "int32"),
@@ -679,6 +698,7 @@ def row_map_plan(
         args=("routing", num_tokens, num_slots, num_experts),
         outputs=("block_counts",),
         constexprs=common,
+        num_warps=cfg["num_warps"],
         checks=not is_mask,
     )
     assign = Launch(
@@ -696,8 +716,49 @@ def row_map_plan(
         ),
         outputs=("row_id_map", "tokens_per_expert", "pad_offsets", "pad_table"),
         constexprs=dict(common, TILE_B=tile_b),
+        num_warps=cfg["num_warps"],
     )
     return buffers, (count, assign)
+
+
+def _dispatch_launch(
+    *,
+    num_tokens,
+    hidden,
+    num_slots,
+    num_rows,
+    num_experts,
+    scale_cols,
+    element_bytes,
+    has_probs,
+    padded,
+    pad_table: bool,
+    args,
+    outputs,
+    device,
+    config,
+) -> Launch:
+    """The scatter launch shared by dispatch and the unweighted combine backward."""
+    cfg = dict(DISPATCH_SPACE.default(block_bytes=16384, num_warps=8, fill_per_sm=1), **(config or {}))
+    block_h = _columns(hidden, cfg["block_bytes"] // element_bytes)
+    num_fill = _num_fill(device, padded and pad_table, num_experts, cfg["fill_per_sm"])
+    return Launch(
+        kernel=_dispatch_kernel,
+        grid=(num_tokens * cdiv(hidden, block_h) + num_fill,),
+        args=(*args, num_tokens, hidden, num_slots, num_rows, num_experts, scale_cols),
+        outputs=outputs,
+        constexprs=dict(
+            BLOCK_H=block_h,
+            SLOTS_POW2=next_pow2(num_slots),
+            SCALES_POW2=next_pow2(max(scale_cols, 1)),
+            HAS_PROBS=has_probs,
+            HAS_SCALES=scale_cols > 0,
+            HAS_PAD_TABLE=pad_table,
+            NUM_FILL=num_fill,
+            FILL_ROWS=4,
+        ),
+        num_warps=cfg["num_warps"],
+    )
 
 
 def dispatch_plan(
@@ -713,13 +774,16 @@ def dispatch_plan(
     has_probs: bool,
     scale_cols: int | None,
     device: DeviceInfo = DEFAULT_DEVICE,
+    config: Mapping[str, Mapping[str, int]] | None = None,
 ) -> Plan:
     """token_dispatch: row map + scatter of tokens, probs and scales.
 
     Inputs: "inp" [T, H], "routing" [T, S], "probs" [T, S] or None, "scales" [T, C] or None.
     Results: output [N, H], permuted_probs [N], permuted_scales [N, C], row_id_map [T, S + 1],
     pad_offsets [E], tokens_per_expert [E] (rows per expert in the buffer, padding included).
+    `config` maps "row_map" / "dispatch" to configs from their search spaces (defaults: heuristics).
     """
+    config = config or {}
     num_rows = buffer_rows(num_out_tokens, num_experts, align_size)
     buffers, map_launches = row_map_plan(
         num_tokens=num_tokens,
@@ -728,6 +792,7 @@ def dispatch_plan(
         is_mask=is_mask,
         num_rows=num_rows,
         align_size=align_size or 1,
+        config=config.get("row_map"),
     )
     has_scales = scale_cols is not None
     empty = num_tokens == 0
@@ -744,44 +809,33 @@ def dispatch_plan(
     )
     launches = map_launches
     if not empty:
-        block_h = _block_h(hidden, element_bytes)
-        num_fill = _num_fill(device, align_size is not None, num_experts)
         launches += (
-            Launch(
-                kernel=_dispatch_kernel,
-                grid=(num_tokens * cdiv(hidden, block_h) + num_fill,),
-                args=(
-                    "inp",
-                    "row_id_map",
-                    "probs",
-                    "scales",
-                    "pad_table",
-                    num_tokens,
-                    hidden,
-                    num_slots,
-                    num_rows,
-                    num_experts,
-                    scale_cols or 0,
-                ),
+            _dispatch_launch(
+                num_tokens=num_tokens,
+                hidden=hidden,
+                num_slots=num_slots,
+                num_rows=num_rows,
+                num_experts=num_experts,
+                scale_cols=scale_cols or 0,
+                element_bytes=element_bytes,
+                has_probs=has_probs,
+                padded=align_size is not None,
+                pad_table=align_size is not None,
+                args=("inp", "row_id_map", "probs", "scales", "pad_table"),
                 outputs=("output", "permuted_probs", "permuted_scales"),
-                constexprs=dict(
-                    BLOCK_H=block_h,
-                    SLOTS_POW2=next_pow2(num_slots),
-                    SCALES_POW2=next_pow2(scale_cols or 1),
-                    HAS_PROBS=has_probs,
-                    HAS_SCALES=has_scales,
-                    HAS_PAD_TABLE=align_size is not None,
-                    NUM_FILL=num_fill,
-                    FILL_ROWS=4,
-                ),
-                num_warps=4 if block_h * element_bytes <= 4096 else 8,
+                device=device,
+                config=config.get("dispatch"),
             ),
         )
-    return Plan(
-        buffers,
-        launches,
-        ("output", "permuted_probs", "permuted_scales", "row_id_map", "pad_offsets", "tokens_per_expert"),
+    results = (
+        "output",
+        "permuted_probs",
+        "permuted_scales",
+        "row_id_map",
+        "pad_offsets",
+        "tokens_per_expert",
     )
+    return Plan(buffers, launches, results)
 
 
 def scatter_plan(
@@ -793,11 +847,12 @@ def scatter_plan(
     padded: bool,
     element_bytes: int,
     device: DeviceInfo = DEFAULT_DEVICE,
+    config: Mapping[str, int] | None = None,
 ) -> Plan:
     """Backward of unweighted combine: "grad" [T, H] scattered to "grad_input" [N, H] through "row_id_map".
 
     Without padding, fill programs zero the tail past `end`; with padding the output starts zeroed, since
-    the pad rows' positions are not recorded in the row map.
+    the pad rows' positions are not recorded in the row map. `config`: a "dispatch" config.
     """
     empty = num_tokens == 0
     buffers = {
@@ -807,37 +862,24 @@ def scatter_plan(
     }
     if empty:
         return Plan(buffers, (), ("grad_input",))
-    block_h = _block_h(hidden, element_bytes)
-    num_fill = 0 if padded else _num_fill(device, False, 0)
-    launch = Launch(
-        kernel=_dispatch_kernel,
-        grid=(num_tokens * cdiv(hidden, block_h) + num_fill,),
-        args=(
-            "grad",
-            "row_id_map",
-            "grad",
-            "grad",
-            "row_id_map",
-            num_tokens,
-            hidden,
-            num_slots,
-            num_rows,
-            0,
-            0,
-        ),
+    launch = _dispatch_launch(
+        num_tokens=num_tokens,
+        hidden=hidden,
+        num_slots=num_slots,
+        num_rows=num_rows,
+        num_experts=0,
+        scale_cols=0,
+        element_bytes=element_bytes,
+        has_probs=False,
+        padded=padded,
+        pad_table=False,
+        args=("grad", "row_id_map", "grad", "grad", "row_id_map"),
         outputs=("grad_input", "unused_probs", "unused_scales"),
-        constexprs=dict(
-            BLOCK_H=block_h,
-            SLOTS_POW2=next_pow2(num_slots),
-            SCALES_POW2=1,
-            HAS_PROBS=False,
-            HAS_SCALES=False,
-            HAS_PAD_TABLE=False,
-            NUM_FILL=max(num_fill, 1),
-            FILL_ROWS=4,
-        ),
-        num_warps=4 if block_h * element_bytes <= 4096 else 8,
+        device=device,
+        config=config,
     )
+    if padded:  # pre-zeroed: no fill programs
+        launch = replace(launch, grid=(launch.grid[0] - launch.constexprs["NUM_FILL"],))
     return Plan(buffers, (launch,), ("grad_input",))
 
 
@@ -850,19 +892,21 @@ def combine_plan(
     has_weights: bool,
     gather_probs: bool,
     probs_dtype: str = "float32",
+    config: Mapping[str, int] | None = None,
 ) -> Plan:
     """token_combine (and the backward of dispatch).
 
     Inputs: "inp" [N, H], "row_id_map", "weights" [T, S] or None, "permuted_probs" [N] or None.
     Results: output [T, H] and, with `gather_probs`, probs [T, S] (dtype `probs_dtype`).
     """
+    cfg = dict(COMBINE_SPACE.default(block_h=4096, num_warps=8), **(config or {}))
     buffers = {
         "output": Buffer((num_tokens, hidden), "like:inp"),
         "probs": Buffer((num_tokens, num_slots) if gather_probs else (0,), probs_dtype),
     }
     if num_tokens == 0:
         return Plan(buffers, (), ("output", "probs"))
-    block_h = _block_h(hidden, 4)
+    block_h = _columns(hidden, cfg["block_h"])
     launch = Launch(
         kernel=_combine_kernel,
         grid=(num_tokens * cdiv(hidden, block_h),),
@@ -874,7 +918,7 @@ def combine_plan(
             HAS_WEIGHTS=has_weights,
             GATHER_PROBS=gather_probs,
         ),
-        num_warps=4 if block_h <= 1024 else 8,
+        num_warps=cfg["num_warps"],
         fp_fusion=False,
     )
     return Plan(buffers, (launch,), ("output", "probs"))
@@ -889,12 +933,14 @@ def combine_backward_plan(
     padded: bool,
     element_bytes: int,
     device: DeviceInfo = DEFAULT_DEVICE,
+    config: Mapping[str, int] | None = None,
 ) -> Plan:
     """Backward of weighted combine.
 
     Inputs: "grad" [T, H], "row_id_map", "inp" [N, H] (forward input), "weights" [T, S].
     Results: grad_input [N, H] (zero on rows no token owns), grad_weights [T, S] (dtype of weights).
     """
+    cfg = dict(COMBINE_BACKWARD_SPACE.default(block_h=2048, num_warps=8, fill_per_sm=1), **(config or {}))
     empty = num_tokens == 0
     buffers = {
         "grad_input": Buffer((num_rows, hidden), "like:inp", zero=padded or empty),
@@ -902,8 +948,8 @@ def combine_backward_plan(
     }
     if empty:
         return Plan(buffers, (), ("grad_input", "grad_weights"))
-    block_h = _block_h(hidden, 4)
-    num_fill = 0 if padded else _num_fill(device, False, 0)
+    block_h = _columns(hidden, cfg["block_h"])
+    num_fill = 0 if padded else _num_fill(device, False, 0, cfg["fill_per_sm"])
     launch = Launch(
         kernel=_combine_backward_kernel,
         grid=(num_tokens + num_fill,),
@@ -912,7 +958,7 @@ def combine_backward_plan(
         constexprs=dict(
             BLOCK_H=block_h, SLOTS_POW2=next_pow2(num_slots), NUM_FILL=max(num_fill, 1), FILL_ROWS=4
         ),
-        num_warps=4 if block_h <= 1024 else 8,
+        num_warps=cfg["num_warps"],
         fp_fusion=False,
     )
     return Plan(buffers, (launch,), ("grad_input", "grad_weights"))

@@ -6,6 +6,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export HOME=${HOME:-/root} TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
 stages=${*:-tests bench}
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

@@ -2,8 +2,9 @@
 
 import itertools
 
-import moetriton.torch as mt
 import torch
+
+import moetriton.torch as mt
 from moetriton.torch import reference
 
 

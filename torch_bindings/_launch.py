@@ -6,6 +6,7 @@ import contextlib
 import functools
 
 import torch
+
 from moetriton.kernels import INTERPRETER, DeviceInfo, Plan
 
 _DTYPES = {

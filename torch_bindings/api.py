@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from moetriton.kernels import validation
 
 from . import ops
@@ -18,10 +19,14 @@ def _same_device(**tensors: torch.Tensor | None) -> torch.device:
     return first.device
 
 
+def _values_readable(tensor: torch.Tensor) -> bool:
+    """Value checks run where reading values is free: eager CPU tensors. On CUDA the map kernel checks
+    index ranges with a device-side assertion instead, so the hot path never syncs with the host."""
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def _check_index_values(indices: torch.Tensor, num_experts: int) -> None:
-    # Reading values is free on CPU; on CUDA the map kernel checks them with a device-side assertion,
-    # so the hot path never syncs.
-    if indices.device.type == "cpu" and indices.numel():
+    if _values_readable(indices) and indices.numel():
         validation.check_index_values(int(indices.min()), int(indices.max()), num_experts)
 
 
@@ -164,7 +169,7 @@ def sort_chunks_by_index(
     _same_device(inp=inp, probs=probs)
     split_sizes = split_sizes.to(inp.device, non_blocking=True)
     sorted_indices = sorted_indices.to(inp.device, non_blocking=True)
-    if inp.device.type == "cpu":
+    if _values_readable(inp):
         validation.check_split_values(split_sizes.tolist(), sorted_indices.tolist(), inp.shape[0])
     output, row_id_map, permuted_probs = ops.sort_chunks(inp, split_sizes, sorted_indices, probs, False)
     return (output, row_id_map) if probs is None else (output, row_id_map, permuted_probs)

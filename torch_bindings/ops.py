@@ -8,8 +8,9 @@ forward ops; their backward ops are ops too.
 from __future__ import annotations
 
 import torch
-from moetriton import kernels
 from torch import Tensor
+
+from moetriton import kernels
 
 from . import reference
 from ._launch import allocate, device_info, run_plan, uses_kernels

@@ -18,6 +18,7 @@ Differences from TE (all deliberate, see docs/te_migration.md):
 from __future__ import annotations
 
 import torch
+
 from moetriton.kernels import validation
 
 from .api import sort_chunks_by_index, token_combine, token_dispatch

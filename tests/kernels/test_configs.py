@@ -1,0 +1,137 @@
+"""Every config in every kernel's search space computes the reference result, so nothing the heuristics
+or the autotuner can pick is untested. Runs the plans through the PyTorch executor.
+
+Under the interpreter num_warps has no effect, so on CPU configs that differ only in num_warps run once.
+"""
+
+import pytest
+import torch
+
+from moetriton import kernels
+from moetriton.torch import reference
+from moetriton.torch._launch import run_plan
+from tests.torch._helpers import DEVICE, assert_reduced, assert_same
+
+NUM_TOKENS, HIDDEN, NUM_EXPERTS, TOPK = 7, 40, 5, 2
+
+
+def _configs(name: str) -> list[dict]:
+    configs = kernels.SEARCH_SPACES[name].configs()
+    if DEVICE.type == "cpu":
+        unique = {tuple(sorted((k, v) for k, v in c.items() if k != "num_warps")): c for c in configs}
+        configs = list(unique.values())
+    return configs
+
+
+def _problem(kind: str):
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(NUM_TOKENS, HIDDEN, generator=generator).to(DEVICE, torch.bfloat16)
+    ids = torch.rand(NUM_TOKENS, NUM_EXPERTS, generator=generator).topk(TOPK, dim=1).indices.to(DEVICE)
+    ids[3, 1] = -1
+    if kind == "mask":  # token 3 keeps its first expert and gains expert 0 where its -1 was
+        routing = torch.zeros(NUM_TOKENS, NUM_EXPERTS, dtype=torch.bool, device=DEVICE)
+        routing.scatter_(1, ids.clamp(min=0), True)
+    else:
+        routing = ids.int()
+    probs = torch.rand(routing.shape, generator=generator).to(DEVICE)
+    return x, routing, probs
+
+
+@pytest.mark.parametrize("kind", ["mask", "indices"])
+@pytest.mark.parametrize("align_size", [None, 4])
+@pytest.mark.parametrize("config", _configs("row_map") + _configs("dispatch"), ids=str)
+def test_every_dispatch_config(kind, align_size, config):
+    x, routing, probs = _problem(kind)
+    name = "row_map" if set(config) <= set(kernels.SEARCH_SPACES["row_map"].params) else "dispatch"
+    plan = kernels.dispatch_plan(
+        num_tokens=NUM_TOKENS,
+        hidden=HIDDEN,
+        num_slots=routing.shape[1],
+        num_experts=NUM_EXPERTS,
+        is_mask=kind == "mask",
+        num_out_tokens=NUM_TOKENS * TOPK,
+        align_size=align_size,
+        element_bytes=2,
+        has_probs=True,
+        scale_cols=None,
+        config={name: config},
+    )
+    got = run_plan(plan, dict(inp=x, routing=routing, probs=probs, scales=None), DEVICE)
+    expected = reference.dispatch(
+        x, routing, probs, None, NUM_EXPERTS, kind == "mask", NUM_TOKENS * TOPK, align_size or 0
+    )
+    for index in (0, 1, 3, 4, 5):
+        assert_same(got[index], expected[index], f"result {index}")
+
+
+def _layout(align_size):
+    x, routing, _ = _problem("indices")
+    _, _, _, row_map, _, _ = reference.dispatch(
+        x, routing, None, None, NUM_EXPERTS, False, NUM_TOKENS * TOPK, align_size or 0
+    )
+    num_rows = kernels.buffer_rows(NUM_TOKENS * TOPK, NUM_EXPERTS, align_size)
+    generator = torch.Generator().manual_seed(5)
+    rows = torch.randn(num_rows, HIDDEN, generator=generator).to(DEVICE, torch.bfloat16)
+    grad = torch.randn(NUM_TOKENS, HIDDEN, generator=generator).to(DEVICE, torch.bfloat16)
+    weights = torch.rand(NUM_TOKENS, TOPK, generator=generator).to(DEVICE)
+    return row_map, rows, grad, weights
+
+
+@pytest.mark.parametrize("config", _configs("combine"), ids=str)
+def test_every_combine_config(config):
+    row_map, rows, _, weights = _layout(None)
+    plan = kernels.combine_plan(
+        num_tokens=NUM_TOKENS,
+        hidden=HIDDEN,
+        num_slots=TOPK,
+        element_bytes=2,
+        has_weights=True,
+        gather_probs=False,
+        config=config,
+    )
+    got = run_plan(plan, dict(inp=rows, row_id_map=row_map, weights=weights, permuted_probs=None), DEVICE)
+    assert_reduced(got[0], reference.combine(rows, row_map, weights), "combine")
+
+
+@pytest.mark.parametrize("align_size", [None, 4])
+@pytest.mark.parametrize("config", _configs("combine_backward"), ids=str)
+def test_every_combine_backward_config(align_size, config):
+    row_map, rows, grad, weights = _layout(align_size)
+    plan = kernels.combine_backward_plan(
+        num_tokens=NUM_TOKENS,
+        hidden=HIDDEN,
+        num_slots=TOPK,
+        num_rows=rows.shape[0],
+        padded=align_size is not None,
+        element_bytes=2,
+        config=config,
+    )
+    grad_input, grad_weights = run_plan(
+        plan, dict(grad=grad, row_id_map=row_map, inp=rows, weights=weights), DEVICE
+    )
+    expected_input, expected_weights = reference.combine_backward(grad, row_map, rows, weights, rows.shape[0])
+    assert_reduced(grad_input, expected_input, "grad_input")
+    torch.testing.assert_close(grad_weights, expected_weights, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("config", _configs("sort_chunks"), ids=str)
+def test_every_sort_chunks_config(backward, config):
+    generator = torch.Generator().manual_seed(2)
+    rows = torch.randn(23, HIDDEN, generator=generator).to(DEVICE, torch.bfloat16)
+    probs = torch.rand(23, generator=generator).to(DEVICE)
+    sizes = torch.tensor([4, 0, 7, 3, 5], device=DEVICE)
+    order = torch.tensor([2, 4, 0, 3, 1], device=DEVICE)
+    plan = kernels.sort_chunks_plan(
+        num_rows=23,
+        hidden=HIDDEN,
+        num_splits=5,
+        element_bytes=2,
+        has_probs=True,
+        backward=backward,
+        config=config,
+    )
+    got = run_plan(plan, dict(inp=rows, split_sizes=sizes, sorted_indices=order, probs=probs), DEVICE)
+    expected = reference.sort_chunks(rows, sizes, order, probs, backward)
+    for index, name in enumerate(("output", "row_id_map", "permuted_probs")):
+        assert_same(got[index], expected[index], name)
