@@ -21,8 +21,8 @@ repo=$OLDPWD
 for stage in $stages; do
   case $stage in
     smoke) python3 "$repo/scripts/gpu_smoke.py" 2>&1 | tee "$OUT/smoke.log" ;;
-    tests) (cd "$repo" && timeout 420 python3 -m pytest tests -q -x -p no:cacheprovider -n 4 \
-              --junitxml="$OUT/junit.xml" 2>&1 | tail -40 | tee "$OUT/tests.log") ;;
+    tests) (cd "$repo" && timeout ${TEST_TIMEOUT:-420} python3 -m pytest ${TEST_PATHS:-tests} -q -p no:cacheprovider \
+              -n 8 --maxfail=30 --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1; tail -60 "$OUT/tests.log") ;;
     bench) (cd "$repo" && timeout 300 python3 -m benchmarks.run --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log") ;;
     autotune) (cd "$repo" && timeout 500 python3 scripts/autotune.py --out "$OUT" ${AUTOTUNE_ARGS:-} 2>&1 | tail -60 | tee "$OUT/autotune.log") ;;
   esac
