@@ -51,10 +51,11 @@ def _group_excluded(select: jax.Array, topk: int, num_groups: int, group_topk: i
     num_tokens, num_experts = select.shape
     size = num_experts // num_groups
     grouped = select.reshape(num_tokens * num_groups, size)
-    best = jnp.take_along_axis(grouped, rank(grouped)[:, : topk // group_topk], axis=-1)
-    best = best.reshape(num_tokens, num_groups, -1)
+    per_group = topk // group_topk
+    best = jnp.take_along_axis(grouped, rank(grouped)[:, :per_group], axis=-1)
+    best = best.reshape(num_tokens, num_groups, per_group)
     group_score = best[..., 0]
-    for i in range(1, best.shape[-1]):
+    for i in range(1, per_group):
         group_score = group_score + best[..., i]
     chosen = _mask_from(rank(group_score)[:, :group_topk], (num_tokens, num_groups))
     return ~jnp.repeat(chosen, size, axis=-1)

@@ -43,9 +43,10 @@ def _group_excluded(select: torch.Tensor, topk: int, num_groups: int, group_topk
     num_tokens, num_experts = select.shape
     size = num_experts // num_groups
     grouped = select.reshape(num_tokens * num_groups, size)
-    best = grouped.gather(-1, rank(grouped)[:, : topk // group_topk]).reshape(num_tokens, num_groups, -1)
+    per_group = topk // group_topk
+    best = grouped.gather(-1, rank(grouped)[:, :per_group]).reshape(num_tokens, num_groups, per_group)
     group_score = best[..., 0]
-    for i in range(1, best.shape[-1]):
+    for i in range(1, per_group):
         group_score = group_score + best[..., i]
     chosen = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=select.device)
     chosen.scatter_(-1, rank(group_score)[:, :group_topk], True)
