@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib
+import importlib.metadata
 import json
 import platform
 import sys
+import traceback
 from pathlib import Path
 
 from moetriton.kernels.shapes import NAMED_SHAPES
@@ -40,11 +42,12 @@ CASE_MODULES = ("benchmarks.torch_cases", "benchmarks.jax_cases", "benchmarks.ro
 
 
 def _versions() -> dict:
+    """Installed versions, read from package metadata: importing jax_triton would empty TRITON_CACHE_DIR."""
     versions = {"python": platform.python_version()}
-    for name in ("torch", "triton", "jax", "jaxlib", "jax_triton"):
+    for name in ("torch", "triton", "jax", "jaxlib", "jax-triton"):
         try:
-            versions[name] = importlib.import_module(name).__version__
-        except Exception:  # a missing framework is reported, not fatal
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     return versions
 
@@ -116,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         for shape_name in args.shapes.split(","):
             try:
                 results += module.results(NAMED_SHAPES[shape_name], args.quick)
-            except Exception as error:  # one failing case module must not hide the others' numbers
-                print(f"{module_name} {shape_name} failed: {type(error).__name__}: {error}", file=sys.stderr)
+            except Exception:  # one failing case module must not hide the others' numbers
+                print(f"{module_name} {shape_name} failed:\n{traceback.format_exc()}", file=sys.stderr)
     rows = []
     for r in results:
         baseline = [

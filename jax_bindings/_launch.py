@@ -10,6 +10,7 @@ the kernels interpreted on numpy buffers, one plan at a time. Never imports torc
 
 from __future__ import annotations
 
+import os
 import threading
 
 import jax
@@ -83,9 +84,22 @@ def run_plan(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
     raise RuntimeError("moetriton: no GPU backend and TRITON_INTERPRET is not set; use the reference instead")
 
 
-def _run_triton(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
+def _jax_triton():
+    """jax_triton, imported on first use. Its import empties TRITON_CACHE_DIR, after which every other
+    Triton user in the process (PyTorch launches included) fails with "Could not create or locate cache
+    dir"; the caller's setting is put back."""
+    saved = os.environ.get("TRITON_CACHE_DIR")
     import jax_triton
 
+    if saved is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+    else:
+        os.environ["TRITON_CACHE_DIR"] = saved
+    return jax_triton
+
+
+def _run_triton(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
+    jax_triton = _jax_triton()
     specs = _result_specs(plan, inputs)
     env = dict(inputs)
     dummy = jnp.zeros((0,), jnp.int32)
