@@ -213,8 +213,13 @@ def _topk_forward_kernel(
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
     cols = tl.arange(0, WIDTH)
-    experts = (cols // GROUP_POW2) * GROUP_SIZE + cols % GROUP_POW2
-    col_ok = (cols // GROUP_POW2 < NUM_GROUPS) & (cols % GROUP_POW2 < GROUP_SIZE)
+    if GROUPS_POW2 == 1:
+        # One group: column == expert, so loads and stores are plainly contiguous.
+        experts = cols
+        col_ok = cols < NUM_EXPERTS
+    else:
+        experts = (cols // GROUP_POW2) * GROUP_SIZE + cols % GROUP_POW2
+        col_ok = (cols // GROUP_POW2 < NUM_GROUPS) & (cols % GROUP_POW2 < GROUP_SIZE)
     valid = row_ok[:, None] & col_ok[None, :]
     offsets = rows.to(tl.int64)[:, None] * NUM_EXPERTS + experts[None, :]
     x = tl.load(logits_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
@@ -240,7 +245,10 @@ def _topk_forward_kernel(
     if RETURN_INDICES:
         kth, ranked = _ranked_columns(keys, TOPK, TOPK_POW2, WIDTH)
         ranks = tl.arange(0, TOPK_POW2)
-        ranked_experts = (ranked // GROUP_POW2) * GROUP_SIZE + ranked % GROUP_POW2
+        if GROUPS_POW2 == 1:
+            ranked_experts = ranked
+        else:
+            ranked_experts = (ranked // GROUP_POW2) * GROUP_SIZE + ranked % GROUP_POW2
         tl.store(
             indices_ptr + rows.to(tl.int64)[:, None] * TOPK + ranks[None, :],
             ranked_experts,

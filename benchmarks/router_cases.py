@@ -1,0 +1,243 @@
+"""Router benchmarks: fused top-k forward and backward, moetriton beside the framework references.
+
+    python -m benchmarks.router_cases [--quick]     # every case in CASES
+    (benchmarks.run calls `results(shape)` per named shape: the cases with that shape's E and K)
+
+Cases (bf16 logits): T in {4096, 16384} x (E, K) in {(8, 2), (64, 4), (128, 8), (256, 8) DeepSeek-V3 style
+(sigmoid, expert bias, 8 groups, top-4 groups, scaling 2.5), (2048, 16)}; the others use softmax after
+the top-k. Timed: "topk_fwd" (probs + routing map from logits) and "topk_bwd" (grad_logits from grad_probs).
+
+PyTorch: medians over CUDA-graph replays (benchmarks.timing.time_graph), each call on its own input set; the
+reference's backward goes through autograd and is timed eagerly when it cannot be captured. JAX: each
+timing jits R calls on R distinct input sets into one program and reports the median per call. Bytes: every
+input read once and every output written once (logits, bias, probs, bool map; for the backward grad_probs,
+logits, map and grad_logits). Imports cleanly without a GPU and then returns no results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from moetriton.kernels.shapes import MoEShape
+
+from .common import Result
+from .timing import input_sets, time_eager, time_graph
+
+
+@dataclass(frozen=True)
+class RouterCase:
+    num_tokens: int
+    num_experts: int
+    topk: int
+    score_function: str = "softmax"
+    num_groups: int | None = None
+    group_topk: int | None = None
+    scaling_factor: float | None = None
+    bias: bool = False
+
+    @property
+    def name(self) -> str:
+        groups = f"-G{self.num_groups}" if self.num_groups else ""
+        return f"T{self.num_tokens}-E{self.num_experts}-K{self.topk}{groups}"
+
+    def kwargs(self) -> dict:
+        return dict(
+            num_groups=self.num_groups,
+            group_topk=self.group_topk,
+            scaling_factor=self.scaling_factor,
+            score_function=self.score_function,
+        )
+
+    def bytes(self, backward: bool) -> int:
+        cells = self.num_tokens * self.num_experts
+        if backward:  # grad_probs, logits, map -> grad_logits
+            return cells * (2 + 2 + 1 + 2)
+        return cells * (2 + 2 + 1) + (self.num_experts * 4 if self.bias else 0)  # logits -> probs, map
+
+
+DSV3 = dict(score_function="sigmoid", num_groups=8, group_topk=4, scaling_factor=2.5, bias=True)
+CASES = [
+    RouterCase(tokens, experts, topk, **(DSV3 if experts == 256 else {}))
+    for tokens in (4096, 16384)
+    for experts, topk in ((8, 2), (64, 4), (128, 8), (256, 8), (2048, 16))
+]
+
+
+def cases_for(shape_or_case: MoEShape | RouterCase) -> list[RouterCase]:
+    """A case as given, or for a named shape the cases with its number of experts and top-k."""
+    if isinstance(shape_or_case, RouterCase):
+        return [shape_or_case]
+    return [
+        case
+        for case in CASES
+        if (case.num_experts, case.topk) == (shape_or_case.num_experts, shape_or_case.topk)
+    ]
+
+
+def results(shape_or_case: MoEShape | RouterCase, quick: bool = False) -> list[Result]:
+    if not torch.cuda.is_available():
+        return []
+    out: list[Result] = []
+    for case in cases_for(shape_or_case):
+        out += _torch_results(case, quick)
+        out += _jax_results(case, quick)
+    return out
+
+
+# PyTorch ------------------------------------------------------------------------------------------------
+
+
+def _torch_sets(case: RouterCase) -> list[dict]:
+    from moetriton.torch.router import fused_topk_with_score_function
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    sets = []
+    for _ in range(input_sets(case.bytes(backward=True))):
+        logits = torch.randn(
+            case.num_tokens, case.num_experts, device="cuda", dtype=torch.bfloat16, generator=generator
+        )
+        bias = torch.randn(case.num_experts, device="cuda", generator=generator) if case.bias else None
+        probs, routing_map = fused_topk_with_score_function(
+            logits, case.topk, **case.kwargs(), expert_bias=bias
+        )
+        grad = torch.randn(probs.shape, device="cuda", dtype=probs.dtype, generator=generator)
+        sets.append(dict(logits=logits, bias=bias, routing_map=routing_map, grad=grad))
+    return sets
+
+
+def _torch_results(case: RouterCase, quick: bool) -> list[Result]:
+    from moetriton.torch import reference_router as reference
+    from moetriton.torch.router import fused_topk_with_score_function
+
+    sets = _torch_sets(case)
+    kwargs = case.kwargs()
+    scale = case.scaling_factor or 1.0
+
+    def forward(topk):
+        return [lambda s=s: topk(s["logits"], case.topk, **kwargs, expert_bias=s["bias"]) for s in sets]
+
+    backward = [
+        lambda s=s: torch.ops.moetriton.router_topk_backward(
+            s["grad"], s["logits"], s["routing_map"], case.topk, False, scale, case.score_function
+        )
+        for s in sets
+    ]
+    out = [
+        Result(
+            "topk_fwd",
+            "torch",
+            "moetriton",
+            case.name,
+            time_graph(forward(fused_topk_with_score_function)),
+            case.bytes(False),
+            "CUDA graph",
+        ),
+        Result(
+            "topk_bwd", "torch", "moetriton", case.name, time_graph(backward), case.bytes(True), "CUDA graph"
+        ),
+    ]
+    if quick:
+        return out
+    ms = time_graph(forward(reference.fused_topk_with_score_function))
+    out.append(Result("topk_fwd", "torch", "torch-ref", case.name, ms, case.bytes(False), "CUDA graph"))
+    # Autograd runs the backward on the forward's stream, which a capture cannot follow: time it eagerly.
+    autograd = []
+    for s in sets:
+        logits = s["logits"].detach().requires_grad_(True)
+        probs, _ = reference.fused_topk_with_score_function(
+            logits, case.topk, **kwargs, expert_bias=s["bias"]
+        )
+        autograd.append(
+            lambda probs=probs, logits=logits, grad=s["grad"]: torch.autograd.grad(
+                probs, logits, grad, retain_graph=True
+            )
+        )
+    ms = time_eager(autograd)
+    out.append(Result("topk_bwd", "torch", "torch-ref", case.name, ms, case.bytes(True), "eager (autograd)"))
+    return out
+
+
+# JAX ------------------------------------------------------------------------------------------------------
+
+
+def _jax_on_gpu() -> bool:
+    try:
+        import jax
+
+        return jax.default_backend() in ("gpu", "cuda")
+    except ImportError:
+        return False
+
+
+def _time_jax(fn, args: list, repeats: int = 20) -> float:
+    """Median ms per call of `fn` over `args`, all calls inside one jitted program."""
+    import jax
+
+    program = jax.jit(lambda items: [fn(item) for item in items])
+    jax.block_until_ready(program(args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(program(args))
+        times.append((time.perf_counter() - start) * 1e3 / len(args))
+    return statistics.median(times)
+
+
+def _jax_results(case: RouterCase, quick: bool) -> list[Result]:
+    if not _jax_on_gpu():
+        return []
+    import jax
+    import jax.numpy as jnp
+
+    from moetriton.jax import reference_router as reference
+    from moetriton.jax.router import fused_topk_with_score_function
+
+    keys = jax.random.split(jax.random.key(0), input_sets(case.bytes(backward=True)))
+    shape = (case.num_tokens, case.num_experts)
+    bias = jax.random.normal(keys[0], (case.num_experts,)) if case.bias else None
+    logits = [jax.random.normal(key, shape, jnp.bfloat16) for key in keys]
+    grads = [jax.random.normal(key, shape, jnp.bfloat16) for key in jax.random.split(keys[-1], len(keys))]
+    kwargs = dict(case.kwargs(), expert_bias=bias)
+    out = []
+    impls = [("moetriton", fused_topk_with_score_function)]
+    if not quick:
+        impls.append(("jax-ref", reference.fused_topk_with_score_function))
+    for impl, topk in impls:
+        ms = _time_jax(lambda x, topk=topk: topk(x, case.topk, **kwargs), logits)
+        out.append(Result("topk_fwd", "jax", impl, case.name, ms, case.bytes(False), "R calls in one jit"))
+        vjps = [jax.vjp(lambda x, topk=topk: topk(x, case.topk, **kwargs)[0], x)[1] for x in logits]
+        ms = _time_jax(lambda item: item[0](item[1]), list(zip(vjps, grads, strict=True)))
+        out.append(Result("topk_bwd", "jax", impl, case.name, ms, case.bytes(True), "R calls in one jit"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="skip the references")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks need a CUDA GPU; nothing to do")
+        return 0
+    rows = [r for case in CASES for r in results(case, args.quick)]
+    print(f"{'op':<10}{'fw':<6}{'impl':<11}{'case':<20}{'ms':>9}{'GB/s':>8}{'vs ref':>8}  note")
+    for r in rows:
+        same = [
+            b for b in rows if (b.op, b.framework, b.shape) == (r.op, r.framework, r.shape) and b is not r
+        ]
+        speedup = same[0].ms / r.ms if same and r.impl == "moetriton" else 0.0
+        print(
+            f"{r.op:<10}{r.framework:<6}{r.impl:<11}{r.shape:<20}{r.ms:>9.4f}{r.gbps():>8.0f}{speedup:>8.1f}"
+            f"  {r.note}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
