@@ -46,8 +46,10 @@ from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, cdiv, next_
 
 #: Score-function ids used as constexprs.
 SCORE_FUNCTION_IDS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
-#: Largest tile (elements) one program holds; sets BLOCK_T for a given WIDTH.
-_TILE_ELEMENTS = 4096
+#: Target tile (elements) of one program; sets BLOCK_T for a given WIDTH (one row when WIDTH is larger).
+_TILE_ELEMENTS = 1024
+#: Elements per warp: 8 per thread keeps the forward near 60 registers (sm_90), so an SM holds 64 warps.
+_WARP_ELEMENTS = 256
 #: Aux-loss partial sums: at most this many programs, each over at least _MIN_LOSS_ROWS rows.
 _MAX_LOSS_BLOCKS = 512
 _MIN_LOSS_ROWS = 64
@@ -494,14 +496,14 @@ def _row_tiles(
 ) -> tuple[int, int]:
     """(BLOCK_T, num_warps) for a [BLOCK_T, width] register tile per program.
 
-    BLOCK_T fills _TILE_ELEMENTS, but stays small enough to give every SM about four programs; warps
-    give each thread about 16 elements.
+    BLOCK_T fills _TILE_ELEMENTS, but stays small enough to give every SM about four programs; warps give
+    each thread about 8 elements (registers grow about linearly with elements per thread).
     """
     if block_t is None:
         spread = next_pow2(cdiv(max(num_tokens, 1), 4 * device.num_sms))
         block_t = max(1, min(_TILE_ELEMENTS // width, spread))
     if num_warps is None:
-        num_warps = max(1, min(16, block_t * width // 512))
+        num_warps = max(1, min(16, block_t * width // _WARP_ELEMENTS))
     return block_t, num_warps
 
 
