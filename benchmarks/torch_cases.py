@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from moetriton import kernels
 from moetriton.kernels.shapes import MoEShape
+from moetriton.torch._launch import device_info, run_plan
 
 from .common import Result, token_bytes
 from .timing import input_sets, time_eager, time_graph
@@ -61,6 +63,42 @@ def results(shape: MoEShape, quick: bool = False) -> list[Result]:
         time_graph([lambda s=s: mt.token_dispatch(s[0], s[1], N, s[2]) for s in sets]),
         dispatch_bytes,
         "map + permute + probs, CUDA graph",
+    )
+
+    # The two halves of dispatch, to compare with TE's separate row-map and permute kernels.
+    device = torch.device("cuda")
+    plan = kernels.dispatch_plan(
+        num_tokens=T,
+        hidden=H,
+        num_slots=E,
+        num_experts=E,
+        is_mask=True,
+        num_out_tokens=N,
+        align_size=None,
+        element_bytes=eb,
+        has_probs=True,
+        scale_cols=None,
+        device=device_info(device),
+    )
+    moved = ("output", "permuted_probs", "permuted_scales")
+    map_plan = kernels.Plan(plan.buffers, plan.launches[:-1], ("row_id_map", "pad_table"))
+    permute_plan = kernels.Plan({k: plan.buffers[k] for k in moved}, plan.launches[-1:], moved[:2])
+    inputs = [dict(inp=s[0], routing=s[1], probs=s[2], scales=None) for s in sets]
+    for entry in inputs:
+        entry.update(zip(("row_id_map", "pad_table"), run_plan(map_plan, entry, device), strict=True))
+    add(
+        "row_map",
+        "moetriton",
+        time_graph([lambda i=i: run_plan(map_plan, i, device) for i in inputs]),
+        T * E + map_bytes + 3 * E * 4,
+        "row-map build alone (2 launches), CUDA graph",
+    )
+    add(
+        "permute",
+        "moetriton",
+        time_graph([lambda i=i: run_plan(permute_plan, i, device) for i in inputs]),
+        token_bytes(T, H, eb) + map_bytes + N * 4 + token_bytes(N, H, eb) + N * 4,
+        "permute + probs with a built map, CUDA graph",
     )
     if not quick:
         add(

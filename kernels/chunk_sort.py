@@ -13,7 +13,8 @@ from collections.abc import Mapping
 import triton
 import triton.language as tl
 
-from ._plan import Buffer, Launch, Plan, SearchSpace, cdiv, next_pow2
+from . import autotune
+from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, SearchSpace, cdiv, next_pow2
 from .permutation import _as_bits
 
 _TILE_ELEMENTS = 4096
@@ -86,12 +87,7 @@ def _sort_chunks_kernel(
 
 
 SORT_CHUNKS_SPACE = SearchSpace(
-    "sort_chunks",
-    {
-        "rows": (1, 2, 4, 8, 16, 32, 64),
-        "block_bytes": (1024, 2048, 4096, 8192, 16384),
-        "num_warps": (2, 4, 8),
-    },
+    "sort_chunks", {"rows": (1, 4, 16), "block_bytes": (4096, 8192, 16384), "num_warps": (4, 8)}
 )
 
 
@@ -103,12 +99,16 @@ def sort_chunks_plan(
     element_bytes: int,
     has_probs: bool,
     backward: bool,
+    device: DeviceInfo = DEFAULT_DEVICE,
     config: Mapping[str, int] | None = None,
 ) -> Plan:
     """Inputs: "inp" [N, H], "split_sizes" [S], "sorted_indices" [S], "probs" [N] or None.
     Results: output [N, H], row_id_map [N] int32 (forward only; [0] in the backward), permuted_probs [N].
     `config["rows"]` is an upper bound: the [rows, S] compare tile stays within 4096 elements."""
-    cfg = dict(SORT_CHUNKS_SPACE.default(rows=16, block_bytes=8192, num_warps=4), **(config or {}))
+    features = dict(num_rows=num_rows, hidden=hidden, num_splits=num_splits, element_bytes=element_bytes)
+    cfg = autotune.resolve(
+        SORT_CHUNKS_SPACE, dict(rows=4, block_bytes=8192, num_warps=8), config, features, device
+    )
     buffers = {
         "output": Buffer((num_rows, hidden), "like:inp"),
         "row_id_map": Buffer((0,) if backward else (num_rows,), "int32"),

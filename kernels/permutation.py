@@ -25,6 +25,7 @@ from dataclasses import replace
 import triton
 import triton.language as tl
 
+from . import autotune
 from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, SearchSpace, cdiv, next_pow2
 
 # Largest number of elements one program holds in a tile; keeps register use bounded for any E, K and H.
@@ -627,15 +628,16 @@ def _combine_backward_kernel(
 
 
 ROW_MAP_SPACE = SearchSpace("row_map", {"block_tokens": (64, 128, 256), "num_warps": (4, 8)})
-DISPATCH_SPACE = SearchSpace(
-    "dispatch",
-    {"block_bytes": (1024, 2048, 4096, 8192, 16384), "num_warps": (2, 4, 8, 16), "fill_per_sm": (1, 4)},
-)
-COMBINE_SPACE = SearchSpace("combine", {"block_h": (256, 512, 1024, 2048, 4096), "num_warps": (2, 4, 8, 16)})
+DISPATCH_SPACE = SearchSpace("dispatch", {"block_bytes": (2048, 4096, 8192, 16384), "num_warps": (4, 8, 16)})
+COMBINE_SPACE = SearchSpace("combine", {"block_h": (512, 1024, 2048, 4096), "num_warps": (4, 8, 16)})
 COMBINE_BACKWARD_SPACE = SearchSpace(
-    "combine_backward",
-    {"block_h": (256, 512, 1024, 2048, 4096), "num_warps": (2, 4, 8, 16), "fill_per_sm": (1, 4)},
+    "combine_backward", {"block_h": (512, 1024, 2048, 4096), "num_warps": (4, 8, 16)}
 )
+
+
+def _warps_for(block_bytes: int) -> int:
+    """Heuristic warps: one 16-byte vector per thread per row chunk, 4 to 16 warps."""
+    return min(16, max(4, next_pow2(block_bytes // 512)))
 
 
 def _columns(hidden: int, block: int) -> int:
@@ -643,10 +645,9 @@ def _columns(hidden: int, block: int) -> int:
     return max(16, min(next_pow2(hidden), block))
 
 
-def _num_fill(device: DeviceInfo, padded: bool, num_experts: int, fill_per_sm: int) -> int:
+def _num_fill(device: DeviceInfo, padded: bool, num_experts: int) -> int:
     # Padded buffers spread one expert's pad rows per program; unpadded ones only ever zero a tail.
-    programs = fill_per_sm * device.num_sms
-    return min(max(num_experts, programs), 1024) if padded else programs
+    return min(max(num_experts, device.num_sms), 1024) if padded else device.num_sms
 
 
 def buffer_rows(num_out_tokens: int, num_experts: int, align_size: int | None) -> int:
@@ -666,12 +667,16 @@ def row_map_plan(
     is_mask: bool,
     num_rows: int,
     align_size: int,
+    device: DeviceInfo = DEFAULT_DEVICE,
     config: Mapping[str, int] | None = None,
 ) -> tuple[dict[str, Buffer], tuple[Launch, ...]]:
     """Buffers and launches that turn a routing input ("routing") into "row_id_map", "tokens_per_expert",
     "pad_offsets" and the internal "pad_table". Two launches; O(T * S + B * B * E) work with B <= 128 blocks,
     so linear in T * E (a block of at least 64 tokens does B * E prefix work)."""
-    cfg = dict(ROW_MAP_SPACE.default(block_tokens=_MIN_BLOCK_T, num_warps=4), **(config or {}))
+    features = dict(num_tokens=num_tokens, num_slots=num_slots, num_experts=num_experts, is_mask=int(is_mask))
+    cfg = autotune.resolve(
+        ROW_MAP_SPACE, dict(block_tokens=_MIN_BLOCK_T, num_warps=4), config, features, device
+    )
     block_t = max(cfg["block_tokens"], next_pow2(cdiv(num_tokens, _MAX_BLOCKS)))
     num_blocks = cdiv(num_tokens, block_t)
     buffers = {
@@ -739,9 +744,12 @@ def _dispatch_launch(
     config,
 ) -> Launch:
     """The scatter launch shared by dispatch and the unweighted combine backward."""
-    cfg = dict(DISPATCH_SPACE.default(block_bytes=16384, num_warps=8, fill_per_sm=1), **(config or {}))
+    block_h = _columns(hidden, 16384 // element_bytes)
+    features = dict(num_tokens=num_tokens, hidden=hidden, num_slots=num_slots, element_bytes=element_bytes)
+    heuristic = dict(block_bytes=16384, num_warps=_warps_for(block_h * element_bytes))
+    cfg = autotune.resolve(DISPATCH_SPACE, heuristic, config, features, device)
     block_h = _columns(hidden, cfg["block_bytes"] // element_bytes)
-    num_fill = _num_fill(device, padded and pad_table, num_experts, cfg["fill_per_sm"])
+    num_fill = _num_fill(device, padded and pad_table, num_experts)
     return Launch(
         kernel=_dispatch_kernel,
         grid=(num_tokens * cdiv(hidden, block_h) + num_fill,),
@@ -892,6 +900,7 @@ def combine_plan(
     has_weights: bool,
     gather_probs: bool,
     probs_dtype: str = "float32",
+    device: DeviceInfo = DEFAULT_DEVICE,
     config: Mapping[str, int] | None = None,
 ) -> Plan:
     """token_combine (and the backward of dispatch).
@@ -899,7 +908,9 @@ def combine_plan(
     Inputs: "inp" [N, H], "row_id_map", "weights" [T, S] or None, "permuted_probs" [N] or None.
     Results: output [T, H] and, with `gather_probs`, probs [T, S] (dtype `probs_dtype`).
     """
-    cfg = dict(COMBINE_SPACE.default(block_h=4096, num_warps=8), **(config or {}))
+    features = dict(num_tokens=num_tokens, hidden=hidden, num_slots=num_slots, element_bytes=element_bytes)
+    heuristic = dict(block_h=4096, num_warps=_warps_for(_columns(hidden, 4096) * element_bytes))
+    cfg = autotune.resolve(COMBINE_SPACE, heuristic, config, features, device)
     buffers = {
         "output": Buffer((num_tokens, hidden), "like:inp"),
         "probs": Buffer((num_tokens, num_slots) if gather_probs else (0,), probs_dtype),
@@ -940,7 +951,9 @@ def combine_backward_plan(
     Inputs: "grad" [T, H], "row_id_map", "inp" [N, H] (forward input), "weights" [T, S].
     Results: grad_input [N, H] (zero on rows no token owns), grad_weights [T, S] (dtype of weights).
     """
-    cfg = dict(COMBINE_BACKWARD_SPACE.default(block_h=2048, num_warps=8, fill_per_sm=1), **(config or {}))
+    features = dict(num_tokens=num_tokens, hidden=hidden, num_slots=num_slots, element_bytes=element_bytes)
+    heuristic = dict(block_h=2048, num_warps=_warps_for(_columns(hidden, 2048) * element_bytes))
+    cfg = autotune.resolve(COMBINE_BACKWARD_SPACE, heuristic, config, features, device)
     empty = num_tokens == 0
     buffers = {
         "grad_input": Buffer((num_rows, hidden), "like:inp", zero=padded or empty),
@@ -949,7 +962,7 @@ def combine_backward_plan(
     if empty:
         return Plan(buffers, (), ("grad_input", "grad_weights"))
     block_h = _columns(hidden, cfg["block_h"])
-    num_fill = 0 if padded else _num_fill(device, False, 0, cfg["fill_per_sm"])
+    num_fill = 0 if padded else _num_fill(device, False, 0)
     launch = Launch(
         kernel=_combine_backward_kernel,
         grid=(num_tokens + num_fill,),

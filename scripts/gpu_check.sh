@@ -24,6 +24,7 @@ for stage in $stages; do
     tests) (cd "$repo" && timeout ${TEST_TIMEOUT:-420} python3 -m pytest ${TEST_PATHS:-tests} -q -p no:cacheprovider \
               -n 8 --maxfail=30 --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1; tail -60 "$OUT/tests.log") ;;
     bench) (cd "$repo" && timeout 300 python3 -m benchmarks.run --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log") ;;
-    autotune) (cd "$repo" && timeout 500 python3 scripts/autotune.py --out "$OUT" ${AUTOTUNE_ARGS:-} 2>&1 | tail -60 | tee "$OUT/autotune.log") ;;
+    autotune) (cd "$repo" && timeout ${AUTOTUNE_TIMEOUT:-500} python3 scripts/autotune.py --out /tmp/cache ${AUTOTUNE_ARGS:-} \
+                 > "$OUT/autotune.log" 2>&1; tail -45 "$OUT/autotune.log"; tar -C /tmp/cache -cf "$OUT/autotune_cache.tar" .) ;;
   esac
 done

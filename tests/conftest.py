@@ -18,6 +18,8 @@ def _has_cuda() -> bool:
         return False
 
 
+# Several test workers share one GPU: JAX must not grab 75% of its memory per process up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 ON_GPU = _has_cuda()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -100,6 +100,7 @@ def _combine_plan(inp, row_map, weights, permuted_probs):
         has_weights=weights is not None,
         gather_probs=permuted_probs is not None,
         probs_dtype="float32" if permuted_probs is None else str(permuted_probs.dtype).removeprefix("torch."),
+        device=device_info(inp.device),
     )
 
 
@@ -239,6 +240,7 @@ def _sort_plan(inp, split_sizes, probs, backward):
         element_bytes=inp.element_size(),
         has_probs=probs is not None,
         backward=backward,
+        device=device_info(inp.device),
     )
 
 

@@ -1,0 +1,110 @@
+"""Kernel configs from the committed autotune cache, resolved at launch time (no autotuning on the call path).
+
+Files: moetriton/autotune_cache/<device>/<kernel>.json, written by scripts/autotune.py:
+    {"kernel": ..., "device": ..., "triton": "3.6.0", "source_hash": "...",
+     "entries": {"<key>": {"features": {...}, "best": {...config...}, "ms": ..., "timings": {...}}}}
+
+Lookup order: the exact key; else the nearest bucket (same categorical features, smallest sum of
+|log2| distances over the numeric ones); else None, and the plan uses its heuristic. A cache written by
+another Triton version or for other kernel source is still used (every cached config is a member of the
+kernel's search space, so it is correct, if perhaps no longer the fastest) and reported once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.resources
+import json
+import math
+import re
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import triton
+
+from ._plan import DeviceInfo, SearchSpace
+
+# Kernel name -> the module file holding its kernels; its hash marks cache entries stale when it changes.
+KERNEL_SOURCES = {
+    "row_map": "permutation.py",
+    "dispatch": "permutation.py",
+    "combine": "permutation.py",
+    "combine_backward": "permutation.py",
+    "sort_chunks": "chunk_sort.py",
+}
+# Features compared for equality rather than by distance.
+CATEGORICAL = ("element_bytes", "is_mask")
+
+
+def device_dir(device_name: str) -> str:
+    """Folder name of a device: its name with anything but letters, digits, '.', '-' turned into '_'."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", device_name).strip("_")
+
+
+def key_of(features: Mapping[str, int]) -> str:
+    return ",".join(f"{name}={int(value)}" for name, value in sorted(features.items()))
+
+
+def source_hash(kernel: str) -> str:
+    source = Path(__file__).with_name(KERNEL_SOURCES[kernel]).read_bytes()
+    return hashlib.sha256(source).hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    return Path(str(importlib.resources.files("moetriton.autotune_cache")))
+
+
+@functools.cache
+def _load(device: str, kernel: str) -> dict | None:
+    path = cache_root() / device_dir(device) / f"{kernel}.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    stale = []
+    if data.get("triton") != triton.__version__:
+        stale.append(f"written with Triton {data.get('triton')}, running {triton.__version__}")
+    if kernel in KERNEL_SOURCES and data.get("source_hash") != source_hash(kernel):
+        stale.append("kernel source changed since")
+    if stale:
+        warnings.warn(
+            f"moetriton: autotune cache {path} is stale ({'; '.join(stale)}); its configs are still "
+            "valid but may not be the fastest. Rerun scripts/autotune.py.",
+            stacklevel=3,
+        )
+    return data
+
+
+def _distance(a: Mapping[str, int], b: Mapping[str, int]) -> float:
+    if set(a) != set(b) or any(a[name] != b[name] for name in CATEGORICAL if name in a):
+        return math.inf
+    return sum(abs(math.log2(max(a[n], 1)) - math.log2(max(b[n], 1))) for n in a if n not in CATEGORICAL)
+
+
+def lookup(kernel: str, features: Mapping[str, int], device: str) -> dict[str, int] | None:
+    """Cached best config for `kernel` on `device` at `features` (exact key, else nearest bucket), or None."""
+    data = _load(device, kernel)
+    if not data or not data.get("entries"):
+        return None
+    entries = data["entries"]
+    exact = entries.get(key_of(features))
+    if exact is not None:
+        return dict(exact["best"])
+    nearest = min(entries.values(), key=lambda entry: _distance(features, entry["features"]))
+    if math.isinf(_distance(features, nearest["features"])):
+        return None
+    return dict(nearest["best"])
+
+
+def resolve(
+    space: SearchSpace,
+    heuristic: Mapping[str, int],
+    config: Mapping[str, int] | None,
+    features: Mapping[str, int],
+    device: DeviceInfo,
+) -> dict[str, int]:
+    """The config a plan uses: the caller's, else the autotune cache's for `device`, else the heuristic.
+    The heuristic must lie in the search space (checked), so every config a plan can use is tested."""
+    chosen = config if config is not None else lookup(space.kernel, features, device.name)
+    return dict(space.default(**heuristic), **(chosen or {}))

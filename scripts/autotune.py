@@ -1,0 +1,252 @@
+"""Autotune: sweep every kernel's search space on this GPU and write the config cache.
+
+    python scripts/autotune.py [--shapes mixtral,qwen3,dsv3,small] [--kernels ...] [--out DIR] [--budget S]
+
+For every kernel and key (the named shapes, with mask and index routing), every config of the kernel's
+search space is compiled and timed (CUDA-graph replays over rotating input sets, median), and
+<out>/<device>/<kernel>.json records the best config, all candidates' times, the Triton version and the
+kernel-source hash. It resumes where it stopped: keys already in the output (or in the package's committed
+cache, which it starts from) with the current hash and Triton version are skipped. `--budget` stops it
+cleanly after that many seconds, so a sweep fits in several short device calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `benchmarks`
+
+import torch
+import triton
+from tqdm import tqdm
+
+from benchmarks.timing import input_sets, time_graph
+from moetriton import kernels
+from moetriton.kernels import autotune
+from moetriton.kernels.shapes import NAMED_SHAPES, MoEShape
+from moetriton.torch._launch import device_info, run_plan
+
+DTYPE = torch.bfloat16
+
+
+def _routing(shape: MoEShape, kind: str, generator: torch.Generator):
+    scores = torch.rand(shape.num_tokens, shape.num_experts, device="cuda", generator=generator)
+    ids = scores.topk(shape.topk, dim=1).indices
+    if kind == "mask":
+        return torch.zeros_like(scores, dtype=torch.bool).scatter_(1, ids, True)
+    return ids.int()
+
+
+def _cases(shape: MoEShape, kind: str, device):
+    """(kernel, features, plan(config), inputs list) for each kernel at this shape and routing kind."""
+    T, H, E, K = shape.num_tokens, shape.hidden, shape.num_experts, shape.topk
+    N, S, eb = T * K, (E if kind == "mask" else K), 2
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    info = device_info(device)
+    sets = []
+    for _ in range(input_sets(2 * N * H * eb)):
+        x = torch.randn(T, H, device="cuda", dtype=DTYPE, generator=generator)
+        routing = _routing(shape, kind, generator)
+        probs = torch.rand(routing.shape, device="cuda", generator=generator)
+        base = kernels.dispatch_plan(
+            num_tokens=T,
+            hidden=H,
+            num_slots=S,
+            num_experts=E,
+            is_mask=kind == "mask",
+            num_out_tokens=N,
+            align_size=None,
+            element_bytes=eb,
+            has_probs=True,
+            scale_cols=None,
+            device=info,
+        )
+        row_map, pad_table = run_plan(
+            kernels.Plan(base.buffers, base.launches[:-1], ("row_id_map", "pad_table")),
+            dict(routing=routing),
+            device,
+        )
+        rows = torch.randn(N, H, device="cuda", dtype=DTYPE, generator=generator)
+        cuts = torch.sort(torch.randint(0, N + 1, (E - 1,), device="cuda", generator=generator)).values
+        sizes = torch.diff(torch.cat([cuts.new_zeros(1), cuts, cuts.new_full((1,), N)])).long()
+        ranks = min(8, E)
+        order = torch.arange(E, device="cuda").view(ranks, E // ranks).t().reshape(-1)
+        sets.append(
+            dict(
+                inp=x,
+                routing=routing,
+                probs=probs,
+                scales=None,
+                row_id_map=row_map,
+                pad_table=pad_table,
+                rows=rows,
+                grad=x,
+                weights=probs,
+                split_sizes=sizes,
+                sorted_indices=order,
+            )
+        )
+
+    def dispatch_plan(config, only):
+        plan = kernels.dispatch_plan(
+            num_tokens=T,
+            hidden=H,
+            num_slots=S,
+            num_experts=E,
+            is_mask=kind == "mask",
+            num_out_tokens=N,
+            align_size=None,
+            element_bytes=eb,
+            has_probs=True,
+            scale_cols=None,
+            device=info,
+            config={only: config},
+        )
+        if only == "row_map":
+            return kernels.Plan(plan.buffers, plan.launches[:-1], ("row_id_map",))
+        moved = ("output", "permuted_probs", "permuted_scales")
+        return kernels.Plan({k: plan.buffers[k] for k in moved}, plan.launches[-1:], moved[:2])
+
+    yield (
+        "row_map",
+        dict(num_tokens=T, num_slots=S, num_experts=E, is_mask=int(kind == "mask")),
+        lambda c: dispatch_plan(c, "row_map"),
+        sets,
+    )
+    yield (
+        "dispatch",
+        dict(num_tokens=T, hidden=H, num_slots=S, element_bytes=eb),
+        lambda c: dispatch_plan(c, "dispatch"),
+        sets,
+    )
+    yield (
+        "combine",
+        dict(num_tokens=T, hidden=H, num_slots=S, element_bytes=eb),
+        lambda c: kernels.combine_plan(
+            num_tokens=T,
+            hidden=H,
+            num_slots=S,
+            element_bytes=eb,
+            has_weights=True,
+            gather_probs=False,
+            device=info,
+            config=c,
+        ),
+        [dict(s, inp=s["rows"], permuted_probs=None) for s in sets],
+    )
+    yield (
+        "combine_backward",
+        dict(num_tokens=T, hidden=H, num_slots=S, element_bytes=eb),
+        lambda c: kernels.combine_backward_plan(
+            num_tokens=T,
+            hidden=H,
+            num_slots=S,
+            num_rows=N,
+            padded=False,
+            element_bytes=eb,
+            device=info,
+            config=c,
+        ),
+        [dict(s, inp=s["rows"]) for s in sets],
+    )
+    if kind == "mask":
+        yield (
+            "sort_chunks",
+            dict(num_rows=N, hidden=H, num_splits=E, element_bytes=eb),
+            lambda c: kernels.sort_chunks_plan(
+                num_rows=N,
+                hidden=H,
+                num_splits=E,
+                element_bytes=eb,
+                has_probs=False,
+                backward=False,
+                device=info,
+                config=c,
+            ),
+            [dict(s, inp=s["rows"], probs=None) for s in sets],
+        )
+
+
+def _load(path: Path, kernel: str, device_name: str) -> dict:
+    fresh = dict(
+        kernel=kernel,
+        device=device_name,
+        triton=triton.__version__,
+        source_hash=autotune.source_hash(kernel),
+        entries={},
+    )
+    if path.is_file():
+        data = json.loads(path.read_text())
+        if data.get("triton") == fresh["triton"] and data.get("source_hash") == fresh["source_hash"]:
+            return data
+        print(f"{path}: stale (Triton {data.get('triton')}, hash {data.get('source_hash')}); retuning")
+    return fresh
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", default=",".join(NAMED_SHAPES))
+    parser.add_argument("--kinds", default="mask,indices")
+    parser.add_argument("--kernels", default=",".join(autotune.KERNEL_SOURCES))
+    parser.add_argument("--out", default=str(autotune.cache_root()))
+    parser.add_argument("--budget", type=float, default=math.inf, help="stop after this many seconds")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("autotuning needs a CUDA GPU")
+        return 1
+    device = torch.device("cuda")
+    device_name = device_info(device).name
+    out_dir = Path(args.out) / autotune.device_dir(device_name)
+    committed = autotune.cache_root() / autotune.device_dir(device_name)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if committed.is_dir() and committed.resolve() != out_dir.resolve():
+        for file in committed.glob("*.json"):
+            if not (out_dir / file.name).exists():
+                shutil.copy(file, out_dir / file.name)
+    wanted = set(args.kernels.split(","))
+    started = time.monotonic()
+    work = [(shape, kind) for shape in args.shapes.split(",") for kind in args.kinds.split(",")]
+    with tqdm(total=len(work), desc="keys", unit="shape") as progress:
+        for shape_name, kind in work:
+            for kernel, features, make_plan, sets in _cases(NAMED_SHAPES[shape_name], kind, device):
+                if kernel not in wanted:
+                    continue
+                path = out_dir / f"{kernel}.json"
+                data = _load(path, kernel, device_name)
+                key = autotune.key_of(features)
+                if key in data["entries"]:
+                    continue
+                if time.monotonic() - started > args.budget:
+                    print(f"budget of {args.budget:.0f} s spent; rerun to resume")
+                    return 0
+                timings = {}
+                configs = kernels.SEARCH_SPACES[kernel].configs()
+                for config in configs:
+                    plan = make_plan(config)
+                    try:
+                        ms = time_graph(
+                            [lambda s=s, plan=plan: run_plan(plan, s, device) for s in sets], replays=10
+                        )
+                    except Exception as error:  # a config the compiler cannot fit is recorded, not fatal
+                        ms = math.inf
+                        progress.write(f"{kernel} {key} {config}: {type(error).__name__}: {error}"[:200])
+                    timings[autotune.key_of(config)] = ms
+                best = min(configs, key=lambda config: timings[autotune.key_of(config)])
+                ms = timings[autotune.key_of(best)]
+                data["entries"][key] = dict(features=features, best=best, ms=ms, timings=timings)
+                path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+                progress.write(f"{kernel:<17} {shape_name:<8} {kind:<8} {ms * 1e3:8.1f} us  {best}")
+            progress.update()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

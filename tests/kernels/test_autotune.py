@@ -1,0 +1,82 @@
+"""The autotune cache: committed files parse and hold only search-space configs; lookups resolve exactly,
+by nearest bucket, or not at all; a stale cache is reported once and still used."""
+
+import json
+import warnings
+
+import pytest
+import triton
+
+from moetriton import kernels
+from moetriton.kernels import autotune
+
+
+def _cache_files():
+    return sorted(autotune.cache_root().glob("*/*.json"))
+
+
+@pytest.mark.parametrize("path", _cache_files(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_committed_cache_holds_only_search_space_configs(path):
+    data = json.loads(path.read_text())
+    space = kernels.SEARCH_SPACES[data["kernel"]]
+    configs = space.configs()
+    assert data["entries"], path
+    for key, entry in data["entries"].items():
+        assert key == autotune.key_of(entry["features"])
+        assert entry["best"] in configs, (key, entry["best"])
+        assert entry["ms"] == min(entry["timings"].values())
+
+
+@pytest.fixture
+def fake_cache(tmp_path, monkeypatch):
+    device_dir = tmp_path / autotune.device_dir("Test GPU 80GB")
+    device_dir.mkdir()
+    entries = {}
+    for num_tokens, block_h in ((1024, 512), (16384, 4096)):
+        features = dict(num_tokens=num_tokens, hidden=2048, num_slots=8, element_bytes=2)
+        entries[autotune.key_of(features)] = dict(
+            features=features, best=dict(block_h=block_h, num_warps=8), ms=0.1, timings={"x": 0.1}
+        )
+    data = dict(
+        kernel="combine",
+        device="Test GPU 80GB",
+        triton=triton.__version__,
+        source_hash=autotune.source_hash("combine"),
+        entries=entries,
+    )
+    (device_dir / "combine.json").write_text(json.dumps(data))
+    monkeypatch.setattr(autotune, "cache_root", lambda: tmp_path)
+    autotune._load.cache_clear()
+    yield device_dir / "combine.json"
+    autotune._load.cache_clear()
+
+
+def test_lookup_exact_nearest_and_none(fake_cache):
+    features = dict(num_tokens=16384, hidden=2048, num_slots=8, element_bytes=2)
+    assert autotune.lookup("combine", features, "Test GPU 80GB") == dict(block_h=4096, num_warps=8)
+    assert autotune.lookup("combine", dict(features, num_tokens=2048), "Test GPU 80GB")["block_h"] == 512
+    assert autotune.lookup("combine", dict(features, num_tokens=8192), "Test GPU 80GB")["block_h"] == 4096
+    assert autotune.lookup("combine", dict(features, element_bytes=4), "Test GPU 80GB") is None
+    assert autotune.lookup("combine", features, "Other GPU") is None
+    plan = kernels.combine_plan(
+        num_tokens=16384,
+        hidden=2048,
+        num_slots=8,
+        element_bytes=2,
+        has_weights=True,
+        gather_probs=False,
+        device=kernels.DeviceInfo("Test GPU 80GB", 132),
+    )
+    assert plan.launches[0].constexprs["BLOCK_H"] == 2048 and plan.launches[0].num_warps == 8
+
+
+def test_stale_cache_is_reported_once_and_still_used(fake_cache):
+    data = json.loads(fake_cache.read_text())
+    data["triton"] = "0.0.0"
+    fake_cache.write_text(json.dumps(data))
+    features = dict(num_tokens=1024, hidden=2048, num_slots=8, element_bytes=2)
+    with pytest.warns(UserWarning, match="stale"):
+        assert autotune.lookup("combine", features, "Test GPU 80GB")["block_h"] == 512
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert autotune.lookup("combine", features, "Test GPU 80GB")["block_h"] == 512
