@@ -115,7 +115,7 @@ def _run_triton(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
             num_warps=launch.num_warps,
             num_stages=launch.num_stages,
             enable_fp_fusion=launch.fp_fusion,
-            zeroed_outputs=[i for i, name in enumerate(launch.outputs) if plan.buffers[name].zero],
+            zeroed_outputs=tuple(i for i, name in enumerate(launch.outputs) if plan.buffers[name].zero),
             **launch.constexprs,
         )
         env.update(zip(launch.outputs, outputs, strict=True))
