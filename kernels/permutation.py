@@ -627,7 +627,7 @@ def _combine_backward_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
-ROW_MAP_SPACE = SearchSpace("row_map", {"block_tokens": (64, 128, 256), "num_warps": (4, 8)})
+ROW_MAP_SPACE = SearchSpace("row_map", {"block_tokens": (64, 128, 256, 512, 1024), "num_warps": (4, 8)})
 DISPATCH_SPACE = SearchSpace("dispatch", {"block_bytes": (2048, 4096, 8192, 16384), "num_warps": (4, 8, 16)})
 COMBINE_SPACE = SearchSpace("combine", {"block_h": (512, 1024, 2048, 4096), "num_warps": (4, 8, 16)})
 COMBINE_BACKWARD_SPACE = SearchSpace(
@@ -636,8 +636,8 @@ COMBINE_BACKWARD_SPACE = SearchSpace(
 
 
 def _warps_for(block_bytes: int) -> int:
-    """Heuristic warps: one 16-byte vector per thread per row chunk, 4 to 16 warps."""
-    return min(16, max(4, next_pow2(block_bytes // 512)))
+    """Heuristic warps: one 16-byte vector per thread per row chunk, 4 to 8 warps."""
+    return min(8, max(4, next_pow2(block_bytes // 512)))
 
 
 def _columns(hidden: int, block: int) -> int:

@@ -69,7 +69,7 @@ def _cases(shape: MoEShape, kind: str, device):
         )
         row_map, pad_table = run_plan(
             kernels.Plan(base.buffers, base.launches[:-1], ("row_id_map", "pad_table")),
-            dict(routing=routing),
+            dict(inp=x, routing=routing, probs=probs, scales=None),
             device,
         )
         rows = torch.randn(N, H, device="cuda", dtype=DTYPE, generator=generator)

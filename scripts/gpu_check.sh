@@ -11,8 +11,8 @@ mkdir -p "$TRITON_CACHE_DIR"
 stages=${*:-tests bench}
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site . 2>&1 | tail -2
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . 2>&1 | tail -2
 } > "$OUT/setup.log" 2>&1
 export PYTHONPATH=/tmp/site
 cd /tmp  # import the installed package, not the source folders
