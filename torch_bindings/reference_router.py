@@ -105,10 +105,9 @@ def topk_forward(
 
 
 def _vjp(fn, primal: torch.Tensor, cotangent: torch.Tensor) -> torch.Tensor:
-    with torch.enable_grad():
-        primal = primal.detach().requires_grad_(True)
-        (grad,) = torch.autograd.grad(fn(primal), primal, cotangent)
-    return grad
+    # torch.func, not torch.autograd: inside a custom op's implementation autograd dispatch is off.
+    _, vjp = torch.func.vjp(fn, primal)
+    return vjp(cotangent)[0]
 
 
 def topk_backward(
