@@ -13,11 +13,16 @@ a scaling factor, a logits dtype and a logits pattern:
 * "nonfinite": random values with NaN, +inf and -inf sprinkled in (forward only: no gradient policy).
 
 `aux_loss_problems()` draws probs [R, C], counts per column, a total and the loss arguments.
+`run_test_module()` runs a test module's checks in a fresh interpreter, for settings read at import.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from hypothesis import strategies as st
@@ -168,3 +173,20 @@ def aux_loss_problems(draw, *, max_rows: int = 150, max_experts: int = 12) -> Au
         dtype=dtype,
         counts_dtype=counts_dtype,
     )
+
+
+def run_test_module(module: str, *, drop: tuple[str, ...] = (), **env: str) -> str:
+    """Runs `python -m <module>` from the repository root with the current environment, minus the
+    variables in `drop`, plus `env` (e.g. XLA_FLAGS, which jax reads once, at import); fails with its
+    output unless it exits 0. Returns its stdout."""
+    environment = {name: value for name, value in os.environ.items() if name not in drop}
+    result = subprocess.run(
+        [sys.executable, "-m", module],
+        cwd=Path(__file__).resolve().parents[1],
+        env=dict(environment, **env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout

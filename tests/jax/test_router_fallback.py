@@ -4,26 +4,14 @@ read when moetriton is imported."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from ..strategies_router import run_test_module
 
 
 def test_cpu_fallback_without_interpreter():
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.jax.test_router_fallback"],
-        cwd=ROOT,
-        env=dict(env, JAX_PLATFORMS="cpu"),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    stdout = run_test_module(
+        "tests.jax.test_router_fallback", drop=("TRITON_INTERPRET",), JAX_PLATFORMS="cpu"
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "fallback checks passed" in result.stdout
+    assert "fallback checks passed" in stdout
 
 
 def _main() -> None:

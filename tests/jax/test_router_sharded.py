@@ -9,31 +9,17 @@ moetriton.jax.router), so the comparison also checks kernels against reference u
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from ..strategies_router import run_test_module
 
 
 def test_sharded_router_matches_unsharded():
-    env = dict(
-        os.environ,
+    stdout = run_test_module(
+        "tests.jax.test_router_sharded",
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
         JAX_PLATFORMS="cpu",
         TRITON_INTERPRET="1",
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.jax.test_router_sharded"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "sharded router checks passed" in result.stdout
+    assert "sharded router checks passed" in stdout
 
 
 def _main() -> None:

@@ -4,26 +4,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from ..strategies_router import run_test_module
 
 
 def test_cpu_fallback_without_interpreter():
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.torch.test_router_fallback"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "fallback checks passed" in result.stdout
+    stdout = run_test_module("tests.torch.test_router_fallback", drop=("TRITON_INTERPRET",))
+    assert "fallback checks passed" in stdout
 
 
 def _main() -> None:
