@@ -200,6 +200,7 @@ def _topk_forward_kernel(
     GROUP_SIZE: tl.constexpr,
     GROUPS_POW2: tl.constexpr,
     GROUP_POW2: tl.constexpr,
+    WIDTH: tl.constexpr,
     GROUP_TOPK: tl.constexpr,
     SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -209,9 +210,9 @@ def _topk_forward_kernel(
     """Fused top-k with score function. Grid (cdiv(T, BLOCK_T),): program b routes tokens
     [b*BLOCK_T, (b+1)*BLOCK_T): one coalesced [BLOCK_T, WIDTH] load of logits, scores and keys in
     registers, optional group pruning, K max-reductions for the top-k, then probs, routing map and
-    (optionally) the ranked expert ids are stored. Ungrouped calls pass NUM_GROUPS = 1, GROUP_SIZE = E.
+    (optionally) the ranked expert ids are stored. Ungrouped calls pass NUM_GROUPS = 1, GROUP_SIZE = E;
+    WIDTH = GROUPS_POW2 * GROUP_POW2.
     """
-    WIDTH: tl.constexpr = GROUPS_POW2 * GROUP_POW2
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
     cols = tl.arange(0, WIDTH)
@@ -617,6 +618,7 @@ def topk_plan(
             GROUP_SIZE=size,
             GROUPS_POW2=groups_pow2,
             GROUP_POW2=size_pow2,
+            WIDTH=groups_pow2 * size_pow2,
             GROUP_TOPK=group_topk,
             SCALE=scaling_factor,
             HAS_BIAS=has_bias,
