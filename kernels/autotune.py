@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import importlib.resources
+import inspect
 import json
 import math
 import re
@@ -26,13 +28,14 @@ import triton
 
 from ._plan import DeviceInfo, SearchSpace
 
-# Kernel name -> the module file holding its kernels; its hash marks cache entries stale when it changes.
+# Kernel name -> (module, entry kernels). The cache hash covers their source and, transitively, every
+# @triton.jit helper they call, so changing one kernel leaves the other kernels' entries fresh.
 KERNEL_SOURCES = {
-    "row_map": "permutation.py",
-    "dispatch": "permutation.py",
-    "combine": "permutation.py",
-    "combine_backward": "permutation.py",
-    "sort_chunks": "chunk_sort.py",
+    "row_map": ("permutation", ("_count_experts_kernel", "_scan_counts_kernel", "_assign_rows_kernel")),
+    "dispatch": ("permutation", ("_dispatch_kernel",)),
+    "combine": ("permutation", ("_combine_kernel",)),
+    "combine_backward": ("permutation", ("_combine_backward_kernel",)),
+    "sort_chunks": ("chunk_sort", ("_sort_chunks_kernel",)),
 }
 # Features compared for equality rather than by distance.
 CATEGORICAL = ("element_bytes", "is_mask")
@@ -48,8 +51,20 @@ def key_of(features: Mapping[str, int]) -> str:
 
 
 def source_hash(kernel: str) -> str:
-    source = Path(__file__).with_name(KERNEL_SOURCES[kernel]).read_bytes()
-    return hashlib.sha256(source).hexdigest()[:16]
+    """Hash of a kernel's source and of the @triton.jit helpers it calls, transitively."""
+    module_name, entries = KERNEL_SOURCES[kernel]
+    module = importlib.import_module(f"moetriton.kernels.{module_name}")
+    digest, seen, pending = hashlib.sha256(), set(), list(entries)
+    while pending:
+        name = pending.pop()
+        function = getattr(module, name, None)
+        if name in seen or not hasattr(function, "fn"):  # only jit functions count
+            continue
+        seen.add(name)
+        source = inspect.getsource(function.fn)
+        digest.update(source.encode())
+        pending.extend(re.findall(r"\b(_[A-Za-z0-9_]+)\(", source))
+    return digest.hexdigest()[:16]
 
 
 def cache_root() -> Path:
