@@ -37,19 +37,28 @@ fixed order, so the result is bitwise reproducible run to run.
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Mapping
 
 import triton
 import triton.language as tl
 
-from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, cdiv, next_pow2
+from . import autotune
+from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, SearchSpace, cdiv, next_pow2
 
 #: Score-function ids used as constexprs.
 SCORE_FUNCTION_IDS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
-#: Target tile (elements) of one program; sets BLOCK_T for a given WIDTH (one row when WIDTH is larger).
+#: Heuristic tile: about 1024 elements per program (BLOCK_T = tile / WIDTH, at least one row) and 256 per
+#: warp; 8 elements per thread keep the forward at 40-80 registers on sm_90, so an SM holds 64 warps.
 _TILE_ELEMENTS = 1024
-#: Elements per warp: 8 per thread keeps the forward near 60 registers (sm_90), so an SM holds 64 warps.
 _WARP_ELEMENTS = 256
+# Tunable parameters of the token-block kernels (every config is tested). The aux loss is not tuned: its
+# partial-sum grid must depend on the shape only, so that the loss has the same bits on every device.
+_TILE_PARAMS = {"tile": (256, 512, 1024, 2048, 4096), "warp_elements": (128, 256, 512)}
+TOPK_SPACE = SearchSpace("router_topk", _TILE_PARAMS)
+TOPK_BACKWARD_SPACE = SearchSpace("router_topk_backward", _TILE_PARAMS)
+AUX_SCORES_SPACE = SearchSpace("router_aux_scores", _TILE_PARAMS)
+AUX_SCORES_BACKWARD_SPACE = SearchSpace("router_aux_scores_backward", _TILE_PARAMS)
+SEARCH_SPACES = (TOPK_SPACE, TOPK_BACKWARD_SPACE, AUX_SCORES_SPACE, AUX_SCORES_BACKWARD_SPACE)
 #: Aux-loss partial sums: at most this many programs, each over at least _MIN_LOSS_ROWS rows.
 _MAX_LOSS_BLOCKS = 512
 _MIN_LOSS_ROWS = 64
@@ -493,19 +502,21 @@ def _aux_loss_backward_kernel(
 
 
 def _row_tiles(
-    num_tokens: int, width: int, device: DeviceInfo, block_t: int | None, num_warps: int | None
+    space: SearchSpace,
+    num_tokens: int,
+    width: int,
+    features: dict[str, int],
+    device: DeviceInfo,
+    config: Mapping[str, int] | None,
 ) -> tuple[int, int]:
-    """(BLOCK_T, num_warps) for a [BLOCK_T, width] register tile per program.
-
-    BLOCK_T fills _TILE_ELEMENTS, but stays small enough to give every SM about four programs; warps give
-    each thread about 8 elements (registers grow about linearly with elements per thread).
-    """
-    if block_t is None:
-        spread = next_pow2(cdiv(max(num_tokens, 1), 4 * device.num_sms))
-        block_t = max(1, min(_TILE_ELEMENTS // width, spread))
-    if num_warps is None:
-        num_warps = max(1, min(16, block_t * width // _WARP_ELEMENTS))
-    return block_t, num_warps
+    """(BLOCK_T, num_warps) for a [BLOCK_T, width] register tile per program, from the config (the
+    caller's, the autotune cache's, else the heuristic): BLOCK_T fills `tile` elements but stays small
+    enough to give every SM about four programs; each warp holds about `warp_elements`."""
+    heuristic = dict(tile=_TILE_ELEMENTS, warp_elements=_WARP_ELEMENTS)
+    cfg = autotune.resolve(space, heuristic, config, features, device)
+    spread = next_pow2(cdiv(max(num_tokens, 1), 4 * device.num_sms))
+    block_t = max(1, min(cfg["tile"] // width, spread))
+    return block_t, max(1, min(16, block_t * width // cfg["warp_elements"]))
 
 
 def _group_layout(num_experts: int, num_groups: int) -> tuple[int, int, int, int]:
@@ -553,21 +564,22 @@ def aux_loss_backward_outputs(num_rows, num_cols, probs_dtype: str) -> dict[str,
 
 def _rows_plan(
     kernel,
+    space: SearchSpace,
     *,
     num_tokens: int,
     width: int,
     inputs: tuple[str, ...],
     buffers: dict[str, Buffer],
     constexprs: dict,
+    features: dict[str, int],
     device: DeviceInfo,
-    block_t: int | None,
-    num_warps: int | None,
+    config: Mapping[str, int] | None,
 ) -> Plan:
     """A plan of one token-block kernel: grid (cdiv(T, BLOCK_T),), arguments (*inputs, T, *buffers)."""
     results = tuple(buffers)
     if num_tokens == 0:
         return Plan(buffers, (), results)
-    block_t, num_warps = _row_tiles(num_tokens, width, device, block_t, num_warps)
+    block_t, num_warps = _row_tiles(space, num_tokens, width, features, device, config)
     launch = Launch(
         kernel=kernel,
         grid=(cdiv(num_tokens, block_t),),
@@ -579,7 +591,6 @@ def _rows_plan(
     return Plan(buffers, (launch,), results)
 
 
-@functools.lru_cache(maxsize=512)
 def topk_plan(
     *,
     num_tokens: int,
@@ -593,8 +604,7 @@ def topk_plan(
     has_bias: bool,
     return_indices: bool,
     device: DeviceInfo = DEFAULT_DEVICE,
-    block_t: int | None = None,
-    num_warps: int | None = None,
+    config: Mapping[str, int] | None = None,
 ) -> Plan:
     """fused_topk_with_score_function forward. num_groups = group_topk = 0: no groups.
 
@@ -604,6 +614,7 @@ def topk_plan(
     groups, size, groups_pow2, size_pow2 = _group_layout(num_experts, num_groups)
     return _rows_plan(
         _topk_forward_kernel,
+        TOPK_SPACE,
         num_tokens=num_tokens,
         width=groups_pow2 * size_pow2,
         inputs=("logits", "bias"),
@@ -624,13 +635,12 @@ def topk_plan(
             HAS_BIAS=has_bias,
             RETURN_INDICES=return_indices,
         ),
+        features=dict(num_tokens=num_tokens, num_experts=num_experts, topk=topk),
         device=device,
-        block_t=block_t,
-        num_warps=num_warps,
+        config=config,
     )
 
 
-@functools.lru_cache(maxsize=512)
 def topk_backward_plan(
     *,
     num_tokens: int,
@@ -640,13 +650,13 @@ def topk_backward_plan(
     use_pre_softmax: bool,
     scaling_factor: float,
     device: DeviceInfo = DEFAULT_DEVICE,
-    block_t: int | None = None,
-    num_warps: int | None = None,
+    config: Mapping[str, int] | None = None,
 ) -> Plan:
     """Backward of the fused top-k. Inputs: "grad_probs" [T, E], "logits" [T, E], "routing_map" [T, E].
     Result: grad_logits [T, E] in the logits dtype."""
     return _rows_plan(
         _topk_backward_kernel,
+        TOPK_BACKWARD_SPACE,
         num_tokens=num_tokens,
         width=next_pow2(num_experts),
         inputs=("grad_probs", "logits", "routing_map"),
@@ -659,13 +669,12 @@ def topk_backward_plan(
             SCALE=scaling_factor,
             EXPERTS_POW2=next_pow2(num_experts),
         ),
+        features=dict(num_tokens=num_tokens, num_experts=num_experts, topk=topk),
         device=device,
-        block_t=block_t,
-        num_warps=num_warps,
+        config=config,
     )
 
 
-@functools.lru_cache(maxsize=512)
 def aux_scores_plan(
     *,
     num_tokens: int,
@@ -673,13 +682,13 @@ def aux_scores_plan(
     topk: int,
     score_function: str,
     device: DeviceInfo = DEFAULT_DEVICE,
-    block_t: int | None = None,
-    num_warps: int | None = None,
+    config: Mapping[str, int] | None = None,
 ) -> Plan:
     """fused_compute_score_for_moe_aux_loss forward. Input "logits" [T, E]. Results: routing_map [T, E]
     bool, scores [T, E] fp32."""
     return _rows_plan(
         _aux_scores_forward_kernel,
+        AUX_SCORES_SPACE,
         num_tokens=num_tokens,
         width=next_pow2(num_experts),
         inputs=("logits",),
@@ -690,26 +699,25 @@ def aux_scores_plan(
             SCORE_FUNCTION=SCORE_FUNCTION_IDS[score_function],
             EXPERTS_POW2=next_pow2(num_experts),
         ),
+        features=dict(num_tokens=num_tokens, num_experts=num_experts, topk=topk),
         device=device,
-        block_t=block_t,
-        num_warps=num_warps,
+        config=config,
     )
 
 
-@functools.lru_cache(maxsize=512)
 def aux_scores_backward_plan(
     *,
     num_tokens: int,
     num_experts: int,
     score_function: str,
     device: DeviceInfo = DEFAULT_DEVICE,
-    block_t: int | None = None,
-    num_warps: int | None = None,
+    config: Mapping[str, int] | None = None,
 ) -> Plan:
     """Backward of the aux-loss scores. Inputs: "grad_scores" [T, E], "logits" [T, E]. Result:
     grad_logits [T, E] in the logits dtype."""
     return _rows_plan(
         _aux_scores_backward_kernel,
+        AUX_SCORES_BACKWARD_SPACE,
         num_tokens=num_tokens,
         width=next_pow2(num_experts),
         inputs=("grad_scores", "logits"),
@@ -719,9 +727,9 @@ def aux_scores_backward_plan(
             SCORE_FUNCTION=SCORE_FUNCTION_IDS[score_function],
             EXPERTS_POW2=next_pow2(num_experts),
         ),
+        features=dict(num_tokens=num_tokens, num_experts=num_experts),
         device=device,
-        block_t=block_t,
-        num_warps=num_warps,
+        config=config,
     )
 
 
@@ -734,7 +742,6 @@ def _coeff(num_experts: int, topk: int, coeff: float) -> float:
     return num_experts * coeff / topk
 
 
-@functools.lru_cache(maxsize=512)
 def aux_loss_plan(
     *,
     num_rows: int,
@@ -779,7 +786,6 @@ def aux_loss_plan(
     return Plan(buffers, (partial, finish), ("loss",))
 
 
-@functools.lru_cache(maxsize=512)
 def aux_loss_backward_plan(
     *,
     num_rows: int,

@@ -1,5 +1,7 @@
-"""Router launch plans: every tile configuration gives the same results, and the grids are what the
-docstrings say (run through the PyTorch plan executor, interpreted on CPU)."""
+"""Router launch plans: every config of the router search spaces gives the same results as the heuristic
+(so nothing the autotuner can pick is untested), and the grids are what the docstrings say. Runs the plans
+through the PyTorch executor (interpreted on CPU, where num_warps has no effect, so configs that differ only
+in warp_elements run once)."""
 
 from __future__ import annotations
 
@@ -8,18 +10,25 @@ import os
 import pytest
 import torch
 
+from moetriton.kernels import DeviceInfo
 from moetriton.kernels import router as plans
 from moetriton.torch._launch import run_plan
 
 DEVICE = os.environ.get("MOETRITON_TEST_DEVICE", "cpu")
-CONFIGS = [dict(block_t=b, num_warps=w) for b in (1, 2, 8, 32) for w in (1, 4)]
+
+
+def _configs(space) -> list[dict]:
+    configs = space.configs()
+    if DEVICE == "cpu":
+        configs = list({config["tile"]: config for config in configs}.values())
+    return configs
 
 
 @pytest.mark.parametrize(
     ("num_experts", "topk", "score_function", "num_groups", "group_topk"),
     [(6, 2, "softmax", 0, 0), (12, 4, "sigmoid", 3, 2), (40, 5, "sqrtsoftplus", 0, 0)],
 )
-def test_topk_configs_agree(num_experts, topk, score_function, num_groups, group_topk):
+def test_every_topk_config_agrees(num_experts, topk, score_function, num_groups, group_topk):
     generator = torch.Generator().manual_seed(num_experts)
     logits = torch.randn(13, num_experts, generator=generator).to(DEVICE)
     grad = torch.randn(13, num_experts, generator=generator).to(DEVICE)
@@ -34,18 +43,62 @@ def test_topk_configs_agree(num_experts, topk, score_function, num_groups, group
         return_indices=True,
     )
     backward = dict(common, use_pre_softmax=False, scaling_factor=1.0)
-    expected = run_plan(plans.topk_plan(**forward), dict(logits=logits, bias=None), logits.device)
-    inputs = dict(grad_probs=grad, logits=logits, routing_map=expected[1])
-    expected_grad = run_plan(plans.topk_backward_plan(**backward), inputs, logits.device)
-    for config in CONFIGS:
-        plan = plans.topk_plan(**forward, **config)
-        assert plan.launches[0].grid == (-(-13 // config["block_t"]),)
-        for actual, want in zip(
-            run_plan(plan, dict(logits=logits, bias=None), logits.device), expected, strict=True
-        ):
+    inputs = dict(logits=logits, bias=None)
+    expected = run_plan(plans.topk_plan(**forward), inputs, logits.device)
+    grad_inputs = dict(grad_probs=grad, logits=logits, routing_map=expected[1])
+    expected_grad = run_plan(plans.topk_backward_plan(**backward), grad_inputs, logits.device)
+    for config in _configs(plans.TOPK_SPACE):
+        plan = plans.topk_plan(**forward, config=config)
+        block_t = plan.launches[0].constexprs["BLOCK_T"]
+        assert plan.launches[0].grid == (-(-13 // block_t),)
+        for actual, want in zip(run_plan(plan, inputs, logits.device), expected, strict=True):
             assert torch.equal(actual, want)
-        grad_logits = run_plan(plans.topk_backward_plan(**backward, **config), inputs, logits.device)
+    for config in _configs(plans.TOPK_BACKWARD_SPACE):
+        grad_logits = run_plan(
+            plans.topk_backward_plan(**backward, config=config), grad_inputs, logits.device
+        )
         assert torch.equal(grad_logits[0], expected_grad[0])
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sqrtsoftplus"])
+def test_every_aux_scores_config_agrees(score_function):
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(13, 20, generator=generator).to(DEVICE)
+    grad = torch.randn(13, 20, generator=generator).to(DEVICE)
+    args = dict(num_tokens=13, num_experts=20, score_function=score_function)
+    expected = run_plan(plans.aux_scores_plan(**args, topk=3), dict(logits=logits), logits.device)
+    grad_inputs = dict(grad_scores=grad, logits=logits)
+    expected_grad = run_plan(plans.aux_scores_backward_plan(**args), grad_inputs, logits.device)
+    for config in _configs(plans.AUX_SCORES_SPACE):
+        got = run_plan(
+            plans.aux_scores_plan(**args, topk=3, config=config), dict(logits=logits), logits.device
+        )
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    for config in _configs(plans.AUX_SCORES_BACKWARD_SPACE):
+        got = run_plan(plans.aux_scores_backward_plan(**args, config=config), grad_inputs, logits.device)
+        assert torch.equal(got[0], expected_grad[0])
+
+
+def test_heuristic_tiles():
+    """About 1024 elements per program and 8 per thread; one row for wide rows; four programs per SM."""
+    h100 = DeviceInfo("H100", 132)
+
+    def launch(num_tokens, num_experts):
+        plan = plans.topk_backward_plan(
+            num_tokens=num_tokens,
+            num_experts=num_experts,
+            topk=2,
+            score_function="softmax",
+            use_pre_softmax=False,
+            scaling_factor=1.0,
+            device=h100,
+        )
+        return plan.launches[0].constexprs["BLOCK_T"], plan.launches[0].num_warps
+
+    assert launch(16384, 256) == (4, 4)
+    assert launch(16384, 2048) == (1, 8)
+    assert launch(16384, 8) == (32, 1)  # 16384 tokens over 4 * 132 programs
+    assert launch(100, 64) == (1, 1)
 
 
 def test_aux_loss_grid_depends_on_shape_only():
