@@ -17,7 +17,8 @@ inside them.
 Order. Every selection (experts, groups) ranks by score descending and breaks ties by the LOWEST index.
 NaN ranks below every number, -inf included, so a NaN score is only chosen when a token has fewer than K
 non-NaN candidates; -0.0 ties with +0.0. Values follow IEEE arithmetic: a NaN or +inf that enters a
-softmax or a normalisation makes the affected probs NaN (as the framework references do).
+softmax or a normalisation makes the affected probs NaN (as the framework references do); outside the
+selection probs are exactly 0 regardless.
 
 Ranking works on int64 keys, one per candidate: the fp32 score mapped to an order-preserving int32 in the
 high word and (WIDTH - column) in the low word. Keys are unique within a row, so the K-th largest key is
