@@ -30,10 +30,6 @@ from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, SearchSpace
 
 # Largest number of elements one program holds in a tile; keeps register use bounded for any E, K and H.
 _TILE_ELEMENTS = 4096
-# Map building splits tokens into at most this many blocks; every block reads all block counts, so the
-# prefix work per block (MAX_BLOCKS * E) stays below the block's own token work (BLOCK_T * E).
-_MAX_BLOCKS = 128
-_MIN_BLOCK_T = 64
 
 
 @triton.jit
@@ -112,32 +108,38 @@ def _count_experts_kernel(
 
 
 @triton.jit
-def _expert_layout(
-    counts_ptr,
-    block,
+def _scan_counts_kernel(
+    counts_ptr,  # [B, E] int32 from _count_experts_kernel
     num_blocks,
     num_experts,
-    experts,
-    emask,
-    carry_padded,
-    carry_plain,
-    align,
-    num_rows,
+    offsets_ptr,  # [B, E] int32: slots of expert e in blocks before b
+    totals_ptr,  # [E] int32: slots of expert e in all blocks
     TILE_B: tl.constexpr,
+    TILE_E: tl.constexpr,
 ):
-    """For a vector of experts: their token counts, this block's offset inside each expert, and where each
-    expert's (padded) block starts in the buffer. `carry_*` are the row counts of all lower experts."""
-    total = tl.zeros(experts.shape, dtype=tl.int32)
-    before = tl.zeros(experts.shape, dtype=tl.int32)
+    """Column scan of the block counts. Grid (cdiv(E, TILE_E),): program c walks down the B blocks for experts
+    [c*TILE_E, (c+1)*TILE_E), writing exclusive prefix sums and column totals. O(B * E) work in all."""
+    experts = tl.program_id(0) * TILE_E + tl.arange(0, TILE_E)
+    emask = experts < num_experts
+    running = tl.zeros([TILE_E], dtype=tl.int32)
     for b0 in range(0, num_blocks, TILE_B):
         blocks = b0 + tl.arange(0, TILE_B)
-        counts = tl.load(
-            counts_ptr + blocks[:, None] * num_experts + experts[None, :],
-            mask=(blocks[:, None] < num_blocks) & emask[None, :],
-            other=0,
-        )
-        total += tl.sum(counts, axis=0)
-        before += tl.sum(tl.where(blocks[:, None] < block, counts, 0), axis=0)
+        ok = (blocks[:, None] < num_blocks) & emask[None, :]
+        offsets = blocks.to(tl.int64)[:, None] * num_experts + experts[None, :]
+        counts = tl.load(counts_ptr + offsets, mask=ok, other=0)
+        tl.store(offsets_ptr + offsets, tl.cumsum(counts, axis=0) - counts + running[None, :], mask=ok)
+        running += tl.sum(counts, axis=0)
+    tl.store(totals_ptr + experts, running, mask=emask)
+
+
+@triton.jit
+def _expert_layout(
+    totals_ptr, offsets_ptr, block, num_experts, experts, emask, carry_padded, carry_plain, align
+):
+    """For a vector of experts: their slot counts, this block's offset inside each expert, and where each
+    expert's (padded) block starts in the buffer. `carry_*` are the row counts of all lower experts."""
+    total = tl.load(totals_ptr + experts, mask=emask, other=0)
+    before = tl.load(offsets_ptr + block.to(tl.int64) * num_experts + experts, mask=emask, other=0)
     aligned = tl.cdiv(total, align) * align
     start = carry_padded + tl.cumsum(aligned, axis=0) - aligned
     plain_start = carry_plain + tl.cumsum(total, axis=0) - total
@@ -168,11 +170,11 @@ def _store_expert_outputs(
 @triton.jit
 def _assign_rows_kernel(
     routing_ptr,  # [T, S] mask or expert ids
-    counts_ptr,  # [B, E] int32 from _count_experts_kernel
+    offsets_ptr,  # [B, E] int32 from _scan_counts_kernel
+    totals_ptr,  # [E] int32 from _scan_counts_kernel
     num_tokens,
     num_slots,
     num_experts,
-    num_blocks,
     num_rows,
     align,
     row_map_ptr,  # [T, S + 1] int32
@@ -183,12 +185,11 @@ def _assign_rows_kernel(
     BLOCK_T: tl.constexpr,
     TILE_T: tl.constexpr,
     TILE_S: tl.constexpr,
-    TILE_B: tl.constexpr,
     BINS: tl.constexpr,
 ):
     """Destination rows. Grid (B,): program b writes the row-map rows of tokens [b*BLOCK_T, (b+1)*BLOCK_T).
 
-    Each program rebuilds the expert layout from the block counts (O(B*E), bounded by the plan), then ranks
+    Each program derives the expert starts from the totals (O(E)) and adds its block's offsets, then ranks
     its own slots: a running cumulative sum down each mask column, or, for expert ids, a sort of
     (expert, position) keys whose run lengths give the rank of every slot among its expert's slots.
     Program 0 also writes the per-expert outputs.
@@ -203,17 +204,7 @@ def _assign_rows_kernel(
             experts = s0 + tl.arange(0, TILE_S)
             emask = experts < num_slots
             total, before, aligned, start, plain_start = _expert_layout(
-                counts_ptr,
-                block,
-                num_blocks,
-                num_experts,
-                experts,
-                emask,
-                carry_padded,
-                carry_plain,
-                align,
-                num_rows,
-                TILE_B,
+                totals_ptr, offsets_ptr, block, num_experts, experts, emask, carry_padded, carry_plain, align
             )
             if block == 0:
                 _store_expert_outputs(
@@ -254,7 +245,7 @@ def _assign_rows_kernel(
         emask = experts < num_experts
         zero = tl.full([], 0, tl.int32)
         total, before, aligned, start, plain_start = _expert_layout(
-            counts_ptr, block, num_blocks, num_experts, experts, emask, zero, zero, align, num_rows, TILE_B
+            totals_ptr, offsets_ptr, block, num_experts, experts, emask, zero, zero, align
         )
         if block == 0:
             _store_expert_outputs(
@@ -627,7 +618,7 @@ def _combine_backward_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
-ROW_MAP_SPACE = SearchSpace("row_map", {"block_tokens": (64, 128, 256, 512, 1024), "num_warps": (4, 8)})
+ROW_MAP_SPACE = SearchSpace("row_map", {"block_tokens": (16, 32, 64, 128, 256), "num_warps": (4, 8)})
 DISPATCH_SPACE = SearchSpace("dispatch", {"block_bytes": (2048, 4096, 8192, 16384), "num_warps": (4, 8, 16)})
 COMBINE_SPACE = SearchSpace("combine", {"block_h": (512, 1024, 2048, 4096), "num_warps": (4, 8, 16)})
 COMBINE_BACKWARD_SPACE = SearchSpace(
@@ -671,22 +662,26 @@ def row_map_plan(
     config: Mapping[str, int] | None = None,
 ) -> tuple[dict[str, Buffer], tuple[Launch, ...]]:
     """Buffers and launches that turn a routing input ("routing") into "row_id_map", "tokens_per_expert",
-    "pad_offsets" and the internal "pad_table". Two launches; O(T * S + B * B * E) work with B <= 128 blocks,
-    so linear in T * E (a block of at least 64 tokens does B * E prefix work)."""
+    "pad_offsets" and the internal "pad_table": per-block histograms, a column scan of them, then rows.
+    Three launches, O(T * S + B * E) work with B = T / block_tokens blocks: linear in T * E."""
+    heuristic_block = min(256, max(16, next_pow2(cdiv(num_tokens, 4 * device.num_sms))))
     features = dict(num_tokens=num_tokens, num_slots=num_slots, num_experts=num_experts, is_mask=int(is_mask))
     cfg = autotune.resolve(
-        ROW_MAP_SPACE, dict(block_tokens=_MIN_BLOCK_T, num_warps=4), config, features, device
+        ROW_MAP_SPACE, dict(block_tokens=heuristic_block, num_warps=4), config, features, device
     )
-    block_t = max(cfg["block_tokens"], next_pow2(cdiv(num_tokens, _MAX_BLOCKS)))
+    block_t = cfg["block_tokens"]
     num_blocks = cdiv(num_tokens, block_t)
+    empty = num_tokens == 0
     buffers = {
         "block_counts": Buffer((num_blocks, num_experts), "int32"),
+        "block_offsets": Buffer((num_blocks, num_experts), "int32"),
+        "expert_totals": Buffer((num_experts,), "int32"),
         "row_id_map": Buffer((num_tokens, num_slots + 1), "int32"),
-        "tokens_per_expert": Buffer((num_experts,), "int32", zero=num_tokens == 0),
-        "pad_offsets": Buffer((num_experts,), "int32", zero=num_tokens == 0),
-        "pad_table": Buffer((num_experts, 2), "int32", zero=num_tokens == 0),
+        "tokens_per_expert": Buffer((num_experts,), "int32", zero=empty),
+        "pad_offsets": Buffer((num_experts,), "int32", zero=empty),
+        "pad_table": Buffer((num_experts, 2), "int32", zero=empty),
     }
-    if num_tokens == 0:
+    if empty:
         return buffers, ()
     if is_mask:
         tile_s = min(next_pow2(num_slots), 256)
@@ -695,7 +690,7 @@ def row_map_plan(
         tile_s = next_pow2(num_slots)
         bins = next_pow2(num_experts + 1)
     tile_t = max(1, min(block_t, _TILE_ELEMENTS // tile_s))
-    tile_b = max(1, _TILE_ELEMENTS // (tile_s if is_mask else bins))
+    tile_e = min(next_pow2(num_experts), 128)
     common = dict(IS_MASK=is_mask, BLOCK_T=block_t, TILE_T=tile_t, TILE_S=tile_s, BINS=bins)
     count = Launch(
         kernel=_count_experts_kernel,
@@ -706,24 +701,32 @@ def row_map_plan(
         num_warps=cfg["num_warps"],
         checks=not is_mask,
     )
+    scan = Launch(
+        kernel=_scan_counts_kernel,
+        grid=(cdiv(num_experts, tile_e),),
+        args=("block_counts", num_blocks, num_experts),
+        outputs=("block_offsets", "expert_totals"),
+        constexprs=dict(TILE_B=max(1, _TILE_ELEMENTS // tile_e), TILE_E=tile_e),
+        num_warps=cfg["num_warps"],
+    )
     assign = Launch(
         kernel=_assign_rows_kernel,
         grid=(num_blocks,),
         args=(
             "routing",
-            "block_counts",
+            "block_offsets",
+            "expert_totals",
             num_tokens,
             num_slots,
             num_experts,
-            num_blocks,
             num_rows,
             align_size,
         ),
         outputs=("row_id_map", "tokens_per_expert", "pad_offsets", "pad_table"),
-        constexprs=dict(common, TILE_B=tile_b),
+        constexprs=common,
         num_warps=cfg["num_warps"],
     )
-    return buffers, (count, assign)
+    return buffers, (count, scan, assign)
 
 
 def _dispatch_launch(

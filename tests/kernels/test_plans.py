@@ -5,7 +5,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moetriton import kernels
-from moetriton.kernels.permutation import _MAX_BLOCKS
 
 
 @given(st.integers(0, 10**6), st.integers(1, 4096), st.sampled_from([None, 1, 8, 128]))
@@ -35,7 +34,7 @@ def _worst_counts(total: int, num_experts: int, align_size: int) -> list[int]:
 
 @given(st.integers(1, 2**22), st.integers(1, 2048), st.booleans())
 def test_map_building_work_is_linear(num_tokens, num_experts, is_mask):
-    buffers, launches = kernels.row_map_plan(
+    buffers, (count, scan, assign) = kernels.row_map_plan(
         num_tokens=num_tokens,
         num_slots=num_experts if is_mask else 8,
         num_experts=num_experts,
@@ -43,12 +42,17 @@ def test_map_building_work_is_linear(num_tokens, num_experts, is_mask):
         num_rows=num_tokens * 8,
         align_size=1,
     )
-    num_blocks = launches[0].grid[0]
-    block_t = launches[0].constexprs["BLOCK_T"]
-    assert num_blocks <= _MAX_BLOCKS and num_blocks * block_t >= num_tokens
-    # Each block reads every block's counts once: that prefix work never exceeds its own token work.
-    assert num_blocks <= 2 * block_t
-    assert buffers["block_counts"].shape == (num_blocks, num_experts)
+    num_blocks, block_t = count.grid[0], count.constexprs["BLOCK_T"]
+    assert (num_blocks - 1) * block_t < num_tokens <= num_blocks * block_t
+    assert assign.grid == count.grid
+    # Counting and assigning read each routing slot once; the scan reads each of the B * E <= T * E
+    # block counts once (one program per expert tile); assigning reads one row of offsets per block.
+    assert buffers["block_offsets"].shape == (num_blocks, num_experts)
+    assert (
+        scan.grid[0] * scan.constexprs["TILE_E"]
+        >= num_experts
+        > (scan.grid[0] - 1) * scan.constexprs["TILE_E"]
+    )
 
 
 @pytest.mark.parametrize("padded", [None, 16])
