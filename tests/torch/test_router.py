@@ -109,6 +109,35 @@ def test_aux_loss_matches_reference(problem: AuxLossProblem):
 
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+OPTION_GRID = [
+    (score_function, pre, groups, bias, scale)
+    for score_function in SCORE_FUNCTIONS
+    for pre in ((False, True) if score_function == "softmax" else (False,))
+    for groups in (None, (4, 2))
+    for bias in ((False,) if score_function == "softmax" else (False, True))
+    for scale in (None, 2.5)
+]
+
+
+@pytest.mark.parametrize(("score_function", "pre", "groups", "bias", "scale"), OPTION_GRID)
+def test_every_option_combination(score_function, pre, groups, bias, scale):
+    """Every score function x pre/post softmax x groups x bias x scaling, forward and gradient (bf16 logits
+    when scaled, fp32 otherwise), against the reference."""
+    dtype = "bfloat16" if scale else "float32"
+    generator = torch.Generator().manual_seed(len(OPTION_GRID))
+    logits = torch.randn(5, 12, generator=generator).to(DEVICE, getattr(torch, dtype))
+    expert_bias = torch.randn(12, generator=generator).to(DEVICE) if bias else None
+    num_groups, group_topk = groups or (None, None)
+    args = (4, pre, num_groups, group_topk, scale, score_function, expert_bias)
+    mine, theirs = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    probs, routing_map, indices = fused_topk_with_score_function(mine, *args, return_indices=True)
+    expected = reference.fused_topk_with_score_function(theirs, *args, return_indices=True)
+    assert torch.equal(routing_map, expected[1]) and torch.equal(indices, expected[2])
+    _assert_close(probs, expected[0], dtype)
+    cotangent = torch.randn(probs.shape, generator=generator).to(probs)
+    (grad,) = torch.autograd.grad(probs, mine, cotangent)
+    (ref_grad,) = torch.autograd.grad(expected[0], theirs, cotangent)
+    _assert_close(grad, ref_grad, dtype, grad=True)
 
 
 @pytest.mark.parametrize("score_function", SCORE_FUNCTIONS)
