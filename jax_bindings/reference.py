@@ -30,7 +30,7 @@ def _move_rows(values: jax.Array, dst: jax.Array, src: jax.Array, num_rows: int)
     Float payloads wider than a byte move as floats (differentiable); everything else moves as raw bits.
     """
     shape = (num_rows, *values.shape[1:])
-    if values.shape[0] == 0 or src.shape[0] == 0:
+    if num_rows == 0 or values.shape[0] == 0 or src.shape[0] == 0:
         return jnp.zeros(shape, values.dtype)
     if jnp.issubdtype(values.dtype, jnp.floating) and values.dtype.itemsize > 1:
         return jnp.zeros(shape, values.dtype).at[dst].set(values[src], mode="drop")
