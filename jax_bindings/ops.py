@@ -132,6 +132,7 @@ class Combine(ShardedOp):
             element_bytes=inp.dtype.itemsize,
             has_weights=weights is not None,
             gather_probs=False,
+            device=device_info(),
         )
         out = _run(plan, dict(inp=inp, row_id_map=row_map, weights=weights, permuted_probs=None))
         return {"output": out["output"]}
@@ -171,6 +172,7 @@ class DispatchBackward(ShardedOp):
                 has_weights=False,
                 gather_probs=grad_probs is not None,
                 probs_dtype="float32" if grad_probs is None else dtype_name(grad_probs.dtype),
+                device=device_info(),
             )
             out = _run(plan, dict(inp=grad, row_id_map=row_map, weights=None, permuted_probs=grad_probs))
             grad_inp, routing_grad = out["output"], out["probs"]
@@ -306,6 +308,7 @@ class SortChunks(ShardedOp):
                 element_bytes=inp.dtype.itemsize,
                 has_probs=probs is not None,
                 backward=self.backward,
+                device=device_info(),
             )
             out = _run(plan, dict(inp=inp, split_sizes=sizes, sorted_indices=order, probs=probs))
         else:

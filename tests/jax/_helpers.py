@@ -7,7 +7,6 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from moetriton.jax._launch import on_gpu
 from tests.strategies import ChunkProblem, RoutingProblem, numpy_dtype
 
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -79,6 +78,3 @@ def concat_shards(per_shard_results: list[tuple]) -> tuple:
     return tuple(
         None if parts[0] is None else jnp.concatenate(parts) for parts in zip(*per_shard_results, strict=True)
     )
-
-
-DEVICE_NOTE = "compiled Triton kernels (GPU)" if on_gpu() else "Triton interpreter or reference (CPU)"
