@@ -91,7 +91,7 @@ def results(shape: MoEShape, quick: bool = False) -> list[Result]:
         "moetriton",
         time_graph([lambda i=i: run_plan(map_plan, i, device) for i in inputs]),
         T * E + map_bytes + 3 * E * 4,
-        "row-map build alone (2 launches), CUDA graph",
+        "row-map build alone (3 launches), CUDA graph",
     )
     add(
         "permute",

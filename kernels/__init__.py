@@ -6,6 +6,7 @@ importing to run the kernels under the Triton interpreter on CPU.
 
 from triton.runtime.interpreter import InterpretedFunction
 
+from . import router
 from ._plan import Buffer, DeviceInfo, Launch, Plan, SearchSpace, cdiv, next_pow2
 from .chunk_sort import SORT_CHUNKS_SPACE, sort_chunks_plan
 from .permutation import (
@@ -28,7 +29,14 @@ INTERPRETER: bool = isinstance(_dispatch_kernel, InterpretedFunction)
 #: Every kernel's search space, by kernel name.
 SEARCH_SPACES = {
     space.kernel: space
-    for space in (ROW_MAP_SPACE, DISPATCH_SPACE, COMBINE_SPACE, COMBINE_BACKWARD_SPACE, SORT_CHUNKS_SPACE)
+    for space in (
+        ROW_MAP_SPACE,
+        DISPATCH_SPACE,
+        COMBINE_SPACE,
+        COMBINE_BACKWARD_SPACE,
+        SORT_CHUNKS_SPACE,
+        *router.SEARCH_SPACES,
+    )
 }
 
 __all__ = [
@@ -45,6 +53,7 @@ __all__ = [
     "combine_plan",
     "dispatch_plan",
     "next_pow2",
+    "router",
     "row_map_plan",
     "scatter_plan",
     "sort_chunks_plan",

@@ -36,6 +36,10 @@ KERNEL_SOURCES = {
     "combine": ("permutation", ("_combine_kernel",)),
     "combine_backward": ("permutation", ("_combine_backward_kernel",)),
     "sort_chunks": ("chunk_sort", ("_sort_chunks_kernel",)),
+    "router_topk": ("router", ("_topk_forward_kernel",)),
+    "router_topk_backward": ("router", ("_topk_backward_kernel",)),
+    "router_aux_scores": ("router", ("_aux_scores_forward_kernel",)),
+    "router_aux_scores_backward": ("router", ("_aux_scores_backward_kernel",)),
 }
 # Features compared for equality rather than by distance.
 CATEGORICAL = ("element_bytes", "is_mask")

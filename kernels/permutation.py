@@ -34,9 +34,11 @@ _TILE_ELEMENTS = 4096
 
 @triton.jit
 def _as_bits(ptr):
-    """Reinterprets a pointer as a pointer to unsigned integers of the same width (pure data movement)."""
+    """Reinterprets a pointer as a pointer to unsigned integers of the same width (pure data movement).
+    Booleans are stored as bytes, so an int1 pointer becomes a uint8 one (byte loads vectorise; int1 loads
+    did not, and made reading routing masks several times slower)."""
     bits: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth
-    if bits == 8:
+    if bits <= 8:
         return ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
     elif bits == 16:
         return ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
@@ -44,12 +46,6 @@ def _as_bits(ptr):
         return ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     else:
         return ptr.to(tl.pointer_type(tl.uint64), bitcast=True)
-
-
-@triton.jit
-def _same_key_count(key_a, count_a, key_b, count_b):
-    """Scan operator: on a sorted key sequence, counts how many elements so far share the last key."""
-    return key_b, tl.where(key_a == key_b, count_a + count_b, count_b)
 
 
 @triton.jit
@@ -85,7 +81,9 @@ def _count_experts_kernel(
                 tokens = t0 + tl.arange(0, TILE_T)
                 ok = (tokens[:, None] < last) & (slots[None, :] < num_slots)
                 routed = tl.load(
-                    routing_ptr + tokens.to(tl.int64)[:, None] * num_slots + slots[None, :], mask=ok, other=0
+                    _as_bits(routing_ptr) + tokens.to(tl.int64)[:, None] * num_slots + slots[None, :],
+                    mask=ok,
+                    other=0,
                 )
                 acc += tl.sum((routed != 0).to(tl.int32), axis=0)
             tl.store(counts_ptr + block * num_experts + slots, acc, mask=slots < num_slots)
@@ -186,12 +184,13 @@ def _assign_rows_kernel(
     TILE_T: tl.constexpr,
     TILE_S: tl.constexpr,
     BINS: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """Destination rows. Grid (B,): program b writes the row-map rows of tokens [b*BLOCK_T, (b+1)*BLOCK_T).
 
     Each program derives the expert starts from the totals (O(E)) and adds its block's offsets, then ranks
-    its own slots: a running cumulative sum down each mask column, or, for expert ids, a sort of
-    (expert, position) keys whose run lengths give the rank of every slot among its expert's slots.
+    its own slots: a running cumulative sum down each mask column, or, for expert ids, a comparison of
+    every slot with the earlier slots of its chunk.
     Program 0 also writes the per-expert outputs.
     """
     block = tl.program_id(0)
@@ -226,7 +225,7 @@ def _assign_rows_kernel(
                 tokens = t0 + tl.arange(0, TILE_T)
                 ok = (tokens[:, None] < last) & emask[None, :]
                 routed = tl.load(
-                    routing_ptr + tokens.to(tl.int64)[:, None] * num_slots + experts[None, :],
+                    _as_bits(routing_ptr) + tokens.to(tl.int64)[:, None] * num_slots + experts[None, :],
                     mask=ok,
                     other=0,
                 )
@@ -263,28 +262,22 @@ def _assign_rows_kernel(
         end = tl.minimum(tl.sum(aligned, axis=0), num_rows)
         # base[e]: first row of this block's slots of expert e; bin num_experts collects "no expert".
         base = tl.where(emask, start + before, 0)
-        positions = tl.arange(0, TILE_T * TILE_S)
-        for t0 in range(first, last, TILE_T):
-            tokens = t0 + positions // TILE_S
-            slots = positions % TILE_S
+        # Slots are taken CHUNK at a time in (token, slot) order; a slot's rank among the chunk's slots of its
+        # expert is a row sum of a [CHUNK, CHUNK] "same expert, earlier" matrix, and `base` carries the
+        # counts of earlier chunks.
+        positions = tl.arange(0, CHUNK)
+        earlier = positions[None, :] < positions[:, None]
+        for flat0 in range(first.to(tl.int64) * TILE_S, last.to(tl.int64) * TILE_S, CHUNK):
+            flat = flat0 + positions
+            tokens = flat // TILE_S
+            slots = (flat % TILE_S).to(tl.int32)
             ok = (tokens < last) & (slots < num_slots)
-            ids = tl.load(routing_ptr + tokens.to(tl.int64) * num_slots + slots, mask=ok, other=-1).to(
-                tl.int32
-            )
+            ids = tl.load(routing_ptr + tokens * num_slots + slots, mask=ok, other=-1).to(tl.int32)
             ids = tl.where(ok & (ids >= 0) & (ids < num_experts), ids, num_experts)
-            keys = tl.sort(ids * (TILE_T * TILE_S) + positions)
-            sorted_ids = keys // (TILE_T * TILE_S)
-            sorted_pos = keys % (TILE_T * TILE_S)
-            _, run = tl.associative_scan((sorted_ids, tl.full(keys.shape, 1, tl.int32)), 0, _same_key_count)
-            rows = tl.gather(base, sorted_ids, 0) + run - 1
-            rows = tl.where((sorted_ids < num_experts) & (rows < num_rows), rows, -1)
-            dst_tokens = t0 + sorted_pos // TILE_S
-            dst_slots = sorted_pos % TILE_S
-            tl.store(
-                row_map_ptr + dst_tokens.to(tl.int64) * (num_slots + 1) + dst_slots,
-                rows,
-                mask=(dst_tokens < last) & (dst_slots < num_slots),
-            )
+            rank = tl.sum(((ids[:, None] == ids[None, :]) & earlier).to(tl.int32), axis=1)
+            rows = tl.gather(base, ids, 0) + rank
+            rows = tl.where((ids < num_experts) & (rows < num_rows), rows, -1)
+            tl.store(row_map_ptr + tokens * (num_slots + 1) + slots, rows, mask=ok)
             base += tl.histogram(ids, BINS)
     tokens = first + tl.arange(0, BLOCK_T)
     tl.store(
@@ -690,7 +683,8 @@ def row_map_plan(
         tile_s = next_pow2(num_slots)
         bins = next_pow2(num_experts + 1)
     tile_t = max(1, min(block_t, _TILE_ELEMENTS // tile_s))
-    tile_e = min(next_pow2(num_experts), 128)
+    # Narrow expert tiles and tall block tiles: many scan programs, each only a few steps long.
+    tile_e = min(next_pow2(num_experts), 16)
     common = dict(IS_MASK=is_mask, BLOCK_T=block_t, TILE_T=tile_t, TILE_S=tile_s, BINS=bins)
     count = Launch(
         kernel=_count_experts_kernel,
@@ -723,7 +717,7 @@ def row_map_plan(
             align_size,
         ),
         outputs=("row_id_map", "tokens_per_expert", "pad_offsets", "pad_table"),
-        constexprs=common,
+        constexprs=dict(common, CHUNK=64),
         num_warps=cfg["num_warps"],
     )
     return buffers, (count, scan, assign)

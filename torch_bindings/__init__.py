@@ -1,11 +1,12 @@
-"""moetriton for PyTorch: MoE token dispatch / combine / chunk sort as torch.library ops.
+"""moetriton for PyTorch: token dispatch / combine / chunk sort and the fused router, as torch.library ops.
 
 On CUDA the Triton kernels run compiled; on CPU they run under the Triton interpreter when TRITON_INTERPRET=1
 was set before import, and otherwise the pure-PyTorch reference (`moetriton.torch.reference`) runs instead.
 """
 
-from . import reference
+from . import reference, reference_router
 from .api import sort_chunks_by_index, token_combine, token_dispatch
+from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 from .te import (
     moe_permute,
     moe_permute_and_pad_with_probs,
@@ -16,6 +17,9 @@ from .te import (
 )
 
 __all__ = [
+    "fused_compute_score_for_moe_aux_loss",
+    "fused_moe_aux_loss",
+    "fused_topk_with_score_function",
     "moe_permute",
     "moe_permute_and_pad_with_probs",
     "moe_permute_with_probs",
@@ -23,6 +27,7 @@ __all__ = [
     "moe_sort_chunks_by_index_with_probs",
     "moe_unpermute",
     "reference",
+    "reference_router",
     "sort_chunks_by_index",
     "token_combine",
     "token_dispatch",

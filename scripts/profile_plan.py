@@ -1,0 +1,88 @@
+"""Times every launch of an op's plan on its own (CUDA-graph replays), to see where an op spends its time.
+
+python scripts/profile_plan.py [--shapes ...] [--op dispatch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.timing import time_graph
+from moetriton import kernels
+from moetriton.kernels.shapes import NAMED_SHAPES
+from moetriton.torch._launch import allocate, device_info
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shapes", default=",".join(NAMED_SHAPES))
+    parser.add_argument("--kinds", default="mask,indices")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    for shape_name in args.shapes.split(","):
+        shape = NAMED_SHAPES[shape_name]
+        T, H, E, K = shape.num_tokens, shape.hidden, shape.num_experts, shape.topk
+        for kind in args.kinds.split(","):
+            scores = torch.rand(T, E, device=device)
+            ids = scores.topk(K, dim=1).indices
+            routing = (
+                torch.zeros_like(scores, dtype=torch.bool).scatter_(1, ids, True)
+                if kind == "mask"
+                else ids.int()
+            )
+            inputs = dict(
+                inp=torch.randn(T, H, device=device, dtype=torch.bfloat16),
+                routing=routing,
+                probs=torch.rand(routing.shape, device=device),
+                scales=None,
+            )
+            plan = kernels.dispatch_plan(
+                num_tokens=T,
+                hidden=H,
+                num_slots=routing.shape[1],
+                num_experts=E,
+                is_mask=kind == "mask",
+                num_out_tokens=T * K,
+                align_size=None,
+                element_bytes=2,
+                has_probs=True,
+                scale_cols=None,
+                device=device_info(device),
+            )
+            env = {**inputs, **allocate(plan, inputs, device)}
+            parts = []
+            for launch in plan.launches:
+                args_ = [
+                    env[a]
+                    if isinstance(a, str) and env[a] is not None
+                    else (torch.empty(0, device=device) if isinstance(a, str) else a)
+                    for a in launch.args
+                ]
+                outs = [env[o] for o in launch.outputs]
+
+                def call(launch=launch, args_=args_, outs=outs):
+                    launch.kernel[launch.grid](
+                        *args_,
+                        *outs,
+                        **launch.constexprs,
+                        num_warps=launch.num_warps,
+                        num_stages=launch.num_stages,
+                        enable_fp_fusion=launch.fp_fusion,
+                    )
+
+                parts.append(
+                    f"{launch.kernel.fn.__name__}{launch.grid}: {time_graph([call] * 4) * 1e3:.1f} us"
+                )
+            block = plan.launches[0].constexprs.get("BLOCK_T")
+            print(f"{shape_name:<8} {kind:<8} block {block}: " + " | ".join(parts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
