@@ -1,0 +1,142 @@
+"""moetriton.jax and moetriton.torch run the same kernels: the same inputs give bit-identical outputs and
+gradients (on CPU both through the Triton interpreter, on GPU both compiled)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import moetriton.jax as mj
+from tests.strategies import FLOAT_DTYPES, chunk_problems, numpy_dtype, routing_problems
+
+torch = pytest.importorskip("torch", reason="parity needs PyTorch next to JAX")
+mt = pytest.importorskip("moetriton.torch")
+
+_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+_BITS = {1: (np.uint8, torch.uint8), 2: (np.uint16, torch.int16), 4: (np.uint32, torch.int32)}
+
+
+def _torch(values: np.ndarray, dtype: str | None = None) -> "torch.Tensor":
+    tensor = torch.from_numpy(np.ascontiguousarray(values)).to(_DEVICE)
+    return tensor if dtype is None else tensor.to(_TORCH_DTYPES[dtype])
+
+
+def _jax(values: np.ndarray, dtype: str | None = None) -> jax.Array:
+    return jnp.asarray(values if dtype is None else values.astype(numpy_dtype(dtype)))
+
+
+def _same(from_jax, from_torch, what: str) -> None:
+    assert (from_jax is None) == (from_torch is None), what
+    if from_jax is None:
+        return
+    array = np.asarray(from_jax)
+    numpy_bits, torch_bits = _BITS[array.dtype.itemsize]
+    expected = from_torch.detach().cpu().contiguous().view(torch_bits).numpy().view(numpy_bits)
+    assert array.shape == expected.shape, (what, array.shape, expected.shape)
+    np.testing.assert_array_equal(array.view(numpy_bits), expected, err_msg=what)
+
+
+def _routing(problem, convert):
+    routing = convert(problem.routing)
+    if problem.kind == "mask":
+        return routing, {}
+    return None, {"indices": routing, "num_experts": problem.num_experts}
+
+
+@settings(max_examples=15)
+@given(routing_problems(), st.booleans())
+def test_dispatch_is_bitwise_identical(problem, with_scales):
+    results = []
+    for convert, api in ((_jax, mj), (_torch, mt)):
+        routing_map, kwargs = _routing(problem, convert)
+        if with_scales:
+            kwargs["scales"] = convert(np.arange(problem.num_tokens * 2, dtype=np.float32).reshape(-1, 2))
+        results.append(
+            api.token_dispatch(
+                convert(problem.tokens, problem.dtype),
+                routing_map,
+                problem.num_out_tokens,
+                convert(problem.probs),
+                problem.align_size,
+                **kwargs,
+            )
+        )
+    names = ("output", "permuted_probs", "row_id_map", "pad_offsets", "tokens_per_expert", "scales")
+    for name, from_jax, from_torch in zip(names, *results, strict=False):
+        _same(from_jax, from_torch, name)
+
+
+@settings(max_examples=15)
+@given(routing_problems(dtypes=FLOAT_DTYPES))
+def test_combine_and_all_gradients_are_bitwise_identical(problem):
+    cotangent = np.linspace(-2, 2, problem.num_tokens * problem.hidden, dtype=np.float32)
+    cotangent = cotangent.reshape(problem.num_tokens, problem.hidden)
+    weights = problem.probs[::-1].copy()
+
+    routing_map, kwargs = _routing(problem, _jax)
+
+    def forward(x, p, w):
+        out, permuted_probs, row_id_map, pad_offsets, _ = mj.token_dispatch(
+            x, routing_map, problem.num_out_tokens, p, problem.align_size, **kwargs
+        )
+        return mj.token_combine(out * 2, row_id_map, w, pad_offsets), permuted_probs
+
+    x, p, w = _jax(problem.tokens, problem.dtype), _jax(problem.probs), _jax(weights)
+    (combined, permuted_probs), vjp = jax.vjp(forward, x, p, w)
+    probs_cotangent = np.arange(permuted_probs.shape[0], dtype=np.float32)
+    jax_grads = vjp((_jax(cotangent, problem.dtype), _jax(probs_cotangent)))
+
+    routing_map, kwargs = _routing(problem, _torch)
+    x = _torch(problem.tokens, problem.dtype).requires_grad_()
+    p, w = _torch(problem.probs).requires_grad_(), _torch(weights).requires_grad_()
+    out, torch_probs, row_id_map, pad_offsets, _ = mt.token_dispatch(
+        x, routing_map, problem.num_out_tokens, p, problem.align_size, **kwargs
+    )
+    torch_combined = mt.token_combine(out * 2, row_id_map, w, pad_offsets)
+    torch_grads = torch.autograd.grad(
+        (torch_combined, torch_probs),
+        (x, p, w),
+        (_torch(cotangent, problem.dtype), _torch(probs_cotangent)),
+        allow_unused=True,
+    )
+
+    _same(combined, torch_combined, "combine")
+    for name, from_jax, from_torch, primal in zip(
+        ("inp", "probs", "merging_probs"), jax_grads, torch_grads, (x, p, w), strict=True
+    ):
+        # PyTorch leaves the gradient of an input no output depends on (nothing routed) as None.
+        _same(from_jax, torch.zeros_like(primal) if from_torch is None else from_torch, f"grad {name}")
+
+
+@settings(max_examples=15)
+@given(chunk_problems(), st.booleans())
+def test_chunk_sort_and_its_gradient_are_bitwise_identical(problem, with_probs):
+    args = lambda convert: (
+        convert(problem.rows, problem.dtype),
+        convert(problem.split_sizes.astype(np.int32)),
+        convert(problem.sorted_indices.astype(np.int32)),
+        convert(problem.probs) if with_probs else None,
+    )
+    from_jax = mj.sort_chunks_by_index(*args(_jax))
+    from_torch = mt.sort_chunks_by_index(*args(_torch))
+    assert len(from_jax) == len(from_torch) == 2 + with_probs
+    for name, a, b in zip(("output", "row_id_map", "permuted_probs"), from_jax, from_torch, strict=False):
+        _same(a, b, name)
+    if problem.dtype not in FLOAT_DTYPES:
+        return
+    cotangent = np.linspace(-1, 1, problem.rows.size, dtype=np.float32).reshape(problem.rows.shape)
+    _, vjp = jax.vjp(lambda x: mj.sort_chunks_by_index(x, *args(_jax)[1:3])[0], args(_jax)[0])
+    x = args(_torch)[0].requires_grad_()
+    (torch_grad,) = torch.autograd.grad(
+        mt.sort_chunks_by_index(x, *args(_torch)[1:3])[0], x, _torch(cotangent, problem.dtype)
+    )
+    _same(vjp(_jax(cotangent, problem.dtype))[0], torch_grad, "grad inp")
