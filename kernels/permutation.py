@@ -410,7 +410,6 @@ def _dispatch_kernel(
     HAS_PAD_TABLE: tl.constexpr,
     NUM_FILL: tl.constexpr,
     FILL_ROWS: tl.constexpr,
-    GROUP: tl.constexpr,
 ):
     """Scatter tokens to their expert-major rows. Grid (T * cdiv(H, BLOCK_H) + NUM_FILL,).
 
@@ -440,25 +439,14 @@ def _dispatch_kernel(
             scale_idx = tl.arange(0, SCALES_POW2)
             smask = scale_idx < scale_cols
             scales = tl.load(_as_bits(scales_ptr) + token.to(tl.int64) * scale_cols + scale_idx, mask=smask)
-        # The token's rows GROUP at a time: one [GROUP, S] one-hot reduction picks the next GROUP valid
-        # slots, then one [GROUP, BLOCK_H] store writes them all (pure data movement: order is irrelevant).
-        rank = tl.cumsum(valid.to(tl.int32), axis=0) - 1
-        members = tl.arange(0, GROUP)
-        for first_rank in range(0, tl.sum(valid.to(tl.int32), axis=0), GROUP):
-            picked = valid[None, :] & (rank[None, :] == first_rank + members[:, None])
-            group_rows = tl.sum(tl.where(picked, rows[None, :], 0), axis=1).to(tl.int64)
-            in_group = tl.sum(picked.to(tl.int32), axis=1) > 0
-            tl.store(
-                out + group_rows[:, None] * hidden + cols[None, :],
-                tl.broadcast_to(values[None, :], (GROUP, BLOCK_H)),
-                mask=in_group[:, None] & cmask[None, :],
-            )
+        previous = tl.full([], -1, tl.int32)
+        for _ in range(tl.sum(valid.to(tl.int32), axis=0)):
+            slot = tl.min(tl.where(valid & (slots > previous), slots, SLOTS_POW2), axis=0)
+            row = tl.load(map_row + slot).to(tl.int64)
+            tl.store(out + row * hidden + cols, values, mask=cmask)
             if HAS_SCALES and chunk == 0:
-                tl.store(
-                    _as_bits(out_scales_ptr) + group_rows[:, None] * scale_cols + scale_idx[None, :],
-                    tl.broadcast_to(scales[None, :], (GROUP, SCALES_POW2)),
-                    mask=in_group[:, None] & smask[None, :],
-                )
+                tl.store(_as_bits(out_scales_ptr) + row * scale_cols + scale_idx, scales, mask=smask)
+            previous = slot
     else:
         _fill_unused_rows(
             pid - token_programs,
@@ -773,7 +761,6 @@ def _dispatch_launch(
             HAS_PAD_TABLE=pad_table,
             NUM_FILL=num_fill,
             FILL_ROWS=4,
-            GROUP=min(8, next_pow2(num_slots)),
         ),
         num_warps=cfg["num_warps"],
     )
