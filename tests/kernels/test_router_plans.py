@@ -17,6 +17,15 @@ from moetriton.torch._launch import run_plan
 DEVICE = os.environ.get("MOETRITON_TEST_DEVICE", "cpu")
 
 
+def _agree(actual: torch.Tensor, want: torch.Tensor) -> None:
+    """Selections (maps, indices) agree exactly; float results to fp32 rounding, since on a GPU the order
+    of a reduction depends on the tile shape."""
+    if actual.dtype.is_floating_point:
+        torch.testing.assert_close(actual, want, rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(actual, want)
+
+
 def _configs(space) -> list[dict]:
     configs = space.configs()
     if DEVICE == "cpu":
@@ -52,12 +61,12 @@ def test_every_topk_config_agrees(num_experts, topk, score_function, num_groups,
         block_t = plan.launches[0].constexprs["BLOCK_T"]
         assert plan.launches[0].grid == (-(-13 // block_t),)
         for actual, want in zip(run_plan(plan, inputs, logits.device), expected, strict=True):
-            assert torch.equal(actual, want)
+            _agree(actual, want)
     for config in _configs(plans.TOPK_BACKWARD_SPACE):
         grad_logits = run_plan(
             plans.topk_backward_plan(**backward, config=config), grad_inputs, logits.device
         )
-        assert torch.equal(grad_logits[0], expected_grad[0])
+        _agree(grad_logits[0], expected_grad[0])
 
 
 @pytest.mark.parametrize("score_function", ["softmax", "sqrtsoftplus"])
@@ -73,10 +82,11 @@ def test_every_aux_scores_config_agrees(score_function):
         got = run_plan(
             plans.aux_scores_plan(**args, topk=3, config=config), dict(logits=logits), logits.device
         )
-        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        for a, b in zip(got, expected, strict=True):
+            _agree(a, b)
     for config in _configs(plans.AUX_SCORES_BACKWARD_SPACE):
         got = run_plan(plans.aux_scores_backward_plan(**args, config=config), grad_inputs, logits.device)
-        assert torch.equal(got[0], expected_grad[0])
+        _agree(got[0], expected_grad[0])
 
 
 def test_heuristic_tiles():
