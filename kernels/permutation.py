@@ -797,6 +797,7 @@ def dispatch_plan(
         is_mask=is_mask,
         num_rows=num_rows,
         align_size=align_size or 1,
+        device=device,
         config=config.get("row_map"),
     )
     has_scales = scale_cols is not None

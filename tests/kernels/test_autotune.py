@@ -80,3 +80,44 @@ def test_stale_cache_is_reported_once_and_still_used(fake_cache):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert autotune.lookup("combine", features, "Test GPU 80GB")["block_h"] == 512
+
+
+def test_dispatch_plan_consults_the_cache_for_both_of_its_kernels(tmp_path, monkeypatch):
+    device_dir = tmp_path / autotune.device_dir("Test GPU 80GB")
+    device_dir.mkdir()
+    features = {
+        "row_map": dict(num_tokens=4096, num_slots=64, num_experts=64, is_mask=1),
+        "dispatch": dict(num_tokens=4096, hidden=1024, num_slots=64, element_bytes=2),
+    }
+    best = {"row_map": dict(block_tokens=32, num_warps=8), "dispatch": dict(block_bytes=2048, num_warps=16)}
+    for kernel in ("row_map", "dispatch"):
+        entry = dict(features=features[kernel], best=best[kernel], ms=0.1, timings={"x": 0.1})
+        data = dict(
+            kernel=kernel,
+            device="Test GPU 80GB",
+            triton=triton.__version__,
+            source_hash=autotune.source_hash(kernel),
+            entries={autotune.key_of(features[kernel]): entry},
+        )
+        (device_dir / f"{kernel}.json").write_text(json.dumps(data))
+    monkeypatch.setattr(autotune, "cache_root", lambda: tmp_path)
+    autotune._load.cache_clear()
+    try:
+        plan = kernels.dispatch_plan(
+            num_tokens=4096,
+            hidden=1024,
+            num_slots=64,
+            num_experts=64,
+            is_mask=True,
+            num_out_tokens=4096 * 4,
+            align_size=None,
+            element_bytes=2,
+            has_probs=True,
+            scale_cols=None,
+            device=kernels.DeviceInfo("Test GPU 80GB", 132),
+        )
+    finally:
+        autotune._load.cache_clear()
+    count, _, _, scatter = plan.launches
+    assert count.constexprs["BLOCK_T"] == 32 and count.num_warps == 8 and count.grid == (4096 // 32,)
+    assert scatter.constexprs["BLOCK_H"] == 1024 and scatter.num_warps == 16
