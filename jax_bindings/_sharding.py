@@ -115,7 +115,11 @@ def _decode(mesh, first) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
     shape, sharding = first.shape, first.sharding
     if 0 in shape:
         return (), ()
-    tiles = [size // local for size, local in zip(shape, sharding.shard_shape(shape), strict=True)]
+    try:
+        local_shape = sharding.shard_shape(shape)
+    except ValueError:  # uneven tiles: not a split over whole mesh axes either
+        return None
+    tiles = [size // local for size, local in zip(shape, local_shape, strict=True)]
     for token_axes in _axis_orders(mesh, tiles[0]):
         for hidden_axes in _axis_orders(mesh, tiles[1], exclude=token_axes):
             candidate = NamedSharding(mesh, PartitionSpec(token_axes or None, hidden_axes or None))
