@@ -30,7 +30,12 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.custom_partitioning import custom_partitioning
+from jax.experimental.custom_partitioning import (
+    ArrayMapping,
+    CompoundFactor,
+    SdyShardingRule,
+    custom_partitioning,
+)
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._launch import on_gpu, uses_kernels
@@ -175,9 +180,9 @@ def _infer(op: ShardedOp, mesh, arg_shapes, result_shape):
     return _shardings(op, mesh, op.results, token_axes, hidden_axes)
 
 
-def _shardy_rule(op: ShardedOp, mesh, operand_types, result_types):
-    """Einsum-like Shardy rule: the first axis of every array is the compound (s <role>) with s the shard
-    factor of size num_shards; roles other than the hidden axis need replication."""
+def _shardy_rule(op: ShardedOp, mesh, operand_types, result_types) -> SdyShardingRule:
+    """Shardy rule: the first axis of every array is the compound factor (s, <role>) with s the shard factor
+    of size num_shards; factors other than s and the hidden axis need replication."""
     n = op.num_shards
     seen: list[str] = []  # factors in order of first use: Shardy wants special factors listed in that order
     whole: set[str] = set()
@@ -186,7 +191,7 @@ def _shardy_rule(op: ShardedOp, mesh, operand_types, result_types):
     def use(*factors: str) -> None:
         seen.extend(factor for factor in factors if factor not in seen)
 
-    def mapping(name: str, shape: Sequence[int]) -> str:
+    def mapping(name: str, shape: Sequence[int]) -> ArrayMapping:
         factors = []
         for dim, (role, size) in enumerate(zip(op.layouts[name], shape, strict=True)):
             if dim == 0 and n > 1 and size == n:
@@ -194,22 +199,26 @@ def _shardy_rule(op: ShardedOp, mesh, operand_types, result_types):
                 whole.add("s")
                 use("s")
             elif dim == 0 and n > 1 and size > 0:
-                factors.append(f"(s {role})")
+                factors.append(CompoundFactor("s", role))
                 local_sizes[role] = size // n
                 use("s", role)
             else:
                 factors.append(role)
                 whole.add(role)
                 use(role)
-        return " ".join(factors)
+        return ArrayMapping(*factors)
 
-    operands = ", ".join(mapping(name, t.shape) for name, t in zip(op.args, operand_types, strict=True))
-    results = ", ".join(mapping(name, t.shape) for name, t in zip(op.results, result_types, strict=True))
+    operands = tuple(mapping(name, t.shape) for name, t in zip(op.args, operand_types, strict=True))
+    results = tuple(mapping(name, t.shape) for name, t in zip(op.results, result_types, strict=True))
     sizes = dict(local_sizes)
     if "s" in seen and "s" not in whole:
         sizes["s"] = n
-    replicated = tuple(factor for factor in seen if factor not in ("s", HIDDEN))
-    return f"{operands} -> {results}", dict(sizes, need_replication_factors=replicated)
+    return SdyShardingRule(
+        operands,
+        results,
+        need_replication_factors=tuple(factor for factor in seen if factor not in ("s", HIDDEN)),
+        **sizes,
+    )
 
 
 @partial(custom_partitioning, static_argnums=(0,))
