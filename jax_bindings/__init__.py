@@ -1,4 +1,5 @@
-"""moetriton for JAX: MoE token dispatch / combine / chunk sort on the moetriton Triton kernels.
+"""moetriton for JAX: MoE token dispatch / combine / chunk sort and the fused router on the moetriton Triton
+kernels.
 
 On GPU the kernels run compiled through jax-triton (imported lazily); on CPU they run under the Triton
 interpreter (through jax.pure_callback) when TRITON_INTERPRET=1 was set before import, and otherwise the
@@ -7,7 +8,17 @@ under jax.jit and jax.vmap, and partitions along the token axis under jax.jit sh
 with Shardy rules). Never imports torch. See docs/jax.md.
 """
 
-from . import reference
+from . import reference, reference_router
 from .api import sort_chunks_by_index, token_combine, token_dispatch
+from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 
-__all__ = ["reference", "sort_chunks_by_index", "token_combine", "token_dispatch"]
+__all__ = [
+    "fused_compute_score_for_moe_aux_loss",
+    "fused_moe_aux_loss",
+    "fused_topk_with_score_function",
+    "reference",
+    "reference_router",
+    "sort_chunks_by_index",
+    "token_combine",
+    "token_dispatch",
+]

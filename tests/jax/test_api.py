@@ -204,9 +204,13 @@ def test_cpu_runs_the_interpreter_or_else_the_reference(monkeypatch):
     assert _uses_callback(pipeline, x, p) == kernels.INTERPRETER
     interpreted = jax.jit(pipeline)(x, p)
     monkeypatch.setattr(_launch, "INTERPRETER", False)
-    jax.clear_caches()  # traces made with the interpreter on are cached
-    assert not _uses_callback(pipeline, x, p)
-    fallback = jax.jit(lambda x, p: pipeline(x, p))(x, p)
+    jax.clear_caches()  # traces are cached: the ones made with the interpreter on must go
+    try:
+        assert not _uses_callback(pipeline, x, p)
+        fallback = jax.jit(pipeline)(x, p)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()  # and so must the reference traces, before other tests reuse them
     assert_same(fallback[0], interpreted[0], "dispatch")
     assert_reduced(fallback[1], interpreted[1], "combine")
 
