@@ -11,8 +11,8 @@ this sense (tokens, buffer rows, per-expert counts, chunk sizes), so the same ru
   Shardy rule that ties the first axes of all arrays to one "shard" factor of size n, and GSPMD callbacks for
   when Shardy is off). Otherwise the op asks for replicated operands and every device runs all n shards.
   The hidden axis may stay sharded too: rows move column by column, and reductions over it are all-reduced;
-* jax.vmap: a batch of B problems of n shards is one problem of B * n shards (custom_vmap), so vmap folds the
-  batch into the first axis instead of looping.
+* jax.vmap: a batch of B problems of n shards is one problem of B * n shards (custom_vmap folds the batch
+  into the first axis), run like any other: shard by shard, or partitioned when the batch axis is sharded.
 
 Inside a partitioned computation the shard runs the kernels only on GPU: JAX cannot keep a host callback
 alive inside custom_partitioning (jax-ml/jax#23620), so CPU runs the reference there, interpreter or not.
