@@ -9,7 +9,8 @@ sort_chunks_by_index under jax.jit, and checks:
   kernels, interpreted), bit for bit;
 * the output shardings: the token axis stays on the token mesh axes, the hidden axis on the hidden ones;
 * the compiled program: no all-gather, all-to-all or collective-permute when the token shard count divides
-  num_shards (the op runs locally), replicated results otherwise.
+  num_shards (the op runs locally), replicated results otherwise;
+* jax.vmap over a batch axis sharded like the tokens: each device dispatches its own problems locally.
 
 XLA_FLAGS must give 8 host devices before JAX starts; the parent test sets it in the environment.
 """
@@ -160,6 +161,25 @@ def _check_sort(scenario: Scenario, mesh, num_shards: int, tokens, rng) -> None:
         _check_collectives(sharded_sort.lower(*placed).compile(), True, "sort")
 
 
+def _check_vmap_over_sharded_batch(mesh, tokens, batch: int, rng) -> None:
+    x = jnp.asarray(rng.integers(-7, 8, (batch, 6, HIDDEN)).astype(np.float32))
+    ids = jnp.asarray(np.argsort(rng.random((batch, 6, NUM_EXPERTS)), axis=-1)[..., :TOPK].astype(np.int32))
+
+    def dispatch(x, ids):
+        return mj.token_dispatch(x, None, 6 * TOPK, None, ALIGN, indices=ids, num_experts=NUM_EXPERTS)
+
+    batched = jax.jit(jax.vmap(dispatch))
+    placed = [jax.device_put(a, NamedSharding(mesh, P(tokens))) for a in (x, ids)]
+    got = batched(*placed)
+    names = ("output", "permuted_probs", "row_id_map", "pad_offsets", "tokens_per_expert")
+    for i in range(batch):
+        for what, g, e in zip(names, got, dispatch(x[i], ids[i]), strict=True):
+            if e is not None:
+                _same(g[i], e, f"vmap {what} of problem {i}")
+    _check_sharding(got[0], mesh, P(tokens), "vmap output")
+    _check_collectives(batched.lower(*placed).compile(), True, "vmap")
+
+
 def run(name: str) -> None:
     scenario = SCENARIOS[name]
     jax.config.update("jax_use_shardy_partitioner", scenario.shardy)
@@ -215,6 +235,8 @@ def run(name: str) -> None:
     _check_collectives(sharded_run.lower(*placed).compile(), scenario.local, "forward")
     _check_collectives(sharded_grad.lower(*placed).compile(), scenario.local, "gradient")
     _check_sort(scenario, mesh, num_shards, tokens, rng)
+    if scenario.local:
+        _check_vmap_over_sharded_batch(mesh, tokens, token_shards, rng)
     print(f"{name}: ok")
 
 
