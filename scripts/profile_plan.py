@@ -16,7 +16,7 @@ import torch
 from benchmarks.timing import time_graph
 from moetriton import kernels
 from moetriton.kernels.shapes import NAMED_SHAPES
-from moetriton.torch._launch import allocate, device_info
+from moetriton.torch._launch import device_info, run_plan
 
 
 def main() -> int:
@@ -55,30 +55,16 @@ def main() -> int:
                 scale_cols=None,
                 device=device_info(device),
             )
-            env = {**inputs, **allocate(plan, inputs, device)}
+            # Each launch as a one-launch plan through the executor, its inputs the earlier launches' outputs.
+            env = dict(inputs)
             parts = []
             for launch in plan.launches:
-                args_ = [
-                    env[a]
-                    if isinstance(a, str) and env[a] is not None
-                    else (torch.empty(0, device=device) if isinstance(a, str) else a)
-                    for a in launch.args
-                ]
-                outs = [env[o] for o in launch.outputs]
-
-                def call(launch=launch, args_=args_, outs=outs):
-                    launch.kernel[launch.grid](
-                        *args_,
-                        *outs,
-                        **launch.constexprs,
-                        num_warps=launch.num_warps,
-                        num_stages=launch.num_stages,
-                        enable_fp_fusion=launch.fp_fusion,
-                    )
-
-                parts.append(
-                    f"{launch.kernel.fn.__name__}{launch.grid}: {time_graph([call] * 4) * 1e3:.1f} us"
+                single = kernels.Plan(
+                    {name: plan.buffers[name] for name in launch.outputs}, (launch,), launch.outputs
                 )
+                env.update(zip(launch.outputs, run_plan(single, env, device), strict=True))
+                ms = time_graph([lambda single=single, now=dict(env): run_plan(single, now, device)] * 4)
+                parts.append(f"{launch.kernel.fn.__name__}{launch.grid}: {ms * 1e3:.1f} us")
             block = plan.launches[0].constexprs.get("BLOCK_T")
             print(f"{shape_name:<8} {kind:<8} block {block}: " + " | ".join(parts))
     return 0
