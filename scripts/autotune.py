@@ -155,22 +155,93 @@ def _cases(shape: MoEShape, kind: str, device):
         ),
         [dict(s, inp=s["rows"]) for s in sets],
     )
-    if kind == "mask":
-        yield (
-            "sort_chunks",
-            dict(num_rows=N, hidden=H, num_splits=E, element_bytes=eb),
-            lambda c: kernels.sort_chunks_plan(
-                num_rows=N,
-                hidden=H,
-                num_splits=E,
-                element_bytes=eb,
-                has_probs=False,
-                backward=False,
-                device=info,
-                config=c,
-            ),
-            [dict(s, inp=s["rows"], probs=None) for s in sets],
+    if kind != "mask":
+        return
+    yield from _router_cases(shape, info, generator)
+    yield (
+        "sort_chunks",
+        dict(num_rows=N, hidden=H, num_splits=E, element_bytes=eb),
+        lambda c: kernels.sort_chunks_plan(
+            num_rows=N,
+            hidden=H,
+            num_splits=E,
+            element_bytes=eb,
+            has_probs=False,
+            backward=False,
+            device=info,
+            config=c,
+        ),
+        [dict(s, inp=s["rows"], probs=None) for s in sets],
+    )
+
+
+def _router_cases(shape: MoEShape, info, generator: torch.Generator):
+    """The four token-block router kernels at the shape's (T, E, K), fp32 logits: DeepSeek-style sigmoid with
+    8 groups for dsv3, softmax otherwise (the cache key is (T, E, K), so one scoring per shape)."""
+    T, E, K = shape.num_tokens, shape.num_experts, shape.topk
+    grouped = shape.name == "dsv3"
+    routing = dict(
+        score_function="sigmoid" if grouped else "softmax",
+        use_pre_softmax=False,
+        num_groups=8 if grouped else 0,
+        group_topk=4 if grouped else 0,
+        scaling_factor=1.0,
+        has_bias=grouped,
+        return_indices=False,
+    )
+    sets = []
+    for _ in range(input_sets(8 * T * E)):
+        logits = torch.randn(T, E, device="cuda", generator=generator)
+        bias = torch.randn(E, device="cuda", generator=generator) if grouped else None
+        forward = kernels.router.topk_plan(num_tokens=T, num_experts=E, topk=K, **routing, device=info)
+        _, routing_map, _ = run_plan(forward, dict(logits=logits, bias=bias), logits.device)
+        sets.append(
+            dict(
+                logits=logits,
+                bias=bias,
+                routing_map=routing_map,
+                grad_probs=torch.randn(T, E, device="cuda", generator=generator),
+                grad_scores=torch.randn(T, E, device="cuda", generator=generator),
+            )
         )
+    common = dict(num_tokens=T, num_experts=E)
+    score = routing["score_function"]
+    yield (
+        "router_topk",
+        dict(common, topk=K),
+        lambda c: kernels.router.topk_plan(**common, topk=K, **routing, device=info, config=c),
+        sets,
+    )
+    yield (
+        "router_topk_backward",
+        dict(common, topk=K),
+        lambda c: kernels.router.topk_backward_plan(
+            **common,
+            topk=K,
+            score_function=score,
+            use_pre_softmax=False,
+            scaling_factor=1.0,
+            device=info,
+            config=c,
+        ),
+        sets,
+    )
+    yield (
+        "router_aux_scores",
+        dict(common, topk=K),
+        lambda c: kernels.router.aux_scores_plan(
+            **common, topk=K, score_function=score, device=info, config=c
+        ),
+        sets,
+    )
+    yield (
+        "router_aux_scores_backward",
+        common,
+        lambda c: kernels.router.aux_scores_backward_plan(
+            **common, score_function=score, device=info, config=c
+        ),
+        sets,
+    )
 
 
 def _load(path: Path, kernel: str, device_name: str) -> dict:
