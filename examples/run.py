@@ -22,7 +22,9 @@ def _has_cuda() -> bool:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--small", action="store_true", help="small shapes even on a GPU")
     args = parser.parse_args()
     on_gpu = _has_cuda()

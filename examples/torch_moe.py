@@ -22,11 +22,13 @@ def moe_layer(api, x, router_weight, expert_weights, topk: int, align_size: int 
     mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top_ids, True)
     probs = torch.zeros_like(scores).scatter_(1, top_ids, top_scores / top_scores.sum(-1, keepdim=True))
     permuted, _, row_id_map, pad_offsets, tokens_per_expert = api.token_dispatch(
-        x, mask, x.shape[0] * topk, probs, align_size)
+        x, mask, x.shape[0] * topk, probs, align_size
+    )
     # Grouped matmul over expert blocks (a loop here; a grouped GEMM in a real model).
-    blocks = permuted.split(tokens_per_expert.tolist() + [permuted.shape[0] - int(tokens_per_expert.sum())])
-    expert_out = torch.cat([block @ expert_weights[e] if e < num_experts else block
-                            for e, block in enumerate(blocks)])
+    blocks = permuted.split([*tokens_per_expert.tolist(), permuted.shape[0] - int(tokens_per_expert.sum())])
+    expert_out = torch.cat(
+        [block @ expert_weights[e] if e < num_experts else block for e, block in enumerate(blocks)]
+    )
     return api.token_combine(torch.nn.functional.gelu(expert_out), row_id_map, probs, pad_offsets)
 
 
@@ -47,17 +49,23 @@ def main(small: bool) -> None:
             y.float().square().mean().backward()
             outputs.append(y.float())
             grads.append((xg.grad.float(), wg.grad.float()))
-        error = max((outputs[0] - outputs[1]).abs().max().item(),
-                    *[(a - b).abs().max().item() for a, b in zip(*grads, strict=True)])
+        error = max(
+            (outputs[0] - outputs[1]).abs().max().item(),
+            *[(a - b).abs().max().item() for a, b in zip(*grads, strict=True)],
+        )
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(3):
             xg = x.clone().requires_grad_()
-            moe_layer(mt, xg, router_weight, expert_weights, topk, align_size).float().square().mean().backward()
+            moe_layer(
+                mt, xg, router_weight, expert_weights, topk, align_size
+            ).float().square().mean().backward()
         if device == "cuda":
             torch.cuda.synchronize()
         step_ms = (time.perf_counter() - start) / 3 * 1e3
-        print(f"torch  T={num_tokens} H={hidden} E={num_experts} K={topk} {str(dtype).removeprefix('torch.')} "
-              f"align={align_size}: max |moetriton - reference| = {error:.2e}, "
-              f"fwd+bwd step {step_ms:.2f} ms on {device}")
+        print(
+            f"torch  T={num_tokens} H={hidden} E={num_experts} K={topk} {str(dtype).removeprefix('torch.')} "
+            f"align={align_size}: max |moetriton - reference| = {error:.2e}, "
+            f"fwd+bwd step {step_ms:.2f} ms on {device}"
+        )
