@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moetriton.kernels import buffer_rows
+
 _BIT_DTYPES = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
@@ -37,13 +39,6 @@ def _move_rows(values: jax.Array, dst: jax.Array, src: jax.Array, num_rows: int)
     bits = jax.lax.bitcast_convert_type(values, _BIT_DTYPES[values.dtype.itemsize])
     moved = jnp.zeros(shape, bits.dtype).at[dst].set(bits[src], mode="drop")
     return jax.lax.bitcast_convert_type(moved, values.dtype)
-
-
-def buffer_rows(num_out_tokens: int, num_experts: int, align_size: int | None) -> int:
-    """Rows of a shard's buffer: num_out_tokens, or with padding floor((num_out_tokens + E(A-1)) / A) * A."""
-    if align_size is None:
-        return num_out_tokens
-    return (num_out_tokens + num_experts * (align_size - 1)) // align_size * align_size
 
 
 def row_map(

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from moetriton.kernels import buffer_rows
+
 _BIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -80,9 +82,7 @@ def dispatch(
     """moetriton::dispatch: (output, permuted_probs, permuted_scales, row_id_map, pad_offsets,
     tokens_per_expert); absent probs/scales give empty tensors. align_size 0 = no padding."""
     align = align_size or 1
-    num_rows = (
-        num_out_tokens if align_size == 0 else ((num_out_tokens + num_experts * (align - 1)) // align * align)
-    )
+    num_rows = buffer_rows(num_out_tokens, num_experts, align_size or None)
     full_map, kept, pad_offsets, _ = row_map(routing, num_experts, is_mask, num_rows, align)
     tokens, slots, rows = _slots(full_map)
     output = _move_rows(inp, rows, tokens, num_rows)
