@@ -6,17 +6,17 @@ MaxText's formulation ("jax-argsort", moetriton.jax.reference.argsort_dispatch /
 routing as [T, K] expert ids, a stable argsort, gathers only, a [T, K, H] weighted sum in fp32; its output
 rows equal moetriton's. Chunk sort's baseline is the pure-JAX reference ("jax-ref"), skipped with --quick.
 
-Timing (GPU only; results() returns [] elsewhere): each timed function runs on R independent input sets
-inside one jax.jit (R chosen so the sets exceed twice the L2, so no call finds its inputs cached), after a
-warm-up call that compiles; the median wall time of `REPEATS` synchronised calls divided by R is the time per
-op. One jit call per R ops amortises Python dispatch, but XLA may overlap or fuse work across the R calls
-of a baseline (it never does for moetriton's custom calls), so baseline times are if anything flattering.
+Timing (GPU only; results() returns [] elsewhere): benchmarks.timing.time_jax runs each function on R
+independent input sets inside one jax.jit (R chosen so the sets exceed twice the L2, so no call finds its
+inputs cached) and reports the median GPU span of a run divided by R, read with CUPTI: what the op costs
+inside a training step's jit, comparable with the PyTorch CUDA-graph times. The note adds the host wall time
+with a sync after every run (Python dispatch and sync latency included), which is what short ops cost when
+called one jit at a time. XLA may overlap or fuse work across the R calls of a baseline (it never does for
+moetriton's custom calls), so baseline times are if anything flattering.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 
 import jax
@@ -25,26 +25,9 @@ import jax.numpy as jnp
 from moetriton.kernels.shapes import MoEShape
 
 from .common import Result, token_bytes
+from .timing import input_sets, time_jax
 
 DTYPE = jnp.bfloat16
-REPEATS = 20
-_L2_FLUSH_BYTES = 2 * 60 * 2**20  # rotate through at least twice the largest L2 of the devices we use
-
-
-def _num_sets(bytes_per_call: int) -> int:
-    return max(2, min(16, -(-_L2_FLUSH_BYTES // max(bytes_per_call, 1))))
-
-
-def _time(fn: Callable, sets: list[tuple]) -> float:
-    """Median ms per call of `fn` over `sets`, all calls inside one jit (see the module docstring)."""
-    calls = jax.jit(lambda sets: [fn(*args) for args in sets])
-    jax.block_until_ready(calls(sets))
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        jax.block_until_ready(calls(sets))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3 / len(sets)
 
 
 def _routing(shape: MoEShape, key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -71,10 +54,12 @@ def results(shape: MoEShape, quick: bool = False) -> list[Result]:
     out: list[Result] = []
 
     def add(op: str, impl: str, fn: Callable, sets: list[tuple], nbytes: int, note: str) -> None:
-        out.append(Result(op, "jax", impl, shape.name, _time(fn, sets), nbytes, note))
+        timing = time_jax(fn, sets)
+        note = f"{note}; wall {timing.wall_ms:.4f} ms synced"
+        out.append(Result(op, "jax", impl, shape.name, timing.device_ms, nbytes, note))
 
     def make_sets(nbytes: int, build: Callable[[jax.Array], tuple]) -> list[tuple]:
-        return [build(key) for key in jax.random.split(jax.random.key(0), _num_sets(nbytes))]
+        return [build(key) for key in jax.random.split(jax.random.key(0), input_sets(nbytes))]
 
     # dispatch: mask + probs -> permuted tokens + probs (map building included)
     dispatch_bytes = (

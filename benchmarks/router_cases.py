@@ -8,8 +8,9 @@ Cases (bf16 logits): T in {4096, 16384} x (E, K) in {(8, 2), (64, 4), (128, 8), 
 the top-k. Timed: "topk_fwd" (probs + routing map from logits) and "topk_bwd" (grad_logits from grad_probs).
 
 PyTorch: medians over CUDA-graph replays (benchmarks.timing.time_graph), each call on its own input set; the
-reference's backward goes through autograd and is timed eagerly when it cannot be captured. JAX: each
-timing jits R calls on R distinct input sets into one program and reports the median per call. Bytes: every
+reference's backward goes through autograd and is timed eagerly when it cannot be captured. JAX:
+benchmarks.timing.time_jax (R calls on R distinct input sets in one jit, median GPU span per call, read with
+CUPTI; the note adds the synced host wall time). Bytes: every
 input read once and every output written once (logits, bias, probs, bool map; for the backward grad_probs,
 logits, map and grad_logits). Imports cleanly without a GPU and then returns no results.
 """
@@ -17,8 +18,6 @@ logits, map and grad_logits). Imports cleanly without a GPU and then returns no 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +25,7 @@ import torch
 from moetriton.kernels.shapes import MoEShape
 
 from .common import Result
-from .timing import input_sets, time_eager, time_graph
+from .timing import input_sets, time_eager, time_graph, time_jax
 
 
 @dataclass(frozen=True)
@@ -174,20 +173,6 @@ def _jax_on_gpu() -> bool:
         return False
 
 
-def _time_jax(fn, args: list, repeats: int = 20) -> float:
-    """Median ms per call of `fn` over `args`, all calls inside one jitted program."""
-    import jax
-
-    program = jax.jit(lambda items: [fn(item) for item in items])
-    jax.block_until_ready(program(args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(program(args))
-        times.append((time.perf_counter() - start) * 1e3 / len(args))
-    return statistics.median(times)
-
-
 def _jax_results(case: RouterCase, quick: bool) -> list[Result]:
     if not _jax_on_gpu():
         return []
@@ -208,11 +193,13 @@ def _jax_results(case: RouterCase, quick: bool) -> list[Result]:
     if not quick:
         impls.append(("jax-ref", reference.fused_topk_with_score_function))
     for impl, topk in impls:
-        ms = _time_jax(lambda x, topk=topk: topk(x, case.topk, **kwargs), logits)
-        out.append(Result("topk_fwd", "jax", impl, case.name, ms, case.bytes(False), "R calls in one jit"))
+        timing = time_jax(lambda x, topk=topk: topk(x, case.topk, **kwargs), [(x,) for x in logits])
+        note = f"R calls in one jit, GPU span; wall {timing.wall_ms:.4f} ms synced"
+        out.append(Result("topk_fwd", "jax", impl, case.name, timing.device_ms, case.bytes(False), note))
         vjps = [jax.vjp(lambda x, topk=topk: topk(x, case.topk, **kwargs)[0], x)[1] for x in logits]
-        ms = _time_jax(lambda item: item[0](item[1]), list(zip(vjps, grads, strict=True)))
-        out.append(Result("topk_bwd", "jax", impl, case.name, ms, case.bytes(True), "R calls in one jit"))
+        timing = time_jax(lambda vjp, grad: vjp(grad), list(zip(vjps, grads, strict=True)))
+        note = f"R calls in one jit, GPU span; wall {timing.wall_ms:.4f} ms synced"
+        out.append(Result("topk_bwd", "jax", impl, case.name, timing.device_ms, case.bytes(True), note))
     return out
 
 

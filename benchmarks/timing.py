@@ -4,12 +4,18 @@
 data in L2, into one CUDA graph and times its replays with CUDA events: the median replay over `repeats`
 is the time per call without Python launch overhead (what a CUDA-graphed training step sees).
 `time_eager` times plain calls with events (for baselines that sync with the host and cannot be captured).
+`time_jax` jits R calls (one per input set) into one program and reads the GPU timeline of its runs with
+CUPTI (through torch.profiler, which records the kernels of every library in the process): the median span
+from the first GPU activity of a run to the end of its last, divided by R. Like a graph replay, this counts
+the gaps between launches but not the host's dispatch, which a training step's jit overlaps with GPU work.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -93,3 +99,38 @@ def copy_bandwidth_gbps(num_bytes: int = 2**31) -> float:
             ms = time_graph([copy] * 4, replays=10)
             best = max(best, 2 * size / (ms * 1e-3) / 1e9)
     return best
+
+
+@dataclass(frozen=True)
+class JaxTiming:
+    device_ms: float  # median GPU span of a run of the program, per call
+    wall_ms: float  # median host wall time of a run with a sync after it, per call
+
+
+def time_jax(fn: Callable, sets: list[tuple], repeats: int = 20) -> JaxTiming:
+    """Times `fn(*args)` for every `args` in `sets`, all inside one jax.jit program (see the module doc)."""
+    import jax
+
+    torch.cuda.init()  # CUPTI records through torch's CUDA context
+    program = jax.jit(lambda sets: [fn(*args) for args in sets])
+    jax.block_until_ready(program(sets))
+    walls = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(program(sets))
+        walls.append(time.perf_counter() - start)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for _ in range(repeats):
+            jax.block_until_ready(program(sets))
+    events = sorted(
+        (event.time_range.start, event.time_range.end)
+        for event in profile.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    )
+    if not events or len(events) % repeats:
+        raise RuntimeError(f"expected the same GPU activities in each of {repeats} runs, got {len(events)}")
+    per_run = len(events) // repeats
+    spans = [
+        max(end for _, end in events[i : i + per_run]) - events[i][0] for i in range(0, len(events), per_run)
+    ]
+    return JaxTiming(statistics.median(spans) * 1e-3 / len(sets), statistics.median(walls) * 1e3 / len(sets))

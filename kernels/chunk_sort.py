@@ -15,7 +15,7 @@ import triton.language as tl
 
 from . import autotune
 from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, SearchSpace, cdiv, next_pow2
-from .permutation import _as_bits
+from .permutation import _aligned, _as_bits, alignment
 
 _TILE_ELEMENTS = 4096
 
@@ -38,6 +38,7 @@ def _sort_chunks_kernel(
     HAS_PROBS: tl.constexpr,
     GATHER: tl.constexpr,
     WRITE_MAP: tl.constexpr,
+    HIDDEN_ALIGN: tl.constexpr,
 ):
     """Grid (cdiv(N, ROWS), cdiv(H, BLOCK_H)). Program (b, c) computes the destination of rows
     [b*ROWS, (b+1)*ROWS) from the split sizes (O(ROWS * S) compares) and moves their columns
@@ -45,6 +46,7 @@ def _sort_chunks_kernel(
     the backward). Program (b, 0) also moves the probs and writes the row map."""
     row_block = tl.program_id(0)
     chunk = tl.program_id(1)
+    hidden = _aligned(hidden, HIDDEN_ALIGN)
     splits = tl.arange(0, SPLITS_POW2)
     smask = splits < num_splits
     sizes = tl.load(split_sizes_ptr + splits, mask=smask, other=0).to(tl.int32)
@@ -135,6 +137,7 @@ def sort_chunks_plan(
             HAS_PROBS=has_probs,
             GATHER=backward,
             WRITE_MAP=not backward,
+            HIDDEN_ALIGN=alignment(hidden),
         ),
         num_warps=cfg["num_warps"],
     )

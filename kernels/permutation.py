@@ -19,6 +19,7 @@ programs appended to the grid of the kernels that produce permuted buffers; noth
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -46,6 +47,16 @@ def _as_bits(ptr):
         return ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     else:
         return ptr.to(tl.pointer_type(tl.uint64), bitcast=True)
+
+
+@triton.jit
+def _aligned(value, ALIGN: tl.constexpr):
+    """`value` rebuilt as a multiple of ALIGN, so that the compiler knows its divisibility (the plan sets
+    ALIGN to a power of two dividing `value`). PyTorch's launcher tells Triton which integer arguments are
+    multiples of 16; jax-triton does not, and without the hint the row addresses `row * hidden + cols` and the
+    masks `cols < hidden` do not vectorise (the JAX combine ran 2.3x slower than the same kernel from
+    PyTorch on the H100)."""
+    return value // ALIGN * ALIGN
 
 
 @triton.jit
@@ -410,6 +421,7 @@ def _dispatch_kernel(
     HAS_PAD_TABLE: tl.constexpr,
     NUM_FILL: tl.constexpr,
     FILL_ROWS: tl.constexpr,
+    HIDDEN_ALIGN: tl.constexpr,
 ):
     """Scatter tokens to their expert-major rows. Grid (T * cdiv(H, BLOCK_H) + NUM_FILL,).
 
@@ -418,6 +430,7 @@ def _dispatch_kernel(
     after them zero the rows no token lands in (see `_fill_unused_rows`).
     """
     pid = tl.program_id(0)
+    hidden = _aligned(hidden, HIDDEN_ALIGN)
     chunks = tl.cdiv(hidden, BLOCK_H)
     token_programs = num_tokens * chunks
     if pid < token_programs:
@@ -485,6 +498,7 @@ def _combine_kernel(
     SLOTS_POW2: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     GATHER_PROBS: tl.constexpr,
+    HIDDEN_ALIGN: tl.constexpr,
 ):
     """Gather-sum rows back to tokens. Grid (T * cdiv(H, BLOCK_H),).
 
@@ -495,6 +509,7 @@ def _combine_kernel(
     the slot has no row): the probs gradient of dispatch.
     """
     pid = tl.program_id(0)
+    hidden = _aligned(hidden, HIDDEN_ALIGN)
     chunks = tl.cdiv(hidden, BLOCK_H)
     token = pid // chunks
     chunk = pid % chunks
@@ -540,6 +555,7 @@ def _combine_backward_kernel(
     SLOTS_POW2: tl.constexpr,
     NUM_FILL: tl.constexpr,
     FILL_ROWS: tl.constexpr,
+    HIDDEN_ALIGN: tl.constexpr,
 ):
     """Backward of weighted combine. Grid (T + NUM_FILL,).
 
@@ -549,6 +565,7 @@ def _combine_backward_kernel(
     Fill programs zero the tail rows [end, N); with padding the plan pre-zeroes grad_inp instead.
     """
     pid = tl.program_id(0)
+    hidden = _aligned(hidden, HIDDEN_ALIGN)
     if pid < num_tokens:
         token = pid
         acc_dtype: tl.constexpr = tl.float64 if inp_ptr.dtype.element_ty == tl.float64 else tl.float32
@@ -627,6 +644,12 @@ def _warps_for(block_bytes: int) -> int:
 def _columns(hidden: int, block: int) -> int:
     """Columns per program: the configured block, no wider than the row (power of two, at least 16)."""
     return max(16, min(next_pow2(hidden), block))
+
+
+def alignment(size: int) -> int:
+    """The largest power of two up to 16 that divides `size`: what `_aligned` may assume about it (16 is
+    the divisibility PyTorch's launcher infers, so both frameworks compile the same code)."""
+    return math.gcd(size, 16)
 
 
 def _num_fill(device: DeviceInfo, padded: bool, num_experts: int) -> int:
@@ -761,6 +784,7 @@ def _dispatch_launch(
             HAS_PAD_TABLE=pad_table,
             NUM_FILL=num_fill,
             FILL_ROWS=4,
+            HIDDEN_ALIGN=alignment(hidden),
         ),
         num_warps=cfg["num_warps"],
     )
@@ -926,6 +950,7 @@ def combine_plan(
             SLOTS_POW2=next_pow2(num_slots),
             HAS_WEIGHTS=has_weights,
             GATHER_PROBS=gather_probs,
+            HIDDEN_ALIGN=alignment(hidden),
         ),
         num_warps=cfg["num_warps"],
         fp_fusion=False,
@@ -967,7 +992,11 @@ def combine_backward_plan(
         args=("grad", "row_id_map", "inp", "weights", num_tokens, hidden, num_slots, num_rows),
         outputs=("grad_input", "grad_weights"),
         constexprs=dict(
-            BLOCK_H=block_h, SLOTS_POW2=next_pow2(num_slots), NUM_FILL=max(num_fill, 1), FILL_ROWS=4
+            BLOCK_H=block_h,
+            SLOTS_POW2=next_pow2(num_slots),
+            NUM_FILL=max(num_fill, 1),
+            FILL_ROWS=4,
+            HIDDEN_ALIGN=alignment(hidden),
         ),
         num_warps=cfg["num_warps"],
         fp_fusion=False,
