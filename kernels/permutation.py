@@ -422,12 +422,15 @@ def _dispatch_kernel(
     NUM_FILL: tl.constexpr,
     FILL_ROWS: tl.constexpr,
     HIDDEN_ALIGN: tl.constexpr,
+    STREAMING: tl.constexpr,
 ):
     """Scatter tokens to their expert-major rows. Grid (T * cdiv(H, BLOCK_H) + NUM_FILL,).
 
     Token program (t, c) loads columns [c*BLOCK_H, (c+1)*BLOCK_H) of token t once and stores them to every
     row of the token's slots; program (t, 0) also moves the token's probs and scales. The NUM_FILL programs
-    after them zero the rows no token lands in (see `_fill_unused_rows`).
+    after them zero the rows no token lands in (see `_fill_unused_rows`). STREAMING marks the token rows
+    evict-first and the row stores streaming (".cs"): each byte is touched once, so keeping it in L2 only
+    displaces lines other programs still need (a tuning knob: the autotuner decides).
     """
     pid = tl.program_id(0)
     hidden = _aligned(hidden, HIDDEN_ALIGN)
@@ -440,7 +443,12 @@ def _dispatch_kernel(
         out = _as_bits(out_ptr)
         cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
         cmask = cols < hidden
-        values = tl.load(inp + token.to(tl.int64) * hidden + cols, mask=cmask)
+        if STREAMING:
+            values = tl.load(
+                inp + token.to(tl.int64) * hidden + cols, mask=cmask, eviction_policy="evict_first"
+            )
+        else:
+            values = tl.load(inp + token.to(tl.int64) * hidden + cols, mask=cmask)
         map_row = row_map_ptr + token.to(tl.int64) * (num_slots + 1)
         slots = tl.arange(0, SLOTS_POW2)
         rows = tl.load(map_row + slots, mask=slots < num_slots, other=-1)
@@ -456,7 +464,10 @@ def _dispatch_kernel(
         for _ in range(tl.sum(valid.to(tl.int32), axis=0)):
             slot = tl.min(tl.where(valid & (slots > previous), slots, SLOTS_POW2), axis=0)
             row = tl.load(map_row + slot).to(tl.int64)
-            tl.store(out + row * hidden + cols, values, mask=cmask)
+            if STREAMING:
+                tl.store(out + row * hidden + cols, values, mask=cmask, cache_modifier=".cs")
+            else:
+                tl.store(out + row * hidden + cols, values, mask=cmask)
             if HAS_SCALES and chunk == 0:
                 tl.store(_as_bits(out_scales_ptr) + row * scale_cols + scale_idx, scales, mask=smask)
             previous = slot
@@ -629,7 +640,9 @@ def _combine_backward_kernel(
 
 
 ROW_MAP_SPACE = SearchSpace("row_map", {"block_tokens": (16, 32, 64, 128, 256), "num_warps": (4, 8)})
-DISPATCH_SPACE = SearchSpace("dispatch", {"block_bytes": (2048, 4096, 8192, 16384), "num_warps": (4, 8, 16)})
+DISPATCH_SPACE = SearchSpace(
+    "dispatch", {"block_bytes": (2048, 4096, 8192, 16384), "num_warps": (4, 8, 16), "streaming": (0, 1)}
+)
 COMBINE_SPACE = SearchSpace("combine", {"block_h": (512, 1024, 2048, 4096), "num_warps": (4, 8, 16)})
 COMBINE_BACKWARD_SPACE = SearchSpace(
     "combine_backward", {"block_h": (512, 1024, 2048, 4096), "num_warps": (4, 8, 16)}
@@ -766,7 +779,7 @@ def _dispatch_launch(
     """The scatter launch shared by dispatch and the unweighted combine backward."""
     block_h = _columns(hidden, 16384 // element_bytes)
     features = dict(num_tokens=num_tokens, hidden=hidden, num_slots=num_slots, element_bytes=element_bytes)
-    heuristic = dict(block_bytes=16384, num_warps=_warps_for(block_h * element_bytes))
+    heuristic = dict(block_bytes=16384, num_warps=_warps_for(block_h * element_bytes), streaming=0)
     cfg = autotune.resolve(DISPATCH_SPACE, heuristic, config, features, device)
     block_h = _columns(hidden, cfg["block_bytes"] // element_bytes)
     num_fill = _num_fill(device, padded and pad_table, num_experts)
@@ -785,6 +798,7 @@ def _dispatch_launch(
             NUM_FILL=num_fill,
             FILL_ROWS=4,
             HIDDEN_ALIGN=alignment(hidden),
+            STREAMING=bool(cfg["streaming"]),
         ),
         num_warps=cfg["num_warps"],
     )

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device-tool call: install what the GPU machine lacks, run the whole test suite on CUDA, run the
 # benchmarks, and leave logs under $OUT. Usage (device tool, repo root): bash scripts/gpu_check.sh [stage...]
-# Stages: smoke tests bench router autotune jaxprof (default: tests bench). Carry `.whl` (the jax-triton wheel).
+# Stages: smoke tests bench router autotune usecache jaxprof (default: tests bench). usecache copies what
+# autotune wrote into the installed package, so later stages of the same call run with the new cache. Carry `.whl` (the jax-triton wheel).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -24,6 +25,7 @@ for stage in $stages; do
     tests) (cd "$repo" && timeout ${TEST_TIMEOUT:-420} python3 -m pytest ${TEST_PATHS:-tests} -q -p no:cacheprovider \
               -n 8 --maxfail=30 --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1; tail -60 "$OUT/tests.log") ;;
     bench) (cd "$repo" && timeout 300 python3 -m benchmarks.run --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log") ;;
+    usecache) cp /tmp/cache/*/*.json /tmp/site/moetriton/autotune_cache/*/ ;;
     jaxprof) (cd "$repo" && timeout ${JAXPROF_TIMEOUT:-150} python3 scripts/profile_jax.py --hlo "$OUT/hlo.txt" \
                 ${JAXPROF_ARGS:-} > "$OUT/jaxprof.log" 2>&1; tail -80 "$OUT/jaxprof.log") ;;
     router) (cd "$repo" && timeout ${ROUTER_TIMEOUT:-300} python3 -m benchmarks.router_cases 2>&1 | tee "$OUT/router.log") ;;
