@@ -1,11 +1,11 @@
 """Runs a framework-neutral launch plan on JAX arrays.
 
-GPU: every launch becomes a `jax_triton.triton_call` (imported lazily: jax-triton refuses to import without
-GPU JAX), with the plan's grid, warps and stages, and the plan's zero-initialised buffers passed as
-`zeroed_outputs`. Launches marked `checks` run without their device assertions there: jax-triton cannot
-compile Triton's debug mode without dumping IR, so out-of-range expert ids are not checked on GPU (the kernels
-treat them as "no expert"). CPU with TRITON_INTERPRET=1: the whole plan runs inside one `jax.pure_callback`,
-the kernels interpreted on numpy buffers, one plan at a time. Never imports torch.
+GPU, kernels compiled: every launch becomes a `jax_triton.triton_call` (imported lazily: jax-triton refuses
+to import without GPU JAX), with the plan's grid, warps and stages, and the plan's zero-initialised buffers
+passed as `zeroed_outputs`. Launches marked `checks` run without their device assertions there: jax-triton
+cannot compile Triton's debug mode without dumping IR, so out-of-range expert ids are not checked on GPU (the
+kernels treat them as "no expert"). TRITON_INTERPRET=1, any backend: the whole plan runs inside one
+`jax.pure_callback`, the kernels interpreted on numpy buffers, one plan at a time. Never imports torch.
 """
 
 from __future__ import annotations
@@ -16,24 +16,9 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
-import triton.language as tl
 
-from moetriton.kernels import INTERPRETER, DeviceInfo, Plan
-
-_TRITON_DTYPES = {
-    "bool": tl.int1,
-    "uint8": tl.uint8,
-    "int8": tl.int8,
-    "int16": tl.int16,
-    "int32": tl.int32,
-    "int64": tl.int64,
-    "float16": tl.float16,
-    "bfloat16": tl.bfloat16,
-    "float32": tl.float32,
-    "float64": tl.float64,
-    "float8_e4m3fn": tl.float8e4nv,
-    "float8_e5m2": tl.float8e5,
-}
+from moetriton.kernels import INTERPRETER, DeviceInfo, Plan, interpreter_problem
+from moetriton.kernels._interpreter import HostArray
 
 
 def dtype_name(dtype) -> str:
@@ -75,12 +60,21 @@ def _result_specs(plan: Plan, inputs: dict) -> dict[str, jax.ShapeDtypeStruct]:
     }
 
 
+def compiles_kernels() -> bool:
+    """Whether plans run as compiled Triton kernels through jax-triton: on a GPU backend, unless
+    TRITON_INTERPRET=1 made the kernels interpreted functions (which jax-triton cannot compile)."""
+    return on_gpu() and not INTERPRETER
+
+
 def run_plan(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
     """Runs `plan` on `inputs` (name -> array or None) and returns the arrays named by `plan.results`."""
+    if INTERPRETER:
+        problem = interpreter_problem()
+        if problem:
+            raise RuntimeError(problem)
+        return _run_interpreted(plan, inputs)
     if on_gpu():
         return _run_triton(plan, inputs)
-    if INTERPRETER:
-        return _run_interpreted(plan, inputs)
     raise RuntimeError("moetriton: no GPU backend and TRITON_INTERPRET is not set; use the reference instead")
 
 
@@ -127,42 +121,6 @@ def _run_triton(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
     return tuple(results)
 
 
-class _HostArray:
-    """The slice of torch.Tensor's interface the Triton interpreter touches, over a numpy buffer."""
-
-    def __init__(self, array: np.ndarray):
-        self.array = array
-        self.dtype = _TRITON_DTYPES[array.dtype.name]
-
-    def data_ptr(self) -> int:
-        return self.array.ctypes.data
-
-    def untyped_storage(self) -> _HostArray:
-        return self
-
-    def cpu(self) -> _HostArray:
-        return self
-
-    def storage_offset(self) -> int:
-        return 0
-
-    def size(self) -> tuple[int, ...]:
-        return self.array.shape
-
-    def stride(self, *dims):
-        strides = tuple(s // self.array.itemsize for s in self.array.strides)
-        return strides[dims[0]] if dims else strides
-
-    def new_empty(self, *args, **kwargs) -> _HostArray:
-        return self
-
-    def set_(self, *args, **kwargs) -> _HostArray:
-        return self
-
-    def copy_(self, other) -> _HostArray:
-        return self
-
-
 # The Triton interpreter keeps global state (the current program id), so interpreted plans must not overlap
 # when XLA runs independent callbacks on several threads.
 _INTERPRETER_LOCK = threading.Lock()
@@ -197,9 +155,9 @@ def _interpret(plan: Plan, specs: dict, inputs: dict, names: list[str], arrays) 
     dummy = np.zeros(0, np.int32)
     for launch in plan.launches:
         args = [
-            _HostArray(dummy if env[arg] is None else env[arg]) if isinstance(arg, str) else arg
+            HostArray(dummy if env[arg] is None else env[arg]) if isinstance(arg, str) else arg
             for arg in launch.args
         ]
-        outputs = [_HostArray(buffers[name]) for name in launch.outputs]
+        outputs = [HostArray(buffers[name]) for name in launch.outputs]
         launch.kernel[launch.grid](*args, *outputs, **launch.constexprs)
     return tuple(buffers[name] for name in plan.results)

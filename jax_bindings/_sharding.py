@@ -14,8 +14,9 @@ this sense (tokens, buffer rows, per-expert counts, chunk sizes), so the same ru
 * jax.vmap: a batch of B problems of n shards is one problem of B * n shards (custom_vmap folds the batch
   into the first axis), run like any other: shard by shard, or partitioned when the batch axis is sharded.
 
-Inside a partitioned computation the shard runs the kernels only on GPU: JAX cannot keep a host callback
-alive inside custom_partitioning (jax-ml/jax#23620), so CPU runs the reference there, interpreter or not.
+Inside a partitioned computation the shard runs the kernels only compiled (on GPU): JAX cannot keep a host
+callback alive inside custom_partitioning (jax-ml/jax#23620), so CPU runs the reference there, interpreter or
+not.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from jax.experimental.custom_partitioning import (
 )
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._launch import on_gpu, uses_kernels
+from ._launch import compiles_kernels, uses_kernels
 
 #: Layout role of the hidden axis: the only non-leading axis that may stay sharded.
 HIDDEN = "h"
@@ -159,7 +160,7 @@ def _shardings(op: ShardedOp, mesh, names, token_axes, hidden_axes) -> tuple[Nam
 
 
 def _lower(op: ShardedOp, *arrays: jax.Array) -> tuple[jax.Array, ...]:
-    return run_local(op, arrays, use_kernels=on_gpu())
+    return run_local(op, arrays, use_kernels=compiles_kernels())
 
 
 def _partition(op: ShardedOp, mesh, arg_shapes, result_shape):

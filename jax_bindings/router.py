@@ -29,7 +29,7 @@ from moetriton.kernels import router as plans
 from moetriton.kernels import router_validation as rules
 
 from . import reference_router as reference
-from ._launch import describe, device_info, on_gpu, run_plan, uses_kernels
+from ._launch import compiles_kernels, describe, device_info, run_plan, uses_kernels
 
 # Local computations: (use_kernels, options, *arrays) -> results. `options` holds the static arguments in the
 # order the reference functions take them after their array arguments.
@@ -191,7 +191,7 @@ def _partition(op: _Op, mesh, arg_shapes, result_shape):
     arg_shardings, result_shardings = _shardings(op, mesh, arg_shapes, results, axes)
 
     def lower(*arrays):
-        out = op.run(on_gpu(), arrays)
+        out = op.run(compiles_kernels(), arrays)
         if op.reduce_tokens and axes:
             out = tuple(jax.lax.psum(x, axes) for x in out)
         return out

@@ -4,9 +4,8 @@ Imports triton and the standard library only; importing touches no GPU. Set TRIT
 importing to run the kernels under the Triton interpreter on CPU.
 """
 
-from triton.runtime.interpreter import InterpretedFunction
-
 from . import router
+from ._interpreter import INTERPRETER, interpreter_problem
 from ._plan import Buffer, DeviceInfo, Launch, Plan, SearchSpace, cdiv, next_pow2
 from .chunk_sort import SORT_CHUNKS_SPACE, sort_chunks_plan
 from .permutation import (
@@ -14,7 +13,6 @@ from .permutation import (
     COMBINE_SPACE,
     DISPATCH_SPACE,
     ROW_MAP_SPACE,
-    _dispatch_kernel,
     buffer_rows,
     combine_backward_plan,
     combine_plan,
@@ -22,9 +20,6 @@ from .permutation import (
     row_map_plan,
     scatter_plan,
 )
-
-#: True when TRITON_INTERPRET=1 was set before this package was imported: kernels then run on CPU arrays.
-INTERPRETER: bool = isinstance(_dispatch_kernel, InterpretedFunction)
 
 #: Every kernel's search space, by kernel name.
 SEARCH_SPACES = {
@@ -52,6 +47,7 @@ __all__ = [
     "combine_backward_plan",
     "combine_plan",
     "dispatch_plan",
+    "interpreter_problem",
     "next_pow2",
     "router",
     "row_map_plan",

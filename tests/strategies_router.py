@@ -18,6 +18,7 @@ a scaling factor, a logits dtype and a logits pattern:
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -173,6 +174,24 @@ def aux_loss_problems(draw, *, max_rows: int = 150, max_experts: int = 12) -> Au
         dtype=dtype,
         counts_dtype=counts_dtype,
     )
+
+
+@functools.cache
+def interpreted_kernels_problem() -> str | None:
+    """Why the kernels cannot run under TRITON_INTERPRET=1 in a fresh process on this machine
+    (moetriton.kernels.interpreter_problem: Triton 3.6's interpreter with NumPy 2.4), or None. Tests that
+    force the interpreter in a subprocess skip with this reason."""
+    code = "from moetriton.kernels import interpreter_problem; print(interpreter_problem() or '')"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[1],
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.strip() or None
 
 
 def run_test_module(module: str, *, drop: tuple[str, ...] = (), **env: str) -> str:

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from moetriton.kernels import INTERPRETER, DeviceInfo, Plan
+from moetriton.kernels import INTERPRETER, DeviceInfo, Plan, interpreter_problem
 
 _DTYPES = {
     "bool": torch.bool,
@@ -70,6 +70,10 @@ def run_plan(
     plan: Plan, inputs: dict[str, torch.Tensor | None], device: torch.device
 ) -> tuple[torch.Tensor, ...]:
     """Allocates the plan's buffers, runs its launches in order and returns its results."""
+    if INTERPRETER and plan.launches:
+        problem = interpreter_problem()
+        if problem:
+            raise RuntimeError(problem)
     buffers = allocate(plan, inputs, device)
     if plan.launches:
         env = {**inputs, **buffers}
