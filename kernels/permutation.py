@@ -567,6 +567,7 @@ def _combine_backward_kernel(
     NUM_FILL: tl.constexpr,
     FILL_ROWS: tl.constexpr,
     HIDDEN_ALIGN: tl.constexpr,
+    STREAMING: tl.constexpr,
 ):
     """Backward of weighted combine. Grid (T + NUM_FILL,).
 
@@ -574,6 +575,8 @@ def _combine_backward_kernel(
     grad_inp[row] = g[t] * w[t, s] (computed in fp32, stored in the input dtype) and
     grad_weights[t, s] = sum_h inp[row, h] * g[t, h] (fp32); slots without a row get weight gradient 0.
     Fill programs zero the tail rows [end, N); with padding the plan pre-zeroes grad_inp instead.
+    STREAMING reads the forward input evict-first and stores grad_inp streaming (each touched once); the
+    gradient row g[t], read once per slot, stays cacheable (a tuning knob, as in `_dispatch_kernel`).
     """
     pid = tl.program_id(0)
     hidden = _aligned(hidden, HIDDEN_ALIGN)
@@ -597,12 +600,15 @@ def _combine_backward_kernel(
                 cols = h0 + tl.arange(0, BLOCK_H)
                 cmask = cols < hidden
                 grad = tl.load(grad_row + cols, mask=cmask, other=0).to(acc_dtype)
-                values = tl.load(inp_ptr + row * hidden + cols, mask=cmask, other=0).to(acc_dtype)
-                tl.store(
-                    grad_inp_ptr + row * hidden + cols,
-                    (grad * weight).to(grad_inp_ptr.dtype.element_ty),
-                    mask=cmask,
-                )
+                scaled = (grad * weight).to(grad_inp_ptr.dtype.element_ty)
+                if STREAMING:
+                    values = tl.load(
+                        inp_ptr + row * hidden + cols, mask=cmask, other=0, eviction_policy="evict_first"
+                    ).to(acc_dtype)
+                    tl.store(grad_inp_ptr + row * hidden + cols, scaled, mask=cmask, cache_modifier=".cs")
+                else:
+                    values = tl.load(inp_ptr + row * hidden + cols, mask=cmask, other=0).to(acc_dtype)
+                    tl.store(grad_inp_ptr + row * hidden + cols, scaled, mask=cmask)
                 dot += values * grad
             weight_grads = tl.where(slots == slot, tl.sum(dot, axis=0), weight_grads)
             previous = slot
@@ -645,7 +651,7 @@ DISPATCH_SPACE = SearchSpace(
 )
 COMBINE_SPACE = SearchSpace("combine", {"block_h": (512, 1024, 2048, 4096), "num_warps": (4, 8, 16)})
 COMBINE_BACKWARD_SPACE = SearchSpace(
-    "combine_backward", {"block_h": (512, 1024, 2048, 4096), "num_warps": (4, 8, 16)}
+    "combine_backward", {"block_h": (512, 1024, 2048, 4096), "num_warps": (4, 8, 16), "streaming": (0, 1)}
 )
 
 
@@ -989,7 +995,7 @@ def combine_backward_plan(
     Results: grad_input [N, H] (zero on rows no token owns), grad_weights [T, S] (dtype of weights).
     """
     features = dict(num_tokens=num_tokens, hidden=hidden, num_slots=num_slots, element_bytes=element_bytes)
-    heuristic = dict(block_h=2048, num_warps=_warps_for(_columns(hidden, 2048) * element_bytes))
+    heuristic = dict(block_h=2048, num_warps=_warps_for(_columns(hidden, 2048) * element_bytes), streaming=0)
     cfg = autotune.resolve(COMBINE_BACKWARD_SPACE, heuristic, config, features, device)
     empty = num_tokens == 0
     buffers = {
@@ -1011,6 +1017,7 @@ def combine_backward_plan(
             NUM_FILL=max(num_fill, 1),
             FILL_ROWS=4,
             HIDDEN_ALIGN=alignment(hidden),
+            STREAMING=bool(cfg["streaming"]),
         ),
         num_warps=cfg["num_warps"],
         fp_fusion=False,
