@@ -8,11 +8,12 @@ rows equal moetriton's. Chunk sort's baseline is the pure-JAX reference ("jax-re
 
 Timing (GPU only; results() returns [] elsewhere): benchmarks.timing.time_jax runs each function on R
 independent input sets inside one jax.jit (R chosen so the sets exceed twice the L2, so no call finds its
-inputs cached) and reports the median GPU span of a run divided by R, read with CUPTI: what the op costs
-inside a training step's jit, comparable with the PyTorch CUDA-graph times. The note adds the host wall time
-with a sync after every run (Python dispatch and sync latency included), which is what short ops cost when
-called one jit at a time. XLA may overlap or fuse work across the R calls of a baseline (it never does for
-moetriton's custom calls), so baseline times are if anything flattering.
+inputs cached) and reports the median GPU span of a run divided by R, read with CUPTI, with the run queued
+behind other GPU work: what the op costs inside a training step's jit, comparable with the PyTorch
+CUDA-graph times. The note adds the span with the GPU idle at dispatch ("cold": gaps while the GPU waits for
+the host to launch each custom call count) and the host wall time with a sync after every run (Python
+dispatch and sync latency included). XLA may overlap or fuse work across the R calls of a baseline (it never
+does for moetriton's custom calls), so baseline times are if anything flattering.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def results(shape: MoEShape, quick: bool = False) -> list[Result]:
 
     def add(op: str, impl: str, fn: Callable, sets: list[tuple], nbytes: int, note: str) -> None:
         timing = time_jax(fn, sets)
-        note = f"{note}; wall {timing.wall_ms:.4f} ms synced"
+        note = f"{note}; cold {timing.cold_ms:.4f} ms, wall {timing.wall_ms:.4f} ms synced"
         out.append(Result(op, "jax", impl, shape.name, timing.device_ms, nbytes, note))
 
     def make_sets(nbytes: int, build: Callable[[jax.Array], tuple]) -> list[tuple]:

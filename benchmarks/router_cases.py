@@ -194,11 +194,11 @@ def _jax_results(case: RouterCase, quick: bool) -> list[Result]:
         impls.append(("jax-ref", reference.fused_topk_with_score_function))
     for impl, topk in impls:
         timing = time_jax(lambda x, topk=topk: topk(x, case.topk, **kwargs), [(x,) for x in logits])
-        note = f"R calls in one jit, GPU span; wall {timing.wall_ms:.4f} ms synced"
+        note = f"R calls in one jit; cold {timing.cold_ms:.4f} ms, wall {timing.wall_ms:.4f} ms synced"
         out.append(Result("topk_fwd", "jax", impl, case.name, timing.device_ms, case.bytes(False), note))
         vjps = [jax.vjp(lambda x, topk=topk: topk(x, case.topk, **kwargs)[0], x)[1] for x in logits]
         timing = time_jax(lambda vjp, grad: vjp(grad), list(zip(vjps, grads, strict=True)))
-        note = f"R calls in one jit, GPU span; wall {timing.wall_ms:.4f} ms synced"
+        note = f"R calls in one jit; cold {timing.cold_ms:.4f} ms, wall {timing.wall_ms:.4f} ms synced"
         out.append(Result("topk_bwd", "jax", impl, case.name, timing.device_ms, case.bytes(True), note))
     return out
 

@@ -6,8 +6,9 @@ is the time per call without Python launch overhead (what a CUDA-graphed trainin
 `time_eager` times plain calls with events (for baselines that sync with the host and cannot be captured).
 `time_jax` jits R calls (one per input set) into one program and reads the GPU timeline of its runs with
 CUPTI (through torch.profiler, which records the kernels of every library in the process): the median span
-from the first GPU activity of a run to the end of its last, divided by R. Like a graph replay, this counts
-the gaps between launches but not the host's dispatch, which a training step's jit overlaps with GPU work.
+from the first GPU activity of a run to the end of its last, divided by R, with the run queued behind other
+GPU work (as in a training step, and as in a graph replay: gaps between launches count, the host's dispatch
+does not) and, for comparison, with the GPU idle when the run is dispatched.
 """
 
 from __future__ import annotations
@@ -103,34 +104,68 @@ def copy_bandwidth_gbps(num_bytes: int = 2**31) -> float:
 
 @dataclass(frozen=True)
 class JaxTiming:
-    device_ms: float  # median GPU span of a run of the program, per call
+    device_ms: float  # median GPU span of a run queued behind other work (steady state), per call
+    cold_ms: float  # the same with the GPU idle when the run starts (host launch gaps included), per call
     wall_ms: float  # median host wall time of a run with a sync after it, per call
 
 
+def _gpu_activities(runs: Callable[[], None]) -> list[tuple[float, float]]:
+    """(start, end) in µs of every GPU activity (kernels, copies, memsets) that `runs` issues."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        runs()
+    return sorted(
+        (event.time_range.start, event.time_range.end)
+        for event in profile.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    )
+
+
+def _median_span_us(events: list[tuple[float, float]], repeats: int, skip: int = 0) -> float:
+    """Median over `repeats` equal groups of events of the span of each group, its first `skip` left out."""
+    if not events or len(events) % repeats:
+        raise RuntimeError(f"expected the same GPU activities in each of {repeats} runs, got {len(events)}")
+    size = len(events) // repeats
+    groups = [events[i + skip : i + size] for i in range(0, len(events), size)]
+    return statistics.median(max(end for _, end in group) - group[0][0] for group in groups)
+
+
 def time_jax(fn: Callable, sets: list[tuple], repeats: int = 20) -> JaxTiming:
-    """Times `fn(*args)` for every `args` in `sets`, all inside one jax.jit program (see the module doc)."""
+    """Times `fn(*args)` for every `args` in `sets`, all inside one jax.jit program (see the module doc).
+
+    Steady state: each run is dispatched right behind a ~1 ms matmul, so the host has enqueued the run's
+    launches before the GPU reaches them, as inside a training step; the span counts the run's own
+    activities only. Cold: the GPU is idle when a run is dispatched, so gaps where the GPU waits for the
+    host to launch the next custom call count too."""
     import jax
+    import jax.numpy as jnp
 
     torch.cuda.init()  # CUPTI records through torch's CUDA context
     program = jax.jit(lambda sets: [fn(*args) for args in sets])
-    jax.block_until_ready(program(sets))
+    filler = jax.jit(lambda a: (a @ a).sum())
+    matrix = jnp.ones((8192, 8192), jnp.bfloat16)
+    jax.block_until_ready((program(sets), filler(matrix)))
     walls = []
     for _ in range(repeats):
         start = time.perf_counter()
         jax.block_until_ready(program(sets))
         walls.append(time.perf_counter() - start)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+
+    def cold() -> None:
         for _ in range(repeats):
             jax.block_until_ready(program(sets))
-    events = sorted(
-        (event.time_range.start, event.time_range.end)
-        for event in profile.events()
-        if event.device_type == torch.autograd.DeviceType.CUDA
+
+    def queued() -> None:
+        for _ in range(repeats):
+            filler(matrix)
+            jax.block_until_ready(program(sets))
+
+    def filler_alone() -> None:
+        for _ in range(repeats):
+            jax.block_until_ready(filler(matrix))
+
+    filler_events = len(_gpu_activities(filler_alone)) // repeats
+    return JaxTiming(
+        device_ms=_median_span_us(_gpu_activities(queued), repeats, skip=filler_events) * 1e-3 / len(sets),
+        cold_ms=_median_span_us(_gpu_activities(cold), repeats) * 1e-3 / len(sets),
+        wall_ms=statistics.median(walls) * 1e3 / len(sets),
     )
-    if not events or len(events) % repeats:
-        raise RuntimeError(f"expected the same GPU activities in each of {repeats} runs, got {len(events)}")
-    per_run = len(events) // repeats
-    spans = [
-        max(end for _, end in events[i : i + per_run]) - events[i][0] for i in range(0, len(events), per_run)
-    ]
-    return JaxTiming(statistics.median(spans) * 1e-3 / len(sets), statistics.median(walls) * 1e3 / len(sets))
