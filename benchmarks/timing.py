@@ -109,24 +109,28 @@ class JaxTiming:
     wall_ms: float  # median host wall time of a run with a sync after it, per call
 
 
-def _gpu_activities(runs: Callable[[], None]) -> list[tuple[float, float]]:
-    """(start, end) in µs of every GPU activity (kernels, copies, memsets) that `runs` issues."""
+def gpu_activities(runs: Callable[[], None]) -> list[tuple[str, float, float]]:
+    """(name, start, end), times in µs, of every GPU activity (kernels, copies, memsets) that `runs` issues,
+    in order of start, read with CUPTI through torch.profiler."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         runs()
     return sorted(
-        (event.time_range.start, event.time_range.end)
-        for event in profile.events()
-        if event.device_type == torch.autograd.DeviceType.CUDA
+        (
+            (event.name, event.time_range.start, event.time_range.end)
+            for event in profile.events()
+            if event.device_type == torch.autograd.DeviceType.CUDA
+        ),
+        key=lambda activity: activity[1],
     )
 
 
-def _median_span_us(events: list[tuple[float, float]], repeats: int, skip: int = 0) -> float:
+def _median_span_us(events: list[tuple[str, float, float]], repeats: int, skip: int = 0) -> float:
     """Median over `repeats` equal groups of events of the span of each group, its first `skip` left out."""
     if not events or len(events) % repeats:
         raise RuntimeError(f"expected the same GPU activities in each of {repeats} runs, got {len(events)}")
     size = len(events) // repeats
     groups = [events[i + skip : i + size] for i in range(0, len(events), size)]
-    return statistics.median(max(end for _, end in group) - group[0][0] for group in groups)
+    return statistics.median(max(end for _, _, end in group) - group[0][1] for group in groups)
 
 
 def time_jax(fn: Callable, sets: list[tuple], repeats: int = 20) -> JaxTiming:
@@ -163,9 +167,9 @@ def time_jax(fn: Callable, sets: list[tuple], repeats: int = 20) -> JaxTiming:
         for _ in range(repeats):
             jax.block_until_ready(filler(matrix))
 
-    filler_events = len(_gpu_activities(filler_alone)) // repeats
+    filler_events = len(gpu_activities(filler_alone)) // repeats
     return JaxTiming(
-        device_ms=_median_span_us(_gpu_activities(queued), repeats, skip=filler_events) * 1e-3 / len(sets),
-        cold_ms=_median_span_us(_gpu_activities(cold), repeats) * 1e-3 / len(sets),
+        device_ms=_median_span_us(gpu_activities(queued), repeats, skip=filler_events) * 1e-3 / len(sets),
+        cold_ms=_median_span_us(gpu_activities(cold), repeats) * 1e-3 / len(sets),
         wall_ms=statistics.median(walls) * 1e3 / len(sets),
     )

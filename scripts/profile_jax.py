@@ -2,10 +2,10 @@
 
     python scripts/profile_jax.py [--shapes dsv3,small] [--hlo FILE]
 
-For each op and shape it prints: the wall time per op with a sync after every jit call (how
-benchmarks/jax_cases.py times), the wall time per op with many jit calls queued before one sync (throughput,
-host dispatch hidden), and every GPU activity (kernels, memsets, copies) that one op issues, recorded with
-CUPTI through torch.profiler (CUPTI sees the work of every library in the process, XLA's included).
+For each op and shape it prints the times of benchmarks.timing.time_jax (host wall time with a sync per call;
+GPU span queued behind other work and with an idle GPU) and every GPU activity (kernels, memsets, copies)
+that one op issues, recorded with CUPTI through torch.profiler (CUPTI sees the work of every library in the
+process, XLA's included).
 --hlo writes the optimised HLO of each timed function, to see what XLA put around the custom calls.
 """
 
@@ -13,57 +13,33 @@ from __future__ import annotations
 
 import argparse
 import collections
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax
 import jax.numpy as jnp
-import torch
 
 import moetriton.jax as mj
+from benchmarks.timing import gpu_activities, time_jax
 from moetriton.jax import ops
 from moetriton.jax._sharding import call
 from moetriton.kernels.shapes import NAMED_SHAPES
 
-QUEUED_CALLS = 20
 
-
-def _sync_ms(fn, args, repeats: int = 20) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
-def _queued_ms(fn, args) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        outs = [fn(*args) for _ in range(QUEUED_CALLS)]
-        jax.block_until_ready(outs)
-        best = min(best, (time.perf_counter() - start) / QUEUED_CALLS)
-    return best * 1e3
-
-
-def _activities(fn, args, calls: int = 5) -> list[tuple[str, int, float]]:
+def _activities(fn, args, calls: int = 5) -> list[tuple[str, float, float]]:
     """(name, count per call, µs per call) of every GPU activity, most expensive first."""
     jax.block_until_ready(fn(*args))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+
+    def runs() -> None:
         for _ in range(calls):
             jax.block_until_ready(fn(*args))
+
     totals: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name[:90]][0] += 1
-            totals[event.name[:90]][1] += event.device_time
+    for name, start, end in gpu_activities(runs):
+        totals[name[:90]][0] += 1
+        totals[name[:90]][1] += end - start
     rows = [(name, count / calls, micros / calls) for name, (count, micros) in totals.items()]
     return sorted(rows, key=lambda row: -row[2])
 
@@ -97,15 +73,15 @@ def main() -> int:
     parser.add_argument("--shapes", default="dsv3,small")
     parser.add_argument("--hlo", type=Path)
     args = parser.parse_args()
-    torch.zeros(1, device="cuda")  # CUPTI needs a CUDA context of torch's too
     hlo = []
     for shape_name in args.shapes.split(","):
         shape = NAMED_SHAPES[shape_name]
         for op, fn, fn_args in _cases(shape):
-            sync, queued = _sync_ms(fn, fn_args), _queued_ms(fn, fn_args)
+            timing = time_jax(fn, [fn_args])
             rows = _activities(fn, fn_args)
             print(
-                f"\n== {op} {shape_name}: sync {sync:.4f} ms, queued {queued:.4f} ms, "
+                f"\n== {op} {shape_name}: wall {timing.wall_ms:.4f} ms synced, GPU span "
+                f"{timing.device_ms:.4f} ms queued / {timing.cold_ms:.4f} ms cold, "
                 f"GPU activities {sum(r[2] for r in rows) / 1e3:.4f} ms"
             )
             for name, count, micros in rows:
