@@ -65,7 +65,8 @@ def results(shape: MoEShape, quick: bool = False) -> list[Result]:
         "map + permute + probs, CUDA graph",
     )
 
-    # The two halves of dispatch, to compare with TE's separate row-map and permute kernels.
+    # The two halves of dispatch, to compare with TE's separate row-map and permute kernels. Ours split
+    # differently: the counts (histogram + scan) come first, and the permute kernel assigns the rows itself.
     device = torch.device("cuda")
     plan = kernels.dispatch_plan(
         num_tokens=T,
@@ -80,25 +81,26 @@ def results(shape: MoEShape, quick: bool = False) -> list[Result]:
         scale_cols=None,
         device=device_info(device),
     )
-    moved = ("output", "permuted_probs", "permuted_scales")
-    map_plan = kernels.Plan(plan.buffers, plan.launches[:-1], ("row_id_map", "pad_table"))
-    permute_plan = kernels.Plan({k: plan.buffers[k] for k in moved}, plan.launches[-1:], moved[:2])
+    counted = ("block_offsets", "expert_totals")
+    written = plan.launches[-1].outputs
+    counts_plan = kernels.Plan(plan.buffers, plan.launches[:-1], counted)
+    permute_plan = kernels.Plan({k: plan.buffers[k] for k in written}, plan.launches[-1:], written[:2])
     inputs = [dict(inp=s[0], routing=s[1], probs=s[2], scales=None) for s in sets]
     for entry in inputs:
-        entry.update(zip(("row_id_map", "pad_table"), run_plan(map_plan, entry, device), strict=True))
+        entry.update(zip(counted, run_plan(counts_plan, entry, device), strict=True))
     add(
         "row_map",
         "moetriton",
-        time_graph([lambda i=i: run_plan(map_plan, i, device) for i in inputs]),
-        T * E + map_bytes + 3 * E * 4,
-        "row-map build alone (3 launches), CUDA graph",
+        time_graph([lambda i=i: run_plan(counts_plan, i, device) for i in inputs]),
+        T * E + 3 * E * 4,
+        "expert counts: histogram + scan (2 launches; rows are assigned by the permute kernel), CUDA graph",
     )
     add(
         "permute",
         "moetriton",
         time_graph([lambda i=i: run_plan(permute_plan, i, device) for i in inputs]),
-        token_bytes(T, H, eb) + map_bytes + N * 4 + token_bytes(N, H, eb) + N * 4,
-        "permute + probs with a built map, CUDA graph",
+        token_bytes(T, H, eb) + T * E + map_bytes + N * 4 + token_bytes(N, H, eb) + N * 4 + 3 * E * 4,
+        "rows (writes the row map) + permute + probs, from the counts, CUDA graph",
     )
     if not quick:
         add(

@@ -17,7 +17,7 @@ from .permutation import (
     combine_backward_plan,
     combine_plan,
     dispatch_plan,
-    row_map_plan,
+    expert_count_plan,
     scatter_plan,
 )
 
@@ -47,10 +47,10 @@ __all__ = [
     "combine_backward_plan",
     "combine_plan",
     "dispatch_plan",
+    "expert_count_plan",
     "interpreter_problem",
     "next_pow2",
     "router",
-    "row_map_plan",
     "scatter_plan",
     "sort_chunks_plan",
 ]

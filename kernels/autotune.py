@@ -31,8 +31,8 @@ from ._plan import DeviceInfo, SearchSpace
 # Kernel name -> (module, entry kernels). The cache hash covers their source and, transitively, every
 # @triton.jit helper they call, so changing one kernel leaves the other kernels' entries fresh.
 KERNEL_SOURCES = {
-    "row_map": ("permutation", ("_count_experts_kernel", "_scan_counts_kernel", "_assign_rows_kernel")),
-    "dispatch": ("permutation", ("_dispatch_kernel",)),
+    "row_map": ("permutation", ("_count_experts_kernel", "_scan_counts_kernel", "_dispatch_kernel")),
+    "dispatch": ("permutation", ("_dispatch_kernel", "_scatter_kernel")),
     "combine": ("permutation", ("_combine_kernel",)),
     "combine_backward": ("permutation", ("_combine_backward_kernel",)),
     "sort_chunks": ("chunk_sort", ("_sort_chunks_kernel",)),

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import replace
 
 import triton
 import triton.language as tl
@@ -142,160 +141,72 @@ def _scan_counts_kernel(
 
 
 @triton.jit
-def _expert_layout(
-    totals_ptr, offsets_ptr, block, num_experts, experts, emask, carry_padded, carry_plain, align
-):
-    """For a vector of experts: their slot counts, this block's offset inside each expert, and where each
-    expert's (padded) block starts in the buffer. `carry_*` are the row counts of all lower experts."""
-    total = tl.load(totals_ptr + experts, mask=emask, other=0)
-    before = tl.load(offsets_ptr + block.to(tl.int64) * num_experts + experts, mask=emask, other=0)
-    aligned = tl.cdiv(total, align) * align
-    start = carry_padded + tl.cumsum(aligned, axis=0) - aligned
-    plain_start = carry_plain + tl.cumsum(total, axis=0) - total
-    return total, before, aligned, start, plain_start
+def _expert_layout(totals_ptr, num_experts, num_rows, align, EXPERTS_POW2: tl.constexpr):
+    """Where every expert's rows lie, from the slot totals: [EXPERTS_POW2] vectors of the experts, their slot
+    counts, their padded counts, their first rows and the rows kept in the buffer, plus `end` (the rows
+    holding tokens or padding). O(E) per call: cheap next to a token row, so each program derives it."""
+    experts = tl.arange(0, EXPERTS_POW2)
+    total = tl.load(totals_ptr + experts, mask=experts < num_experts, other=0)
+    padded = tl.cdiv(total, align) * align
+    start = tl.cumsum(padded, axis=0) - padded
+    kept = tl.minimum(tl.maximum(num_rows - start, 0), padded)
+    end = tl.minimum(tl.sum(padded, axis=0), num_rows)
+    return experts, total, start, kept, end
 
 
 @triton.jit
-def _store_expert_outputs(
-    tokens_per_expert_ptr,
-    pad_offsets_ptr,
-    pad_table_ptr,
-    experts,
-    emask,
-    total,
-    aligned,
+def _token_rows(
+    routing_ptr,
+    offsets_ptr,
     start,
-    plain_start,
-    num_rows,
-):
-    """Per-expert results, clamped to the buffer: rows kept, TE-style pad offsets, and the pad row ranges."""
-    kept = tl.minimum(tl.maximum(num_rows - start, 0), aligned)
-    tl.store(tokens_per_expert_ptr + experts, kept, mask=emask)
-    tl.store(pad_offsets_ptr + experts, start - plain_start, mask=emask)
-    tl.store(pad_table_ptr + 2 * experts, start + tl.minimum(total, kept), mask=emask)
-    tl.store(pad_table_ptr + 2 * experts + 1, start + kept, mask=emask)
-
-
-@triton.jit
-def _assign_rows_kernel(
-    routing_ptr,  # [T, S] mask or expert ids
-    offsets_ptr,  # [B, E] int32 from _scan_counts_kernel
-    totals_ptr,  # [E] int32 from _scan_counts_kernel
-    num_tokens,
+    token,
+    block,
+    block_first,
     num_slots,
     num_experts,
     num_rows,
-    align,
-    row_map_ptr,  # [T, S + 1] int32
-    tokens_per_expert_ptr,  # [E] int32
-    pad_offsets_ptr,  # [E] int32
-    pad_table_ptr,  # [E, 2] int32: [first, last) pad rows of each expert
+    slots,
     IS_MASK: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    SLOTS_POW2: tl.constexpr,
     TILE_T: tl.constexpr,
-    TILE_S: tl.constexpr,
-    BINS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """Destination rows. Grid (B,): program b writes the row-map rows of tokens [b*BLOCK_T, (b+1)*BLOCK_T).
-
-    Each program derives the expert starts from the totals (O(E)) and adds its block's offsets, then ranks
-    its own slots: a running cumulative sum down each mask column, or, for expert ids, a comparison of
-    every slot with the earlier slots of its chunk.
-    Program 0 also writes the per-expert outputs.
-    """
-    block = tl.program_id(0)
-    first = block * BLOCK_T
-    last = tl.minimum(first + BLOCK_T, num_tokens)
+    """Rows [SLOTS_POW2] of one token's slots (-1: none): start[e] + the block's offset for e (slots of e in
+    earlier blocks, from the scan) + the slots of e earlier in the block, counted by re-reading the block's
+    earlier routing rows (at most block_tokens - 1 of them, from L2: the count kernel just read them).
+    Masks sum the earlier rows' columns; expert ids compare the token's ids with every earlier id of the
+    block, CHUNK ids at a time, in (token, slot) order."""
+    smask = slots < num_slots
     if IS_MASK:
-        carry_padded = tl.full([], 0, tl.int32)
-        carry_plain = tl.full([], 0, tl.int32)
-        for s0 in range(0, num_slots, TILE_S):
-            experts = s0 + tl.arange(0, TILE_S)
-            emask = experts < num_slots
-            total, before, aligned, start, plain_start = _expert_layout(
-                totals_ptr, offsets_ptr, block, num_experts, experts, emask, carry_padded, carry_plain, align
+        routing = _as_bits(routing_ptr)
+        own = tl.load(routing + token.to(tl.int64) * num_slots + slots, mask=smask, other=0) != 0
+        earlier = tl.zeros([SLOTS_POW2], dtype=tl.int32)
+        for t0 in range(block_first, token, TILE_T):
+            tokens = t0 + tl.arange(0, TILE_T)
+            routed = tl.load(
+                routing + tokens.to(tl.int64)[:, None] * num_slots + slots[None, :],
+                mask=(tokens[:, None] < token) & smask[None, :],
+                other=0,
             )
-            if block == 0:
-                _store_expert_outputs(
-                    tokens_per_expert_ptr,
-                    pad_offsets_ptr,
-                    pad_table_ptr,
-                    experts,
-                    emask,
-                    total,
-                    aligned,
-                    start,
-                    plain_start,
-                    num_rows,
-                )
-            carry_padded += tl.sum(aligned, axis=0)
-            carry_plain += tl.sum(total, axis=0)
-            base = start + before
-            for t0 in range(first, last, TILE_T):
-                tokens = t0 + tl.arange(0, TILE_T)
-                ok = (tokens[:, None] < last) & emask[None, :]
-                routed = tl.load(
-                    _as_bits(routing_ptr) + tokens.to(tl.int64)[:, None] * num_slots + experts[None, :],
-                    mask=ok,
-                    other=0,
-                )
-                routed = (routed != 0).to(tl.int32)
-                rows = base[None, :] + tl.cumsum(routed, axis=0) - routed
-                rows = tl.where((routed != 0) & (rows < num_rows), rows, -1)
-                tl.store(
-                    row_map_ptr + tokens.to(tl.int64)[:, None] * (num_slots + 1) + experts[None, :],
-                    rows,
-                    mask=ok,
-                )
-                base += tl.sum(routed, axis=0)
-        end = tl.minimum(carry_padded, num_rows)
+            earlier += tl.sum((routed != 0).to(tl.int32), axis=0)
+        experts = slots
     else:
-        experts = tl.arange(0, BINS)
-        emask = experts < num_experts
-        zero = tl.full([], 0, tl.int32)
-        total, before, aligned, start, plain_start = _expert_layout(
-            totals_ptr, offsets_ptr, block, num_experts, experts, emask, zero, zero, align
-        )
-        if block == 0:
-            _store_expert_outputs(
-                tokens_per_expert_ptr,
-                pad_offsets_ptr,
-                pad_table_ptr,
-                experts,
-                emask,
-                total,
-                aligned,
-                start,
-                plain_start,
-                num_rows,
-            )
-        end = tl.minimum(tl.sum(aligned, axis=0), num_rows)
-        # base[e]: first row of this block's slots of expert e; bin num_experts collects "no expert".
-        base = tl.where(emask, start + before, 0)
-        # Slots are taken CHUNK at a time in (token, slot) order; a slot's rank among the chunk's slots of its
-        # expert is a row sum of a [CHUNK, CHUNK] "same expert, earlier" matrix, and `base` carries the
-        # counts of earlier chunks.
+        flat = token.to(tl.int64) * num_slots + slots
+        ids = tl.load(routing_ptr + flat, mask=smask, other=-1).to(tl.int32)
+        own = smask & (ids >= 0) & (ids < num_experts)
+        experts = tl.where(own, ids, 0)
+        earlier = tl.zeros([SLOTS_POW2], dtype=tl.int32)
         positions = tl.arange(0, CHUNK)
-        earlier = positions[None, :] < positions[:, None]
-        for flat0 in range(first.to(tl.int64) * TILE_S, last.to(tl.int64) * TILE_S, CHUNK):
-            flat = flat0 + positions
-            tokens = flat // TILE_S
-            slots = (flat % TILE_S).to(tl.int32)
-            ok = (tokens < last) & (slots < num_slots)
-            ids = tl.load(routing_ptr + tokens * num_slots + slots, mask=ok, other=-1).to(tl.int32)
-            ids = tl.where(ok & (ids >= 0) & (ids < num_experts), ids, num_experts)
-            rank = tl.sum(((ids[:, None] == ids[None, :]) & earlier).to(tl.int32), axis=1)
-            rows = tl.gather(base, ids, 0) + rank
-            rows = tl.where((ids < num_experts) & (rows < num_rows), rows, -1)
-            tl.store(row_map_ptr + tokens * (num_slots + 1) + slots, rows, mask=ok)
-            base += tl.histogram(ids, BINS)
-    tokens = first + tl.arange(0, BLOCK_T)
-    tl.store(
-        row_map_ptr + tokens.to(tl.int64) * (num_slots + 1) + num_slots,
-        tl.full([BLOCK_T], 0, tl.int32) + end,
-        mask=tokens < last,
-    )
+        token_end = token.to(tl.int64) * num_slots + num_slots
+        for p0 in range(block_first.to(tl.int64) * num_slots, token_end, CHUNK):
+            others = p0 + positions
+            other_ids = tl.load(routing_ptr + others, mask=others < token_end, other=-1)
+            same = (other_ids.to(tl.int32)[None, :] == ids[:, None]) & (others[None, :] < flat[:, None])
+            earlier += tl.sum(same.to(tl.int32), axis=1)
+        start = tl.gather(start, experts, 0)
+    before = tl.load(offsets_ptr + block.to(tl.int64) * num_experts + experts, mask=own, other=0)
+    rows = start + before + earlier
+    return tl.where(own & (rows < num_rows), rows, -1)
 
 
 @triton.jit
@@ -338,159 +249,240 @@ def _zero_rows(
 
 
 @triton.jit
-def _fill_unused_rows(
-    fill,
+def _zero_tail(
+    out_ptr,
     row_map_ptr,
-    pad_table_ptr,
+    fill,
     num_slots,
     num_rows,
-    num_experts,
     hidden,
-    scale_cols,
-    out_ptr,
-    out_probs_ptr,
-    out_scales_ptr,
-    HAS_PROBS: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
-    HAS_PAD_TABLE: tl.constexpr,
     NUM_FILL: tl.constexpr,
     FILL_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    SCALES_POW2: tl.constexpr,
 ):
-    """Fill program `fill` of NUM_FILL: zeroes its share of the pad rows of every expert and of the tail
-    rows [end, N). `end` is read from the row map's last column (token 0)."""
-    if HAS_PAD_TABLE:
-        for expert in range(fill, num_experts, NUM_FILL):
-            pad_first = tl.load(pad_table_ptr + 2 * expert)
-            pad_last = tl.load(pad_table_ptr + 2 * expert + 1)
-            _zero_rows(
-                out_ptr,
-                out_probs_ptr,
-                out_scales_ptr,
-                pad_first,
-                pad_last,
-                FILL_ROWS,
-                hidden,
-                scale_cols,
-                HAS_PROBS,
-                HAS_SCALES,
-                FILL_ROWS,
-                BLOCK_H,
-                SCALES_POW2,
-            )
-    end = tl.load(row_map_ptr + num_slots)
+    """Fill program `fill` of NUM_FILL zeroes its share of the rows [end, N) of `out_ptr` [N, H], with
+    `end` read from the row map's last column (token 0)."""
     _zero_rows(
         out_ptr,
-        out_probs_ptr,
-        out_scales_ptr,
-        end + fill * FILL_ROWS,
+        out_ptr,
+        out_ptr,
+        tl.load(row_map_ptr + num_slots) + fill * FILL_ROWS,
         num_rows,
         NUM_FILL * FILL_ROWS,
         hidden,
-        scale_cols,
-        HAS_PROBS,
-        HAS_SCALES,
+        0,
+        False,
+        False,
         FILL_ROWS,
         BLOCK_H,
-        SCALES_POW2,
+        1,
     )
+
+
+@triton.jit
+def _store_to_rows(out, values, rows, valid, hidden, cols, cmask, STREAMING: tl.constexpr):
+    """Stores one token's column chunk `values` to each of its rows (`valid` entries of `rows`), in
+    ascending row order; returns nothing. Rows of one token are distinct, so each is stored once."""
+    previous = tl.full([], -1, tl.int32)
+    for _ in range(tl.sum(valid.to(tl.int32), axis=0)):
+        row = tl.min(tl.where(valid & (rows > previous), rows, 2147483647), axis=0)
+        if STREAMING:
+            tl.store(out + row.to(tl.int64) * hidden + cols, values, mask=cmask, cache_modifier=".cs")
+        else:
+            tl.store(out + row.to(tl.int64) * hidden + cols, values, mask=cmask)
+        previous = row
+
+
+@triton.jit
+def _load_token_chunk(inp_ptr, token, hidden, cols, cmask, STREAMING: tl.constexpr):
+    """Columns `cols` of token row `token`, as raw bits (evict-first when STREAMING: read once)."""
+    if STREAMING:
+        return tl.load(
+            _as_bits(inp_ptr) + token.to(tl.int64) * hidden + cols, mask=cmask, eviction_policy="evict_first"
+        )
+    return tl.load(_as_bits(inp_ptr) + token.to(tl.int64) * hidden + cols, mask=cmask)
 
 
 @triton.jit
 def _dispatch_kernel(
     inp_ptr,  # [T, H] payload, moved as raw bits
-    row_map_ptr,  # [T, S + 1] int32
+    routing_ptr,  # [T, S] mask or expert ids
+    offsets_ptr,  # [B, E] int32 from _scan_counts_kernel
+    totals_ptr,  # [E] int32 from _scan_counts_kernel
     probs_ptr,  # [T, S] (HAS_PROBS)
     scales_ptr,  # [T, C] row-wise scales (HAS_SCALES)
-    pad_table_ptr,  # [E, 2] int32 pad row ranges (HAS_PAD_TABLE)
     num_tokens,
     hidden,
     num_slots,
     num_rows,
     num_experts,
+    align,
     scale_cols,
     out_ptr,  # [N, H]
     out_probs_ptr,  # [N] (HAS_PROBS)
     out_scales_ptr,  # [N, C] (HAS_SCALES)
+    row_map_ptr,  # [T, S + 1] int32
+    tokens_per_expert_ptr,  # [E] int32
+    pad_offsets_ptr,  # [E] int32
+    IS_MASK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    TILE_T: tl.constexpr,
+    CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SLOTS_POW2: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
     SCALES_POW2: tl.constexpr,
     HAS_PROBS: tl.constexpr,
     HAS_SCALES: tl.constexpr,
-    HAS_PAD_TABLE: tl.constexpr,
+    PADDED: tl.constexpr,
     NUM_FILL: tl.constexpr,
     FILL_ROWS: tl.constexpr,
     HIDDEN_ALIGN: tl.constexpr,
     STREAMING: tl.constexpr,
 ):
-    """Scatter tokens to their expert-major rows. Grid (T * cdiv(H, BLOCK_H) + NUM_FILL,).
+    """Assign rows and scatter tokens to them. Grid (T * cdiv(H, BLOCK_H) + NUM_FILL,).
 
-    Token program (t, c) loads columns [c*BLOCK_H, (c+1)*BLOCK_H) of token t once and stores them to every
-    row of the token's slots; program (t, 0) also moves the token's probs and scales. The NUM_FILL programs
-    after them zero the rows no token lands in (see `_fill_unused_rows`). STREAMING marks the token rows
-    evict-first and the row stores streaming (".cs"): each byte is touched once, so keeping it in L2 only
-    displaces lines other programs still need (a tuning knob: the autotuner decides).
+    Token program (t, c) computes the rows of token t's slots (`_token_rows`; the rows of the row map need
+    no launch of their own, and the map is written here, not read), loads columns [c*BLOCK_H,
+    (c+1)*BLOCK_H) of token t once and stores them to each row; program (t, 0) also writes the token's
+    row-map row and moves its probs and scales. The NUM_FILL programs after them zero the rows no token
+    lands in (each expert's pad rows and the tail past `end`); fill program 0 writes the per-expert outputs.
+    STREAMING marks the token rows evict-first and the row stores streaming (".cs"): each byte is touched
+    once, so keeping it in L2 only displaces lines other programs still need (a knob: the autotuner decides).
     """
+    pid = tl.program_id(0)
+    hidden = _aligned(hidden, HIDDEN_ALIGN)
+    chunks = tl.cdiv(hidden, BLOCK_H)
+    token_programs = num_tokens * chunks
+    experts, total, start, kept, end = _expert_layout(totals_ptr, num_experts, num_rows, align, EXPERTS_POW2)
+    if pid < token_programs:
+        token = pid // chunks
+        chunk = pid % chunks
+        block = token // BLOCK_T
+        slots = tl.arange(0, SLOTS_POW2)
+        rows = _token_rows(
+            routing_ptr,
+            offsets_ptr,
+            start,
+            token,
+            block,
+            block * BLOCK_T,
+            num_slots,
+            num_experts,
+            num_rows,
+            slots,
+            IS_MASK,
+            SLOTS_POW2,
+            TILE_T,
+            CHUNK,
+        )
+        valid = rows >= 0
+        cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+        cmask = cols < hidden
+        values = _load_token_chunk(inp_ptr, token, hidden, cols, cmask, STREAMING)
+        if chunk == 0:
+            map_row = row_map_ptr + token.to(tl.int64) * (num_slots + 1)
+            tl.store(map_row + slots, rows, mask=slots < num_slots)
+            tl.store(map_row + num_slots, end)
+            if HAS_PROBS:
+                probs = tl.load(_as_bits(probs_ptr) + token.to(tl.int64) * num_slots + slots, mask=valid)
+                tl.store(_as_bits(out_probs_ptr) + rows, probs, mask=valid)
+            if HAS_SCALES:
+                scale_idx = tl.arange(0, SCALES_POW2)
+                smask = scale_idx < scale_cols
+                scales = tl.load(
+                    _as_bits(scales_ptr) + token.to(tl.int64) * scale_cols + scale_idx, mask=smask
+                )
+                _store_to_rows(
+                    _as_bits(out_scales_ptr), scales, rows, valid, scale_cols, scale_idx, smask, False
+                )
+        _store_to_rows(_as_bits(out_ptr), values, rows, valid, hidden, cols, cmask, STREAMING)
+    else:
+        fill = pid - token_programs
+        if fill == 0:
+            emask = experts < num_experts
+            tl.store(tokens_per_expert_ptr + experts, kept, mask=emask)
+            tl.store(pad_offsets_ptr + experts, start - (tl.cumsum(total, axis=0) - total), mask=emask)
+        if PADDED:
+            for expert in range(fill, num_experts, NUM_FILL):
+                here = experts == expert
+                _zero_rows(
+                    _as_bits(out_ptr),
+                    _as_bits(out_probs_ptr),
+                    _as_bits(out_scales_ptr),
+                    tl.sum(tl.where(here, start + tl.minimum(total, kept), 0), axis=0),
+                    tl.sum(tl.where(here, start + kept, 0), axis=0),
+                    FILL_ROWS,
+                    hidden,
+                    scale_cols,
+                    HAS_PROBS,
+                    HAS_SCALES,
+                    FILL_ROWS,
+                    BLOCK_H,
+                    SCALES_POW2,
+                )
+        _zero_rows(
+            _as_bits(out_ptr),
+            _as_bits(out_probs_ptr),
+            _as_bits(out_scales_ptr),
+            end + fill * FILL_ROWS,
+            num_rows,
+            NUM_FILL * FILL_ROWS,
+            hidden,
+            scale_cols,
+            HAS_PROBS,
+            HAS_SCALES,
+            FILL_ROWS,
+            BLOCK_H,
+            SCALES_POW2,
+        )
+
+
+@triton.jit
+def _scatter_kernel(
+    inp_ptr,  # [T, H] payload, moved as raw bits
+    row_map_ptr,  # [T, S + 1] int32
+    num_tokens,
+    hidden,
+    num_slots,
+    num_rows,
+    out_ptr,  # [N, H]
+    BLOCK_H: tl.constexpr,
+    SLOTS_POW2: tl.constexpr,
+    NUM_FILL: tl.constexpr,
+    FILL_ROWS: tl.constexpr,
+    HIDDEN_ALIGN: tl.constexpr,
+    STREAMING: tl.constexpr,
+):
+    """Scatter tokens through an existing row map (the backward of unweighted combine).
+    Grid (T * cdiv(H, BLOCK_H) + NUM_FILL,): token program (t, c) stores columns [c*BLOCK_H, (c+1)*BLOCK_H)
+    of token t to each of its rows; the NUM_FILL programs after them zero the tail past `end` (NUM_FILL is 0
+    when the plan pre-zeroes the output)."""
     pid = tl.program_id(0)
     hidden = _aligned(hidden, HIDDEN_ALIGN)
     chunks = tl.cdiv(hidden, BLOCK_H)
     token_programs = num_tokens * chunks
     if pid < token_programs:
         token = pid // chunks
-        chunk = pid % chunks
-        inp = _as_bits(inp_ptr)
-        out = _as_bits(out_ptr)
-        cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+        cols = (pid % chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
         cmask = cols < hidden
-        if STREAMING:
-            values = tl.load(
-                inp + token.to(tl.int64) * hidden + cols, mask=cmask, eviction_policy="evict_first"
-            )
-        else:
-            values = tl.load(inp + token.to(tl.int64) * hidden + cols, mask=cmask)
-        map_row = row_map_ptr + token.to(tl.int64) * (num_slots + 1)
+        values = _load_token_chunk(inp_ptr, token, hidden, cols, cmask, STREAMING)
         slots = tl.arange(0, SLOTS_POW2)
-        rows = tl.load(map_row + slots, mask=slots < num_slots, other=-1)
-        valid = rows >= 0
-        if HAS_PROBS and chunk == 0:
-            probs = tl.load(_as_bits(probs_ptr) + token.to(tl.int64) * num_slots + slots, mask=valid)
-            tl.store(_as_bits(out_probs_ptr) + rows, probs, mask=valid)
-        if HAS_SCALES:
-            scale_idx = tl.arange(0, SCALES_POW2)
-            smask = scale_idx < scale_cols
-            scales = tl.load(_as_bits(scales_ptr) + token.to(tl.int64) * scale_cols + scale_idx, mask=smask)
-        previous = tl.full([], -1, tl.int32)
-        for _ in range(tl.sum(valid.to(tl.int32), axis=0)):
-            slot = tl.min(tl.where(valid & (slots > previous), slots, SLOTS_POW2), axis=0)
-            row = tl.load(map_row + slot).to(tl.int64)
-            if STREAMING:
-                tl.store(out + row * hidden + cols, values, mask=cmask, cache_modifier=".cs")
-            else:
-                tl.store(out + row * hidden + cols, values, mask=cmask)
-            if HAS_SCALES and chunk == 0:
-                tl.store(_as_bits(out_scales_ptr) + row * scale_cols + scale_idx, scales, mask=smask)
-            previous = slot
+        rows = tl.load(
+            row_map_ptr + token.to(tl.int64) * (num_slots + 1) + slots, mask=slots < num_slots, other=-1
+        )
+        _store_to_rows(_as_bits(out_ptr), values, rows, rows >= 0, hidden, cols, cmask, STREAMING)
     else:
-        _fill_unused_rows(
-            pid - token_programs,
+        _zero_tail(
+            _as_bits(out_ptr),
             row_map_ptr,
-            pad_table_ptr,
+            pid - token_programs,
             num_slots,
             num_rows,
-            num_experts,
             hidden,
-            scale_cols,
-            _as_bits(out_ptr),
-            _as_bits(out_probs_ptr),
-            _as_bits(out_scales_ptr),
-            HAS_PROBS,
-            HAS_SCALES,
-            HAS_PAD_TABLE,
             NUM_FILL,
             FILL_ROWS,
             BLOCK_H,
-            SCALES_POW2,
         )
 
 
@@ -618,25 +610,16 @@ def _combine_backward_kernel(
             mask=smask,
         )
     else:
-        _fill_unused_rows(
+        _zero_tail(
+            grad_inp_ptr,
+            row_map_ptr,
             pid - num_tokens,
-            row_map_ptr,
-            row_map_ptr,
             num_slots,
             num_rows,
-            0,
             hidden,
-            0,
-            _as_bits(grad_inp_ptr),
-            grad_inp_ptr,
-            grad_inp_ptr,
-            False,
-            False,
-            False,
             NUM_FILL,
             FILL_ROWS,
             BLOCK_H,
-            1,
         )
 
 
@@ -645,7 +628,9 @@ def _combine_backward_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
-ROW_MAP_SPACE = SearchSpace("row_map", {"block_tokens": (16, 32, 64, 128, 256), "num_warps": (4, 8)})
+# block_tokens sets the token blocks of the counts and of the ranks inside dispatch (each token re-reads the
+# earlier rows of its block), num_warps those of the count and scan launches.
+ROW_MAP_SPACE = SearchSpace("row_map", {"block_tokens": (8, 16, 32, 64, 128), "num_warps": (4, 8)})
 DISPATCH_SPACE = SearchSpace(
     "dispatch", {"block_bytes": (2048, 4096, 8192, 16384), "num_warps": (4, 8, 16), "streaming": (0, 1)}
 )
@@ -685,55 +670,52 @@ def buffer_rows(num_out_tokens: int, num_experts: int, align_size: int | None) -
     return (num_out_tokens + num_experts * (align_size - 1)) // align_size * align_size
 
 
-def row_map_plan(
+def expert_count_plan(
     *,
     num_tokens: int,
     num_slots: int,
     num_experts: int,
     is_mask: bool,
-    num_rows: int,
-    align_size: int,
     device: DeviceInfo = DEFAULT_DEVICE,
     config: Mapping[str, int] | None = None,
-) -> tuple[dict[str, Buffer], tuple[Launch, ...]]:
-    """Buffers and launches that turn a routing input ("routing") into "row_id_map", "tokens_per_expert",
-    "pad_offsets" and the internal "pad_table": per-block histograms, a column scan of them, then rows.
-    Three launches, O(T * S + B * E) work with B = T / block_tokens blocks: linear in T * E."""
-    heuristic_block = min(256, max(16, next_pow2(cdiv(num_tokens, 4 * device.num_sms))))
+) -> tuple[dict[str, Buffer], tuple[Launch, ...], int]:
+    """The first two of dispatch's three launches: per-block expert histograms of the routing input
+    ("routing"), then their column scan into "block_offsets" [B, E] and "expert_totals" [E]; returns the
+    buffers, the launches and block_tokens (B = T / block_tokens). O(T * S + B * E) work: linear in T * E."""
+    heuristic_block = min(64, max(16, next_pow2(cdiv(num_tokens, 4 * device.num_sms))))
     features = dict(num_tokens=num_tokens, num_slots=num_slots, num_experts=num_experts, is_mask=int(is_mask))
     cfg = autotune.resolve(
         ROW_MAP_SPACE, dict(block_tokens=heuristic_block, num_warps=4), config, features, device
     )
     block_t = cfg["block_tokens"]
     num_blocks = cdiv(num_tokens, block_t)
-    empty = num_tokens == 0
     buffers = {
         "block_counts": Buffer((num_blocks, num_experts), "int32"),
         "block_offsets": Buffer((num_blocks, num_experts), "int32"),
         "expert_totals": Buffer((num_experts,), "int32"),
-        "row_id_map": Buffer((num_tokens, num_slots + 1), "int32"),
-        "tokens_per_expert": Buffer((num_experts,), "int32", zero=empty),
-        "pad_offsets": Buffer((num_experts,), "int32", zero=empty),
-        "pad_table": Buffer((num_experts, 2), "int32", zero=empty),
     }
-    if empty:
-        return buffers, ()
+    if num_tokens == 0:
+        return buffers, (), block_t
     if is_mask:
         tile_s = min(next_pow2(num_slots), 256)
         bins = 1
     else:
         tile_s = next_pow2(num_slots)
         bins = next_pow2(num_experts + 1)
-    tile_t = max(1, min(block_t, _TILE_ELEMENTS // tile_s))
     # Narrow expert tiles and tall block tiles: many scan programs, each only a few steps long.
     tile_e = min(next_pow2(num_experts), 16)
-    common = dict(IS_MASK=is_mask, BLOCK_T=block_t, TILE_T=tile_t, TILE_S=tile_s, BINS=bins)
     count = Launch(
         kernel=_count_experts_kernel,
         grid=(num_blocks,),
         args=("routing", num_tokens, num_slots, num_experts),
         outputs=("block_counts",),
-        constexprs=common,
+        constexprs=dict(
+            IS_MASK=is_mask,
+            BLOCK_T=block_t,
+            TILE_T=max(1, min(block_t, _TILE_ELEMENTS // tile_s)),
+            TILE_S=tile_s,
+            BINS=bins,
+        ),
         num_warps=cfg["num_warps"],
         checks=not is_mask,
     )
@@ -745,69 +727,16 @@ def row_map_plan(
         constexprs=dict(TILE_B=max(1, _TILE_ELEMENTS // tile_e), TILE_E=tile_e),
         num_warps=cfg["num_warps"],
     )
-    assign = Launch(
-        kernel=_assign_rows_kernel,
-        grid=(num_blocks,),
-        args=(
-            "routing",
-            "block_offsets",
-            "expert_totals",
-            num_tokens,
-            num_slots,
-            num_experts,
-            num_rows,
-            align_size,
-        ),
-        outputs=("row_id_map", "tokens_per_expert", "pad_offsets", "pad_table"),
-        constexprs=dict(common, CHUNK=64),
-        num_warps=cfg["num_warps"],
-    )
-    return buffers, (count, scan, assign)
+    return buffers, (count, scan), block_t
 
 
-def _dispatch_launch(
-    *,
-    num_tokens,
-    hidden,
-    num_slots,
-    num_rows,
-    num_experts,
-    scale_cols,
-    element_bytes,
-    has_probs,
-    padded,
-    pad_table: bool,
-    args,
-    outputs,
-    device,
-    config,
-) -> Launch:
-    """The scatter launch shared by dispatch and the unweighted combine backward."""
-    block_h = _columns(hidden, 16384 // element_bytes)
+def _data_config(hidden: int, num_slots: int, element_bytes: int, num_tokens: int, device, config):
+    """A dispatch-space config (block bytes, warps, streaming) and the columns per program it gives."""
     features = dict(num_tokens=num_tokens, hidden=hidden, num_slots=num_slots, element_bytes=element_bytes)
+    block_h = _columns(hidden, 16384 // element_bytes)
     heuristic = dict(block_bytes=16384, num_warps=_warps_for(block_h * element_bytes), streaming=0)
     cfg = autotune.resolve(DISPATCH_SPACE, heuristic, config, features, device)
-    block_h = _columns(hidden, cfg["block_bytes"] // element_bytes)
-    num_fill = _num_fill(device, padded and pad_table, num_experts)
-    return Launch(
-        kernel=_dispatch_kernel,
-        grid=(num_tokens * cdiv(hidden, block_h) + num_fill,),
-        args=(*args, num_tokens, hidden, num_slots, num_rows, num_experts, scale_cols),
-        outputs=outputs,
-        constexprs=dict(
-            BLOCK_H=block_h,
-            SLOTS_POW2=next_pow2(num_slots),
-            SCALES_POW2=next_pow2(max(scale_cols, 1)),
-            HAS_PROBS=has_probs,
-            HAS_SCALES=scale_cols > 0,
-            HAS_PAD_TABLE=pad_table,
-            NUM_FILL=num_fill,
-            FILL_ROWS=4,
-            HIDDEN_ALIGN=alignment(hidden),
-            STREAMING=bool(cfg["streaming"]),
-        ),
-        num_warps=cfg["num_warps"],
-    )
+    return cfg, _columns(hidden, cfg["block_bytes"] // element_bytes)
 
 
 def dispatch_plan(
@@ -825,22 +754,22 @@ def dispatch_plan(
     device: DeviceInfo = DEFAULT_DEVICE,
     config: Mapping[str, Mapping[str, int]] | None = None,
 ) -> Plan:
-    """token_dispatch: row map + scatter of tokens, probs and scales.
+    """token_dispatch in three launches: expert histograms per token block, their scan, then one kernel that
+    assigns every slot its row (writing the row map) and scatters tokens, probs and scales there.
 
     Inputs: "inp" [T, H], "routing" [T, S], "probs" [T, S] or None, "scales" [T, C] or None.
     Results: output [N, H], permuted_probs [N], permuted_scales [N, C], row_id_map [T, S + 1],
     pad_offsets [E], tokens_per_expert [E] (rows per expert in the buffer, padding included).
-    `config` maps "row_map" / "dispatch" to configs from their search spaces (defaults: heuristics).
+    `config` maps "row_map" (the token blocks of the counts and ranks) / "dispatch" to configs from their
+    search spaces (defaults: the autotune cache, else heuristics).
     """
     config = config or {}
     num_rows = buffer_rows(num_out_tokens, num_experts, align_size)
-    buffers, map_launches = row_map_plan(
+    buffers, launches, block_t = expert_count_plan(
         num_tokens=num_tokens,
         num_slots=num_slots,
         num_experts=num_experts,
         is_mask=is_mask,
-        num_rows=num_rows,
-        align_size=align_size or 1,
         device=device,
         config=config.get("row_map"),
     )
@@ -856,25 +785,61 @@ def dispatch_plan(
             "like:scales" if has_scales else "float32",
             zero=empty,
         ),
+        row_id_map=Buffer((num_tokens, num_slots + 1), "int32"),
+        tokens_per_expert=Buffer((num_experts,), "int32", zero=empty),
+        pad_offsets=Buffer((num_experts,), "int32", zero=empty),
     )
-    launches = map_launches
     if not empty:
+        cfg, block_h = _data_config(
+            hidden, num_slots, element_bytes, num_tokens, device, config.get("dispatch")
+        )
+        slots_pow2 = next_pow2(num_slots)
+        num_fill = _num_fill(device, align_size is not None, num_experts)
         launches += (
-            _dispatch_launch(
-                num_tokens=num_tokens,
-                hidden=hidden,
-                num_slots=num_slots,
-                num_rows=num_rows,
-                num_experts=num_experts,
-                scale_cols=scale_cols or 0,
-                element_bytes=element_bytes,
-                has_probs=has_probs,
-                padded=align_size is not None,
-                pad_table=align_size is not None,
-                args=("inp", "row_id_map", "probs", "scales", "pad_table"),
-                outputs=("output", "permuted_probs", "permuted_scales"),
-                device=device,
-                config=config.get("dispatch"),
+            Launch(
+                kernel=_dispatch_kernel,
+                grid=(num_tokens * cdiv(hidden, block_h) + num_fill,),
+                args=(
+                    "inp",
+                    "routing",
+                    "block_offsets",
+                    "expert_totals",
+                    "probs",
+                    "scales",
+                    num_tokens,
+                    hidden,
+                    num_slots,
+                    num_rows,
+                    num_experts,
+                    align_size or 1,
+                    scale_cols or 0,
+                ),
+                outputs=(
+                    "output",
+                    "permuted_probs",
+                    "permuted_scales",
+                    "row_id_map",
+                    "tokens_per_expert",
+                    "pad_offsets",
+                ),
+                constexprs=dict(
+                    IS_MASK=is_mask,
+                    BLOCK_T=block_t,
+                    TILE_T=max(1, min(block_t, _TILE_ELEMENTS // slots_pow2)),
+                    CHUNK=max(16, _TILE_ELEMENTS // slots_pow2),
+                    BLOCK_H=block_h,
+                    SLOTS_POW2=slots_pow2,
+                    EXPERTS_POW2=next_pow2(num_experts),
+                    SCALES_POW2=next_pow2(max(scale_cols or 0, 1)),
+                    HAS_PROBS=has_probs,
+                    HAS_SCALES=has_scales,
+                    PADDED=align_size is not None,
+                    NUM_FILL=num_fill,
+                    FILL_ROWS=4,
+                    HIDDEN_ALIGN=alignment(hidden),
+                    STREAMING=bool(cfg["streaming"]),
+                ),
+                num_warps=cfg["num_warps"],
             ),
         )
     results = (
@@ -886,6 +851,18 @@ def dispatch_plan(
         "tokens_per_expert",
     )
     return Plan(buffers, launches, results)
+
+
+def _mapped_rows_constexprs(block_h: int, num_slots: int, num_fill: int, hidden: int, streaming: int) -> dict:
+    """Constexprs of the kernels that write token rows through an existing row map and zero its tail."""
+    return dict(
+        BLOCK_H=block_h,
+        SLOTS_POW2=next_pow2(num_slots),
+        NUM_FILL=max(num_fill, 1),
+        FILL_ROWS=4,
+        HIDDEN_ALIGN=alignment(hidden),
+        STREAMING=bool(streaming),
+    )
 
 
 def scatter_plan(
@@ -902,34 +879,23 @@ def scatter_plan(
     """Backward of unweighted combine: "grad" [T, H] scattered to "grad_input" [N, H] through "row_id_map".
 
     Without padding, fill programs zero the tail past `end`; with padding the output starts zeroed, since
-    the pad rows' positions are not recorded in the row map. `config`: a "dispatch" config.
+    the pad rows' positions are not recorded in the row map. `config`: a "dispatch" config (the same
+    loads and stores as dispatch's data movement).
     """
     empty = num_tokens == 0
-    buffers = {
-        "grad_input": Buffer((num_rows, hidden), "like:grad", zero=padded or empty),
-        "unused_probs": Buffer((0,), "float32"),
-        "unused_scales": Buffer((0,), "float32"),
-    }
+    buffers = {"grad_input": Buffer((num_rows, hidden), "like:grad", zero=padded or empty)}
     if empty:
         return Plan(buffers, (), ("grad_input",))
-    launch = _dispatch_launch(
-        num_tokens=num_tokens,
-        hidden=hidden,
-        num_slots=num_slots,
-        num_rows=num_rows,
-        num_experts=0,
-        scale_cols=0,
-        element_bytes=element_bytes,
-        has_probs=False,
-        padded=padded,
-        pad_table=False,
-        args=("grad", "row_id_map", "grad", "grad", "row_id_map"),
-        outputs=("grad_input", "unused_probs", "unused_scales"),
-        device=device,
-        config=config,
+    cfg, block_h = _data_config(hidden, num_slots, element_bytes, num_tokens, device, config)
+    num_fill = 0 if padded else _num_fill(device, False, 0)
+    launch = Launch(
+        kernel=_scatter_kernel,
+        grid=(num_tokens * cdiv(hidden, block_h) + num_fill,),
+        args=("grad", "row_id_map", num_tokens, hidden, num_slots, num_rows),
+        outputs=("grad_input",),
+        constexprs=_mapped_rows_constexprs(block_h, num_slots, num_fill, hidden, cfg["streaming"]),
+        num_warps=cfg["num_warps"],
     )
-    if padded:  # pre-zeroed: no fill programs
-        launch = replace(launch, grid=(launch.grid[0] - launch.constexprs["NUM_FILL"],))
     return Plan(buffers, (launch,), ("grad_input",))
 
 
@@ -1011,14 +977,7 @@ def combine_backward_plan(
         grid=(num_tokens + num_fill,),
         args=("grad", "row_id_map", "inp", "weights", num_tokens, hidden, num_slots, num_rows),
         outputs=("grad_input", "grad_weights"),
-        constexprs=dict(
-            BLOCK_H=block_h,
-            SLOTS_POW2=next_pow2(num_slots),
-            NUM_FILL=max(num_fill, 1),
-            FILL_ROWS=4,
-            HIDDEN_ALIGN=alignment(hidden),
-            STREAMING=bool(cfg["streaming"]),
-        ),
+        constexprs=_mapped_rows_constexprs(block_h, num_slots, num_fill, hidden, cfg["streaming"]),
         num_warps=cfg["num_warps"],
         fp_fusion=False,
     )

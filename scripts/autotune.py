@@ -43,8 +43,9 @@ def _routing(shape: MoEShape, kind: str, generator: torch.Generator):
     return ids.int()
 
 
-def _cases(shape: MoEShape, kind: str, device):
-    """(kernel, features, plan(config), inputs list) for each kernel at this shape and routing kind."""
+def _cases(shape: MoEShape, kind: str, device, tuned):
+    """(kernel, features, plan(config), inputs list) for each kernel at this shape and routing kind.
+    `tuned(kernel, features)` is the best config tuned so far for that key, or None."""
     T, H, E, K = shape.num_tokens, shape.hidden, shape.num_experts, shape.topk
     N, S, eb = T * K, (E if kind == "mask" else K), 2
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -67,8 +68,8 @@ def _cases(shape: MoEShape, kind: str, device):
             scale_cols=None,
             device=info,
         )
-        row_map, pad_table = run_plan(
-            kernels.Plan(base.buffers, base.launches[:-1], ("row_id_map", "pad_table")),
+        (row_map,) = run_plan(
+            kernels.Plan(base.buffers, base.launches, ("row_id_map",)),
             dict(inp=x, routing=routing, probs=probs, scales=None),
             device,
         )
@@ -84,7 +85,6 @@ def _cases(shape: MoEShape, kind: str, device):
                 probs=probs,
                 scales=None,
                 row_id_map=row_map,
-                pad_table=pad_table,
                 rows=rows,
                 grad=x,
                 weights=probs,
@@ -93,8 +93,15 @@ def _cases(shape: MoEShape, kind: str, device):
             )
         )
 
+    map_features = dict(num_tokens=T, num_slots=S, num_experts=E, is_mask=int(kind == "mask"))
+    data_features = dict(num_tokens=T, hidden=H, num_slots=S, element_bytes=eb)
+
     def dispatch_plan(config, only):
-        plan = kernels.dispatch_plan(
+        # The whole op is timed for either kernel: row_map's token blocks also set the ranks inside the
+        # dispatch kernel. The other kernel's config is the one tuned here, if any, else the cache's.
+        other = "dispatch" if only == "row_map" else "row_map"
+        other_features = data_features if other == "dispatch" else map_features
+        return kernels.dispatch_plan(
             num_tokens=T,
             hidden=H,
             num_slots=S,
@@ -106,22 +113,18 @@ def _cases(shape: MoEShape, kind: str, device):
             has_probs=True,
             scale_cols=None,
             device=info,
-            config={only: config},
+            config={only: config, other: tuned(other, other_features)},
         )
-        if only == "row_map":
-            return kernels.Plan(plan.buffers, plan.launches[:-1], ("row_id_map",))
-        moved = ("output", "permuted_probs", "permuted_scales")
-        return kernels.Plan({k: plan.buffers[k] for k in moved}, plan.launches[-1:], moved[:2])
 
     yield (
         "row_map",
-        dict(num_tokens=T, num_slots=S, num_experts=E, is_mask=int(kind == "mask")),
+        map_features,
         lambda c: dispatch_plan(c, "row_map"),
         sets,
     )
     yield (
         "dispatch",
-        dict(num_tokens=T, hidden=H, num_slots=S, element_bytes=eb),
+        data_features,
         lambda c: dispatch_plan(c, "dispatch"),
         sets,
     )
@@ -283,15 +286,27 @@ def main(argv: list[str] | None = None) -> int:
             if not (out_dir / file.name).exists():
                 shutil.copy(file, out_dir / file.name)
     wanted = set(args.kernels.split(","))
+
+    caches: dict[str, dict] = {}  # kernel -> its cache file's contents, loaded once
+
+    def cache(kernel: str) -> dict:
+        if kernel not in caches:
+            caches[kernel] = _load(out_dir / f"{kernel}.json", kernel, device_name)
+        return caches[kernel]
+
+    def tuned(kernel: str, features: dict) -> dict | None:
+        entry = cache(kernel)["entries"].get(autotune.key_of(features))
+        return entry and entry["best"]
+
     started = time.monotonic()
     work = [(shape, kind) for shape in args.shapes.split(",") for kind in args.kinds.split(",")]
     with tqdm(total=len(work), desc="keys", unit="shape") as progress:
         for shape_name, kind in work:
-            for kernel, features, make_plan, sets in _cases(NAMED_SHAPES[shape_name], kind, device):
+            for kernel, features, make_plan, sets in _cases(NAMED_SHAPES[shape_name], kind, device, tuned):
                 if kernel not in wanted:
                     continue
                 path = out_dir / f"{kernel}.json"
-                data = _load(path, kernel, device_name)
+                data = cache(kernel)
                 key = autotune.key_of(features)
                 if key in data["entries"]:
                     continue

@@ -33,8 +33,8 @@ def _move_rows(values: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, num_r
 
 def row_map(
     routing: torch.Tensor, num_experts: int, is_mask: bool, num_rows: int, align: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row map [T, S + 1], kept rows per expert [E], pad offsets [E] and pad row ranges [E, 2] (int32)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row map [T, S + 1], kept rows per expert [E] and pad offsets [E] (int32)."""
     num_tokens, num_slots = routing.shape
     device = routing.device
     if is_mask:
@@ -58,8 +58,7 @@ def row_map(
     end = aligned.sum().clamp(max=num_rows)
     kept = (num_rows - start).clamp(min=0).minimum(aligned)
     full_map = torch.cat([rows.view(num_tokens, num_slots), end.expand(num_tokens, 1)], dim=1).int()
-    pad_table = torch.stack([start + counts.minimum(kept), start + kept], dim=1).int()
-    return full_map, kept.int(), (start - plain_start).int(), pad_table
+    return full_map, kept.int(), (start - plain_start).int()
 
 
 def _slots(row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,7 +82,7 @@ def dispatch(
     tokens_per_expert); absent probs/scales give empty tensors. align_size 0 = no padding."""
     align = align_size or 1
     num_rows = buffer_rows(num_out_tokens, num_experts, align_size or None)
-    full_map, kept, pad_offsets, _ = row_map(routing, num_experts, is_mask, num_rows, align)
+    full_map, kept, pad_offsets = row_map(routing, num_experts, is_mask, num_rows, align)
     tokens, slots, rows = _slots(full_map)
     output = _move_rows(inp, rows, tokens, num_rows)
     permuted_probs = (

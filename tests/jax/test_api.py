@@ -251,7 +251,7 @@ def _launch_of(plan: kernels.Plan, name: str) -> kernels.Launch:
 _VARIANTS = {
     # name: (num_tokens, hidden, num_experts, topk, kind, align_size)
     "hidden split over programs": (3, 4100, 3, 2, "indices", None),
-    # Compiled plans may take 256-token blocks from the autotune cache; the interpreter's use 16.
+    # Compiled plans may take 128-token blocks from the autotune cache; the interpreter's use 16.
     "many token blocks": (600 if _launch.on_gpu() else 130, 3, 5, 2, "indices", 8),
     "experts tiled past 256": (3, 4, 300, 3, "mask", None),
     "mask with padding": (9, 6, 5, 5, "mask", 4),
@@ -268,7 +268,7 @@ def _variant_holds(name: str, plan: kernels.Plan, hidden: int, num_experts: int)
     if name == "experts tiled past 256":
         return _launch_of(plan, "_count_experts_kernel").constexprs["TILE_S"] < num_experts
     if name == "mask with padding":
-        return _launch_of(plan, "_dispatch_kernel").constexprs["HAS_PAD_TABLE"]
+        return _launch_of(plan, "_dispatch_kernel").constexprs["PADDED"]
     return not plan.launches
 
 

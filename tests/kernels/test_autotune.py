@@ -118,6 +118,8 @@ def test_dispatch_plan_consults_the_cache_for_both_of_its_kernels(tmp_path, monk
         )
     finally:
         autotune._load.cache_clear()
-    count, _, _, scatter = plan.launches
+    count, _, dispatch = plan.launches
     assert count.constexprs["BLOCK_T"] == 32 and count.num_warps == 8 and count.grid == (4096 // 32,)
-    assert scatter.constexprs["BLOCK_H"] == 1024 and scatter.num_warps == 16
+    # The ranks inside dispatch use the same token blocks as the counts.
+    assert dispatch.constexprs["BLOCK_T"] == 32
+    assert dispatch.constexprs["BLOCK_H"] == 1024 and dispatch.num_warps == 16

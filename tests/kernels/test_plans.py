@@ -34,25 +34,32 @@ def _worst_counts(total: int, num_experts: int, align_size: int) -> list[int]:
 
 @given(st.integers(1, 2**22), st.integers(1, 2048), st.booleans())
 def test_map_building_work_is_linear(num_tokens, num_experts, is_mask):
-    buffers, (count, scan, assign) = kernels.row_map_plan(
+    num_slots = num_experts if is_mask else 8
+    plan = kernels.dispatch_plan(
         num_tokens=num_tokens,
-        num_slots=num_experts if is_mask else 8,
+        hidden=64,
+        num_slots=num_slots,
         num_experts=num_experts,
         is_mask=is_mask,
-        num_rows=num_tokens * 8,
-        align_size=1,
+        num_out_tokens=num_tokens * 8,
+        align_size=None,
+        element_bytes=2,
+        has_probs=False,
+        scale_cols=None,
     )
+    count, scan, dispatch = plan.launches
     num_blocks, block_t = count.grid[0], count.constexprs["BLOCK_T"]
     assert (num_blocks - 1) * block_t < num_tokens <= num_blocks * block_t
-    assert assign.grid == count.grid
-    # Counting and assigning read each routing slot once; the scan reads each of the B * E <= T * E
-    # block counts once (one program per expert tile); assigning reads one row of offsets per block.
-    assert buffers["block_offsets"].shape == (num_blocks, num_experts)
+    # Counting reads each routing slot once; the scan reads each of the B * E <= T * E block counts once
+    # (one program per expert tile); each dispatch program re-reads at most block_tokens - 1 earlier
+    # routing rows of its block and one row of offsets, a constant factor over reading its own row.
+    assert plan.buffers["block_offsets"].shape == (num_blocks, num_experts)
     assert (
         scan.grid[0] * scan.constexprs["TILE_E"]
         >= num_experts
         > (scan.grid[0] - 1) * scan.constexprs["TILE_E"]
     )
+    assert dispatch.constexprs["BLOCK_T"] == block_t <= 128
 
 
 @pytest.mark.parametrize("padded", [None, 16])
