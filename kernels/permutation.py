@@ -65,20 +65,25 @@ def _count_experts_kernel(
     num_slots,
     num_experts,
     counts_ptr,  # [B, E] int32: routed slots per (token block, expert)
+    ranks_ptr,  # [T, S] uint8 (masks) or int32 (ids): 1 + rank of the slot in its block and expert, 0: none
     IS_MASK: tl.constexpr,
     BLOCK_T: tl.constexpr,
     TILE_T: tl.constexpr,
     TILE_S: tl.constexpr,
     BINS: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
-    """Per-block expert histogram. Grid (B,): program b counts the slots of tokens [b*BLOCK_T, (b+1)*BLOCK_T).
+    """Per-block expert histograms and in-block ranks. Grid (B,): program b takes tokens
+    [b*BLOCK_T, (b+1)*BLOCK_T), counts their slots per expert and ranks every routed slot among the
+    block's earlier slots of its expert, in (token, slot) order.
 
     (Scalar arguments may arrive as constexprs: Triton specialises integers equal to 1. Kernels therefore
     widen the tensor side of an offset, never call methods on a scalar argument.)
 
-    Masks are summed column by column in [TILE_T, TILE_S] tiles; expert ids go through `tl.histogram` with
-    one extra bin that absorbs -1 (no expert). Index ranges are checked by a device assertion, compiled in
-    only when the binding asks for checks.
+    Masks: a running cumulative sum down each column of [TILE_T, TILE_S] tiles (ranks < BLOCK_T fit in a
+    byte). Expert ids: CHUNK slots at a time, a slot's rank is the row sum of a [CHUNK, CHUNK] "same expert,
+    earlier" matrix plus the chunk-start histogram `counts`, which one extra bin extends to absorb -1 (no
+    expert). Index ranges are checked by a device assertion, compiled in only when the binding asks for it.
     """
     block = tl.program_id(0)
     first = block * BLOCK_T
@@ -86,33 +91,34 @@ def _count_experts_kernel(
     if IS_MASK:
         for s0 in range(0, num_slots, TILE_S):
             slots = s0 + tl.arange(0, TILE_S)
-            acc = tl.zeros([TILE_S], dtype=tl.int32)
+            counts = tl.zeros([TILE_S], dtype=tl.int32)
             for t0 in range(first, last, TILE_T):
                 tokens = t0 + tl.arange(0, TILE_T)
                 ok = (tokens[:, None] < last) & (slots[None, :] < num_slots)
-                routed = tl.load(
-                    _as_bits(routing_ptr) + tokens.to(tl.int64)[:, None] * num_slots + slots[None, :],
-                    mask=ok,
-                    other=0,
-                )
-                acc += tl.sum((routed != 0).to(tl.int32), axis=0)
-            tl.store(counts_ptr + block * num_experts + slots, acc, mask=slots < num_slots)
+                offsets = tokens.to(tl.int64)[:, None] * num_slots + slots[None, :]
+                routed = (tl.load(_as_bits(routing_ptr) + offsets, mask=ok, other=0) != 0).to(tl.int32)
+                ranks = tl.where(routed != 0, counts[None, :] + tl.cumsum(routed, axis=0), 0)
+                tl.store(ranks_ptr + offsets, ranks.to(ranks_ptr.dtype.element_ty), mask=ok)
+                counts += tl.sum(routed, axis=0)
+            tl.store(counts_ptr + block * num_experts + slots, counts, mask=slots < num_slots)
     else:
-        acc = tl.zeros([BINS], dtype=tl.int32)
-        for t0 in range(first, last, TILE_T):
-            tokens = t0 + tl.arange(0, TILE_T)
-            slots = tl.arange(0, TILE_S)
-            ok = (tokens[:, None] < last) & (slots[None, :] < num_slots)
-            ids = tl.load(
-                routing_ptr + tokens.to(tl.int64)[:, None] * num_slots + slots[None, :], mask=ok, other=-1
-            )
-            ids = ids.to(tl.int32)
+        counts = tl.zeros([BINS], dtype=tl.int32)
+        positions = tl.arange(0, CHUNK)
+        earlier = positions[None, :] < positions[:, None]
+        end = last.to(tl.int64) * num_slots
+        for flat0 in range(first.to(tl.int64) * num_slots, end, CHUNK):
+            flat = flat0 + positions
+            ok = flat < end
+            ids = tl.load(routing_ptr + flat, mask=ok, other=-1).to(tl.int32)
             tl.device_assert((ids >= -1) & (ids < num_experts), "indices must lie in [-1, num_experts)")
             # -1 (and anything out of range) lands in bin num_experts, which is never stored.
             binned = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts)
-            acc += tl.histogram(tl.reshape(binned, [TILE_T * TILE_S]), BINS)
+            rank = tl.sum(((binned[:, None] == binned[None, :]) & earlier).to(tl.int32), axis=1)
+            rank += tl.gather(counts, binned, 0)
+            tl.store(ranks_ptr + flat, tl.where(binned < num_experts, rank + 1, 0), mask=ok)
+            counts += tl.histogram(binned, BINS)
         bins = tl.arange(0, BINS)
-        tl.store(counts_ptr + block * num_experts + bins, acc, mask=bins < num_experts)
+        tl.store(counts_ptr + block * num_experts + bins, counts, mask=bins < num_experts)
 
 
 @triton.jit
@@ -157,55 +163,30 @@ def _expert_layout(totals_ptr, num_experts, num_rows, align, EXPERTS_POW2: tl.co
 @triton.jit
 def _token_rows(
     routing_ptr,
+    ranks_ptr,
     offsets_ptr,
     start,
     token,
     block,
-    block_first,
     num_slots,
     num_experts,
     num_rows,
     slots,
     IS_MASK: tl.constexpr,
-    SLOTS_POW2: tl.constexpr,
-    TILE_T: tl.constexpr,
-    CHUNK: tl.constexpr,
 ):
-    """Rows [SLOTS_POW2] of one token's slots (-1: none): start[e] + the block's offset for e (slots of e in
-    earlier blocks, from the scan) + the slots of e earlier in the block, counted by re-reading the block's
-    earlier routing rows (at most block_tokens - 1 of them, from L2: the count kernel just read them).
-    Masks sum the earlier rows' columns; expert ids compare the token's ids with every earlier id of the
-    block, CHUNK ids at a time, in (token, slot) order."""
+    """Rows of one token's slots (-1: none): start[e] + the block's offset for e (slots of e in earlier
+    blocks, from the scan) + the slot's rank among the block's slots of e (from the count kernel)."""
     smask = slots < num_slots
+    ranks = tl.load(ranks_ptr + token.to(tl.int64) * num_slots + slots, mask=smask, other=0).to(tl.int32)
+    own = ranks != 0
     if IS_MASK:
-        routing = _as_bits(routing_ptr)
-        own = tl.load(routing + token.to(tl.int64) * num_slots + slots, mask=smask, other=0) != 0
-        earlier = tl.zeros([SLOTS_POW2], dtype=tl.int32)
-        for t0 in range(block_first, token, TILE_T):
-            tokens = t0 + tl.arange(0, TILE_T)
-            routed = tl.load(
-                routing + tokens.to(tl.int64)[:, None] * num_slots + slots[None, :],
-                mask=(tokens[:, None] < token) & smask[None, :],
-                other=0,
-            )
-            earlier += tl.sum((routed != 0).to(tl.int32), axis=0)
         experts = slots
     else:
-        flat = token.to(tl.int64) * num_slots + slots
-        ids = tl.load(routing_ptr + flat, mask=smask, other=-1).to(tl.int32)
-        own = smask & (ids >= 0) & (ids < num_experts)
+        ids = tl.load(routing_ptr + token.to(tl.int64) * num_slots + slots, mask=own, other=0).to(tl.int32)
         experts = tl.where(own, ids, 0)
-        earlier = tl.zeros([SLOTS_POW2], dtype=tl.int32)
-        positions = tl.arange(0, CHUNK)
-        token_end = token.to(tl.int64) * num_slots + num_slots
-        for p0 in range(block_first.to(tl.int64) * num_slots, token_end, CHUNK):
-            others = p0 + positions
-            other_ids = tl.load(routing_ptr + others, mask=others < token_end, other=-1)
-            same = (other_ids.to(tl.int32)[None, :] == ids[:, None]) & (others[None, :] < flat[:, None])
-            earlier += tl.sum(same.to(tl.int32), axis=1)
         start = tl.gather(start, experts, 0)
     before = tl.load(offsets_ptr + block.to(tl.int64) * num_experts + experts, mask=own, other=0)
-    rows = start + before + earlier
+    rows = start + before + ranks - 1
     return tl.where(own & (rows < num_rows), rows, -1)
 
 
@@ -306,7 +287,8 @@ def _load_token_chunk(inp_ptr, token, hidden, cols, cmask, STREAMING: tl.constex
 @triton.jit
 def _dispatch_kernel(
     inp_ptr,  # [T, H] payload, moved as raw bits
-    routing_ptr,  # [T, S] mask or expert ids
+    routing_ptr,  # [T, S] expert ids (read when not IS_MASK)
+    ranks_ptr,  # [T, S] in-block ranks from _count_experts_kernel
     offsets_ptr,  # [B, E] int32 from _scan_counts_kernel
     totals_ptr,  # [E] int32 from _scan_counts_kernel
     probs_ptr,  # [T, S] (HAS_PROBS)
@@ -326,8 +308,6 @@ def _dispatch_kernel(
     pad_offsets_ptr,  # [E] int32
     IS_MASK: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    TILE_T: tl.constexpr,
-    CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SLOTS_POW2: tl.constexpr,
     EXPERTS_POW2: tl.constexpr,
@@ -342,8 +322,8 @@ def _dispatch_kernel(
 ):
     """Assign rows and scatter tokens to them. Grid (T * cdiv(H, BLOCK_H) + NUM_FILL,).
 
-    Token program (t, c) computes the rows of token t's slots (`_token_rows`; the rows of the row map need
-    no launch of their own, and the map is written here, not read), loads columns [c*BLOCK_H,
+    Token program (t, c) computes the rows of token t's slots (`_token_rows`, O(S) work: the row map needs
+    no launch of its own, and is written here, not read back), loads columns [c*BLOCK_H,
     (c+1)*BLOCK_H) of token t once and stores them to each row; program (t, 0) also writes the token's
     row-map row and moves its probs and scales. The NUM_FILL programs after them zero the rows no token
     lands in (each expert's pad rows and the tail past `end`); fill program 0 writes the per-expert outputs.
@@ -358,23 +338,19 @@ def _dispatch_kernel(
     if pid < token_programs:
         token = pid // chunks
         chunk = pid % chunks
-        block = token // BLOCK_T
         slots = tl.arange(0, SLOTS_POW2)
         rows = _token_rows(
             routing_ptr,
+            ranks_ptr,
             offsets_ptr,
             start,
             token,
-            block,
-            block * BLOCK_T,
+            token // BLOCK_T,
             num_slots,
             num_experts,
             num_rows,
             slots,
             IS_MASK,
-            SLOTS_POW2,
-            TILE_T,
-            CHUNK,
         )
         valid = rows >= 0
         cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -628,9 +604,9 @@ def _combine_backward_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
-# block_tokens sets the token blocks of the counts and of the ranks inside dispatch (each token re-reads the
-# earlier rows of its block), num_warps those of the count and scan launches.
-ROW_MAP_SPACE = SearchSpace("row_map", {"block_tokens": (8, 16, 32, 64, 128), "num_warps": (4, 8)})
+# The token blocks of the counts and in-block ranks (at most 128 tokens: mask ranks are stored as bytes) and
+# the warps of the count and scan launches.
+ROW_MAP_SPACE = SearchSpace("row_map", {"block_tokens": (16, 32, 64, 128), "num_warps": (4, 8)})
 DISPATCH_SPACE = SearchSpace(
     "dispatch", {"block_bytes": (2048, 4096, 8192, 16384), "num_warps": (4, 8, 16), "streaming": (0, 1)}
 )
@@ -679,18 +655,22 @@ def expert_count_plan(
     device: DeviceInfo = DEFAULT_DEVICE,
     config: Mapping[str, int] | None = None,
 ) -> tuple[dict[str, Buffer], tuple[Launch, ...], int]:
-    """The first two of dispatch's three launches: per-block expert histograms of the routing input
-    ("routing"), then their column scan into "block_offsets" [B, E] and "expert_totals" [E]; returns the
-    buffers, the launches and block_tokens (B = T / block_tokens). O(T * S + B * E) work: linear in T * E."""
+    """The first two of dispatch's three launches: per-block expert histograms and in-block ranks of the
+    routing input ("routing" -> "block_counts" [B, E], "block_ranks" [T, S]), then the column scan of the
+    histograms into "block_offsets" [B, E] and "expert_totals" [E]; returns the buffers, the launches and
+    block_tokens (B = T / block_tokens). O(T * S + B * E) work: linear in T * E."""
     heuristic_block = min(64, max(16, next_pow2(cdiv(num_tokens, 4 * device.num_sms))))
     features = dict(num_tokens=num_tokens, num_slots=num_slots, num_experts=num_experts, is_mask=int(is_mask))
     cfg = autotune.resolve(
         ROW_MAP_SPACE, dict(block_tokens=heuristic_block, num_warps=4), config, features, device
     )
     block_t = cfg["block_tokens"]
+    if is_mask and block_t > 255:
+        raise ValueError(f"row_map: block_tokens={block_t} exceeds 255 (mask ranks are stored as bytes)")
     num_blocks = cdiv(num_tokens, block_t)
     buffers = {
         "block_counts": Buffer((num_blocks, num_experts), "int32"),
+        "block_ranks": Buffer((num_tokens, num_slots), "uint8" if is_mask else "int32"),
         "block_offsets": Buffer((num_blocks, num_experts), "int32"),
         "expert_totals": Buffer((num_experts,), "int32"),
     }
@@ -698,24 +678,17 @@ def expert_count_plan(
         return buffers, (), block_t
     if is_mask:
         tile_s = min(next_pow2(num_slots), 256)
-        bins = 1
+        tiles = dict(TILE_T=max(1, min(block_t, _TILE_ELEMENTS // tile_s)), TILE_S=tile_s, BINS=1, CHUNK=1)
     else:
-        tile_s = next_pow2(num_slots)
-        bins = next_pow2(num_experts + 1)
+        tiles = dict(TILE_T=1, TILE_S=1, BINS=next_pow2(num_experts + 1), CHUNK=64)
     # Narrow expert tiles and tall block tiles: many scan programs, each only a few steps long.
     tile_e = min(next_pow2(num_experts), 16)
     count = Launch(
         kernel=_count_experts_kernel,
         grid=(num_blocks,),
         args=("routing", num_tokens, num_slots, num_experts),
-        outputs=("block_counts",),
-        constexprs=dict(
-            IS_MASK=is_mask,
-            BLOCK_T=block_t,
-            TILE_T=max(1, min(block_t, _TILE_ELEMENTS // tile_s)),
-            TILE_S=tile_s,
-            BINS=bins,
-        ),
+        outputs=("block_counts", "block_ranks"),
+        constexprs=dict(IS_MASK=is_mask, BLOCK_T=block_t, **tiles),
         num_warps=cfg["num_warps"],
         checks=not is_mask,
     )
@@ -802,6 +775,7 @@ def dispatch_plan(
                 args=(
                     "inp",
                     "routing",
+                    "block_ranks",
                     "block_offsets",
                     "expert_totals",
                     "probs",
@@ -825,8 +799,6 @@ def dispatch_plan(
                 constexprs=dict(
                     IS_MASK=is_mask,
                     BLOCK_T=block_t,
-                    TILE_T=max(1, min(block_t, _TILE_ELEMENTS // slots_pow2)),
-                    CHUNK=max(16, _TILE_ELEMENTS // slots_pow2),
                     BLOCK_H=block_h,
                     SLOTS_POW2=slots_pow2,
                     EXPERTS_POW2=next_pow2(num_experts),

@@ -50,16 +50,16 @@ def test_map_building_work_is_linear(num_tokens, num_experts, is_mask):
     count, scan, dispatch = plan.launches
     num_blocks, block_t = count.grid[0], count.constexprs["BLOCK_T"]
     assert (num_blocks - 1) * block_t < num_tokens <= num_blocks * block_t
-    # Counting reads each routing slot once; the scan reads each of the B * E <= T * E block counts once
-    # (one program per expert tile); each dispatch program re-reads at most block_tokens - 1 earlier
-    # routing rows of its block and one row of offsets, a constant factor over reading its own row.
+    # Counting and ranking read each routing slot once; the scan reads each of the B * E <= T * E block
+    # counts once (one program per expert tile); each dispatch program reads its token's ranks and one
+    # row of offsets.
     assert plan.buffers["block_offsets"].shape == (num_blocks, num_experts)
     assert (
         scan.grid[0] * scan.constexprs["TILE_E"]
         >= num_experts
         > (scan.grid[0] - 1) * scan.constexprs["TILE_E"]
     )
-    assert dispatch.constexprs["BLOCK_T"] == block_t <= 128
+    assert dispatch.constexprs["BLOCK_T"] == block_t <= 128  # mask ranks are bytes
 
 
 @pytest.mark.parametrize("padded", [None, 16])
