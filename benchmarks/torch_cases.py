@@ -81,7 +81,7 @@ def results(shape: MoEShape, quick: bool = False) -> list[Result]:
         scale_cols=None,
         device=device_info(device),
     )
-    counted = ("block_offsets", "expert_totals")
+    counted = tuple(name for launch in plan.launches[:-1] for name in launch.outputs)
     written = plan.launches[-1].outputs
     counts_plan = kernels.Plan(plan.buffers, plan.launches[:-1], counted)
     permute_plan = kernels.Plan({k: plan.buffers[k] for k in written}, plan.launches[-1:], written[:2])
