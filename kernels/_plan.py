@@ -43,6 +43,9 @@ class Launch:
     num_stages: int = 1
     # Combine-style kernels turn fused multiply-add off so results equal a plain fp32 reference bit for bit.
     fp_fusion: bool = True
+    # Launch with programmatic dependent launch (Hopper and newer, PyTorch only): the kernel may start while
+    # the previous launch drains, and waits (`tl.extra.cuda.gdc_wait`) before it reads that launch's outputs.
+    pdl: bool = False
     # True when the kernel holds device-side checks of data-dependent input rules (index ranges);
     # the PyTorch binding compiles such launches with Triton's debug mode on CUDA.
     checks: bool = False
@@ -94,10 +97,12 @@ class SearchSpace:
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    """What plans may know about the device: a cache key and the multiprocessor count."""
+    """What plans may know about the device: a cache key, the multiprocessor count, and whether launches may
+    use programmatic dependent launch (a Hopper-or-newer GPU driven by an executor that supports it)."""
 
     name: str = "cpu"
     num_sms: int = 4
+    pdl: bool = False
 
 
 #: Plans made without device information (CPU, the interpreter, tests) use this.

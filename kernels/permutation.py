@@ -72,6 +72,7 @@ def _count_experts_kernel(
     TILE_S: tl.constexpr,
     BINS: tl.constexpr,
     CHUNK: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     """Per-block expert histograms and in-block ranks. Grid (B,): program b takes tokens
     [b*BLOCK_T, (b+1)*BLOCK_T), counts their slots per expert and ranks every routed slot among the
@@ -84,7 +85,10 @@ def _count_experts_kernel(
     byte). Expert ids: CHUNK slots at a time, a slot's rank is the row sum of a [CHUNK, CHUNK] "same expert,
     earlier" matrix plus the chunk-start histogram `counts`, which one extra bin extends to absorb -1 (no
     expert). Index ranges are checked by a device assertion, compiled in only when the binding asks for it.
+    With GDC (programmatic dependent launch), the scan may be launched at once: it waits for this kernel.
     """
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     block = tl.program_id(0)
     first = block * BLOCK_T
     last = tl.minimum(first + BLOCK_T, num_tokens)
@@ -130,9 +134,14 @@ def _scan_counts_kernel(
     totals_ptr,  # [E] int32: slots of expert e in all blocks
     TILE_B: tl.constexpr,
     TILE_E: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     """Column scan of the block counts. Grid (cdiv(E, TILE_E),): program c walks down the B blocks for experts
-    [c*TILE_E, (c+1)*TILE_E), writing exclusive prefix sums and column totals. O(B * E) work in all."""
+    [c*TILE_E, (c+1)*TILE_E), writing exclusive prefix sums and column totals. O(B * E) work in all.
+    With GDC it waits for the count kernel, then lets dispatch launch (dispatch waits for it in turn)."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     experts = tl.program_id(0) * TILE_E + tl.arange(0, TILE_E)
     emask = experts < num_experts
     running = tl.zeros([TILE_E], dtype=tl.int32)
@@ -319,6 +328,7 @@ def _dispatch_kernel(
     FILL_ROWS: tl.constexpr,
     HIDDEN_ALIGN: tl.constexpr,
     STREAMING: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     """Assign rows and scatter tokens to them. Grid (T * cdiv(H, BLOCK_H) + NUM_FILL,).
 
@@ -329,15 +339,23 @@ def _dispatch_kernel(
     lands in (each expert's pad rows and the tail past `end`); fill program 0 writes the per-expert outputs.
     STREAMING marks the token rows evict-first and the row stores streaming (".cs"): each byte is touched
     once, so keeping it in L2 only displaces lines other programs still need (a knob: the autotuner decides).
+    With GDC (programmatic dependent launch) programs may start while the scan runs: a token program loads
+    its columns, then waits for the scan (and so for the count kernel) before it reads their outputs.
     """
     pid = tl.program_id(0)
     hidden = _aligned(hidden, HIDDEN_ALIGN)
     chunks = tl.cdiv(hidden, BLOCK_H)
     token_programs = num_tokens * chunks
-    experts, total, start, kept, end = _expert_layout(totals_ptr, num_experts, num_rows, align, EXPERTS_POW2)
     if pid < token_programs:
         token = pid // chunks
         chunk = pid % chunks
+        cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+        cmask = cols < hidden
+        # The token rows are no output of the earlier launches: their load may overlap the scan (GDC).
+        values = _load_token_chunk(inp_ptr, token, hidden, cols, cmask, STREAMING)
+        if GDC:
+            tl.extra.cuda.gdc_wait()
+        _, _, start, _, end = _expert_layout(totals_ptr, num_experts, num_rows, align, EXPERTS_POW2)
         slots = tl.arange(0, SLOTS_POW2)
         rows = _token_rows(
             routing_ptr,
@@ -353,9 +371,6 @@ def _dispatch_kernel(
             IS_MASK,
         )
         valid = rows >= 0
-        cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
-        cmask = cols < hidden
-        values = _load_token_chunk(inp_ptr, token, hidden, cols, cmask, STREAMING)
         if chunk == 0:
             map_row = row_map_ptr + token.to(tl.int64) * (num_slots + 1)
             tl.store(map_row + slots, rows, mask=slots < num_slots)
@@ -374,6 +389,11 @@ def _dispatch_kernel(
                 )
         _store_to_rows(_as_bits(out_ptr), values, rows, valid, hidden, cols, cmask, STREAMING)
     else:
+        if GDC:
+            tl.extra.cuda.gdc_wait()
+        experts, total, start, kept, end = _expert_layout(
+            totals_ptr, num_experts, num_rows, align, EXPERTS_POW2
+        )
         fill = pid - token_programs
         if fill == 0:
             emask = experts < num_experts
@@ -688,7 +708,7 @@ def expert_count_plan(
         grid=(num_blocks,),
         args=("routing", num_tokens, num_slots, num_experts),
         outputs=("block_counts", "block_ranks"),
-        constexprs=dict(IS_MASK=is_mask, BLOCK_T=block_t, **tiles),
+        constexprs=dict(IS_MASK=is_mask, BLOCK_T=block_t, **tiles, GDC=device.pdl),
         num_warps=cfg["num_warps"],
         checks=not is_mask,
     )
@@ -697,8 +717,9 @@ def expert_count_plan(
         grid=(cdiv(num_experts, tile_e),),
         args=("block_counts", num_blocks, num_experts),
         outputs=("block_offsets", "expert_totals"),
-        constexprs=dict(TILE_B=max(1, _TILE_ELEMENTS // tile_e), TILE_E=tile_e),
+        constexprs=dict(TILE_B=max(1, _TILE_ELEMENTS // tile_e), TILE_E=tile_e, GDC=device.pdl),
         num_warps=cfg["num_warps"],
+        pdl=device.pdl,
     )
     return buffers, (count, scan), block_t
 
@@ -810,8 +831,10 @@ def dispatch_plan(
                     FILL_ROWS=4,
                     HIDDEN_ALIGN=alignment(hidden),
                     STREAMING=bool(cfg["streaming"]),
+                    GDC=device.pdl,
                 ),
                 num_warps=cfg["num_warps"],
+                pdl=device.pdl,
             ),
         )
     results = (

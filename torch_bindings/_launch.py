@@ -40,7 +40,7 @@ def uses_kernels(device: torch.device) -> bool:
 @functools.cache
 def _cuda_info(index: int) -> DeviceInfo:
     props = torch.cuda.get_device_properties(index)
-    return DeviceInfo(name=props.name, num_sms=props.multi_processor_count)
+    return DeviceInfo(name=props.name, num_sms=props.multi_processor_count, pdl=props.major >= 9)
 
 
 def device_info(device: torch.device) -> DeviceInfo:
@@ -93,5 +93,7 @@ def run_plan(
                 )
                 if launch.checks and device.type == "cuda":
                     options["debug"] = True
+                if launch.pdl:
+                    options["launch_pdl"] = True
                 launch.kernel[launch.grid](*args, *outputs, **launch.constexprs, **options)
     return tuple(buffers[name] for name in plan.results)
