@@ -6,6 +6,7 @@ python scripts/profile_plan.py [--shapes ...] [--op dispatch]
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+import moetriton.torch as mt
 from benchmarks.timing import time_graph
 from moetriton import kernels
 from moetriton.kernels.shapes import NAMED_SHAPES
@@ -65,6 +67,16 @@ def main() -> int:
                 env.update(zip(launch.outputs, run_plan(single, env, device), strict=True))
                 ms = time_graph([lambda single=single, now=dict(env): run_plan(single, now, device)] * 4)
                 parts.append(f"{launch.kernel.fn.__name__}{launch.grid}: {ms * 1e3:.1f} us")
+            # The whole plan in one graph (gaps and, on Hopper, programmatic dependent launch included), and
+            # the public op that runs it.
+            ms = time_graph([lambda plan=plan, inputs=inputs: run_plan(plan, inputs, device)] * 4)
+            parts.append(f"whole plan: {ms * 1e3:.1f} us")
+            routed = dict(routing_map=routing) if kind == "mask" else dict(indices=routing, num_experts=E)
+            op = functools.partial(
+                mt.token_dispatch, inputs["inp"], num_out_tokens=T * K, probs=inputs["probs"]
+            )
+            ms = time_graph([lambda op=op, routed=routed: op(**routed)] * 4)
+            parts.append(f"token_dispatch: {ms * 1e3:.1f} us")
             block = plan.launches[0].constexprs.get("BLOCK_T")
             print(f"{shape_name:<8} {kind:<8} block {block}: " + " | ".join(parts))
     return 0
