@@ -45,7 +45,8 @@ def time_graph(calls: list[Callable[[], object]], replays: int = 20) -> float:
     with torch.cuda.graph(graph):
         for call in calls:
             call()
-    graph.replay()
+    for _ in range(3):  # warm-up replays: the first graph of a run otherwise meets an idle-clocked GPU
+        graph.replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(replays):

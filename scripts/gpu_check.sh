@@ -24,7 +24,7 @@ for stage in $stages; do
     smoke) python3 "$repo/scripts/gpu_smoke.py" 2>&1 | tee "$OUT/smoke.log" ;;
     tests) (cd "$repo" && timeout ${TEST_TIMEOUT:-420} python3 -m pytest ${TEST_PATHS:-tests} -q -p no:cacheprovider \
               -n 8 --maxfail=30 --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1; tail -60 "$OUT/tests.log") ;;
-    bench) (cd "$repo" && timeout 300 python3 -m benchmarks.run --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log") ;;
+    bench) (cd "$repo" && timeout ${BENCH_TIMEOUT:-300} python3 -m benchmarks.run --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log") ;;
     usecache) cp /tmp/cache/*/*.json /tmp/site/moetriton/autotune_cache/*/ ;;
     jaxprof) (cd "$repo" && timeout ${JAXPROF_TIMEOUT:-150} python3 scripts/profile_jax.py --hlo "$OUT/hlo.txt" \
                 ${JAXPROF_ARGS:-} > "$OUT/jaxprof.log" 2>&1; tail -80 "$OUT/jaxprof.log") ;;
