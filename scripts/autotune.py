@@ -1,6 +1,7 @@
 """Autotune: sweep every kernel's search space on this GPU and write the config cache.
 
     python scripts/autotune.py [--shapes mixtral,qwen3,dsv3,small] [--kernels ...] [--out DIR] [--budget S]
+                               [--replays R] [--retune]
 
 For every kernel and key (the named shapes, with mask and index routing), every config of the kernel's
 search space is compiled and timed (CUDA-graph replays over rotating input sets, median), and
@@ -272,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default=",".join(autotune.KERNEL_SOURCES))
     parser.add_argument("--out", default=str(autotune.cache_root()))
     parser.add_argument("--budget", type=float, default=math.inf, help="stop after this many seconds")
+    parser.add_argument("--replays", type=int, default=10, help="graph replays per config (median)")
+    parser.add_argument("--retune", action="store_true", help="time the selected keys again, replacing them")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("autotuning needs a CUDA GPU")
@@ -288,10 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.kernels.split(","))
 
     caches: dict[str, dict] = {}  # kernel -> its cache file's contents, loaded once
+    retuned: dict[str, set[str]] = {}  # kernel -> keys timed by this run
 
     def cache(kernel: str) -> dict:
         if kernel not in caches:
             caches[kernel] = _load(out_dir / f"{kernel}.json", kernel, device_name)
+            retuned.setdefault(kernel, set())
         return caches[kernel]
 
     def tuned(kernel: str, features: dict) -> dict | None:
@@ -308,8 +313,9 @@ def main(argv: list[str] | None = None) -> int:
                 path = out_dir / f"{kernel}.json"
                 data = cache(kernel)
                 key = autotune.key_of(features)
-                if key in data["entries"]:
+                if key in data["entries"] and not (args.retune and key not in retuned[kernel]):
                     continue
+                retuned[kernel].add(key)
                 if time.monotonic() - started > args.budget:
                     print(f"budget of {args.budget:.0f} s spent; rerun to resume")
                     return 0
@@ -319,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                     plan = make_plan(config)
                     try:
                         ms = time_graph(
-                            [lambda s=s, plan=plan: run_plan(plan, s, device) for s in sets], replays=10
+                            [lambda s=s, plan=plan: run_plan(plan, s, device) for s in sets],
+                            replays=args.replays,
                         )
                     except Exception as error:  # a config the compiler cannot fit is recorded, not fatal
                         ms = math.inf
