@@ -51,12 +51,11 @@ def _cases(shape: MoEShape, kind: str, device, tuned):
     N, S, eb = T * K, (E if kind == "mask" else K), 2
     generator = torch.Generator(device="cuda").manual_seed(0)
     info = device_info(device)
-    sets = []
-    for _ in range(input_sets(2 * N * H * eb)):
-        x = torch.randn(T, H, device="cuda", dtype=DTYPE, generator=generator)
-        routing = _routing(shape, kind, generator)
-        probs = torch.rand(routing.shape, device="cuda", generator=generator)
-        base = kernels.dispatch_plan(
+    map_features = dict(num_tokens=T, num_slots=S, num_experts=E, is_mask=int(kind == "mask"))
+    data_features = dict(num_tokens=T, hidden=H, num_slots=S, element_bytes=eb)
+
+    def dispatch_with(config):
+        return kernels.dispatch_plan(
             num_tokens=T,
             hidden=H,
             num_slots=S,
@@ -68,12 +67,17 @@ def _cases(shape: MoEShape, kind: str, device, tuned):
             has_probs=True,
             scale_cols=None,
             device=info,
+            config=config,
         )
-        (row_map,) = run_plan(
-            kernels.Plan(base.buffers, base.launches, ("row_id_map",)),
-            dict(inp=x, routing=routing, probs=probs, scales=None),
-            device,
-        )
+
+    base = dispatch_with(None)
+    map_plan = kernels.Plan(base.buffers, base.launches, ("row_id_map",))
+    sets = []
+    for _ in range(input_sets(2 * N * H * eb)):
+        x = torch.randn(T, H, device="cuda", dtype=DTYPE, generator=generator)
+        routing = _routing(shape, kind, generator)
+        probs = torch.rand(routing.shape, device="cuda", generator=generator)
+        (row_map,) = run_plan(map_plan, dict(inp=x, routing=routing, probs=probs, scales=None), device)
         rows = torch.randn(N, H, device="cuda", dtype=DTYPE, generator=generator)
         cuts = torch.sort(torch.randint(0, N + 1, (E - 1,), device="cuda", generator=generator)).values
         sizes = torch.diff(torch.cat([cuts.new_zeros(1), cuts, cuts.new_full((1,), N)])).long()
@@ -94,28 +98,12 @@ def _cases(shape: MoEShape, kind: str, device, tuned):
             )
         )
 
-    map_features = dict(num_tokens=T, num_slots=S, num_experts=E, is_mask=int(kind == "mask"))
-    data_features = dict(num_tokens=T, hidden=H, num_slots=S, element_bytes=eb)
-
     def dispatch_plan(config, only):
         # The whole op is timed for either kernel: row_map's token blocks also set the ranks inside the
         # dispatch kernel. The other kernel's config is the one tuned here, if any, else the cache's.
         other = "dispatch" if only == "row_map" else "row_map"
         other_features = data_features if other == "dispatch" else map_features
-        return kernels.dispatch_plan(
-            num_tokens=T,
-            hidden=H,
-            num_slots=S,
-            num_experts=E,
-            is_mask=kind == "mask",
-            num_out_tokens=N,
-            align_size=None,
-            element_bytes=eb,
-            has_probs=True,
-            scale_cols=None,
-            device=info,
-            config={only: config, other: tuned(other, other_features)},
-        )
+        return dispatch_with({only: config, other: tuned(other, other_features)})
 
     yield (
         "row_map",
@@ -131,7 +119,7 @@ def _cases(shape: MoEShape, kind: str, device, tuned):
     )
     yield (
         "combine",
-        dict(num_tokens=T, hidden=H, num_slots=S, element_bytes=eb),
+        data_features,
         lambda c: kernels.combine_plan(
             num_tokens=T,
             hidden=H,
@@ -146,7 +134,7 @@ def _cases(shape: MoEShape, kind: str, device, tuned):
     )
     yield (
         "combine_backward",
-        dict(num_tokens=T, hidden=H, num_slots=S, element_bytes=eb),
+        data_features,
         lambda c: kernels.combine_backward_plan(
             num_tokens=T,
             hidden=H,
