@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moetriton.kernels import INTERPRETER, DeviceInfo, Plan, interpreter_problem
+from moetriton.kernels import INTERPRETER, DeviceInfo, Plan, RowStride, alignment, interpreter_problem
 from moetriton.kernels._interpreter import HostArray
 
 
@@ -92,15 +92,29 @@ def _jax_triton():
     return jax_triton
 
 
+def _resolve_args(launch, env: dict, dummy) -> tuple[list, dict[str, int]]:
+    """A launch's arguments from the environment, plus the constexprs of its row strides: JAX arrays are
+    dense and row-major, so a row stride is the row length."""
+    args, strides = [], {}
+    for arg in launch.args:
+        if isinstance(arg, RowStride):
+            stride = env[arg.name].shape[1]
+            strides[arg.align] = alignment(stride)
+            args.append(stride)
+        elif isinstance(arg, str):
+            args.append(dummy if env[arg] is None else env[arg])
+        else:
+            args.append(arg)
+    return args, strides
+
+
 def _run_triton(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
     jax_triton = _jax_triton()
     specs = _result_specs(plan, inputs)
     env = dict(inputs)
     dummy = jnp.zeros((0,), jnp.int32)
     for launch in plan.launches:
-        args = [
-            (dummy if env[arg] is None else env[arg]) if isinstance(arg, str) else arg for arg in launch.args
-        ]
+        args, strides = _resolve_args(launch, env, dummy)
         outputs = jax_triton.triton_call(
             *args,
             kernel=launch.kernel,
@@ -111,6 +125,7 @@ def _run_triton(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
             enable_fp_fusion=launch.fp_fusion,
             zeroed_outputs=tuple(i for i, name in enumerate(launch.outputs) if plan.buffers[name].zero),
             **launch.constexprs,
+            **strides,
         )
         env.update(zip(launch.outputs, outputs, strict=True))
     results = []
@@ -154,10 +169,8 @@ def _interpret(plan: Plan, specs: dict, inputs: dict, names: list[str], arrays) 
     env.update(buffers)
     dummy = np.zeros(0, np.int32)
     for launch in plan.launches:
-        args = [
-            HostArray(dummy if env[arg] is None else env[arg]) if isinstance(arg, str) else arg
-            for arg in launch.args
-        ]
+        args, strides = _resolve_args(launch, env, dummy)
+        args = [HostArray(arg) if isinstance(arg, np.ndarray) else arg for arg in args]
         outputs = [HostArray(buffers[name]) for name in launch.outputs]
-        launch.kernel[launch.grid](*args, *outputs, **launch.constexprs)
+        launch.kernel[launch.grid](*args, *outputs, **launch.constexprs, **strides)
     return tuple(buffers[name] for name in plan.results)

@@ -89,6 +89,7 @@ def token_dispatch(
     num_experts: int | None = None,
     scales: jax.Array | None = None,
     num_shards: int = 1,
+    capacity: int | None = None,
 ) -> tuple:
     """Permute tokens into expert-major order (MoE dispatch).
 
@@ -109,13 +110,17 @@ def token_dispatch(
         scales: [T, C] row-wise scales of FP8 payloads (any dtype), permuted like the rows (no gradient).
         num_shards: n, a static Python int dividing T and num_out_tokens. Each of the n token blocks is
             dispatched on its own into its own block of every result (see the module docstring).
+        capacity: instead of `num_out_tokens` and `align_size`: every expert gets exactly `capacity` rows
+            per shard (expert e at rows [e * capacity, (e + 1) * capacity) of a shard's block); slots past
+            the first `capacity` of their expert in (token, slot) order are dropped (no row, weight 0 in
+            combine) and unused rows are zero. A static layout for fixed-size all-to-all exchanges.
 
     Returns:
         (output [N, H], permuted_probs [N] or None, row_id_map [T, S + 1] int32, pad_offsets [n * E] int32 or
-        None (padding only), tokens_per_expert [n * E] int32 (rows per expert in the buffer, padding
-        included)), plus permuted_scales [N, C] as a sixth element when `scales` is given. N = n * (rows of a
-        shard's buffer); S = E for a mask, K for indices. Rows in row_id_map are local to their shard's
-        block. Destination rows are expert-major, token order stable inside each expert.
+        None (padding or capacity only), tokens_per_expert [n * E] int32 (rows per expert in the buffer,
+        padding included)), plus permuted_scales [N, C] as a sixth element when `scales` is given.
+        N = n * (rows of a shard's buffer); S = E for a mask, K for indices. Rows in row_id_map are local to
+        their shard's block. Destination rows are expert-major, token order stable inside each expert.
 
     Example:
         >>> x = jnp.ones((4, 8))
@@ -124,7 +129,7 @@ def token_dispatch(
         >>> counts.tolist()
         [2, 1, 2]
     """
-    if num_out_tokens is None and indices is not None:
+    if num_out_tokens is None and indices is not None and capacity is None:
         num_out_tokens = int(np.prod(np.shape(indices)))
     is_mask, _, num_experts = validation.check_dispatch(
         inp=describe(inp),
@@ -135,8 +140,11 @@ def token_dispatch(
         probs=describe(probs),
         scales=describe(scales),
         align_size=align_size,
+        capacity=capacity,
     )
-    _check_shards(num_shards, ("inp", "shape[0]", inp.shape[0]), ("num_out_tokens", "it", num_out_tokens))
+    _check_shards(
+        num_shards, ("inp", "shape[0]", inp.shape[0]), ("num_out_tokens", "it", num_out_tokens or 0)
+    )
     if not is_mask:
         values = _host_values(indices)
         if values is not None and values.size:
@@ -145,10 +153,11 @@ def token_dispatch(
         num_shards=num_shards,
         num_experts=num_experts,
         is_mask=is_mask,
-        num_out_tokens=num_out_tokens // num_shards,
+        num_out_tokens=None if capacity is not None else num_out_tokens // num_shards,
         align_size=align_size,
         has_probs=probs is not None,
         has_scales=scales is not None,
+        capacity=capacity,
     )
     routing = routing_map if is_mask else indices
     results = _dispatch(op, jnp.asarray(inp), jnp.asarray(routing), _asarray(probs), _asarray(scales))

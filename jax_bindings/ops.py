@@ -29,14 +29,15 @@ def _run(plan: kernels.Plan, inputs: dict[str, jax.Array | None]) -> dict[str, j
 @_op
 class Dispatch(ShardedOp):
     """token_dispatch: permute tokens (and probs, scales) into an expert-major buffer of a padded
-    `buffer_rows(num_out_tokens, num_experts, align_size)` rows."""
+    `buffer_rows(num_out_tokens, num_experts, align_size, capacity)` rows."""
 
     num_experts: int
     is_mask: bool
-    num_out_tokens: int
+    num_out_tokens: int | None
     align_size: int | None
     has_probs: bool
     has_scales: bool
+    capacity: int | None = None
 
     layouts: ClassVar[dict[str, tuple[str, ...]]] = {
         "inp": ("t", HIDDEN),
@@ -62,7 +63,7 @@ class Dispatch(ShardedOp):
             + ("permuted_probs",) * self.has_probs
             + ("permuted_scales",) * self.has_scales
             + ("row_id_map",)
-            + ("pad_offsets",) * (self.align_size is not None)
+            + ("pad_offsets",) * (self.align_size is not None or self.capacity is not None)
             + ("tokens_per_expert",)
         )
 
@@ -81,6 +82,7 @@ class Dispatch(ShardedOp):
                 element_bytes=inp.dtype.itemsize,
                 has_probs=probs is not None,
                 scale_cols=None if scales is None else scales.shape[1],
+                capacity=self.capacity,
                 device=device_info(),
             )
             out = _run(plan, dict(inp=inp, routing=routing, probs=probs, scales=scales))
@@ -95,6 +97,7 @@ class Dispatch(ShardedOp):
                 self.is_mask,
                 self.num_out_tokens,
                 self.align_size,
+                self.capacity,
             )
             out = dict(zip((*names, "tokens_per_expert"), values, strict=True))
         return {name: out[name] for name in self.results}

@@ -42,12 +42,18 @@ def _move_rows(values: jax.Array, dst: jax.Array, src: jax.Array, num_rows: int)
 
 
 def row_map(
-    routing: jax.Array, num_experts: int, is_mask: bool, num_rows: int, align: int
+    routing: jax.Array,
+    num_experts: int,
+    is_mask: bool,
+    num_rows: int,
+    align: int,
+    capacity: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Row map [T, S + 1], rows per expert in the buffer [E] and pad offsets [E] (all int32).
 
     A slot's row is its expert's (padded) block start plus its rank among that expert's slots in
-    (token, slot) order; slots past the buffer, with no expert, or with an id outside [0, E) get -1.
+    (token, slot) order; slots past the buffer, with no expert, or with an id outside [0, E) get -1. With a
+    capacity every block has `capacity` rows, and slots ranked past it in their expert get -1.
     """
     num_tokens, num_slots = routing.shape
     if is_mask:
@@ -58,7 +64,7 @@ def row_map(
         valid = (experts >= 0) & (experts < num_experts)
     flat = jnp.where(valid, experts, num_experts).reshape(-1)
     counts = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-    aligned = (counts + align - 1) // align * align
+    aligned = jnp.full_like(counts, capacity) if capacity else (counts + align - 1) // align * align
     start = jnp.cumsum(aligned, dtype=jnp.int32) - aligned
     plain_start = jnp.cumsum(counts, dtype=jnp.int32) - counts
     order = jnp.argsort(flat, stable=True)
@@ -67,7 +73,10 @@ def row_map(
     rank = jnp.arange(flat.shape[0], dtype=jnp.int32) - jnp.concatenate([plain_start, pad])[sorted_experts]
     sorted_rows = jnp.concatenate([start, pad])[sorted_experts] + rank
     rows = jnp.zeros_like(flat).at[order].set(sorted_rows)
-    rows = jnp.where(valid.reshape(-1) & (rows < num_rows), rows, -1)
+    keep = valid.reshape(-1) & (rows < num_rows)
+    if capacity:
+        keep &= jnp.zeros_like(flat).at[order].set(rank) < capacity
+    rows = jnp.where(keep, rows, -1)
     end = jnp.minimum(aligned.sum(), num_rows)
     kept = jnp.minimum(jnp.maximum(num_rows - start, 0), aligned)
     full_map = jnp.concatenate(
@@ -91,13 +100,14 @@ def dispatch(
     scales: jax.Array | None,
     num_experts: int,
     is_mask: bool,
-    num_out_tokens: int,
+    num_out_tokens: int | None,
     align_size: int | None,
+    capacity: int | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array, jax.Array, jax.Array]:
     """One shard of token_dispatch: (output [N, H], permuted_probs [N] | None, permuted_scales [N, C] | None,
     row_id_map [T, S + 1], pad_offsets [E], tokens_per_expert [E])."""
-    num_rows = buffer_rows(num_out_tokens, num_experts, align_size)
-    full_map, kept, pad_offsets = row_map(routing, num_experts, is_mask, num_rows, align_size or 1)
+    num_rows = buffer_rows(num_out_tokens, num_experts, align_size, capacity)
+    full_map, kept, pad_offsets = row_map(routing, num_experts, is_mask, num_rows, align_size or 1, capacity)
     tokens, dst = _slot_rows(full_map, num_rows)
     output = _move_rows(inp, dst, tokens, num_rows)
     permuted_probs = (
@@ -217,6 +227,7 @@ def token_dispatch(
     indices: jax.Array | None = None,
     num_experts: int | None = None,
     scales: jax.Array | None = None,
+    capacity: int | None = None,
 ) -> tuple:
     """Reference of moetriton.jax.token_dispatch with num_shards=1 (same arguments and results).
 
@@ -230,7 +241,7 @@ def token_dispatch(
     routing = jnp.asarray(routing_map if is_mask else indices)
     if is_mask:
         num_experts = routing.shape[1]
-    if num_out_tokens is None:
+    if num_out_tokens is None and capacity is None:
         num_out_tokens = routing.size
     output, permuted_probs, permuted_scales, full_map, pad_offsets, kept = dispatch(
         jnp.asarray(inp),
@@ -241,8 +252,10 @@ def token_dispatch(
         is_mask,
         num_out_tokens,
         align_size,
+        capacity,
     )
-    result = (output, permuted_probs, full_map, pad_offsets if align_size is not None else None, kept)
+    padded = align_size is not None or capacity is not None
+    result = (output, permuted_probs, full_map, pad_offsets if padded else None, kept)
     return (*result, permuted_scales) if scales is not None else result
 
 

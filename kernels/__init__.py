@@ -6,7 +6,18 @@ importing to run the kernels under the Triton interpreter on CPU.
 
 from . import router
 from ._interpreter import INTERPRETER, interpreter_problem
-from ._plan import Buffer, DeviceInfo, Launch, Plan, SearchSpace, cdiv, next_pow2
+from ._plan import (
+    Buffer,
+    DeviceInfo,
+    Launch,
+    Plan,
+    RowStride,
+    SearchSpace,
+    alignment,
+    cdiv,
+    next_pow2,
+    strided_inputs,
+)
 from .chunk_sort import SORT_CHUNKS_SPACE, sort_chunks_plan
 from .permutation import (
     COMBINE_BACKWARD_SPACE,
@@ -16,6 +27,7 @@ from .permutation import (
     buffer_rows,
     combine_backward_plan,
     combine_plan,
+    dispatch_outputs,
     dispatch_plan,
     expert_count_plan,
     scatter_plan,
@@ -41,11 +53,14 @@ __all__ = [
     "DeviceInfo",
     "Launch",
     "Plan",
+    "RowStride",
     "SearchSpace",
+    "alignment",
     "buffer_rows",
     "cdiv",
     "combine_backward_plan",
     "combine_plan",
+    "dispatch_outputs",
     "dispatch_plan",
     "expert_count_plan",
     "interpreter_problem",
@@ -53,4 +68,5 @@ __all__ = [
     "router",
     "scatter_plan",
     "sort_chunks_plan",
+    "strided_inputs",
 ]

@@ -7,14 +7,21 @@ neither ever computes a grid or a block size itself.
 
 Argument convention of every kernel: input pointers and scalars first (in `Launch.args` order), then output
 pointers (`Launch.outputs`), then constexprs. This is the order jax-triton passes arguments in.
+
+Memory layout. Kernels read every input as a dense row-major array, except where a launch names a
+`RowStride` argument: that input is read row by row through the given stride (its columns must be unit
+stride). Executors decide the rest in one place: an input a kernel takes strided is passed as it is when its
+columns are unit stride, and every other input is made contiguous first. Outputs are always allocated dense.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 
 @dataclass(frozen=True)
@@ -31,12 +38,24 @@ class Buffer:
 
 
 @dataclass(frozen=True)
+class RowStride:
+    """A launch argument resolved by the executor: the row stride, in elements, of the 2-D input `name`,
+    which the kernel then reads through that stride (so row-sliced views are never copied). The executor also
+    sets the constexpr `align` to `alignment(stride)`, the divisibility the kernel may assume (jax-triton,
+    unlike PyTorch's launcher, does not tell Triton which integers are multiples of 16)."""
+
+    name: str
+    align: str
+
+
+@dataclass(frozen=True)
 class Launch:
-    """One kernel launch. `args` holds input/buffer names (str) and scalar ints, in kernel order."""
+    """One kernel launch. `args` holds input/buffer names (str), scalar ints and row strides of inputs
+    (`RowStride`), in kernel order."""
 
     kernel: Any
     grid: tuple[int, ...]
-    args: tuple[str | int, ...]
+    args: tuple[str | int | RowStride, ...]
     outputs: tuple[str, ...]
     constexprs: dict[str, Any] = field(default_factory=dict)
     num_warps: int = 4
@@ -64,6 +83,30 @@ class Plan:
     results: tuple[str, ...]
 
 
+_Builder = TypeVar("_Builder", bound=Callable[..., Any])
+
+
+def cached(builder: _Builder) -> _Builder:
+    """Builds each plan once per signature: a plan builder (keyword arguments only: sizes, dtypes' widths,
+    options, a DeviceInfo) answers repeated calls from a cache, so the host pays for grids, tiles and the
+    autotune lookup once, and executors may keep per-plan state (compiled-kernel launchers) keyed by the
+    plan object. Calls with an explicit `config` (tests, the autotuner) and calls with unhashable or
+    symbolic arguments are built afresh."""
+    memo = functools.lru_cache(maxsize=1024)(builder)
+
+    @functools.wraps(builder)
+    def plan(**kwargs):
+        if kwargs.get("config") is not None:
+            return builder(**kwargs)
+        try:
+            hash(tuple(kwargs.values()))
+        except TypeError:  # an unhashable argument (e.g. a symbolic size): no caching
+            return builder(**kwargs)
+        return memo(**kwargs)
+
+    return plan  # type: ignore[return-value]
+
+
 def next_pow2(value: int) -> int:
     """Smallest power of two >= value (1 for value <= 1)."""
     return 1 if value <= 1 else 1 << (value - 1).bit_length()
@@ -71,6 +114,20 @@ def next_pow2(value: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def alignment(size: int) -> int:
+    """The largest power of two up to 16 that divides `size` (16 for 0): what a kernel may assume about an
+    integer argument (16 is the divisibility PyTorch's launcher infers, so both frameworks compile the same
+    code)."""
+    return math.gcd(size, 16)
+
+
+def strided_inputs(plan: Plan) -> frozenset[str]:
+    """Names of the inputs that some launch of `plan` reads through a row stride."""
+    return frozenset(
+        arg.name for launch in plan.launches for arg in launch.args if isinstance(arg, RowStride)
+    )
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,20 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, SearchSpace, cdiv, next_pow2
-from .permutation import _aligned, _as_bits, alignment
+from ._plan import (
+    DEFAULT_DEVICE,
+    Buffer,
+    DeviceInfo,
+    Launch,
+    Plan,
+    RowStride,
+    SearchSpace,
+    alignment,
+    cached,
+    cdiv,
+    next_pow2,
+)
+from .permutation import _aligned, _as_bits, column_programs
 
 _TILE_ELEMENTS = 4096
 
@@ -28,6 +40,7 @@ def _sort_chunks_kernel(
     probs_ptr,  # [N] (HAS_PROBS)
     num_rows,
     hidden,
+    inp_stride,  # row stride of inp
     num_splits,
     out_ptr,  # [N, H]
     row_map_ptr,  # [N] int32 (WRITE_MAP)
@@ -39,6 +52,7 @@ def _sort_chunks_kernel(
     GATHER: tl.constexpr,
     WRITE_MAP: tl.constexpr,
     HIDDEN_ALIGN: tl.constexpr,
+    INP_STRIDE_ALIGN: tl.constexpr,
 ):
     """Grid (cdiv(N, ROWS), cdiv(H, BLOCK_H)). Program (b, c) computes the destination of rows
     [b*ROWS, (b+1)*ROWS) from the split sizes (O(ROWS * S) compares) and moves their columns
@@ -47,6 +61,7 @@ def _sort_chunks_kernel(
     row_block = tl.program_id(0)
     chunk = tl.program_id(1)
     hidden = _aligned(hidden, HIDDEN_ALIGN)
+    inp_stride = _aligned(inp_stride, INP_STRIDE_ALIGN)
     splits = tl.arange(0, SPLITS_POW2)
     smask = splits < num_splits
     sizes = tl.load(split_sizes_ptr + splits, mask=smask, other=0).to(tl.int32)
@@ -78,7 +93,9 @@ def _sort_chunks_kernel(
         write_rows = dst
     cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = rmask[:, None] & (cols[None, :] < hidden)
-    values = tl.load(_as_bits(inp_ptr) + read_rows.to(tl.int64)[:, None] * hidden + cols[None, :], mask=mask)
+    values = tl.load(
+        _as_bits(inp_ptr) + read_rows.to(tl.int64)[:, None] * inp_stride + cols[None, :], mask=mask
+    )
     tl.store(_as_bits(out_ptr) + write_rows.to(tl.int64)[:, None] * hidden + cols[None, :], values, mask=mask)
     if chunk == 0:
         if HAS_PROBS:
@@ -93,6 +110,7 @@ SORT_CHUNKS_SPACE = SearchSpace(
 )
 
 
+@cached
 def sort_chunks_plan(
     *,
     num_rows: int,
@@ -127,8 +145,17 @@ def sort_chunks_plan(
     rows = 1 << (rows.bit_length() - 1)
     launch = Launch(
         kernel=_sort_chunks_kernel,
-        grid=(cdiv(num_rows, rows), cdiv(hidden, block_h)),
-        args=("inp", "split_sizes", "sorted_indices", "probs", num_rows, hidden, num_splits),
+        grid=(cdiv(num_rows, rows), column_programs(hidden, block_h)),
+        args=(
+            "inp",
+            "split_sizes",
+            "sorted_indices",
+            "probs",
+            num_rows,
+            hidden,
+            RowStride("inp", "INP_STRIDE_ALIGN"),
+            num_splits,
+        ),
         outputs=("output", "row_id_map", "permuted_probs"),
         constexprs=dict(
             ROWS=rows,

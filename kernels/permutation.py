@@ -13,20 +13,39 @@ can read it locally). Rows are expert-major and stable in (token, slot) order:
     row(t, s) = start[e] + #{(t', s') < (t, s) : expert(t', s') == e},    e = expert(t, s)
 where start[e] is the exclusive prefix sum of the per-expert counts, each rounded up to A when padding.
 
+Capacity. With a capacity C instead of padding, every expert owns exactly C rows (start[e] = e * C,
+N = E * C): a slot keeps its row only when it is among the first C slots of its expert in (token, slot)
+order, and the expert's unused rows are padding. The layout is static, e.g. for fixed-size all-to-all
+exchanges.
+
 Buffer rows that receive no token (padding and the tail past `end`) are written with zeros by extra "fill"
 programs appended to the grid of the kernels that produce permuted buffers; nothing is pre-zeroed.
+
+Token inputs ([T, H] and [N, H]) are read through a row stride (`RowStride` in the plans), so row-sliced views
+reach the kernels without a copy; their columns are unit stride. Outputs are dense.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import triton
 import triton.language as tl
 
 from . import autotune
-from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, SearchSpace, cdiv, next_pow2
+from ._plan import (
+    DEFAULT_DEVICE,
+    Buffer,
+    DeviceInfo,
+    Launch,
+    Plan,
+    RowStride,
+    SearchSpace,
+    alignment,
+    cached,
+    cdiv,
+    next_pow2,
+)
 
 # Largest number of elements one program holds in a tile; keeps register use bounded for any E, K and H.
 _TILE_ELEMENTS = 4096
@@ -156,13 +175,25 @@ def _scan_counts_kernel(
 
 
 @triton.jit
-def _expert_layout(totals_ptr, num_experts, num_rows, align, EXPERTS_POW2: tl.constexpr):
+def _expert_layout(
+    totals_ptr,
+    num_experts,
+    num_rows,
+    align,
+    capacity,
+    EXPERTS_POW2: tl.constexpr,
+    HAS_CAPACITY: tl.constexpr,
+):
     """Where every expert's rows lie, from the slot totals: [EXPERTS_POW2] vectors of the experts, their slot
     counts, their padded counts, their first rows and the rows kept in the buffer, plus `end` (the rows
-    holding tokens or padding). O(E) per call: cheap next to a token row, so each program derives it."""
+    holding tokens or padding). O(E) per call: cheap next to a token row, so each program derives it.
+    With HAS_CAPACITY every expert's block is `capacity` rows, whatever its count."""
     experts = tl.arange(0, EXPERTS_POW2)
     total = tl.load(totals_ptr + experts, mask=experts < num_experts, other=0)
-    padded = tl.cdiv(total, align) * align
+    if HAS_CAPACITY:
+        padded = tl.where(experts < num_experts, tl.full([EXPERTS_POW2], capacity, tl.int32), 0)
+    else:
+        padded = tl.cdiv(total, align) * align
     start = tl.cumsum(padded, axis=0) - padded
     kept = tl.minimum(tl.maximum(num_rows - start, 0), padded)
     end = tl.minimum(tl.sum(padded, axis=0), num_rows)
@@ -180,11 +211,14 @@ def _token_rows(
     num_slots,
     num_experts,
     num_rows,
+    capacity,
     slots,
     IS_MASK: tl.constexpr,
+    HAS_CAPACITY: tl.constexpr,
 ):
-    """Rows of one token's slots (-1: none): start[e] + the block's offset for e (slots of e in earlier
-    blocks, from the scan) + the slot's rank among the block's slots of e (from the count kernel)."""
+    """Rows of one token's slots (-1: none): start[e] + the slot's rank in expert e, which is the block's
+    offset for e (slots of e in earlier blocks, from the scan) + the slot's rank among the block's slots of e
+    (from the count kernel). With HAS_CAPACITY, slots ranked `capacity` or later in their expert get none."""
     smask = slots < num_slots
     ranks = tl.load(ranks_ptr + token.to(tl.int64) * num_slots + slots, mask=smask, other=0).to(tl.int32)
     own = ranks != 0
@@ -195,8 +229,12 @@ def _token_rows(
         experts = tl.where(own, ids, 0)
         start = tl.gather(start, experts, 0)
     before = tl.load(offsets_ptr + block.to(tl.int64) * num_experts + experts, mask=own, other=0)
-    rows = start + before + ranks - 1
-    return tl.where(own & (rows < num_rows), rows, -1)
+    rank = before + ranks - 1
+    rows = start + rank
+    keep = own & (rows < num_rows)
+    if HAS_CAPACITY:
+        keep = keep & (rank < capacity)
+    return tl.where(keep, rows, -1)
 
 
 @triton.jit
@@ -284,13 +322,16 @@ def _store_to_rows(out, values, rows, valid, hidden, cols, cmask, STREAMING: tl.
 
 
 @triton.jit
-def _load_token_chunk(inp_ptr, token, hidden, cols, cmask, STREAMING: tl.constexpr):
-    """Columns `cols` of token row `token`, as raw bits (evict-first when STREAMING: read once)."""
+def _load_token_chunk(inp_ptr, token, row_stride, cols, cmask, STREAMING: tl.constexpr):
+    """Columns `cols` of token row `token` (rows `row_stride` elements apart), as raw bits (evict-first when
+    STREAMING: read once)."""
     if STREAMING:
         return tl.load(
-            _as_bits(inp_ptr) + token.to(tl.int64) * hidden + cols, mask=cmask, eviction_policy="evict_first"
+            _as_bits(inp_ptr) + token.to(tl.int64) * row_stride + cols,
+            mask=cmask,
+            eviction_policy="evict_first",
         )
-    return tl.load(_as_bits(inp_ptr) + token.to(tl.int64) * hidden + cols, mask=cmask)
+    return tl.load(_as_bits(inp_ptr) + token.to(tl.int64) * row_stride + cols, mask=cmask)
 
 
 @triton.jit
@@ -304,10 +345,12 @@ def _dispatch_kernel(
     scales_ptr,  # [T, C] row-wise scales (HAS_SCALES)
     num_tokens,
     hidden,
+    inp_stride,  # row stride of inp
     num_slots,
     num_rows,
     num_experts,
     align,
+    capacity,  # rows of every expert's block (HAS_CAPACITY)
     scale_cols,
     out_ptr,  # [N, H]
     out_probs_ptr,  # [N] (HAS_PROBS)
@@ -324,9 +367,11 @@ def _dispatch_kernel(
     HAS_PROBS: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     PADDED: tl.constexpr,
+    HAS_CAPACITY: tl.constexpr,
     NUM_FILL: tl.constexpr,
     FILL_ROWS: tl.constexpr,
     HIDDEN_ALIGN: tl.constexpr,
+    INP_STRIDE_ALIGN: tl.constexpr,
     STREAMING: tl.constexpr,
     GDC: tl.constexpr,
 ):
@@ -344,7 +389,8 @@ def _dispatch_kernel(
     """
     pid = tl.program_id(0)
     hidden = _aligned(hidden, HIDDEN_ALIGN)
-    chunks = tl.cdiv(hidden, BLOCK_H)
+    inp_stride = _aligned(inp_stride, INP_STRIDE_ALIGN)
+    chunks = tl.maximum(tl.cdiv(hidden, BLOCK_H), 1)  # one program per token even when H = 0
     token_programs = num_tokens * chunks
     if pid < token_programs:
         token = pid // chunks
@@ -352,10 +398,12 @@ def _dispatch_kernel(
         cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
         cmask = cols < hidden
         # The token rows are no output of the earlier launches: their load may overlap the scan (GDC).
-        values = _load_token_chunk(inp_ptr, token, hidden, cols, cmask, STREAMING)
+        values = _load_token_chunk(inp_ptr, token, inp_stride, cols, cmask, STREAMING)
         if GDC:
             tl.extra.cuda.gdc_wait()
-        _, _, start, _, end = _expert_layout(totals_ptr, num_experts, num_rows, align, EXPERTS_POW2)
+        _, _, start, _, end = _expert_layout(
+            totals_ptr, num_experts, num_rows, align, capacity, EXPERTS_POW2, HAS_CAPACITY
+        )
         slots = tl.arange(0, SLOTS_POW2)
         rows = _token_rows(
             routing_ptr,
@@ -367,8 +415,10 @@ def _dispatch_kernel(
             num_slots,
             num_experts,
             num_rows,
+            capacity,
             slots,
             IS_MASK,
+            HAS_CAPACITY,
         )
         valid = rows >= 0
         if chunk == 0:
@@ -392,7 +442,7 @@ def _dispatch_kernel(
         if GDC:
             tl.extra.cuda.gdc_wait()
         experts, total, start, kept, end = _expert_layout(
-            totals_ptr, num_experts, num_rows, align, EXPERTS_POW2
+            totals_ptr, num_experts, num_rows, align, capacity, EXPERTS_POW2, HAS_CAPACITY
         )
         fill = pid - token_programs
         if fill == 0:
@@ -440,6 +490,7 @@ def _scatter_kernel(
     row_map_ptr,  # [T, S + 1] int32
     num_tokens,
     hidden,
+    inp_stride,  # row stride of inp
     num_slots,
     num_rows,
     out_ptr,  # [N, H]
@@ -448,6 +499,7 @@ def _scatter_kernel(
     NUM_FILL: tl.constexpr,
     FILL_ROWS: tl.constexpr,
     HIDDEN_ALIGN: tl.constexpr,
+    INP_STRIDE_ALIGN: tl.constexpr,
     STREAMING: tl.constexpr,
 ):
     """Scatter tokens through an existing row map (the backward of unweighted combine).
@@ -456,13 +508,14 @@ def _scatter_kernel(
     when the plan pre-zeroes the output)."""
     pid = tl.program_id(0)
     hidden = _aligned(hidden, HIDDEN_ALIGN)
-    chunks = tl.cdiv(hidden, BLOCK_H)
+    inp_stride = _aligned(inp_stride, INP_STRIDE_ALIGN)
+    chunks = tl.maximum(tl.cdiv(hidden, BLOCK_H), 1)  # one program per token even when H = 0
     token_programs = num_tokens * chunks
     if pid < token_programs:
         token = pid // chunks
         cols = (pid % chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
         cmask = cols < hidden
-        values = _load_token_chunk(inp_ptr, token, hidden, cols, cmask, STREAMING)
+        values = _load_token_chunk(inp_ptr, token, inp_stride, cols, cmask, STREAMING)
         slots = tl.arange(0, SLOTS_POW2)
         rows = tl.load(
             row_map_ptr + token.to(tl.int64) * (num_slots + 1) + slots, mask=slots < num_slots, other=-1
@@ -490,6 +543,7 @@ def _combine_kernel(
     permuted_probs_ptr,  # [N] (GATHER_PROBS)
     num_tokens,
     hidden,
+    inp_stride,  # row stride of inp
     num_slots,
     out_ptr,  # [T, H]
     out_probs_ptr,  # [T, S] (GATHER_PROBS)
@@ -498,6 +552,7 @@ def _combine_kernel(
     HAS_WEIGHTS: tl.constexpr,
     GATHER_PROBS: tl.constexpr,
     HIDDEN_ALIGN: tl.constexpr,
+    INP_STRIDE_ALIGN: tl.constexpr,
 ):
     """Gather-sum rows back to tokens. Grid (T * cdiv(H, BLOCK_H),).
 
@@ -509,7 +564,8 @@ def _combine_kernel(
     """
     pid = tl.program_id(0)
     hidden = _aligned(hidden, HIDDEN_ALIGN)
-    chunks = tl.cdiv(hidden, BLOCK_H)
+    inp_stride = _aligned(inp_stride, INP_STRIDE_ALIGN)
+    chunks = tl.maximum(tl.cdiv(hidden, BLOCK_H), 1)  # one program per token even when H = 0
     token = pid // chunks
     chunk = pid % chunks
     acc_dtype: tl.constexpr = tl.float64 if inp_ptr.dtype.element_ty == tl.float64 else tl.float32
@@ -528,7 +584,7 @@ def _combine_kernel(
     for _ in range(tl.sum(valid.to(tl.int32), axis=0)):
         slot = tl.min(tl.where(valid & (slots > previous), slots, SLOTS_POW2), axis=0)
         row = tl.load(map_row + slot).to(tl.int64)
-        values = tl.load(inp_ptr + row * hidden + cols, mask=cmask, other=0).to(acc_dtype)
+        values = tl.load(inp_ptr + row * inp_stride + cols, mask=cmask, other=0).to(acc_dtype)
         if HAS_WEIGHTS:
             weight = tl.load(weights_ptr + token.to(tl.int64) * num_slots + slot).to(acc_dtype)
             acc += values * weight
@@ -546,6 +602,8 @@ def _combine_backward_kernel(
     weights_ptr,  # [T, S] merging probs
     num_tokens,
     hidden,
+    grad_stride,  # row stride of grad
+    inp_stride,  # row stride of inp
     num_slots,
     num_rows,
     grad_inp_ptr,  # [N, H]
@@ -555,6 +613,8 @@ def _combine_backward_kernel(
     NUM_FILL: tl.constexpr,
     FILL_ROWS: tl.constexpr,
     HIDDEN_ALIGN: tl.constexpr,
+    GRAD_STRIDE_ALIGN: tl.constexpr,
+    INP_STRIDE_ALIGN: tl.constexpr,
     STREAMING: tl.constexpr,
 ):
     """Backward of weighted combine. Grid (T + NUM_FILL,).
@@ -568,6 +628,8 @@ def _combine_backward_kernel(
     """
     pid = tl.program_id(0)
     hidden = _aligned(hidden, HIDDEN_ALIGN)
+    grad_stride = _aligned(grad_stride, GRAD_STRIDE_ALIGN)
+    inp_stride = _aligned(inp_stride, INP_STRIDE_ALIGN)
     if pid < num_tokens:
         token = pid
         acc_dtype: tl.constexpr = tl.float64 if inp_ptr.dtype.element_ty == tl.float64 else tl.float32
@@ -576,7 +638,7 @@ def _combine_backward_kernel(
         smask = slots < num_slots
         rows = tl.load(map_row + slots, mask=smask, other=-1)
         valid = rows >= 0
-        grad_row = grad_ptr + token.to(tl.int64) * hidden
+        grad_row = grad_ptr + token.to(tl.int64) * grad_stride
         weight_grads = tl.zeros([SLOTS_POW2], dtype=acc_dtype)
         previous = tl.full([], -1, tl.int32)
         for _ in range(tl.sum(valid.to(tl.int32), axis=0)):
@@ -591,11 +653,11 @@ def _combine_backward_kernel(
                 scaled = (grad * weight).to(grad_inp_ptr.dtype.element_ty)
                 if STREAMING:
                     values = tl.load(
-                        inp_ptr + row * hidden + cols, mask=cmask, other=0, eviction_policy="evict_first"
+                        inp_ptr + row * inp_stride + cols, mask=cmask, other=0, eviction_policy="evict_first"
                     ).to(acc_dtype)
                     tl.store(grad_inp_ptr + row * hidden + cols, scaled, mask=cmask, cache_modifier=".cs")
                 else:
-                    values = tl.load(inp_ptr + row * hidden + cols, mask=cmask, other=0).to(acc_dtype)
+                    values = tl.load(inp_ptr + row * inp_stride + cols, mask=cmask, other=0).to(acc_dtype)
                     tl.store(grad_inp_ptr + row * hidden + cols, scaled, mask=cmask)
                 dot += values * grad
             weight_grads = tl.where(slots == slot, tl.sum(dot, axis=0), weight_grads)
@@ -641,15 +703,15 @@ def _warps_for(block_bytes: int) -> int:
     return min(8, max(4, next_pow2(block_bytes // 512)))
 
 
+def column_programs(hidden: int, block_h: int) -> int:
+    """Programs per token row: one per BLOCK_H columns, and one even for H = 0, since a token's first
+    program also moves its per-slot data (row map, probs)."""
+    return max(1, cdiv(hidden, block_h))
+
+
 def _columns(hidden: int, block: int) -> int:
     """Columns per program: the configured block, no wider than the row (power of two, at least 16)."""
     return max(16, min(next_pow2(hidden), block))
-
-
-def alignment(size: int) -> int:
-    """The largest power of two up to 16 that divides `size`: what `_aligned` may assume about it (16 is
-    the divisibility PyTorch's launcher infers, so both frameworks compile the same code)."""
-    return math.gcd(size, 16)
 
 
 def _num_fill(device: DeviceInfo, padded: bool, num_experts: int) -> int:
@@ -657,10 +719,15 @@ def _num_fill(device: DeviceInfo, padded: bool, num_experts: int) -> int:
     return min(max(num_experts, device.num_sms), 1024) if padded else device.num_sms
 
 
-def buffer_rows(num_out_tokens: int, num_experts: int, align_size: int | None) -> int:
+def buffer_rows(
+    num_out_tokens: int | None, num_experts: int, align_size: int | None, capacity: int | None = None
+) -> int:
     """Rows of the permuted buffer: `num_out_tokens`, or with padding the static worst case
     floor((num_out_tokens + E * (A - 1)) / A) * A, which always holds the padded layout of
-    `num_out_tokens` routed slots (the padded total is a multiple of A and at most that bound)."""
+    `num_out_tokens` routed slots (the padded total is a multiple of A and at most that bound), or with a
+    capacity E * capacity (`num_out_tokens` unused)."""
+    if capacity is not None:
+        return num_experts * capacity
     if align_size is None:
         return num_out_tokens
     return (num_out_tokens + num_experts * (align_size - 1)) // align_size * align_size
@@ -694,8 +761,6 @@ def expert_count_plan(
         "block_offsets": Buffer((num_blocks, num_experts), "int32"),
         "expert_totals": Buffer((num_experts,), "int32"),
     }
-    if num_tokens == 0:
-        return buffers, (), block_t
     if is_mask:
         tile_s = min(next_pow2(num_slots), 256)
         tiles = dict(TILE_T=max(1, min(block_t, _TILE_ELEMENTS // tile_s)), TILE_S=tile_s, BINS=1, CHUNK=1)
@@ -703,6 +768,7 @@ def expert_count_plan(
         tiles = dict(TILE_T=1, TILE_S=1, BINS=next_pow2(num_experts + 1), CHUNK=64)
     # Narrow expert tiles and tall block tiles: many scan programs, each only a few steps long.
     tile_e = min(next_pow2(num_experts), 16)
+    # With no tokens the count launch has no programs: the scan alone writes zero totals.
     count = Launch(
         kernel=_count_experts_kernel,
         grid=(num_blocks,),
@@ -721,7 +787,7 @@ def expert_count_plan(
         num_warps=cfg["num_warps"],
         pdl=device.pdl,
     )
-    return buffers, (count, scan), block_t
+    return buffers, (count, scan) if num_blocks else (scan,), block_t
 
 
 def _data_config(hidden: int, num_slots: int, element_bytes: int, num_tokens: int, device, config):
@@ -733,6 +799,7 @@ def _data_config(hidden: int, num_slots: int, element_bytes: int, num_tokens: in
     return cfg, _columns(hidden, cfg["block_bytes"] // element_bytes)
 
 
+@cached
 def dispatch_plan(
     *,
     num_tokens: int,
@@ -740,16 +807,18 @@ def dispatch_plan(
     num_slots: int,
     num_experts: int,
     is_mask: bool,
-    num_out_tokens: int,
-    align_size: int | None,
+    num_out_tokens: int | None,
     element_bytes: int,
     has_probs: bool,
     scale_cols: int | None,
+    align_size: int | None = None,
+    capacity: int | None = None,
     device: DeviceInfo = DEFAULT_DEVICE,
     config: Mapping[str, Mapping[str, int]] | None = None,
 ) -> Plan:
     """token_dispatch in three launches: expert histograms per token block, their scan, then one kernel that
     assigns every slot its row (writing the row map) and scatters tokens, probs and scales there.
+    With `capacity` (instead of `num_out_tokens` and `align_size`) every expert owns `capacity` rows.
 
     Inputs: "inp" [T, H], "routing" [T, S], "probs" [T, S] or None, "scales" [T, C] or None.
     Results: output [N, H], permuted_probs [N], permuted_scales [N, C], row_id_map [T, S + 1],
@@ -758,7 +827,19 @@ def dispatch_plan(
     search spaces (defaults: the autotune cache, else heuristics).
     """
     config = config or {}
-    num_rows = buffer_rows(num_out_tokens, num_experts, align_size)
+    num_rows = buffer_rows(num_out_tokens, num_experts, align_size, capacity)
+    padded = align_size is not None or capacity is not None
+    outputs = dispatch_outputs(
+        num_tokens=num_tokens,
+        hidden=hidden,
+        num_slots=num_slots,
+        num_experts=num_experts,
+        num_out_tokens=num_out_tokens,
+        align_size=align_size,
+        capacity=capacity,
+        has_probs=has_probs,
+        scale_cols=scale_cols,
+    )
     buffers, launches, block_t = expert_count_plan(
         num_tokens=num_tokens,
         num_slots=num_slots,
@@ -768,84 +849,92 @@ def dispatch_plan(
         config=config.get("row_map"),
     )
     has_scales = scale_cols is not None
-    empty = num_tokens == 0
-    buffers.update(
-        output=Buffer((num_rows, hidden), "like:inp", zero=empty),
-        permuted_probs=Buffer(
-            (num_rows,) if has_probs else (0,), "like:probs" if has_probs else "float32", zero=empty
+    buffers.update(outputs)
+    cfg, block_h = _data_config(hidden, num_slots, element_bytes, num_tokens, device, config.get("dispatch"))
+    slots_pow2 = next_pow2(num_slots)
+    num_fill = _num_fill(device, padded, num_experts)
+    launches += (
+        Launch(
+            kernel=_dispatch_kernel,
+            grid=(num_tokens * column_programs(hidden, block_h) + num_fill,),
+            args=(
+                "inp",
+                "routing",
+                "block_ranks",
+                "block_offsets",
+                "expert_totals",
+                "probs",
+                "scales",
+                num_tokens,
+                hidden,
+                RowStride("inp", "INP_STRIDE_ALIGN"),
+                num_slots,
+                num_rows,
+                num_experts,
+                align_size or 1,
+                capacity or 0,
+                scale_cols or 0,
+            ),
+            outputs=(
+                "output",
+                "permuted_probs",
+                "permuted_scales",
+                "row_id_map",
+                "tokens_per_expert",
+                "pad_offsets",
+            ),
+            constexprs=dict(
+                IS_MASK=is_mask,
+                BLOCK_T=block_t,
+                BLOCK_H=block_h,
+                SLOTS_POW2=slots_pow2,
+                EXPERTS_POW2=next_pow2(num_experts),
+                SCALES_POW2=next_pow2(max(scale_cols or 0, 1)),
+                HAS_PROBS=has_probs,
+                HAS_SCALES=has_scales,
+                PADDED=padded,
+                HAS_CAPACITY=capacity is not None,
+                NUM_FILL=num_fill,
+                FILL_ROWS=4,
+                HIDDEN_ALIGN=alignment(hidden),
+                STREAMING=bool(cfg["streaming"]),
+                GDC=device.pdl,
+            ),
+            num_warps=cfg["num_warps"],
+            pdl=device.pdl,
         ),
+    )
+    return Plan(buffers, launches, tuple(outputs))
+
+
+def dispatch_outputs(
+    *,
+    num_tokens: int,
+    hidden: int,
+    num_slots: int,
+    num_experts: int,
+    num_out_tokens: int | None,
+    align_size: int | None,
+    capacity: int | None,
+    has_probs: bool,
+    scale_cols: int | None,
+) -> dict[str, Buffer]:
+    """dispatch_plan's results, in order: output, permuted_probs, permuted_scales, row_id_map, pad_offsets,
+    tokens_per_expert. Shape arithmetic only, with no branch on any size, so that symbolic sizes
+    (torch.compile, a data-dependent expert count) pass through it unguarded. The dispatch kernel writes
+    every element (its fill programs run even when T = 0), so nothing starts zeroed."""
+    num_rows = buffer_rows(num_out_tokens, num_experts, align_size, capacity)
+    has_scales = scale_cols is not None
+    return dict(
+        output=Buffer((num_rows, hidden), "like:inp"),
+        permuted_probs=Buffer((num_rows,) if has_probs else (0,), "like:probs" if has_probs else "float32"),
         permuted_scales=Buffer(
-            (num_rows, scale_cols) if has_scales else (0,),
-            "like:scales" if has_scales else "float32",
-            zero=empty,
+            (num_rows, scale_cols) if has_scales else (0,), "like:scales" if has_scales else "float32"
         ),
         row_id_map=Buffer((num_tokens, num_slots + 1), "int32"),
-        tokens_per_expert=Buffer((num_experts,), "int32", zero=empty),
-        pad_offsets=Buffer((num_experts,), "int32", zero=empty),
+        pad_offsets=Buffer((num_experts,), "int32"),
+        tokens_per_expert=Buffer((num_experts,), "int32"),
     )
-    if not empty:
-        cfg, block_h = _data_config(
-            hidden, num_slots, element_bytes, num_tokens, device, config.get("dispatch")
-        )
-        slots_pow2 = next_pow2(num_slots)
-        num_fill = _num_fill(device, align_size is not None, num_experts)
-        launches += (
-            Launch(
-                kernel=_dispatch_kernel,
-                grid=(num_tokens * cdiv(hidden, block_h) + num_fill,),
-                args=(
-                    "inp",
-                    "routing",
-                    "block_ranks",
-                    "block_offsets",
-                    "expert_totals",
-                    "probs",
-                    "scales",
-                    num_tokens,
-                    hidden,
-                    num_slots,
-                    num_rows,
-                    num_experts,
-                    align_size or 1,
-                    scale_cols or 0,
-                ),
-                outputs=(
-                    "output",
-                    "permuted_probs",
-                    "permuted_scales",
-                    "row_id_map",
-                    "tokens_per_expert",
-                    "pad_offsets",
-                ),
-                constexprs=dict(
-                    IS_MASK=is_mask,
-                    BLOCK_T=block_t,
-                    BLOCK_H=block_h,
-                    SLOTS_POW2=slots_pow2,
-                    EXPERTS_POW2=next_pow2(num_experts),
-                    SCALES_POW2=next_pow2(max(scale_cols or 0, 1)),
-                    HAS_PROBS=has_probs,
-                    HAS_SCALES=has_scales,
-                    PADDED=align_size is not None,
-                    NUM_FILL=num_fill,
-                    FILL_ROWS=4,
-                    HIDDEN_ALIGN=alignment(hidden),
-                    STREAMING=bool(cfg["streaming"]),
-                    GDC=device.pdl,
-                ),
-                num_warps=cfg["num_warps"],
-                pdl=device.pdl,
-            ),
-        )
-    results = (
-        "output",
-        "permuted_probs",
-        "permuted_scales",
-        "row_id_map",
-        "pad_offsets",
-        "tokens_per_expert",
-    )
-    return Plan(buffers, launches, results)
 
 
 def _mapped_rows_constexprs(block_h: int, num_slots: int, num_fill: int, hidden: int, streaming: int) -> dict:
@@ -860,6 +949,7 @@ def _mapped_rows_constexprs(block_h: int, num_slots: int, num_fill: int, hidden:
     )
 
 
+@cached
 def scatter_plan(
     *,
     num_tokens: int,
@@ -885,8 +975,16 @@ def scatter_plan(
     num_fill = 0 if padded else _num_fill(device, False, 0)
     launch = Launch(
         kernel=_scatter_kernel,
-        grid=(num_tokens * cdiv(hidden, block_h) + num_fill,),
-        args=("grad", "row_id_map", num_tokens, hidden, num_slots, num_rows),
+        grid=(num_tokens * column_programs(hidden, block_h) + num_fill,),
+        args=(
+            "grad",
+            "row_id_map",
+            num_tokens,
+            hidden,
+            RowStride("grad", "INP_STRIDE_ALIGN"),
+            num_slots,
+            num_rows,
+        ),
         outputs=("grad_input",),
         constexprs=_mapped_rows_constexprs(block_h, num_slots, num_fill, hidden, cfg["streaming"]),
         num_warps=cfg["num_warps"],
@@ -894,6 +992,7 @@ def scatter_plan(
     return Plan(buffers, (launch,), ("grad_input",))
 
 
+@cached
 def combine_plan(
     *,
     num_tokens: int,
@@ -923,8 +1022,17 @@ def combine_plan(
     block_h = _columns(hidden, cfg["block_h"])
     launch = Launch(
         kernel=_combine_kernel,
-        grid=(num_tokens * cdiv(hidden, block_h),),
-        args=("inp", "row_id_map", "weights", "permuted_probs", num_tokens, hidden, num_slots),
+        grid=(num_tokens * column_programs(hidden, block_h),),
+        args=(
+            "inp",
+            "row_id_map",
+            "weights",
+            "permuted_probs",
+            num_tokens,
+            hidden,
+            RowStride("inp", "INP_STRIDE_ALIGN"),
+            num_slots,
+        ),
         outputs=("output", "probs"),
         constexprs=dict(
             BLOCK_H=block_h,
@@ -939,6 +1047,7 @@ def combine_plan(
     return Plan(buffers, (launch,), ("output", "probs"))
 
 
+@cached
 def combine_backward_plan(
     *,
     num_tokens: int,
@@ -970,7 +1079,18 @@ def combine_backward_plan(
     launch = Launch(
         kernel=_combine_backward_kernel,
         grid=(num_tokens + num_fill,),
-        args=("grad", "row_id_map", "inp", "weights", num_tokens, hidden, num_slots, num_rows),
+        args=(
+            "grad",
+            "row_id_map",
+            "inp",
+            "weights",
+            num_tokens,
+            hidden,
+            RowStride("grad", "GRAD_STRIDE_ALIGN"),
+            RowStride("inp", "INP_STRIDE_ALIGN"),
+            num_slots,
+            num_rows,
+        ),
         outputs=("grad_input", "grad_weights"),
         constexprs=_mapped_rows_constexprs(block_h, num_slots, num_fill, hidden, cfg["streaming"]),
         num_warps=cfg["num_warps"],

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, SearchSpace, cdiv, next_pow2
+from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, SearchSpace, cached, cdiv, next_pow2
 
 #: Score-function ids used as constexprs.
 SCORE_FUNCTION_IDS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
@@ -592,6 +592,7 @@ def _rows_plan(
     return Plan(buffers, (launch,), results)
 
 
+@cached
 def topk_plan(
     *,
     num_tokens: int,
@@ -642,6 +643,7 @@ def topk_plan(
     )
 
 
+@cached
 def topk_backward_plan(
     *,
     num_tokens: int,
@@ -676,6 +678,7 @@ def topk_backward_plan(
     )
 
 
+@cached
 def aux_scores_plan(
     *,
     num_tokens: int,
@@ -706,6 +709,7 @@ def aux_scores_plan(
     )
 
 
+@cached
 def aux_scores_backward_plan(
     *,
     num_tokens: int,
@@ -743,6 +747,7 @@ def _coeff(num_experts: int, topk: int, coeff: float) -> float:
     return num_experts * coeff / topk
 
 
+@cached
 def aux_loss_plan(
     *,
     num_rows: int,
@@ -787,6 +792,7 @@ def aux_loss_plan(
     return Plan(buffers, (partial, finish), ("loss",))
 
 
+@cached
 def aux_loss_backward_plan(
     *,
     num_rows: int,

@@ -46,12 +46,18 @@ def check_dispatch(
     routing_map: tuple[tuple[int, ...], str] | None,
     indices: tuple[tuple[int, ...], str] | None,
     num_experts: int | None,
-    num_out_tokens: int,
+    num_out_tokens: int | None,
     probs: tuple[tuple[int, ...], str] | None,
     scales: tuple[tuple[int, ...], str] | None,
     align_size: int | None,
+    capacity: int | None = None,
+    symbolic_experts: bool = False,
 ) -> tuple[bool, int, int]:
-    """Validates token_dispatch arguments; returns (is_mask, num_slots, num_experts)."""
+    """Validates token_dispatch arguments; returns (is_mask, num_slots, num_experts).
+
+    `symbolic_experts`: num_experts is a symbolic size (torch.compile, data-dependent), whose value the
+    binding checks at run time; here it is only required to be present.
+    """
     check_array("inp", *inp, ndim=2, dtypes=FLOAT_DTYPES + FP8_DTYPES)
     num_tokens = inp[0][0]
     if (routing_map is None) == (indices is None):
@@ -70,8 +76,19 @@ def check_dispatch(
         num_slots = indices[0][1]
         if num_experts is None:
             _fail("num_experts", "required with indices (the number of experts E; ids lie in [-1, E))")
-        check_positive("num_experts", num_experts)
-    check_positive("num_out_tokens", num_out_tokens, allow_zero=True)
+        if not symbolic_experts:
+            check_positive("num_experts", num_experts)
+    if capacity is not None:
+        check_positive("capacity", capacity)
+        if num_out_tokens is not None:
+            _fail(
+                "num_out_tokens",
+                f"expected None with capacity (the buffer has E * capacity rows), got {num_out_tokens}",
+            )
+        if align_size is not None:
+            _fail("align_size", "expected None with capacity (pad by choosing capacity a multiple of it)")
+    else:
+        check_positive("num_out_tokens", num_out_tokens, allow_zero=True)
     if probs is not None:
         check_array("probs", *probs, ndim=2, dtypes=FLOAT_DTYPES)
         if tuple(probs[0]) != (num_tokens, num_slots):
@@ -90,10 +107,8 @@ def check_dispatch(
 def check_row_map(row_id_map: tuple[tuple[int, ...], str]) -> tuple[int, int]:
     """Returns (num_tokens, num_slots) of a row_id_map made by token_dispatch."""
     check_array("row_id_map", *row_id_map, ndim=2, dtypes=("int32",))
-    if row_id_map[0][1] < 2:
-        _fail(
-            "row_id_map", f"expected shape [T, S + 1] with S >= 1 (from token_dispatch), got {row_id_map[0]}"
-        )
+    if row_id_map[0][1] < 1:
+        _fail("row_id_map", f"expected shape [T, S + 1] (from token_dispatch), got {row_id_map[0]}")
     return row_id_map[0][0], row_id_map[0][1] - 1
 
 

@@ -2,7 +2,8 @@
 
 `routing_problems()` draws a routing problem: tokens, a mask or index map over E experts, probs, a dtype,
 padding and an output size, including the corner cases the design lists: empty experts, every token on one
-expert, tokens with no expert, K = E, T in {0, 1}, odd H, fp8 payloads, index maps with -1, truncation.
+expert, tokens with no expert, K = E, T in {0, 1}, H = 0 and odd H, fp8 payloads, index maps with -1,
+truncation.
 Arrays come from a seeded numpy generator, so examples stay small to shrink and cheap to draw.
 """
 
@@ -19,6 +20,12 @@ except ImportError:  # pragma: no cover - ml_dtypes ships with jax
     ml_dtypes = None
 
 PAYLOAD_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+#: Memory layouts an input can arrive in, same values (see tests/torch/_helpers.relayout):
+#: "transposed" storage (column-major), "row_slice" (every other row of a taller buffer), "column_slice"
+#: (an interior column range of a wider buffer: a row stride and an unaligned start).
+LAYOUTS = ("contiguous", "transposed", "row_slice", "column_slice")
+#: Layouts of cotangents: also "expanded" (one value broadcast with stride 0, the gradient of `out.sum()`).
+COTANGENT_LAYOUTS = (*LAYOUTS, "expanded")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 PATTERNS = ("random", "one_expert", "no_expert", "all_experts", "empty_experts", "sparse")
 
@@ -83,7 +90,7 @@ def routing_problems(
     padding: tuple[bool, ...] = (False, True),
 ) -> RoutingProblem:
     num_tokens = draw(st.one_of(st.sampled_from([0, 1]), st.integers(2, max_tokens)))
-    hidden = draw(st.one_of(st.sampled_from([1, 3, 8, 16]), st.integers(1, max_hidden)))
+    hidden = draw(st.one_of(st.sampled_from([0, 1, 3, 8, 16]), st.integers(1, max_hidden)))
     num_experts = draw(st.integers(1, max_experts))
     pattern = draw(st.sampled_from(PATTERNS))
     topk = num_experts if pattern == "all_experts" else draw(st.integers(1, num_experts))
@@ -145,7 +152,7 @@ def chunk_problems(draw, *, max_splits: int = 12, max_rows: int = 40, dtypes=PAY
     num_rows = min(int(sizes.sum()) + extra, max_rows + extra)
     if sizes.sum() > num_rows:
         sizes[:] = 0
-    hidden = draw(st.one_of(st.sampled_from([1, 5, 8]), st.integers(1, 24)))
+    hidden = draw(st.one_of(st.sampled_from([0, 1, 5, 8]), st.integers(1, 24)))
     return ChunkProblem(
         num_rows=num_rows,
         hidden=hidden,
@@ -162,3 +169,8 @@ def numpy_dtype(name: str):
     if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
         return getattr(ml_dtypes, name)
     return np.dtype(name)
+
+
+def layouts(cotangent: bool = False) -> st.SearchStrategy[str]:
+    """A memory layout for the inputs (or, with `cotangent`, for a gradient handed to a backward op)."""
+    return st.sampled_from(COTANGENT_LAYOUTS if cotangent else LAYOUTS)

@@ -1,13 +1,28 @@
-"""Runs a framework-neutral launch plan on torch tensors: allocate, launch, return."""
+"""Runs a framework-neutral launch plan on torch tensors: arrange inputs, allocate, launch, return.
+
+Memory layout is decided here, once for every op (see moetriton.kernels._plan): an input that a launch reads
+through a `RowStride` is passed as it is when its columns are unit stride (row slices, offset views, rows
+expanded with stride 0: no copy), and every other input, or any other layout (transposed, column-strided,
+fully expanded), is made contiguous first. Results are always dense.
+"""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 
 import torch
 
-from moetriton.kernels import INTERPRETER, DeviceInfo, Plan, interpreter_problem
+from moetriton.kernels import (
+    INTERPRETER,
+    DeviceInfo,
+    Plan,
+    RowStride,
+    alignment,
+    interpreter_problem,
+    strided_inputs,
+)
 
 _DTYPES = {
     "bool": torch.bool,
@@ -58,7 +73,8 @@ def _buffer_dtype(spec_dtype: str, inputs: dict[str, torch.Tensor | None]) -> to
 def allocate(
     plan: Plan, inputs: dict[str, torch.Tensor | None], device: torch.device, *, fake: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Buffers of a plan; `fake` allocates without zeroing (for torch.library fake implementations)."""
+    """Buffers of a plan, one tensor each; `fake` allocates without zeroing (torch.library fake
+    implementations, which may see symbolic sizes)."""
     buffers = {}
     for name, spec in plan.buffers.items():
         alloc = torch.zeros if spec.zero and not fake else torch.empty
@@ -66,34 +82,178 @@ def allocate(
     return buffers
 
 
+def _rows_unit_stride(tensor: torch.Tensor) -> bool:
+    """Whether a kernel can read `tensor` row by row through its row stride: 2-D with unit column stride."""
+    return tensor.dim() == 2 and (tensor.stride(1) == 1 or tensor.shape[1] <= 1)
+
+
+class _Launcher:
+    """One launch of a plan, bound to its kernel. The first call of each specialization (the dtypes and
+    16-byte alignment of the inputs, and the class of each row stride: what Triton specialises a kernel
+    on, beside the plan's fixed sizes) goes through Triton's JIT, which compiles or loads the kernel; later
+    calls launch the compiled kernel directly (`CompiledKernel[grid]`, Triton's own launcher), skipping the
+    JIT's argument binding and cache-key work."""
+
+    def __init__(self, launch) -> None:
+        self.launch = launch
+        names = launch.kernel.arg_names
+        self.constexpr_names = names[len(launch.args) + len(launch.outputs) :]
+        self.options = dict(
+            num_warps=launch.num_warps, num_stages=launch.num_stages, enable_fp_fusion=launch.fp_fusion
+        )
+        if launch.pdl:
+            self.options["launch_pdl"] = True
+        self.runners: dict[tuple, tuple] = {}
+
+    def __call__(self, env: dict, dummy: torch.Tensor, key: tuple, stream: int | None, debug: bool) -> None:
+        launch = self.launch
+        args, strides = [], {}
+        for arg in launch.args:
+            if isinstance(arg, str):
+                value = env[arg]
+                args.append(dummy if value is None else value)
+            elif isinstance(arg, RowStride):
+                stride = env[arg.name].stride(0)
+                strides[arg.align] = alignment(stride)
+                args.append(stride)
+            else:
+                args.append(arg)
+        outputs = [env[name] for name in launch.outputs]
+        runner = self.runners.get(key)
+        if runner is not None:
+            launcher, constexpr_values = runner
+            launcher(*args, *outputs, *constexpr_values, stream=stream)
+            return
+        options = dict(self.options, debug=True) if debug and launch.checks else self.options
+        compiled = launch.kernel[launch.grid](*args, *outputs, **launch.constexprs, **strides, **options)
+        if stream is not None and compiled is not None:  # compiled (not interpreted) kernels only
+            constexprs = {**launch.constexprs, **strides}
+            self.runners[key] = (compiled[launch.grid], [constexprs[name] for name in self.constexpr_names])
+
+
+class Executable:
+    """A plan bound to a device: buffer specs resolved once, the scratch buffers (those the op does not
+    return) carved from a single allocation, and one `_Launcher` per launch. Calling it with the inputs
+    arranges them (layouts, see the module docstring), allocates, launches and returns the results."""
+
+    def __init__(self, plan: Plan, device: torch.device) -> None:
+        self.plan = plan
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.strided = strided_inputs(plan)
+        self.launchers = [_Launcher(launch) for launch in plan.launches]
+        results = set(plan.results)
+        self.results = [(name, plan.buffers[name]) for name in plan.results]
+        # Scratch: fixed dtypes, packed at 128-byte offsets into one uint8 workspace.
+        self.scratch, offset = [], 0
+        for name, spec in plan.buffers.items():
+            if name in results:
+                continue
+            dtype = _DTYPES[spec.dtype]
+            nbytes = dtype.itemsize * _numel(spec.shape)
+            self.scratch.append((name, offset, nbytes, dtype, spec.shape, spec.zero))
+            offset += -(-nbytes // 128) * 128
+        self.workspace_bytes = offset
+
+    def __call__(self, inputs: dict[str, torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+        device = self.device
+        env = {}
+        for name, tensor in inputs.items():
+            if tensor is not None and not (name in self.strided and _rows_unit_stride(tensor)):
+                tensor = tensor.contiguous()
+            env[name] = tensor
+        results = []
+        for name, spec in self.results:
+            alloc = torch.zeros if spec.zero else torch.empty
+            buffer = alloc(spec.shape, dtype=_buffer_dtype(spec.dtype, inputs), device=device)
+            env[name] = buffer
+            results.append(buffer)
+        if not self.launchers:
+            return tuple(results)
+        if INTERPRETER:
+            problem = interpreter_problem()
+            if problem:
+                raise RuntimeError(problem)
+        if self.scratch:
+            workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
+            for name, offset, nbytes, dtype, shape, zero in self.scratch:
+                view = workspace[offset : offset + nbytes].view(dtype).view(shape)
+                env[name] = view.zero_() if zero else view
+        # What Triton specialises on beyond the plan's fixed sizes: the inputs' dtypes and 16-byte
+        # alignment, and each row stride's divisibility (its alignment constexpr, and whether it is 1).
+        key = tuple(
+            None
+            if tensor is None
+            else (
+                tensor.dtype,
+                tensor.data_ptr() % 16 == 0,
+                _stride_class(tensor) if name in self.strided else None,
+            )
+            for name, tensor in env.items()
+            if name in inputs
+        )
+        dummy = _dummy(device)
+        if self.cuda:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            context = (
+                torch.cuda.device(index) if index != torch.cuda.current_device() else contextlib.nullcontext()
+            )
+            with context:
+                stream = _driver().active.get_current_stream(index)
+                for launcher in self.launchers:
+                    launcher(env, dummy, key, stream, True)
+        else:
+            for launcher in self.launchers:
+                launcher(env, dummy, key, None, False)
+        return tuple(results)
+
+
+def _stride_class(tensor: torch.Tensor) -> tuple[int, bool]:
+    stride = tensor.stride(0)
+    return alignment(stride), stride == 1 or stride >= 2**31
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+@functools.cache
+def _dummy(device: torch.device) -> torch.Tensor:
+    """The argument passed for an absent optional input (its kernel never reads it)."""
+    return torch.empty(0, dtype=torch.int32, device=device)
+
+
+@functools.cache
+def _driver():
+    from triton.runtime import driver
+
+    return driver
+
+
+_EXECUTABLES: collections.OrderedDict = collections.OrderedDict()
+_MAX_EXECUTABLES = 1024
+
+
+def executable(plan: Plan, device: torch.device) -> Executable:
+    """The Executable of `plan` on `device`, kept while the plan is (plans of a signature are one object,
+    see moetriton.kernels._plan.cached), least recently used dropped first."""
+    key = (id(plan), device)
+    entry = _EXECUTABLES.get(key)
+    if entry is not None and entry.plan is plan:
+        _EXECUTABLES.move_to_end(key)
+        return entry
+    entry = Executable(plan, device)
+    _EXECUTABLES[key] = entry
+    if len(_EXECUTABLES) > _MAX_EXECUTABLES:
+        _EXECUTABLES.popitem(last=False)
+    return entry
+
+
 def run_plan(
     plan: Plan, inputs: dict[str, torch.Tensor | None], device: torch.device
 ) -> tuple[torch.Tensor, ...]:
-    """Allocates the plan's buffers, runs its launches in order and returns its results."""
-    if INTERPRETER and plan.launches:
-        problem = interpreter_problem()
-        if problem:
-            raise RuntimeError(problem)
-    buffers = allocate(plan, inputs, device)
-    if plan.launches:
-        env = {**inputs, **buffers}
-        dummy = torch.empty(0, dtype=torch.int32, device=device)
-        context = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        with context:
-            for launch in plan.launches:
-                args = [
-                    (dummy if env[arg] is None else env[arg]) if isinstance(arg, str) else arg
-                    for arg in launch.args
-                ]
-                outputs = [buffers[name] for name in launch.outputs]
-                options = dict(
-                    num_warps=launch.num_warps,
-                    num_stages=launch.num_stages,
-                    enable_fp_fusion=launch.fp_fusion,
-                )
-                if launch.checks and device.type == "cuda":
-                    options["debug"] = True
-                if launch.pdl:
-                    options["launch_pdl"] = True
-                launch.kernel[launch.grid](*args, *outputs, **launch.constexprs, **options)
-    return tuple(buffers[name] for name in plan.results)
+    """Runs `plan` on `inputs` (name -> tensor or None) on `device` and returns its results."""
+    return executable(plan, device)(inputs)

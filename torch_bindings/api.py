@@ -1,4 +1,11 @@
-"""Public PyTorch API: token_dispatch, token_combine, sort_chunks_by_index."""
+"""Public PyTorch API: token_dispatch, token_combine, sort_chunks_by_index.
+
+Every function takes tensors in any memory layout and returns what it returns for their contiguous copies.
+Token tensors ([T, H] inputs and [N, H] expert rows, and the gradients autograd hands to the backward ops)
+are read in place when their columns are unit stride (row slices, offset views, expanded rows); other layouts
+of them, and every other tensor argument (routing, probs, indices, split sizes), are copied to contiguous
+memory first. Results are dense.
+"""
 
 from __future__ import annotations
 
@@ -30,6 +37,16 @@ def _check_index_values(indices: torch.Tensor, num_experts: int) -> None:
         validation.check_index_values(int(indices.min()), int(indices.max()), num_experts)
 
 
+def _symbolic(name: str, value) -> bool:
+    """True while torch.compile traces, where a size may be symbolic (e.g. an expert count read from the
+    data; dynamo presents it as an int): its rule is then `torch._check`, a deferred run-time assertion for
+    a symbolic value, since guarding on a data-dependent size fails the trace."""
+    if not torch.compiler.is_compiling() or not isinstance(value, int):
+        return False
+    torch._check(value >= 1, lambda: f"{name}: expected > 0")
+    return True
+
+
 def token_dispatch(
     inp: torch.Tensor,
     routing_map: torch.Tensor | None = None,
@@ -40,11 +57,13 @@ def token_dispatch(
     indices: torch.Tensor | None = None,
     num_experts: int | None = None,
     scales: torch.Tensor | None = None,
+    capacity: int | None = None,
 ) -> tuple:
     """Permute tokens into expert-major order (MoE dispatch).
 
     Args:
-        inp: [T, H] tokens; float32/float64/bfloat16/float16, or float8_e4m3fn/e5m2 payloads.
+        inp: [T, H] tokens; float32/float64/bfloat16/float16, or float8_e4m3fn/e5m2 payloads. Any layout;
+            read in place when its columns are unit stride, else copied (see the module docstring).
         routing_map: [T, E] mask (bool or integer, nonzero = routed). Pass this or `indices`.
         num_out_tokens: rows of the output before padding (a Python int). Slots whose row would fall past
             the buffer are dropped (no row, weight 0 in combine), so `num_out_tokens` smaller than the routed
@@ -56,10 +75,15 @@ def token_dispatch(
         indices: [T, K] int32/int64 expert ids, -1 = no expert. Needs `num_experts`.
         num_experts: E; required with `indices`, implied by a mask.
         scales: [T, C] row-wise scales of FP8 payloads (any dtype), permuted like the rows.
+        capacity: instead of `num_out_tokens` and `align_size`: every expert gets exactly `capacity` rows
+            (N = E * capacity, expert e at rows [e * capacity, (e + 1) * capacity)); slots past the first
+            `capacity` of their expert in (token, slot) order are dropped (no row, weight 0 in combine) and
+            unused rows are zero. A static layout for fixed-size all-to-all exchanges.
 
     Returns:
         (output [N, H], permuted_probs [N] or None, row_id_map [T, S + 1] int32, pad_offsets [E] int32 or None
-        (padding only), tokens_per_expert [E] int32 (rows per expert in the buffer, padding included)),
+        (padding or capacity only), tokens_per_expert [E] int32 (rows per expert in the buffer, padding
+        included)),
         plus permuted_scales [N, C] as a sixth element when `scales` is given. S = E for a mask, K for
         indices. Destination rows are expert-major, token order stable inside each expert. No host sync.
 
@@ -70,7 +94,7 @@ def token_dispatch(
         >>> counts.tolist()
         [2, 1, 2]
     """
-    if num_out_tokens is None and indices is not None:
+    if num_out_tokens is None and indices is not None and capacity is None:
         num_out_tokens = indices.numel()
     is_mask, _, num_experts = validation.check_dispatch(
         inp=describe(inp),
@@ -81,19 +105,21 @@ def token_dispatch(
         probs=describe(probs),
         scales=describe(scales),
         align_size=align_size,
+        capacity=capacity,
+        symbolic_experts=_symbolic("num_experts", num_experts),
     )
     routing = routing_map if is_mask else indices
     _same_device(inp=inp, routing_map=routing_map, indices=indices, probs=probs, scales=scales)
     if not is_mask:
         _check_index_values(indices, num_experts)
     output, permuted_probs, permuted_scales, row_id_map, pad_offsets, tokens_per_expert = ops.dispatch(
-        inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size or 0
+        inp, routing, probs, scales, num_experts, is_mask, num_out_tokens or 0, align_size or 0, capacity or 0
     )
     result = (
         output,
         permuted_probs if probs is not None else None,
         row_id_map,
-        pad_offsets if align_size is not None else None,
+        pad_offsets if align_size is not None or capacity is not None else None,
         tokens_per_expert,
     )
     return (*result, permuted_scales) if scales is not None else result

@@ -28,19 +28,17 @@ def _fake(plan: kernels.Plan, inputs: dict[str, Tensor | None], device: torch.de
 # dispatch ------------------------------------------------------------------------------------------------
 
 
-def _dispatch_plan(inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size):
-    return kernels.dispatch_plan(
+def _dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, align_size, capacity) -> dict:
+    return dict(
         num_tokens=inp.shape[0],
         hidden=inp.shape[1],
         num_slots=routing.shape[1],
         num_experts=num_experts,
-        is_mask=is_mask,
-        num_out_tokens=num_out_tokens,
+        num_out_tokens=None if capacity else num_out_tokens,
         align_size=align_size or None,
-        element_bytes=inp.element_size(),
+        capacity=capacity or None,
         has_probs=probs is not None,
         scale_cols=None if scales is None else scales.shape[1],
-        device=device_info(inp.device),
     )
 
 
@@ -54,14 +52,18 @@ def dispatch(
     is_mask: bool,
     num_out_tokens: int,
     align_size: int,
+    capacity: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(output, permuted_probs, permuted_scales, row_id_map, pad_offsets, tokens_per_expert); align_size 0 =
-    no padding; absent probs/scales give empty tensors."""
+    no padding, capacity 0 = none (else num_out_tokens is unused); absent probs/scales give empty tensors."""
     if not uses_kernels(inp.device):
         return reference.dispatch(
-            inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size
+            inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity
         )
-    plan = _dispatch_plan(inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size)
+    sizes = _dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, align_size, capacity)
+    plan = kernels.dispatch_plan(
+        **sizes, is_mask=is_mask, element_bytes=inp.element_size(), device=device_info(inp.device)
+    )
     output, permuted_probs, permuted_scales, row_map, pad_offsets, tokens_per_expert = _run(
         plan, dict(inp=inp, routing=routing, probs=probs, scales=scales), inp.device
     )
@@ -69,9 +71,14 @@ def dispatch(
 
 
 @dispatch.register_fake
-def _(inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size):
-    plan = _dispatch_plan(inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size)
-    return _fake(plan, dict(inp=inp, routing=routing, probs=probs, scales=scales), inp.device)
+def _(inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity):
+    # Shapes only: the expert count may be a data-dependent size here (TE's index map without E).
+    outputs = kernels.dispatch_outputs(
+        **_dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, align_size, capacity)
+    )
+    return _fake(
+        kernels.Plan(outputs, (), tuple(outputs)), dict(inp=inp, probs=probs, scales=scales), inp.device
+    )
 
 
 def _dispatch_setup(ctx, inputs, output):
@@ -85,7 +92,7 @@ def _dispatch_backward(ctx, grad_output, grad_probs, grad_scales, grad_map, grad
     grad_inp, grad_routing_probs = dispatch_backward(
         grad_output, grad_probs if ctx.has_probs else None, row_map
     )
-    return grad_inp, None, grad_routing_probs if ctx.has_probs else None, None, None, None, None, None
+    return grad_inp, None, grad_routing_probs if ctx.has_probs else None, None, None, None, None, None, None
 
 
 dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)

@@ -32,9 +32,10 @@ def _move_rows(values: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, num_r
 
 
 def row_map(
-    routing: torch.Tensor, num_experts: int, is_mask: bool, num_rows: int, align: int
+    routing: torch.Tensor, num_experts: int, is_mask: bool, num_rows: int, align: int, capacity: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row map [T, S + 1], kept rows per expert [E] and pad offsets [E] (int32)."""
+    """Row map [T, S + 1], kept rows per expert [E] and pad offsets [E] (int32). capacity > 0: every
+    expert's block has `capacity` rows and a slot ranked past it in its expert gets no row."""
     num_tokens, num_slots = routing.shape
     device = routing.device
     if is_mask:
@@ -45,7 +46,7 @@ def row_map(
         valid = experts >= 0
     flat = torch.where(valid, experts, num_experts).reshape(-1)
     counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
-    aligned = (counts + align - 1) // align * align
+    aligned = torch.full_like(counts, capacity) if capacity else (counts + align - 1) // align * align
     start = torch.cumsum(aligned, 0) - aligned
     plain_start = torch.cumsum(counts, 0) - counts
     order = torch.argsort(flat, stable=True)
@@ -54,7 +55,10 @@ def row_map(
     rank = torch.arange(flat.numel(), device=device) - torch.cat([plain_start, zero])[sorted_experts]
     rows = torch.empty_like(flat)
     rows[order] = torch.cat([start, zero])[sorted_experts] + rank
-    rows = torch.where(valid.reshape(-1) & (rows < num_rows), rows, -1)
+    ranks = torch.empty_like(flat)
+    ranks[order] = rank
+    keep = valid.reshape(-1) & (rows < num_rows) & ((ranks < capacity) if capacity else True)
+    rows = torch.where(keep, rows, -1)
     end = aligned.sum().clamp(max=num_rows)
     kept = (num_rows - start).clamp(min=0).minimum(aligned)
     full_map = torch.cat([rows.view(num_tokens, num_slots), end.expand(num_tokens, 1)], dim=1).int()
@@ -77,12 +81,13 @@ def dispatch(
     is_mask: bool,
     num_out_tokens: int,
     align_size: int,
+    capacity: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """moetriton::dispatch: (output, permuted_probs, permuted_scales, row_id_map, pad_offsets,
-    tokens_per_expert); absent probs/scales give empty tensors. align_size 0 = no padding."""
+    tokens_per_expert); absent probs/scales give empty tensors. align_size / capacity 0 = none."""
     align = align_size or 1
-    num_rows = buffer_rows(num_out_tokens, num_experts, align_size or None)
-    full_map, kept, pad_offsets = row_map(routing, num_experts, is_mask, num_rows, align)
+    num_rows = buffer_rows(num_out_tokens, num_experts, align_size or None, capacity or None)
+    full_map, kept, pad_offsets = row_map(routing, num_experts, is_mask, num_rows, align, capacity)
     tokens, slots, rows = _slots(full_map)
     output = _move_rows(inp, rows, tokens, num_rows)
     permuted_probs = (
@@ -205,22 +210,23 @@ def token_dispatch(
     indices: torch.Tensor | None = None,
     num_experts: int | None = None,
     scales: torch.Tensor | None = None,
+    capacity: int | None = None,
 ) -> tuple:
     """Reference of moetriton.torch.token_dispatch (same arguments and results)."""
     is_mask = routing_map is not None
     routing = routing_map if is_mask else indices
     if is_mask:
         num_experts = routing.shape[1]
-    if num_out_tokens is None:
+    if num_out_tokens is None and capacity is None:
         num_out_tokens = routing.numel()
     output, permuted_probs, permuted_scales, full_map, pad_offsets, kept = dispatch(
-        inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size or 0
+        inp, routing, probs, scales, num_experts, is_mask, num_out_tokens or 0, align_size or 0, capacity or 0
     )
     result = (
         output,
         permuted_probs if probs is not None else None,
         full_map,
-        pad_offsets if align_size is not None else None,
+        pad_offsets if align_size is not None or capacity is not None else None,
         kept,
     )
     return (*result, permuted_scales) if scales is not None else result

@@ -3,10 +3,11 @@
 Each op is a moetriton::router_* torch.library custom op whose fake implementation comes from the same
 launch plan as the real one, with autograd registered on the forward ops (the backward ops are custom ops
 too), so torch.compile(fullgraph=True) traces through them. Nothing reads device values: the ops are
-CUDA-graph safe, and `total_num_tokens` may be a 0-dim device tensor. On CUDA the Triton kernels run
-compiled; on CPU they run under the Triton interpreter when TRITON_INTERPRET=1 was set before import,
-and otherwise `moetriton.torch.reference_router` runs instead. Semantics: moetriton.kernels.router and
-docs/router.md.
+CUDA-graph safe, and `total_num_tokens` may be a 0-dim device tensor. Tensors of any memory layout are
+accepted: the plan executor (moetriton.torch._launch) makes them contiguous where the kernels need it. On
+CUDA the Triton kernels run compiled; on CPU they run under the Triton interpreter when TRITON_INTERPRET=1
+was set before import, and otherwise `moetriton.torch.reference_router` runs instead. Semantics:
+moetriton.kernels.router and docs/router.md.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def _topk_setup(ctx, inputs, output):
 
 def _topk_backward(ctx, grad_probs, grad_map, grad_indices):
     logits, routing_map = ctx.saved_tensors
-    grad_logits = router_topk_backward(grad_probs.contiguous(), logits, routing_map, *ctx.options)
+    grad_logits = router_topk_backward(grad_probs, logits, routing_map, *ctx.options)
     return grad_logits, None, None, None, None, None, None, None, None
 
 
@@ -179,7 +180,7 @@ def _scores_setup(ctx, inputs, output):
 
 def _scores_backward(ctx, grad_map, grad_scores):
     (logits,) = ctx.saved_tensors
-    return router_aux_scores_backward(grad_scores.contiguous(), logits, ctx.score_function), None, None
+    return router_aux_scores_backward(grad_scores, logits, ctx.score_function), None, None
 
 
 router_aux_scores.register_autograd(_scores_backward, setup_context=_scores_setup)
@@ -359,8 +360,8 @@ def fused_topk_with_score_function(
     _check_devices(logits=logits, expert_bias=expert_bias)
     shape = logits.shape
     probs, routing_map, indices = router_topk(
-        logits.reshape(-1, config.num_experts).contiguous(),
-        None if expert_bias is None else expert_bias.contiguous(),
+        logits.reshape(-1, config.num_experts),
+        expert_bias,
         config.topk,
         config.use_pre_softmax,
         config.num_groups,
@@ -396,9 +397,7 @@ def fused_compute_score_for_moe_aux_loss(
     _, num_experts, topk, score_function = rules.check_aux_scores(
         logits=describe(logits), topk=topk, score_function=score_function
     )
-    routing_map, scores = router_aux_scores(
-        logits.reshape(-1, num_experts).contiguous(), topk, score_function
-    )
+    routing_map, scores = router_aux_scores(logits.reshape(-1, num_experts), topk, score_function)
     return routing_map.reshape(logits.shape), scores.reshape(logits.shape)
 
 
@@ -446,8 +445,8 @@ def fused_moe_aux_loss(
         total_num_tokens=total_num_tokens if total_is_tensor else None,
     )
     return router_aux_loss(
-        probs.contiguous(),
-        tokens_per_expert.contiguous(),
+        probs,
+        tokens_per_expert,
         total_num_tokens if total_is_tensor else None,
         config.total or 0,
         config.num_experts,

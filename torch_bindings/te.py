@@ -53,8 +53,8 @@ def moe_permute(
         return output, row_id_map
     if map_type != "index":
         raise ValueError(f"map_type: expected 'mask' or 'index', got {map_type!r}")
-    if num_experts is None:
-        num_experts = int(routing_map.max()) + 1 if routing_map.numel() else 1
+    if num_experts is None:  # a host read (under torch.compile a data-dependent size, never guarded on)
+        num_experts = int(routing_map.max().clamp(min=0)) + 1 if routing_map.numel() else 1
     num_rows = num_out_tokens if num_out_tokens > 0 else routing_map.numel()
     output, _, row_id_map, _, _ = token_dispatch(
         inp, None, num_rows, indices=routing_map.to(torch.int32), num_experts=num_experts

@@ -168,7 +168,7 @@ _ROWS = jnp.zeros((6, 5), jnp.float32)
         (_dispatch_call(num_shards=3, num_out_tokens=10), "num_out_tokens"),
         (lambda: mj.token_combine(_ROWS.astype(jnp.float8_e4m3fn), _MAP), "inp"),
         (lambda: mj.token_combine(_ROWS, _MAP.astype(jnp.float32)), "row_id_map"),
-        (lambda: mj.token_combine(_ROWS, _MAP[:, :1]), "row_id_map"),
+        (lambda: mj.token_combine(_ROWS, _MAP[:, :0]), "row_id_map"),
         (lambda: mj.token_combine(_ROWS, _MAP, jnp.zeros((6, 3))), "merging_probs"),
         (lambda: mj.token_combine(_ROWS, _MAP, None, jnp.zeros((2, 2), jnp.int32)), "pad_offsets"),
         (lambda: mj.token_combine(_ROWS[:5], _MAP, num_shards=2), "inp"),
@@ -269,7 +269,12 @@ def _variant_holds(name: str, plan: kernels.Plan, hidden: int, num_experts: int)
         return _launch_of(plan, "_count_experts_kernel").constexprs["TILE_S"] < num_experts
     if name == "mask with padding":
         return _launch_of(plan, "_dispatch_kernel").constexprs["PADDED"]
-    return not plan.launches
+    # No tokens: no count launch, and a dispatch launch of fill programs only.
+    return (
+        all(launch.kernel.fn.__name__ != "_count_experts_kernel" for launch in plan.launches)
+        and _launch_of(plan, "_dispatch_kernel").grid[0]
+        == _launch_of(plan, "_dispatch_kernel").constexprs["NUM_FILL"]
+    )
 
 
 @pytest.mark.parametrize("variant", list(_VARIANTS))

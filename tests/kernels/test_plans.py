@@ -1,10 +1,14 @@
-"""Launch plans: sizes, the linear-work bound of map building, and empty inputs (pure Python, no kernels)."""
+"""Launch plans: sizes, the linear-work bound of map building, and empty inputs (plans are pure Python;
+the empty-input test also runs its plan)."""
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from moetriton import kernels
+from moetriton.torch._launch import run_plan
+from tests.torch._helpers import DEVICE
 
 
 @given(st.integers(0, 10**6), st.integers(1, 4096), st.sampled_from([None, 1, 8, 128]))
@@ -62,23 +66,36 @@ def test_map_building_work_is_linear(num_tokens, num_experts, is_mask):
     assert dispatch.constexprs["BLOCK_T"] == block_t <= 128  # mask ranks are bytes
 
 
-@pytest.mark.parametrize("padded", [None, 16])
-def test_empty_inputs_launch_nothing_and_zero_their_outputs(padded):
+@pytest.mark.parametrize("layout", [dict(align_size=None), dict(align_size=16), dict(capacity=3)])
+def test_empty_inputs_launch_only_the_scan_and_the_fill_programs(layout):
+    """With T = 0 no token program runs, yet the fill programs still write every output: zero rows, and the
+    per-expert counts of the layout (C each with a capacity), so nothing needs a zeroed buffer."""
     plan = kernels.dispatch_plan(
         num_tokens=0,
         hidden=8,
         num_slots=4,
         num_experts=4,
         is_mask=True,
-        num_out_tokens=10,
-        align_size=padded,
+        num_out_tokens=None if "capacity" in layout else 10,
         element_bytes=2,
         has_probs=True,
         scale_cols=None,
+        **layout,
     )
-    assert plan.launches == ()
-    for name in ("output", "permuted_probs", "tokens_per_expert", "pad_offsets"):
-        assert plan.buffers[name].zero
+    assert [launch.kernel.fn.__name__ for launch in plan.launches] == [
+        "_scan_counts_kernel",
+        "_dispatch_kernel",
+    ]
+    assert not any(buffer.zero for buffer in plan.buffers.values())
+    inputs = dict(
+        inp=torch.empty(0, 8, dtype=torch.bfloat16, device=DEVICE),
+        routing=torch.empty(0, 4, dtype=torch.bool, device=DEVICE),
+        probs=torch.empty(0, 4, device=DEVICE),
+        scales=None,
+    )
+    output, permuted_probs, _, _, _, counts = run_plan(plan, inputs, DEVICE)
+    assert not output.any() and not permuted_probs.any()
+    assert counts.tolist() == [layout.get("capacity", 0)] * 4
 
 
 def test_heuristic_defaults_lie_in_the_search_spaces():

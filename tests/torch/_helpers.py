@@ -36,6 +36,39 @@ def probs(problem: RoutingProblem, dtype: torch.dtype = torch.float32) -> torch.
     return torch.from_numpy(problem.probs).to(DEVICE).to(dtype)
 
 
+def relayout(x: torch.Tensor | None, layout: str) -> torch.Tensor | None:
+    """`x`'s values in another memory layout (tests/strategies.LAYOUTS): column-major storage, every other
+    row of a taller buffer, or an interior column range of a wider one (an offset, unaligned start). 1-D
+    tensors take the row and offset forms. "expanded" needs equal values: see `cotangent`."""
+    if x is None or layout == "contiguous" or x.dim() == 0:  # a scalar has no layout to vary
+        return x
+    if layout == "transposed":
+        return x.t().contiguous().t() if x.dim() == 2 else x.clone()
+    if layout == "row_slice":
+        taller = torch.zeros((2 * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        taller[::2] = x
+        return taller[::2]
+    if layout == "column_slice":
+        if x.dim() == 1:
+            wider = torch.zeros(x.shape[0] + 3, dtype=x.dtype, device=x.device)
+            wider[1:-2] = x
+            return wider[1:-2]
+        wider = torch.zeros((x.shape[0], x.shape[1] + 3), dtype=x.dtype, device=x.device)
+        wider[:, 1:-2] = x
+        return wider[:, 1:-2]
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def cotangent(like: torch.Tensor, layout: str, seed: int = 0) -> torch.Tensor:
+    """A gradient for `like` in `layout`: distinct values, or for "expanded" one value broadcast with stride
+    0 (what autograd hands a backward op for `out.sum()`, scaled)."""
+    if layout == "expanded":
+        return torch.full((), 0.75, dtype=like.dtype, device=like.device).expand(like.shape)
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(like.shape, generator=generator).to(like.device, like.dtype)
+    return relayout(values, layout)
+
+
 def bits(x: torch.Tensor) -> torch.Tensor:
     """Same-width integer view, so fp8 and NaN payloads compare bit for bit."""
     return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])

@@ -41,6 +41,28 @@ def test_compile_fullgraph_matches_eager_forward_and_backward():
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
+def test_compile_with_a_data_dependent_expert_count(monkeypatch):
+    """TE's index map with no expert count (max_token_num=-1): E = max id + 1 is a data-dependent size in
+    the trace, which validation must not guard on (TE's own compile tests call it this way)."""
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    x, _, probs, _ = _inputs()
+    ids = probs.topk(K, dim=1).indices.int()
+    weights = torch.rand(T, K, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+
+    def permute_unpermute(x, ids, weights):
+        out, row_id_map = mt.moe_permute(x, ids, num_out_tokens=-1, max_token_num=-1, map_type="index")
+        return mt.moe_unpermute(out.square(), row_id_map, weights, map_type="index")
+
+    results = []
+    for fn in (permute_unpermute, torch.compile(permute_unpermute, fullgraph=True)):
+        xg, wg = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        y = fn(xg, ids, wg)
+        y.sum().backward()
+        results.append((y.detach(), xg.grad, wg.grad))
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
 def test_cuda_graph_capture_replays_the_whole_step():
     x, mask, probs, weight = _inputs()

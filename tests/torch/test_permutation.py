@@ -1,7 +1,9 @@
 """Property tests of token_dispatch / token_combine / sort_chunks_by_index (PyTorch) against the reference.
 
 Data movement must match bit for bit; combine matches the sequential-fp32 reference bit for bit too (the
-kernel turns fused multiply-add off); gradients are compared against autograd of the reference.
+kernel turns fused multiply-add off); gradients are compared against autograd of the reference. Every test
+draws the memory layout of its inputs (and of the cotangents it feeds back), while the reference gets
+contiguous copies.
 """
 
 import numpy as np
@@ -12,11 +14,22 @@ from hypothesis import strategies as st
 
 import moetriton.torch as mt
 from moetriton.torch import reference
-from tests.strategies import FLOAT_DTYPES, chunk_problems, routing_problems
-from tests.torch._helpers import DEVICE, assert_reduced, assert_same, bits, probs, routing_args, tokens
+from tests.strategies import FLOAT_DTYPES, chunk_problems, layouts, routing_problems
+from tests.torch._helpers import (
+    DEVICE,
+    assert_reduced,
+    assert_same,
+    bits,
+    cotangent,
+    probs,
+    relayout,
+    routing_args,
+    tokens,
+)
 
 
-def _dispatch_both(problem, with_probs=True, with_scales=False):
+def _dispatch_both(problem, with_probs=True, with_scales=False, layout="contiguous"):
+    """(moetriton's results on inputs in `layout`, the reference's on contiguous ones)."""
     routing_map, kwargs = routing_args(problem)
     x = tokens(problem)
     p = probs(problem) if with_probs else None
@@ -25,30 +38,35 @@ def _dispatch_both(problem, with_probs=True, with_scales=False):
             -1, 3
         )
     args = (x, routing_map, problem.num_out_tokens, p, problem.align_size)
-    return mt.token_dispatch(*args, **kwargs), reference.token_dispatch(*args, **kwargs)
+    strided_args = tuple(relayout(a, layout) if isinstance(a, torch.Tensor) else a for a in args)
+    strided_kwargs = {k: relayout(v, layout) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    return mt.token_dispatch(*strided_args, **strided_kwargs), reference.token_dispatch(*args, **kwargs)
 
 
-@given(routing_problems(), st.booleans(), st.booleans())
-def test_dispatch_matches_reference_bitwise(problem, with_probs, with_scales):
-    got, expected = _dispatch_both(problem, with_probs, with_scales)
+@given(routing_problems(), st.booleans(), st.booleans(), layouts())
+def test_dispatch_matches_reference_bitwise(problem, with_probs, with_scales, layout):
+    got, expected = _dispatch_both(problem, with_probs, with_scales, layout)
     names = ("output", "permuted_probs", "row_id_map", "pad_offsets", "tokens_per_expert", "permuted_scales")
     assert len(got) == len(expected)
     for name, g, e in zip(names, got, expected, strict=False):
         assert_same(g, e, name)
 
 
-def _contract_rows(problem) -> np.ndarray:
-    """Destination row of every slot, straight from DESIGN.md's formula (a second, loop-based oracle)."""
+def _contract_rows(problem, capacity: int | None = None) -> np.ndarray:
+    """Destination row of every slot, straight from DESIGN.md's formula (a second, loop-based oracle); with
+    a capacity, expert e owns rows [e * capacity, (e + 1) * capacity) and keeps its first `capacity` slots."""
     if problem.kind == "mask":
         experts = np.where(problem.routing, np.arange(problem.num_experts)[None, :], -1)
     else:
         experts = problem.routing
     counts = np.array([(experts == e).sum() for e in range(problem.num_experts)], dtype=np.int64)
     align = problem.align_size or 1
-    aligned = -(-counts // align) * align
+    aligned = -(-counts // align) * align if capacity is None else np.full_like(counts, capacity)
     start = np.concatenate([[0], np.cumsum(aligned)[:-1]])
-    capacity = (
-        problem.num_out_tokens
+    rows_in_buffer = (
+        problem.num_experts * capacity
+        if capacity is not None
+        else problem.num_out_tokens
         if problem.align_size is None
         else ((problem.num_out_tokens + problem.num_experts * (align - 1)) // align * align)
     )
@@ -59,8 +77,9 @@ def _contract_rows(problem) -> np.ndarray:
             e = experts[t, s]
             if e >= 0:
                 row = start[e] + seen[e]
+                kept = row < rows_in_buffer and (capacity is None or seen[e] < capacity)
                 seen[e] += 1
-                rows[t, s] = row if row < capacity else -1
+                rows[t, s] = row if kept else -1
     return rows
 
 
@@ -71,6 +90,48 @@ def test_row_map_follows_the_design_formula(problem):
     np.testing.assert_array_equal(row_id_map[:, :-1].cpu().numpy(), expected)
     assert tokens_per_expert.dtype == torch.int32 and row_id_map.dtype == torch.int32
     assert (pad_offsets is None) == (problem.align_size is None)
+
+
+@given(routing_problems(padding=(False,)), st.integers(1, 6), layouts(), layouts(cotangent=True))
+def test_capacity_dispatch_keeps_the_first_slots_of_each_expert(problem, capacity, layout, grad_layout):
+    routing_map, kwargs = routing_args(problem)
+    x, p = tokens(problem), probs(problem)
+    strided = {k: relayout(v, layout) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    got = mt.token_dispatch(
+        relayout(x, layout),
+        relayout(routing_map, layout),
+        None,
+        relayout(p, layout),
+        capacity=capacity,
+        **strided,
+    )
+    expected = reference.token_dispatch(x, routing_map, None, p, capacity=capacity, **kwargs)
+    for name, g, e in zip(
+        ("output", "permuted_probs", "row_id_map", "pad_offsets", "counts"), got, expected, strict=True
+    ):
+        assert_same(g, e, name)
+    np.testing.assert_array_equal(got[2][:, :-1].cpu().numpy(), _contract_rows(problem, capacity))
+    assert got[0].shape[0] == problem.num_experts * capacity
+    assert bool((got[4] == capacity).all())
+    if not x.dtype.is_floating_point or x.element_size() == 1:
+        return
+    # Combine over the capacity layout and its gradients, pad rows included, against the reference.
+    grads = []
+    for api in (mt, reference):
+        leaves = [t.clone().requires_grad_() for t in (x, p)]
+        out, permuted_probs, row_id_map, pad_offsets, _ = api.token_dispatch(
+            leaves[0], routing_map, None, leaves[1], capacity=capacity, **kwargs
+        )
+        y = api.token_combine(
+            out * permuted_probs[:, None].to(out.dtype), row_id_map, leaves[1] * 0.5, pad_offsets
+        )
+        if not y.requires_grad:  # the reference builds no graph when no slot is kept
+            return
+        grads.append(torch.autograd.grad(y, leaves, cotangent(y, grad_layout), allow_unused=True))
+    tolerance = dict(rtol=1e-5, atol=1e-5) if x.dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for got_grad, expected_grad in zip(*grads, strict=True):
+        if expected_grad is not None:
+            torch.testing.assert_close(got_grad, expected_grad, **tolerance)
 
 
 @given(routing_problems(padding=(True,)))
@@ -86,12 +147,14 @@ def test_rows_without_a_token_are_zero(problem):
         assert bool((counts % problem.align_size == 0).all())
 
 
-@given(routing_problems(dtypes=FLOAT_DTYPES), st.booleans())
-def test_combine_matches_reference_bitwise(problem, weighted):
+@given(routing_problems(dtypes=FLOAT_DTYPES), st.booleans(), layouts())
+def test_combine_matches_reference_bitwise(problem, weighted, layout):
     (output, _, row_id_map, pad_offsets, _), _ = _dispatch_both(problem, with_probs=False)
     expert_out = output * 3 - 1  # any values; the dispatch output only supplies the layout
     weights = probs(problem) if weighted else None
-    got = mt.token_combine(expert_out, row_id_map, weights, pad_offsets)
+    got = mt.token_combine(
+        relayout(expert_out, layout), relayout(row_id_map, layout), relayout(weights, layout), pad_offsets
+    )
     assert_reduced(got, reference.token_combine(expert_out, row_id_map, weights), "combine")
 
 
@@ -118,8 +181,8 @@ def _pipeline(api, x, p, w, routing_map, kwargs, problem):
     return api.token_combine(expert_out, row_id_map, w, pad_offsets)
 
 
-@given(routing_problems(dtypes=("float32", "bfloat16")))
-def test_gradients_match_autograd_of_reference(problem):
+@given(routing_problems(dtypes=("float32", "bfloat16")), layouts(), layouts(cotangent=True))
+def test_gradients_match_autograd_of_reference(problem, layout, grad_layout):
     routing_map, kwargs = routing_args(problem)
     dtype = tokens(problem).dtype
     grads = []
@@ -127,8 +190,10 @@ def test_gradients_match_autograd_of_reference(problem):
         x = tokens(problem).requires_grad_()
         p = probs(problem).requires_grad_()
         w = probs(problem).flip(0).contiguous().requires_grad_()
-        y = _pipeline(api, x, p, w, routing_map, kwargs, problem)
-        g = torch.linspace(-1, 1, y.numel(), device=DEVICE, dtype=torch.float32).view_as(y).to(dtype)
+        strided = api is mt and layout != "contiguous"
+        inputs = tuple(relayout(t, layout) for t in (x, p, w)) if strided else (x, p, w)
+        y = _pipeline(api, *inputs, routing_map, kwargs, problem)
+        g = cotangent(y, grad_layout, seed=1)
         if not y.requires_grad:  # the reference builds no graph when nothing is routed
             grads.append(tuple(torch.zeros_like(t) for t in (x, p, w)))
             continue
@@ -168,13 +233,15 @@ def test_gradcheck_fp64(kind, align_size):
     assert torch.autograd.gradcheck(f, (x, p, w), fast_mode=True)
 
 
-@given(chunk_problems(), st.booleans())
-def test_chunk_sort_matches_reference_and_inverts_in_backward(problem, with_probs):
+@given(chunk_problems(), st.booleans(), layouts(), layouts(cotangent=True))
+def test_chunk_sort_matches_reference_and_inverts_in_backward(problem, with_probs, layout, grad_layout):
     x = tokens(problem)
     sizes = torch.from_numpy(problem.split_sizes).to(DEVICE)
     order = torch.from_numpy(problem.sorted_indices).to(DEVICE)
     p = torch.from_numpy(problem.probs).to(DEVICE) if with_probs else None
-    got = mt.sort_chunks_by_index(x, sizes, order, p)
+    got = mt.sort_chunks_by_index(
+        relayout(x, layout), relayout(sizes, layout), relayout(order, layout), relayout(p, layout)
+    )
     expected = reference.sort_chunks_by_index(x, sizes, order, p)
     assert len(got) == len(expected) == (3 if with_probs else 2)
     for name, g, e in zip(("output", "row_id_map", "permuted_probs"), got, expected, strict=False):
@@ -183,16 +250,19 @@ def test_chunk_sort_matches_reference_and_inverts_in_backward(problem, with_prob
         return
     xg = x.clone().requires_grad_()
     pg = p.clone().requires_grad_() if with_probs else None
-    result = mt.sort_chunks_by_index(xg, sizes, order, pg)
-    loss = (result[0].float() * torch.arange(x.numel(), device=DEVICE).view_as(x)).sum()
+    result = mt.sort_chunks_by_index(relayout(xg, layout), sizes, order, relayout(pg, layout))
+    g = cotangent(result[0], grad_layout)
+    outputs, cotangents = [result[0]], [g]
     if with_probs:
-        loss = loss + (result[2] * torch.arange(x.shape[0], device=DEVICE)).sum()
-    loss.backward()
+        gp = cotangent(result[2], grad_layout, seed=1)
+        outputs.append(result[2])
+        cotangents.append(gp)
+    found = torch.autograd.grad(outputs, [xg] + ([pg] if with_probs else []), cotangents)
     dst = got[1].long()
-    weights = torch.arange(x.numel(), device=DEVICE).view_as(x).to(x.dtype)
-    assert torch.equal(xg.grad, weights[dst])  # the gradient of a permutation is the inverse permutation
+    # The gradient of a permutation is the inverse permutation (a gather through the map).
+    assert torch.equal(bits(found[0]), bits(g[dst]))
     if with_probs:
-        assert torch.equal(pg.grad, torch.arange(x.shape[0], device=DEVICE, dtype=p.dtype)[dst])
+        assert torch.equal(bits(found[1]), bits(gp[dst]))
 
 
 def test_fp8_payload_moves_bit_for_bit_with_scales():

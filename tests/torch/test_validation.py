@@ -57,6 +57,16 @@ DISPATCH_CASES = {
     "align_size zero": (lambda: mt.token_dispatch(_x(), _mask(), 4, align_size=0), "align_size"),
     "align_size negative": (lambda: mt.token_dispatch(_x(), _mask(), 4, align_size=-8), "align_size"),
     "scales tokens": (lambda: mt.token_dispatch(_x(), _mask(), 4, scales=torch.zeros(T + 1, 2)), "scales"),
+    "capacity zero": (lambda: mt.token_dispatch(_x(), _mask(), capacity=0), "capacity"),
+    "capacity float": (lambda: mt.token_dispatch(_x(), _mask(), capacity=2.0), "capacity"),
+    "capacity with num_out_tokens": (
+        lambda: mt.token_dispatch(_x(), _mask(), 4, capacity=2),
+        "num_out_tokens",
+    ),
+    "capacity with align_size": (
+        lambda: mt.token_dispatch(_x(), _mask(), None, align_size=4, capacity=2),
+        "align_size",
+    ),
 }
 
 
@@ -98,7 +108,7 @@ COMBINE_CASES = {
         "row_id_map",
     ),
     "map width": (
-        lambda: mt.token_combine(torch.zeros(T * E, H, device=DEVICE), _row_map()[:, :1]),
+        lambda: mt.token_combine(torch.zeros(T * E, H, device=DEVICE), _row_map()[:, :0]),
         "row_id_map",
     ),
     "merging_probs shape": (
