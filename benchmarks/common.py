@@ -20,6 +20,8 @@ class Result:
     ms: float  # median time per call
     bytes: int  # ideal bytes moved (read + write)
     note: str = ""
+    host_ms: float | None = None  # host time to issue one call (eager mode)
+    eager_ms: float | None = None  # wall time per call of calls back to back with one sync (eager mode)
 
     def gbps(self) -> float:
         return self.bytes / (self.ms * 1e-3) / 1e9

@@ -1,10 +1,13 @@
 """Benchmark runner: every op, framework and named shape in one table.
 
-    python -m benchmarks.run [--shapes mixtral,qwen3,dsv3,small] [--quick] [--out DIR]
+    python -m benchmarks.run [--shapes mixtral,qwen3,dsv3,small,tiny] [--modules ...] [--quick] [--out DIR]
 
 Prints ms, GB/s, % of the measured device-to-device copy bandwidth (read + write), the baseline's time and
 the speedup, and TransformerEngine's H100 times where DEVELOPERS.md records them; writes results.json,
-results.csv and a PNG of % of ceiling per op and shape into --out.
+results.csv and a PNG of % of ceiling per op and shape into --out. The eager module
+(benchmarks.eager_cases) adds, per op and implementation (TE's Triton kernels where importable), the host
+time per call and the eager wall time per call beside the graph time; `--modules benchmarks.eager_cases`
+runs it alone.
 """
 
 from __future__ import annotations
@@ -45,7 +48,14 @@ TE_H100_MS = {
     ("chunk_sort", "dsv3"): 0.786,
 }
 
-CASE_MODULES = ("benchmarks.torch_cases", "benchmarks.jax_cases", "benchmarks.router_cases")
+# Implementations that are moetriton's baseline (TE's rows are reported beside it, not as a baseline).
+BASELINES = ("torch-ref", "torch-eager", "jax-ref", "jax-argsort")
+CASE_MODULES = (
+    "benchmarks.torch_cases",
+    "benchmarks.jax_cases",
+    "benchmarks.router_cases",
+    "benchmarks.eager_cases",
+)
 
 
 def _versions() -> dict:
@@ -135,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         baseline = [
             b
             for b in results
-            if (b.op, b.framework, b.shape) == (r.op, r.framework, r.shape) and b.impl != "moetriton"
+            if (b.op, b.framework, b.shape) == (r.op, r.framework, r.shape) and b.impl in BASELINES
         ]
         te_ms = TE_H100_MS.get((r.op, r.shape))
         rows.append(
@@ -148,16 +158,17 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     header = (
-        f"{'op':<13}{'fw':<6}{'impl':<12}{'shape':<9}{'ms':>9}{'GB/s':>8}{'%ceil':>7}"
-        f"{'base ms':>9}{'speedup':>8}{'TE ms':>7}  note"
+        f"{'op':<17}{'fw':<6}{'impl':<12}{'shape':<9}{'ms':>9}{'GB/s':>8}{'%ceil':>7}"
+        f"{'base ms':>9}{'speedup':>8}{'TE ms':>7}{'host ms':>9}{'eager ms':>9}  note"
     )
     print(header)
     for row in rows:
         speedup = row["baseline_ms"] / row["ms"] if row["baseline_ms"] else None
         print(
-            f"{row['op']:<13}{row['framework']:<6}{row['impl']:<12}{row['shape']:<9}{row['ms']:>9.4f}"
+            f"{row['op']:<17}{row['framework']:<6}{row['impl']:<12}{row['shape']:<9}{row['ms']:>9.4f}"
             f"{row['gbps']:>8.0f}{row['ceiling_pct']:>7.1f}"
-            f"{row['baseline_ms'] or 0:>9.3f}{speedup or 0:>8.1f}{row['te_ms'] or 0:>7.3f}  {row['note']}"
+            f"{row['baseline_ms'] or 0:>9.3f}{speedup or 0:>8.1f}{row['te_ms'] or 0:>7.3f}"
+            f"{row['host_ms'] or 0:>9.4f}{row['eager_ms'] or 0:>9.4f}  {row['note']}"
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -174,3 +174,32 @@ def time_jax(fn: Callable, sets: list[tuple], repeats: int = 20) -> JaxTiming:
         cold_ms=_median_span_us(gpu_activities(cold), repeats) * 1e-3 / len(sets),
         wall_ms=statistics.median(walls) * 1e3 / len(sets),
     )
+
+
+@dataclass(frozen=True)
+class EagerTiming:
+    host_ms: float  # median host time to issue one call (the device keeps up, so nothing waits)
+    eager_ms: float  # wall time per call of `calls` calls back to back, one sync at the end
+
+
+def time_host_and_eager(
+    call: Callable[[], object], sync: Callable[[object], None], calls: int = 200
+) -> EagerTiming:
+    """What an eager user sees: the host cost of issuing one call, and the wall time per call when calls
+    follow each other with a single sync at the end (max of host and device time, plus what does not
+    overlap). `sync(result)` waits for the device (torch.cuda.synchronize, jax.block_until_ready)."""
+    for _ in range(3):  # compile, autotune and warm the caches outside the timing
+        sync(call())
+    issue = []
+    for _ in range(5):
+        for _ in range(10):  # few enough calls that the launch queue never fills
+            start = time.perf_counter()
+            result = call()
+            issue.append(time.perf_counter() - start)
+        sync(result)
+    start = time.perf_counter()
+    for _ in range(calls):
+        result = call()
+    sync(result)
+    wall = time.perf_counter() - start
+    return EagerTiming(host_ms=statistics.median(issue) * 1e3, eager_ms=wall * 1e3 / calls)

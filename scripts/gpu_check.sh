@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One device-tool call: install what the GPU machine lacks, run the whole test suite on CUDA, run the
 # benchmarks, and leave logs under $OUT. Usage (device tool, repo root): bash scripts/gpu_check.sh [stage...]
-# Stages: smoke tests bench router autotune usecache jaxprof plan (default: tests bench). usecache copies what
-# autotune wrote into the installed package, so later stages of the same call run with the new cache. Carry `.whl` (the jax-triton wheel).
+# Stages: smoke tests bench eager hostprof router autotune usecache jaxprof plan (default: tests bench).
+# usecache copies what autotune wrote into the installed package, so later stages of the same call run with
+# the new cache. Carry `.whl` (the jax-triton wheel) and, to benchmark TransformerEngine's Triton kernels
+# beside ours, `.te` (a folder holding an importable `transformer_engine.pytorch.triton.permutation`; never
+# committed).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -16,6 +19,7 @@ stages=${*:-tests bench}
   python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . 2>&1 | tail -2
 } > "$OUT/setup.log" 2>&1
 export PYTHONPATH=/tmp/site
+[ -d .te ] && export PYTHONPATH=$PYTHONPATH:$PWD/.te
 cd /tmp  # import the installed package, not the source folders
 python3 -c "import torch, triton, jax; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__, jax.devices())" | tee -a "$OUT/setup.log"
 repo=$OLDPWD
@@ -25,6 +29,10 @@ for stage in $stages; do
     tests) (cd "$repo" && timeout ${TEST_TIMEOUT:-420} python3 -m pytest ${TEST_PATHS:-tests} -q -p no:cacheprovider \
               -n 8 --maxfail=30 --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1; tail -60 "$OUT/tests.log") ;;
     bench) (cd "$repo" && timeout ${BENCH_TIMEOUT:-300} python3 -m benchmarks.run --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log") ;;
+    eager) (cd "$repo" && timeout ${EAGER_TIMEOUT:-300} python3 -m benchmarks.run --modules benchmarks.eager_cases \
+              --out "$OUT/eager" ${EAGER_ARGS:-} 2>&1 | tee "$OUT/eager.log") ;;
+    hostprof) (cd "$repo" && timeout ${HOSTPROF_TIMEOUT:-120} python3 scripts/profile_host.py ${HOSTPROF_ARGS:-} \
+                 > "$OUT/hostprof.log" 2>&1; tail -40 "$OUT/hostprof.log") ;;
     usecache) cp /tmp/cache/*/*.json /tmp/site/moetriton/autotune_cache/*/ ;;
     jaxprof) (cd "$repo" && timeout ${JAXPROF_TIMEOUT:-150} python3 scripts/profile_jax.py --hlo "$OUT/hlo.txt" \
                 ${JAXPROF_ARGS:-} > "$OUT/jaxprof.log" 2>&1; tail -80 "$OUT/jaxprof.log") ;;
