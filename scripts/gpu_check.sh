@@ -27,7 +27,8 @@ for stage in $stages; do
   case $stage in
     smoke) python3 "$repo/scripts/gpu_smoke.py" 2>&1 | tee "$OUT/smoke.log" ;;
     tests) (cd "$repo" && timeout ${TEST_TIMEOUT:-420} python3 -m pytest ${TEST_PATHS:-tests} -q -p no:cacheprovider \
-              -n 8 --maxfail=30 --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1; tail -60 "$OUT/tests.log") ;;
+              -n 8 --maxfail=${MAXFAIL:-30} --tb=short -rfE -W ignore::pytest.PytestWarning \
+              --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1; grep -v Warning "$OUT/tests.log" | tail -80) ;;
     bench) (cd "$repo" && timeout ${BENCH_TIMEOUT:-300} python3 -m benchmarks.run --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log") ;;
     eager) (cd "$repo" && timeout ${EAGER_TIMEOUT:-300} python3 -m benchmarks.run --modules benchmarks.eager_cases \
               --out "$OUT/eager" ${EAGER_ARGS:-} 2>&1 | tee "$OUT/eager.log") ;;
