@@ -128,7 +128,8 @@ class _Launcher:
         compiled = launch.kernel[launch.grid](*args, *outputs, **launch.constexprs, **strides, **options)
         if stream is not None and compiled is not None:  # compiled (not interpreted) kernels only
             constexprs = {**launch.constexprs, **strides}
-            self.runners[key] = (compiled[launch.grid], [constexprs[name] for name in self.constexpr_names])
+            grid = (*launch.grid, 1, 1)[:3]  # Triton's launcher reads three grid dimensions
+            self.runners[key] = (compiled[grid], [constexprs[name] for name in self.constexpr_names])
 
 
 class Executable:

@@ -37,13 +37,14 @@ def _check_index_values(indices: torch.Tensor, num_experts: int) -> None:
         validation.check_index_values(int(indices.min()), int(indices.max()), num_experts)
 
 
-def _symbolic(name: str, value) -> bool:
-    """True while torch.compile traces, where a size may be symbolic (e.g. an expert count read from the
-    data; dynamo presents it as an int): its rule is then `torch._check`, a deferred run-time assertion for
-    a symbolic value, since guarding on a data-dependent size fails the trace."""
-    if not torch.compiler.is_compiling() or not isinstance(value, int):
+def _symbolic_experts(num_experts) -> bool:
+    """True while torch.compile traces, where the expert count may be symbolic (read from the data; dynamo
+    presents it as an int): its rule is then `torch._check`, a deferred run-time assertion for a symbolic
+    value, since guarding on a data-dependent size fails the trace. (Dynamo accepts only a message function
+    without free variables.)"""
+    if not torch.compiler.is_compiling() or not isinstance(num_experts, int):
         return False
-    torch._check(value >= 1, lambda: f"{name}: expected > 0")
+    torch._check(num_experts >= 1, lambda: "num_experts: expected > 0")
     return True
 
 
@@ -106,7 +107,7 @@ def token_dispatch(
         scales=describe(scales),
         align_size=align_size,
         capacity=capacity,
-        symbolic_experts=_symbolic("num_experts", num_experts),
+        symbolic_experts=_symbolic_experts(num_experts),
     )
     routing = routing_map if is_mask else indices
     _same_device(inp=inp, routing_map=routing_map, indices=indices, probs=probs, scales=scales)
