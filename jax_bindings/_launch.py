@@ -114,6 +114,10 @@ def _run_triton(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
     env = dict(inputs)
     dummy = jnp.zeros((0,), jnp.int32)
     for launch in plan.launches:
+        for name in launch.args:
+            # A buffer no earlier launch wrote (the empty block counts when T = 0) starts as zeros.
+            if isinstance(name, str) and name not in env:
+                env[name] = jnp.zeros(specs[name].shape, specs[name].dtype)
         args, strides = _resolve_args(launch, env, dummy)
         outputs = jax_triton.triton_call(
             *args,
