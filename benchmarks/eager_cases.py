@@ -113,9 +113,11 @@ def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
     grad_sets = inputs(dispatch_bytes, lambda: make_dispatch(requires_grad=True))
     fwd_bwd_bytes = dispatch_bytes + token_bytes(N, H, eb) + map_bytes + token_bytes(T, H, eb)
 
+    # Backward passes return the gradients (torch.autograd.grad) rather than accumulate them into .grad:
+    # accumulation is an extra elementwise pass that TE's wrapper calls do not make.
     def dispatch_fwd_bwd(x, m, p, g):
         out_rows = mt.token_dispatch(x, m, N, p)[0]
-        torch.autograd.backward(out_rows, g)
+        return torch.autograd.grad(out_rows, x, g)
 
     add("dispatch_fwd_bwd", "moetriton", dispatch_fwd_bwd, grad_sets, fwd_bwd_bytes)
     if te is not None:
@@ -143,7 +145,7 @@ def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
     add("combine", "moetriton", lambda y, r, w, g, t: mt.token_combine(y, r, w), sets, combine_bytes)
 
     def combine_fwd_bwd(y, r, w, g, t):
-        torch.autograd.backward(mt.token_combine(y, r, w), g)
+        return torch.autograd.grad(mt.token_combine(y, r, w), (y, w), g)
 
     add("combine_fwd_bwd", "moetriton", combine_fwd_bwd, sets, combine_bytes + combine_bwd_bytes)
     if te is not None:
@@ -226,7 +228,7 @@ def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
 
     def router_fwd_bwd(api):
         def run(logits, grad):
-            torch.autograd.backward(api(logits)[0], grad)
+            return torch.autograd.grad(api(logits)[0], logits, grad)
 
         return run
 

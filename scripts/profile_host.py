@@ -36,14 +36,18 @@ def _calls(shape) -> dict:
     logits = torch.randn(T, E, device="cuda", dtype=torch.bfloat16)
     return {
         "dispatch": lambda: mt.token_dispatch(x, mask, T * K, scores),
-        "combine_fwd_bwd": lambda: torch.autograd.backward(mt.token_combine(rows, row_map, weights), grad),
+        "combine_fwd_bwd": lambda: torch.autograd.grad(
+            mt.token_combine(rows, row_map, weights), (rows, weights), grad
+        ),
         "chunk_sort": lambda: mt.sort_chunks_by_index(rows.detach(), sizes, order),
         "router_topk": lambda: mt.fused_topk_with_score_function(logits, K),
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shapes", default="tiny,mixtral")
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--top", type=int, default=14)
