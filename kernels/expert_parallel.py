@@ -1,0 +1,174 @@
+"""Expert-parallel (EP) layout arithmetic, written once for the JAX and PyTorch MoE layers.
+
+Symbols: EP ranks (the EP group), E experts in all, L = E / EP local experts (expert e lives on rank e // L),
+T tokens per rank, K experts per token, A alignment (rows per expert block are a multiple of A).
+
+Dataflow of one rank (DESIGN.md, "Expert-parallel MoE layer"): its T tokens are dispatched into a send buffer
+that is expert-major, so rank-major too (rank r's experts are contiguous). Each rank sends rank r the blocks
+of r's experts; the receive buffer holds, for every source rank p in order, p's blocks of the local experts
+("source-major"); a chunk sort makes it expert-major for the grouped GEMMs and its inverse restores the
+source-major order; the reverse exchange returns every row to the rank and row it came from.
+
+Two capacity policies fix the static buffer sizes:
+
+* dropless: the send buffer is token_dispatch's padded worst case for T * K slots; the receive buffer holds
+  what every source rank could send one rank at most: each source's slots for the local experts (at most
+  T * min(K, L), one slot per token and expert) with each expert block padded to A.
+* capacity_factor c: every (source rank, local expert) pair gets C = A * max(1, ceil(c * T * K / (E * A)))
+  rows, i.e. c times the balanced load, rounded up to A. The send buffer is token_dispatch's capacity
+  layout ([E, C]: each expert keeps its first C slots in token order, the rest are dropped and counted), the
+  exchange moves fixed [L, C] slabs, and the receive buffer is EP * L * C = c x the balanced load of the
+  local experts. No sizes depend on data: nothing syncs with the host and the step captures in a CUDA graph.
+
+The exchange formulas below take arrays and use only operations that numpy, JAX and PyTorch share
+(reshape, sum / cumsum over a positional axis, integer indexing, clip), so every framework runs the same code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .permutation import buffer_rows
+
+POLICIES = ("dropless", "capacity")
+
+
+@dataclass(frozen=True)
+class EPLayout:
+    """Static sizes of one rank's EP exchange. Construct with `ep_layout` (validates)."""
+
+    num_tokens: int  # T, tokens of one rank
+    num_experts: int  # E
+    topk: int  # K
+    ep_size: int  # EP
+    align: int  # A (1: no alignment)
+    capacity_factor: float | None  # None: dropless
+
+    @property
+    def local_experts(self) -> int:
+        """L = E / EP, the experts of one rank."""
+        return self.num_experts // self.ep_size
+
+    @property
+    def dropless(self) -> bool:
+        return self.capacity_factor is None
+
+    @property
+    def capacity(self) -> int | None:
+        """C, rows of one (source rank, local expert) pair under capacity_factor (None when dropless)."""
+        if self.capacity_factor is None:
+            return None
+        balanced = self.capacity_factor * self.num_tokens * self.topk / (self.num_experts * self.align)
+        return self.align * max(1, math.ceil(balanced))
+
+    @property
+    def align_size(self) -> int | None:
+        """token_dispatch's align_size argument for the send buffer (dropless), or None."""
+        return self.align if self.align > 1 else None
+
+    @property
+    def send_rows(self) -> int:
+        """Rows of the send buffer (token_dispatch's output)."""
+        if self.dropless:
+            return buffer_rows(self.num_tokens * self.topk, self.num_experts, self.align_size)
+        return self.num_experts * self.capacity
+
+    @property
+    def recv_rows(self) -> int:
+        """Rows of the receive buffer: the most all source ranks together can send one rank."""
+        local = self.local_experts
+        if self.dropless:
+            per_source = buffer_rows(self.num_tokens * min(self.topk, local), local, self.align_size)
+            return self.ep_size * per_source
+        return self.ep_size * local * self.capacity
+
+    def expert_major_order(self) -> list[int]:
+        """sorted_indices of the chunk sort from source-major chunks (p, j) = p * L + j to expert-major order
+        (j, p): position j * EP + p holds chunk p * L + j. Its inverse sorts back."""
+        return [p * self.local_experts + j for j in range(self.local_experts) for p in range(self.ep_size)]
+
+    def source_major_order(self) -> list[int]:
+        """sorted_indices of the inverse sort: expert-major chunks (j, p) = j * EP + p back to (p, j)."""
+        return [j * self.ep_size + p for p in range(self.ep_size) for j in range(self.local_experts)]
+
+
+def ep_layout(
+    *,
+    num_tokens: int,
+    num_experts: int,
+    topk: int,
+    ep_size: int,
+    align_size: int | None = None,
+    capacity_factor: float | None = None,
+) -> EPLayout:
+    """Validated EPLayout; every error names the argument and the expected value."""
+    for name, value, low in (
+        ("num_tokens", num_tokens, 0),
+        ("num_experts", num_experts, 1),
+        ("topk", topk, 1),
+        ("ep_size", ep_size, 1),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    if num_experts % ep_size:
+        raise ValueError(f"num_experts: expected a multiple of the EP size {ep_size}, got {num_experts}")
+    if topk > num_experts:
+        raise ValueError(f"topk: expected <= num_experts = {num_experts}, got {topk}")
+    if align_size is not None and (
+        not isinstance(align_size, int) or isinstance(align_size, bool) or align_size < 1
+    ):
+        raise ValueError(f"align_size: expected None or an int >= 1, got {align_size!r}")
+    if capacity_factor is not None:
+        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, int | float):
+            raise ValueError(
+                f"capacity_factor: expected None (dropless) or a number > 0, got {capacity_factor!r}"
+            )
+        if not capacity_factor > 0 or not math.isfinite(capacity_factor):
+            raise ValueError(f"capacity_factor: expected a finite number > 0, got {capacity_factor}")
+    return EPLayout(num_tokens, num_experts, topk, ep_size, align_size or 1, capacity_factor)
+
+
+def _exclusive_cumsum(values: Any, axis: int) -> Any:
+    return values.cumsum(axis) - values
+
+
+def dropless_exchange(counts_all: Any, rank: Any, layout: EPLayout) -> dict[str, Any]:
+    """Sizes and offsets of a dropless exchange, from `counts_all` [EP, E]: the rows per expert of every
+    rank's send buffer (token_dispatch's tokens_per_expert, gathered over the EP group; padding included),
+    and this rank's index (an int, or a traced scalar). All results are integer arrays:
+
+    * send_sizes [EP], input_offsets [EP]: rows this rank sends each rank, and where they start in its send
+      buffer; output_offsets [EP]: where they land in each receiving rank's buffer (the rows that lower
+      ranks send that rank come first);
+    * recv_sizes [EP], recv_offsets [EP]: rows this rank receives from each rank, and where they start in its
+      receive buffer (source-major);
+    * chunk_sizes [EP * L]: the (source rank, local expert) chunks of the receive buffer, source-major (the
+      split sizes of the chunk sort); group_sizes [L]: rows per local expert over all sources;
+    * return_offsets [EP]: for the reverse exchange (same sizes, swapped), where this rank's rows land in
+      each source rank's send buffer.
+    """
+    ep, local = layout.ep_size, layout.local_experts
+    per_dest = counts_all.reshape(ep, ep, local).sum(2)  # [source, destination]
+    send_sizes = per_dest[rank]
+    recv_sizes = per_dest[:, rank]
+    mine = counts_all.reshape(ep, ep, local)[:, rank]  # [source, local expert]
+    return dict(
+        send_sizes=send_sizes,
+        input_offsets=_exclusive_cumsum(send_sizes, 0),
+        output_offsets=_exclusive_cumsum(per_dest, 0)[rank],
+        recv_sizes=recv_sizes,
+        recv_offsets=_exclusive_cumsum(recv_sizes, 0),
+        chunk_sizes=mine.reshape(ep * local),
+        group_sizes=mine.sum(0),
+        return_offsets=_exclusive_cumsum(per_dest, 1)[:, rank],
+    )
+
+
+def dropped_slots(routed_per_expert: Any, layout: EPLayout) -> Any:
+    """Routed slots a rank drops under capacity_factor: sum over experts of max(0, routed - C), from its
+    routed (unpadded) slots per expert [E]. 0 for dropless (nothing is dropped there)."""
+    if layout.dropless:
+        return routed_per_expert.sum() * 0
+    return (routed_per_expert - layout.capacity).clip(min=0).sum()
