@@ -27,3 +27,29 @@ NAMED_SHAPES: dict[str, MoEShape] = {
         MoEShape("tiny", 512, 1024, 64, 4),
     )
 }
+
+
+@dataclass(frozen=True)
+class MoELayerShape:
+    """One MoE layer: T tokens per GPU of hidden size H, E experts of FFN size F (SwiGLU: fused gate+up
+    [E, H, 2F], down [E, F, H]), top-K routing with the given score function and group limit."""
+
+    name: str
+    num_tokens: int
+    hidden: int
+    ffn: int
+    num_experts: int
+    topk: int
+    score_function: str = "softmax"
+    num_groups: int | None = None
+    group_topk: int | None = None
+
+
+#: Layer benchmarks (issues #12, #13): token counts per GPU that fill an H100/H200 with GEMM work.
+MOE_LAYER_SHAPES: dict[str, MoELayerShape] = {
+    shape.name: shape
+    for shape in (
+        MoELayerShape("mixtral", 16384, 4096, 14336, 8, 2),
+        MoELayerShape("dsv3", 8192, 7168, 2048, 256, 8, "sigmoid", 8, 4),
+    )
+}

@@ -1,0 +1,98 @@
+"""Hypothesis strategies for the MoE layers (framework-neutral: numpy arrays plus arguments), shared by
+tests/jax and tests/torch so that both layers are tested on the same problems.
+
+`moe_problems()` draws one layer call: tokens [B, S, H] (B divisible by the number of token shards), gate
+[H, E], fused gate+up expert weights [E, H, 2F], down weights [E, F, H], an expert bias, top-K with a score
+function (groups sometimes), alignment on or off, and a capacity policy (dropless, or a capacity factor small
+enough to force overflow sometimes). Values are small and well scaled, so bf16 and fp32 runs stay close to the
+fp32 dense reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from hypothesis import strategies as st
+
+
+@dataclass(frozen=True)
+class MoEProblem:
+    batch: int
+    seq: int
+    hidden: int
+    ffn: int
+    num_experts: int
+    topk: int
+    score_function: str
+    num_groups: int | None
+    group_topk: int | None
+    align_size: int | None
+    capacity_factor: float | None  # None: dropless
+    routing: str  # "random", "one_expert" (every token prefers expert 0), "empty_experts"
+    x: np.ndarray  # [B, S, H] float32
+    gate: np.ndarray  # [H, E] float32
+    gate_up: np.ndarray  # [E, H, 2F] float32
+    down: np.ndarray  # [E, F, H] float32
+    expert_bias: np.ndarray | None  # [E] float32 (sigmoid / sqrtsoftplus only)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch * self.seq
+
+
+@st.composite
+def moe_problems(
+    draw,
+    *,
+    shards: int = 1,
+    max_experts_per_shard: int = 3,
+    policies: tuple[str, ...] = ("dropless", "capacity"),
+) -> MoEProblem:
+    """A layer call whose batch splits into `shards` token shards and whose experts split over `shards` EP
+    ranks (E is a multiple of `shards`)."""
+    batch = shards * draw(st.integers(1, 2))
+    seq = draw(st.integers(1, 5))
+    hidden = draw(st.sampled_from([8, 16]))
+    ffn = draw(st.sampled_from([8, 12]))
+    num_experts = shards * draw(st.integers(1, max_experts_per_shard))
+    topk = draw(st.integers(1, min(num_experts, 3)))
+    score_function = draw(st.sampled_from(["softmax", "sigmoid", "sqrtsoftplus"]))
+    groups = None
+    if score_function != "softmax" and num_experts % 2 == 0 and topk % 2 == 0 and draw(st.booleans()):
+        groups = (2, 2) if topk // 2 <= num_experts // 2 else None
+    policy = draw(st.sampled_from(policies))
+    capacity_factor = draw(st.sampled_from([0.25, 0.5, 1.0, 2.0])) if policy == "capacity" else None
+    align_size = draw(st.sampled_from([None, 2, 4]))
+    routing = draw(st.sampled_from(["random", "one_expert", "empty_experts"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    gate = rng.normal(0, 1 / np.sqrt(hidden), (hidden, num_experts)).astype(np.float32)
+    if routing == "one_expert":
+        gate[:, 0] += 3.0 / np.sqrt(hidden)
+    x = rng.normal(0, 1, (batch, seq, hidden)).astype(np.float32)
+    if routing == "one_expert":
+        x = np.abs(x)  # with the shifted gate column, every token ranks expert 0 first
+    if routing == "empty_experts" and num_experts > topk:
+        gate[:, num_experts - 1] -= 10.0 / np.sqrt(hidden)
+        x = np.abs(x)
+    return MoEProblem(
+        batch=batch,
+        seq=seq,
+        hidden=hidden,
+        ffn=ffn,
+        num_experts=num_experts,
+        topk=topk,
+        score_function=score_function,
+        num_groups=None if groups is None else groups[0],
+        group_topk=None if groups is None else groups[1],
+        align_size=align_size,
+        capacity_factor=capacity_factor,
+        routing=routing,
+        x=x,
+        gate=gate,
+        gate_up=rng.normal(0, 1 / np.sqrt(hidden), (num_experts, hidden, 2 * ffn)).astype(np.float32),
+        down=rng.normal(0, 1 / np.sqrt(ffn), (num_experts, ffn, hidden)).astype(np.float32),
+        expert_bias=(
+            rng.normal(0, 0.1, num_experts).astype(np.float32) if score_function != "softmax" else None
+        ),
+    )
