@@ -7,11 +7,14 @@ behind other work). Implementations: moetriton; TransformerEngine's Triton kerne
 wrappers (`transformer_engine.pytorch.triton.permutation`), when importable; the pure-framework
 baselines (the shipped references; eager torch softmax + topk + scatter for the router).
 
-Ops: dispatch (mask + probs -> rows + probs, map included), dispatch_fwd_bwd, combine (merging probs),
-combine_fwd_bwd, chunk_sort, router_topk (softmax, forward) and router_fwd_bwd, reported as "e:<op>" so they
-stand apart from the graph-mode rows of the other modules. TE's dispatch is its row-map
-build plus permute-with-probs; its combine backward is unpermute_with_mask_map_bwd_with_merging_probs; its
-dispatch backward is an unpermute of the cotangent.
+Ops: dispatch (mask + probs -> rows + probs, map included), dispatch_bwd, dispatch_fwd_bwd, combine
+(merging probs), combine_bwd, combine_fwd_bwd, chunk_sort, router_topk (softmax, forward) and router_fwd_bwd,
+reported as "e:<op>" so they stand apart from the graph-mode rows of the other modules. The *_bwd rows call
+the backward op alone (moetriton.torch.ops, as autograd would) beside TE's backward kernel wrapper: the
+like-for-like comparison. The *_fwd_bwd rows go through torch.autograd for moetriton (what a training step
+pays, autograd engine included) but call TE's two wrappers directly, so they favour TE. TE's dispatch is
+its row-map build plus permute-with-probs; its combine backward is
+unpermute_with_mask_map_bwd_with_merging_probs; its dispatch backward is an unpermute of the cotangent.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def _routing(shape: MoEShape, generator: torch.Generator):
 
 def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
     import moetriton.torch as mt
-    from moetriton.torch import reference
+    from moetriton.torch import ops, reference
 
     te = _te()
     T, H, E, K = shape.num_tokens, shape.hidden, shape.num_experts, shape.topk
@@ -120,6 +123,20 @@ def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
         return torch.autograd.grad(out_rows, x, g)
 
     add("dispatch_fwd_bwd", "moetriton", dispatch_fwd_bwd, grad_sets, fwd_bwd_bytes)
+    bwd_bytes = token_bytes(N, H, eb) + map_bytes + token_bytes(T, H, eb)
+    maps = [
+        (g, mt.token_dispatch(x.detach(), m, N)[2], te.make_row_id_map(m, T, E) if te else None)
+        for x, m, _, g in grad_sets
+    ]
+    add("dispatch_bwd", "moetriton", lambda g, r, t: ops.DISPATCH_BACKWARD(g, None, r), maps, bwd_bytes)
+    if te is not None:
+        add(
+            "dispatch_bwd",
+            "te-triton",
+            lambda g, r, t: te.unpermute_with_mask_map(g, t, None, None, None, T, E, H),
+            maps,
+            bwd_bytes,
+        )
     if te is not None:
 
         def te_dispatch_fwd_bwd(x, m, p, g):
@@ -146,6 +163,24 @@ def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
 
     def combine_fwd_bwd(y, r, w, g, t):
         return torch.autograd.grad(mt.token_combine(y, r, w), (y, w), g)
+
+    add(
+        "combine_bwd",
+        "moetriton",
+        lambda y, r, w, g, t: ops.COMBINE_BACKWARD(g, r, y.detach(), w.detach(), False),
+        sets,
+        combine_bwd_bytes,
+    )
+    if te is not None:
+        add(
+            "combine_bwd",
+            "te-triton",
+            lambda y, r, w, g, t: te.unpermute_with_mask_map_bwd_with_merging_probs(
+                g, t, y.detach(), w.detach(), None, T, E, N, H
+            ),
+            sets,
+            combine_bwd_bytes,
+        )
 
     add("combine_fwd_bwd", "moetriton", combine_fwd_bwd, sets, combine_bytes + combine_bwd_bytes)
     if te is not None:

@@ -9,8 +9,8 @@ fully expanded), is made contiguous first. Results are always dense.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
+import inspect
 
 import torch
 
@@ -96,6 +96,13 @@ class _Launcher:
 
     def __init__(self, launch) -> None:
         self.launch = launch
+        self.grid = (*launch.grid, 1, 1)[:3]  # Triton's launcher reads three grid dimensions
+        # (kind, value): 0 = a tensor from the environment, 1 = the row stride of one, 2 = a constant.
+        self.template = [
+            (1, arg.name) if isinstance(arg, RowStride) else (0, arg) if isinstance(arg, str) else (2, arg)
+            for arg in launch.args
+        ]
+        self.stride_aligns = [(arg.name, arg.align) for arg in launch.args if isinstance(arg, RowStride)]
         names = launch.kernel.arg_names
         self.constexpr_names = names[len(launch.args) + len(launch.outputs) :]
         self.options = dict(
@@ -106,30 +113,29 @@ class _Launcher:
         self.runners: dict[tuple, tuple] = {}
 
     def __call__(self, env: dict, dummy: torch.Tensor, key: tuple, stream: int | None, debug: bool) -> None:
-        launch = self.launch
-        args, strides = [], {}
-        for arg in launch.args:
-            if isinstance(arg, str):
-                value = env[arg]
-                args.append(dummy if value is None else value)
-            elif isinstance(arg, RowStride):
-                stride = env[arg.name].stride(0)
-                strides[arg.align] = alignment(stride)
-                args.append(stride)
+        args = []
+        for kind, value in self.template:
+            if kind == 0:
+                tensor = env[value]
+                args.append(dummy if tensor is None else tensor)
+            elif kind == 1:
+                args.append(env[value].stride(0))
             else:
-                args.append(arg)
-        outputs = [env[name] for name in launch.outputs]
+                args.append(value)
+        for name in self.launch.outputs:
+            args.append(env[name])
         runner = self.runners.get(key)
         if runner is not None:
             launcher, constexpr_values = runner
-            launcher(*args, *outputs, *constexpr_values, stream=stream)
+            launcher(*args, *constexpr_values, stream=stream)
             return
+        launch = self.launch
+        strides = {align: alignment(env[name].stride(0)) for name, align in self.stride_aligns}
         options = dict(self.options, debug=True) if debug and launch.checks else self.options
-        compiled = launch.kernel[launch.grid](*args, *outputs, **launch.constexprs, **strides, **options)
+        compiled = launch.kernel[launch.grid](*args, **launch.constexprs, **strides, **options)
         if stream is not None and compiled is not None:  # compiled (not interpreted) kernels only
             constexprs = {**launch.constexprs, **strides}
-            grid = (*launch.grid, 1, 1)[:3]  # Triton's launcher reads three grid dimensions
-            self.runners[key] = (compiled[grid], [constexprs[name] for name in self.constexpr_names])
+            self.runners[key] = (compiled[self.grid], [constexprs[name] for name in self.constexpr_names])
 
 
 class Executable:
@@ -144,29 +150,45 @@ class Executable:
         self.strided = strided_inputs(plan)
         self.launchers = [_Launcher(launch) for launch in plan.launches]
         results = set(plan.results)
-        self.results = [(name, plan.buffers[name]) for name in plan.results]
-        # Scratch: fixed dtypes, packed at 128-byte offsets into one uint8 workspace.
-        self.scratch, offset = [], 0
+        # Results: (name, shape, fixed dtype or None, the input whose dtype it takes, zeroed).
+        self.results = []
+        for name in plan.results:
+            spec = plan.buffers[name]
+            like = spec.dtype.removeprefix("like:") if spec.dtype.startswith("like:") else None
+            self.results.append((name, spec.shape, None if like else _DTYPES[spec.dtype], like, spec.zero))
+        # Scratch: fixed dtypes, each at a 128-byte offset of one uint8 workspace (split in one call).
+        self.scratch, self.scratch_bytes = [], []
         for name, spec in plan.buffers.items():
-            if name in results:
-                continue
-            dtype = _DTYPES[spec.dtype]
-            nbytes = dtype.itemsize * _numel(spec.shape)
-            self.scratch.append((name, offset, nbytes, dtype, spec.shape, spec.zero))
-            offset += -(-nbytes // 128) * 128
-        self.workspace_bytes = offset
+            if name not in results:
+                dtype = _DTYPES[spec.dtype]
+                nbytes = dtype.itemsize * _numel(spec.shape)
+                self.scratch.append((name, dtype, spec.zero))
+                self.scratch_bytes.append(-(-nbytes // 128) * 128)
+        self.workspace_bytes = sum(self.scratch_bytes)
 
     def __call__(self, inputs: dict[str, torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
         device = self.device
         env = {}
+        key = []
         for name, tensor in inputs.items():
-            if tensor is not None and not (name in self.strided and _rows_unit_stride(tensor)):
-                tensor = tensor.contiguous()
+            if tensor is not None:
+                if name in self.strided:
+                    if not _rows_unit_stride(tensor):
+                        tensor = tensor.contiguous()
+                    # What Triton specialises on beyond the plan's fixed sizes: dtype, 16-byte alignment,
+                    # and the row stride's divisibility (its alignment constexpr, and whether it is 1).
+                    key.append((tensor.dtype, tensor.data_ptr() % 16 == 0, _stride_class(tensor)))
+                else:
+                    if not tensor.is_contiguous():
+                        tensor = tensor.contiguous()
+                    key.append((tensor.dtype, tensor.data_ptr() % 16 == 0))
+            else:
+                key.append(None)
             env[name] = tensor
         results = []
-        for name, spec in self.results:
-            alloc = torch.zeros if spec.zero else torch.empty
-            buffer = alloc(spec.shape, dtype=_buffer_dtype(spec.dtype, inputs), device=device)
+        for name, shape, dtype, like, zero in self.results:
+            dtype = dtype or inputs[like].dtype
+            buffer = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
             env[name] = buffer
             results.append(buffer)
         if not self.launchers:
@@ -177,36 +199,30 @@ class Executable:
                 raise RuntimeError(problem)
         if self.scratch:
             workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
-            for name, offset, nbytes, dtype, shape, zero in self.scratch:
-                view = workspace[offset : offset + nbytes].view(dtype).view(shape)
+            for (name, dtype, zero), part in zip(
+                self.scratch, workspace.split_with_sizes(self.scratch_bytes), strict=True
+            ):
+                # Kernels see only the data pointer and dtype: a flat view of the part is all they need.
+                view = part if dtype == torch.uint8 else part.view(dtype)
                 env[name] = view.zero_() if zero else view
-        # What Triton specialises on beyond the plan's fixed sizes: the inputs' dtypes and 16-byte
-        # alignment, and each row stride's divisibility (its alignment constexpr, and whether it is 1).
-        key = tuple(
-            None
-            if tensor is None
-            else (
-                tensor.dtype,
-                tensor.data_ptr() % 16 == 0,
-                _stride_class(tensor) if name in self.strided else None,
-            )
-            for name, tensor in env.items()
-            if name in inputs
-        )
+        key = tuple(key)
         dummy = _dummy(device)
         if self.cuda:
             index = device.index if device.index is not None else torch.cuda.current_device()
-            context = (
-                torch.cuda.device(index) if index != torch.cuda.current_device() else contextlib.nullcontext()
-            )
-            with context:
-                stream = _driver().active.get_current_stream(index)
-                for launcher in self.launchers:
-                    launcher(env, dummy, key, stream, True)
+            if index != torch.cuda.current_device():
+                with torch.cuda.device(index):
+                    self._launch(env, dummy, key, index)
+            else:
+                self._launch(env, dummy, key, index)
         else:
             for launcher in self.launchers:
                 launcher(env, dummy, key, None, False)
         return tuple(results)
+
+    def _launch(self, env: dict, dummy: torch.Tensor, key: tuple, index: int) -> None:
+        stream = _driver().active.get_current_stream(index)
+        for launcher in self.launchers:
+            launcher(env, dummy, key, stream, True)
 
 
 def _stride_class(tensor: torch.Tensor) -> tuple[int, bool]:
@@ -258,3 +274,17 @@ def run_plan(
 ) -> tuple[torch.Tensor, ...]:
     """Runs `plan` on `inputs` (name -> tensor or None) on `device` and returns its results."""
     return executable(plan, device)(inputs)
+
+
+@functools.lru_cache(maxsize=1024)
+def _bound(builder, device: torch.device, sizes: tuple) -> Executable:
+    sizes = dict(sizes)
+    if "device" in inspect.signature(builder).parameters:  # plans tuned per device take its info
+        sizes["device"] = device_info(device)
+    return Executable(builder(**sizes), device)
+
+
+def bound(builder, device: torch.device, **sizes) -> Executable:
+    """The Executable of `builder(**sizes)` (a plan builder of moetriton.kernels) on `device`: the plan, the
+    device's info and the executable found in one lookup per call signature (an op's eager hot path)."""
+    return _bound(builder, device, tuple(sizes.items()))

@@ -14,26 +14,11 @@ import torch
 from moetriton.kernels import validation
 
 from . import ops
-from ._launch import describe
-
-
-def _same_device(**tensors: torch.Tensor | None) -> torch.device:
-    present = {name: t for name, t in tensors.items() if t is not None}
-    first_name, first = next(iter(present.items()))
-    for name, tensor in present.items():
-        if tensor.device != first.device:
-            raise ValueError(f"{name}: expected device {first.device} (as {first_name}), got {tensor.device}")
-    return first.device
-
-
-def _values_readable(tensor: torch.Tensor) -> bool:
-    """Value checks run where reading values is free: eager CPU tensors. On CUDA the map kernel checks
-    index ranges with a device-side assertion instead, so the hot path never syncs with the host."""
-    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+from ._checks import Signature, describe, memoised, same_device, signature, values_readable
 
 
 def _check_index_values(indices: torch.Tensor, num_experts: int) -> None:
-    if _values_readable(indices) and indices.numel():
+    if values_readable(indices) and indices.numel():
         validation.check_index_values(int(indices.min()), int(indices.max()), num_experts)
 
 
@@ -46,6 +31,67 @@ def _symbolic_experts(num_experts) -> bool:
         return False
     torch._check(num_experts >= 1, lambda: "num_experts: expected > 0")
     return True
+
+
+@memoised
+def _check_dispatch(
+    *,
+    inp: Signature,
+    routing_map: Signature | None,
+    indices: Signature | None,
+    probs: Signature | None,
+    scales: Signature | None,
+    num_experts,
+    num_out_tokens,
+    align_size,
+    capacity,
+    symbolic_experts: bool,
+) -> tuple[bool, int]:
+    """(is_mask, num_experts) of valid token_dispatch arguments."""
+    is_mask, _, num_experts = validation.check_dispatch(
+        inp=describe(inp),
+        routing_map=describe(routing_map),
+        indices=describe(indices),
+        num_experts=num_experts,
+        num_out_tokens=num_out_tokens,
+        probs=describe(probs),
+        scales=describe(scales),
+        align_size=align_size,
+        capacity=capacity,
+        symbolic_experts=symbolic_experts,
+    )
+    same_device(inp=inp, routing_map=routing_map, indices=indices, probs=probs, scales=scales)
+    return is_mask, num_experts
+
+
+@memoised
+def _check_combine(
+    *,
+    inp: Signature,
+    row_id_map: Signature,
+    merging_probs: Signature | None,
+    pad_offsets: Signature | None,
+) -> None:
+    validation.check_combine(
+        inp=describe(inp),
+        row_id_map=describe(row_id_map),
+        merging_probs=describe(merging_probs),
+        pad_offsets=describe(pad_offsets),
+    )
+    same_device(inp=inp, row_id_map=row_id_map, merging_probs=merging_probs, pad_offsets=pad_offsets)
+
+
+@memoised
+def _check_sort_chunks(
+    *, inp: Signature, split_sizes: Signature, sorted_indices: Signature, probs: Signature | None
+) -> None:
+    validation.check_sort_chunks(
+        inp=describe(inp),
+        split_sizes=describe(split_sizes),
+        sorted_indices=describe(sorted_indices),
+        probs=describe(probs),
+    )
+    same_device(inp=inp, probs=probs)
 
 
 def token_dispatch(
@@ -97,23 +143,22 @@ def token_dispatch(
     """
     if num_out_tokens is None and indices is not None and capacity is None:
         num_out_tokens = indices.numel()
-    is_mask, _, num_experts = validation.check_dispatch(
-        inp=describe(inp),
-        routing_map=describe(routing_map),
-        indices=describe(indices),
+    is_mask, num_experts = _check_dispatch(
+        inp=signature(inp),
+        routing_map=signature(routing_map),
+        indices=signature(indices),
+        probs=signature(probs),
+        scales=signature(scales),
         num_experts=num_experts,
         num_out_tokens=num_out_tokens,
-        probs=describe(probs),
-        scales=describe(scales),
         align_size=align_size,
         capacity=capacity,
         symbolic_experts=_symbolic_experts(num_experts),
     )
     routing = routing_map if is_mask else indices
-    _same_device(inp=inp, routing_map=routing_map, indices=indices, probs=probs, scales=scales)
     if not is_mask:
         _check_index_values(indices, num_experts)
-    output, permuted_probs, permuted_scales, row_id_map, pad_offsets, tokens_per_expert = ops.dispatch(
+    output, permuted_probs, permuted_scales, row_id_map, pad_offsets, tokens_per_expert = ops.DISPATCH(
         inp, routing, probs, scales, num_experts, is_mask, num_out_tokens or 0, align_size or 0, capacity or 0
     )
     result = (
@@ -153,14 +198,13 @@ def token_combine(
         >>> torch.equal(token_combine(out, row_id_map)[0], 2 * x[0])
         True
     """
-    validation.check_combine(
-        inp=describe(inp),
-        row_id_map=describe(row_id_map),
-        merging_probs=describe(merging_probs),
-        pad_offsets=describe(pad_offsets),
+    _check_combine(
+        inp=signature(inp),
+        row_id_map=signature(row_id_map),
+        merging_probs=signature(merging_probs),
+        pad_offsets=signature(pad_offsets),
     )
-    _same_device(inp=inp, row_id_map=row_id_map, merging_probs=merging_probs, pad_offsets=pad_offsets)
-    return ops.combine(inp, row_id_map, merging_probs, pad_offsets is not None)
+    return ops.COMBINE(inp, row_id_map, merging_probs, pad_offsets is not None)
 
 
 def sort_chunks_by_index(
@@ -187,16 +231,17 @@ def sort_chunks_by_index(
         >>> out[:, 0].tolist()
         [5.0, 0.0, 1.0, 2.0, 3.0, 4.0]
     """
-    validation.check_sort_chunks(
-        inp=describe(inp),
-        split_sizes=describe(split_sizes),
-        sorted_indices=describe(sorted_indices),
-        probs=describe(probs),
+    _check_sort_chunks(
+        inp=signature(inp),
+        split_sizes=signature(split_sizes),
+        sorted_indices=signature(sorted_indices),
+        probs=signature(probs),
     )
-    _same_device(inp=inp, probs=probs)
-    split_sizes = split_sizes.to(inp.device, non_blocking=True)
-    sorted_indices = sorted_indices.to(inp.device, non_blocking=True)
-    if _values_readable(inp):
+    if split_sizes.device != inp.device:  # sizes may come from the host (e.g. an all-to-all's splits)
+        split_sizes = split_sizes.to(inp.device, non_blocking=True)
+    if sorted_indices.device != inp.device:
+        sorted_indices = sorted_indices.to(inp.device, non_blocking=True)
+    if values_readable(inp):
         validation.check_split_values(split_sizes.tolist(), sorted_indices.tolist(), inp.shape[0])
-    output, row_id_map, permuted_probs = ops.sort_chunks(inp, split_sizes, sorted_indices, probs, False)
+    output, row_id_map, permuted_probs = ops.SORT_CHUNKS(inp, split_sizes, sorted_indices, probs, False)
     return (output, row_id_map) if probs is None else (output, row_id_map, permuted_probs)

@@ -1,8 +1,10 @@
-"""moetriton::* custom ops: launch plans run on CUDA (compiled) or CPU (interpreted), the reference otherwise.
+"""moetriton::* ops: launch plans run on CUDA (compiled) or CPU (interpreted), the reference otherwise.
 
-Every op has a fake implementation built from the same launch plan, so torch.compile(fullgraph=True) traces
-through them, and none reads device values, so they are CUDA-graph safe. Autograd is registered on the
-forward ops; their backward ops are ops too.
+Each op is an `_op.Op`: one implementation, reached directly in eager mode and through its torch.library
+custom op under torch.compile (see _op.py). Every fake is built from the same plan (or its output shapes),
+so torch.compile(fullgraph=True) traces through the ops, and no op reads device values, so they are
+CUDA-graph safe. Autograd is registered on the forward ops; their backward ops are ops too. Backward
+functions accept None for the gradient of an output that was not used.
 """
 
 from __future__ import annotations
@@ -13,11 +15,16 @@ from torch import Tensor
 from moetriton import kernels
 
 from . import reference
-from ._launch import allocate, device_info, run_plan, uses_kernels
+from ._launch import allocate, bound, device_info, uses_kernels
+from ._op import Op
 
 
-def _run(plan: kernels.Plan, inputs: dict[str, Tensor | None], device: torch.device) -> tuple[Tensor, ...]:
-    return run_plan(plan, inputs, device)
+def _zeros_like_meta(meta: tuple) -> Tensor:
+    """Zeros of a tensor known by (shape, dtype, device): the gradient of an unused output, when another
+    output's gradient needs a partner. (Tensors themselves are not kept on ctx: an output kept there would
+    form a reference cycle with its grad_fn.)"""
+    shape, dtype, device = meta
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _fake(plan: kernels.Plan, inputs: dict[str, Tensor | None], device: torch.device) -> tuple[Tensor, ...]:
@@ -42,8 +49,7 @@ def _dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, al
     )
 
 
-@torch.library.custom_op("moetriton::dispatch", mutates_args=())
-def dispatch(
+def _dispatch(
     inp: Tensor,
     routing: Tensor,
     probs: Tensor | None,
@@ -61,17 +67,13 @@ def dispatch(
             inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity
         )
     sizes = _dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, align_size, capacity)
-    plan = kernels.dispatch_plan(
-        **sizes, is_mask=is_mask, element_bytes=inp.element_size(), device=device_info(inp.device)
+    executable = bound(
+        kernels.dispatch_plan, inp.device, **sizes, is_mask=is_mask, element_bytes=inp.element_size()
     )
-    output, permuted_probs, permuted_scales, row_map, pad_offsets, tokens_per_expert = _run(
-        plan, dict(inp=inp, routing=routing, probs=probs, scales=scales), inp.device
-    )
-    return output, permuted_probs, permuted_scales, row_map, pad_offsets, tokens_per_expert
+    return executable(dict(inp=inp, routing=routing, probs=probs, scales=scales))
 
 
-@dispatch.register_fake
-def _(inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity):
+def _dispatch_fake(inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity):
     # Shapes only: the expert count may be a data-dependent size here (TE's index map without E).
     outputs = kernels.dispatch_outputs(
         **_dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, align_size, capacity)
@@ -82,24 +84,24 @@ def _(inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_s
 
 
 def _dispatch_setup(ctx, inputs, output):
-    probs = inputs[2]
-    ctx.has_probs = probs is not None
+    ctx.has_probs = inputs[2] is not None
+    ctx.rows = (output[0].shape, output[0].dtype, output[0].device)
     ctx.save_for_backward(output[3])
 
 
 def _dispatch_backward(ctx, grad_output, grad_probs, grad_scales, grad_map, grad_pad, grad_counts):
     (row_map,) = ctx.saved_tensors
-    grad_inp, grad_routing_probs = dispatch_backward(
-        grad_output, grad_probs if ctx.has_probs else None, row_map
-    )
+    grad_probs = grad_probs if ctx.has_probs else None
+    if grad_output is None and grad_probs is None:
+        return (None,) * 9
+    if grad_output is None:  # only permuted_probs was used
+        grad_output = _zeros_like_meta(ctx.rows)
+    grad_inp, grad_routing_probs = DISPATCH_BACKWARD(grad_output, grad_probs, row_map)
     return grad_inp, None, grad_routing_probs if ctx.has_probs else None, None, None, None, None, None, None
 
 
-dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
-
-
-def _combine_plan(inp, row_map, weights, permuted_probs):
-    return kernels.combine_plan(
+def _combine_sizes(inp, row_map, weights, permuted_probs) -> dict:
+    return dict(
         num_tokens=row_map.shape[0],
         hidden=inp.shape[1],
         num_slots=row_map.shape[1] - 1,
@@ -107,55 +109,49 @@ def _combine_plan(inp, row_map, weights, permuted_probs):
         has_weights=weights is not None,
         gather_probs=permuted_probs is not None,
         probs_dtype="float32" if permuted_probs is None else str(permuted_probs.dtype).removeprefix("torch."),
-        device=device_info(inp.device),
     )
 
 
-@torch.library.custom_op("moetriton::dispatch_backward", mutates_args=())
-def dispatch_backward(
+def _dispatch_backward_op(
     grad_output: Tensor, grad_permuted_probs: Tensor | None, row_id_map: Tensor
 ) -> tuple[Tensor, Tensor]:
     """(grad_inp [T, H], grad_probs [T, S] or empty): dispatch's gradient is a combine of its cotangent."""
     if not uses_kernels(grad_output.device):
         return reference.dispatch_backward(grad_output, grad_permuted_probs, row_id_map)
-    plan = _combine_plan(grad_output, row_id_map, None, grad_permuted_probs)
-    return _run(
-        plan,
-        dict(inp=grad_output, row_id_map=row_id_map, weights=None, permuted_probs=grad_permuted_probs),
-        grad_output.device,
-    )
+    sizes = _combine_sizes(grad_output, row_id_map, None, grad_permuted_probs)
+    inputs = dict(inp=grad_output, row_id_map=row_id_map, weights=None, permuted_probs=grad_permuted_probs)
+    return bound(kernels.combine_plan, grad_output.device, **sizes)(inputs)
 
 
-@dispatch_backward.register_fake
-def _(grad_output, grad_permuted_probs, row_id_map):
-    plan = _combine_plan(grad_output, row_id_map, None, grad_permuted_probs)
-    return _fake(
-        plan,
-        dict(inp=grad_output, row_id_map=row_id_map, weights=None, permuted_probs=grad_permuted_probs),
-        grad_output.device,
-    )
+def _dispatch_backward_fake(grad_output, grad_permuted_probs, row_id_map):
+    sizes = _combine_sizes(grad_output, row_id_map, None, grad_permuted_probs)
+    plan = kernels.combine_plan(**sizes, device=device_info(grad_output.device))
+    inputs = dict(inp=grad_output, row_id_map=row_id_map, weights=None, permuted_probs=grad_permuted_probs)
+    return _fake(plan, inputs, grad_output.device)
+
+
+DISPATCH_BACKWARD = Op("dispatch_backward", _dispatch_backward_op, _dispatch_backward_fake)
+DISPATCH = Op("dispatch", _dispatch, _dispatch_fake, setup=_dispatch_setup, backward=_dispatch_backward)
 
 
 # combine -------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moetriton::combine", mutates_args=())
-def combine(inp: Tensor, row_id_map: Tensor, merging_probs: Tensor | None, padded: bool) -> Tensor:
+def _combine(inp: Tensor, row_id_map: Tensor, merging_probs: Tensor | None, padded: bool) -> Tensor:
     """[T, H]: per token, the fp32 sum over its slots (ascending) of merging_probs[t, s] * inp[row(t, s)]."""
     if not uses_kernels(inp.device):
         return reference.combine(inp, row_id_map, merging_probs)
-    plan = _combine_plan(inp, row_id_map, merging_probs, None)
-    return _run(
-        plan, dict(inp=inp, row_id_map=row_id_map, weights=merging_probs, permuted_probs=None), inp.device
-    )[0]
+    sizes = _combine_sizes(inp, row_id_map, merging_probs, None)
+    inputs = dict(inp=inp, row_id_map=row_id_map, weights=merging_probs, permuted_probs=None)
+    return bound(kernels.combine_plan, inp.device, **sizes)(inputs)[0]
 
 
-@combine.register_fake
-def _(inp, row_id_map, merging_probs, padded):
-    plan = _combine_plan(inp, row_id_map, merging_probs, None)
-    return _fake(
-        plan, dict(inp=inp, row_id_map=row_id_map, weights=merging_probs, permuted_probs=None), inp.device
-    )[0]
+def _combine_fake(inp, row_id_map, merging_probs, padded):
+    plan = kernels.combine_plan(
+        **_combine_sizes(inp, row_id_map, merging_probs, None), device=device_info(inp.device)
+    )
+    inputs = dict(inp=inp, row_id_map=row_id_map, weights=merging_probs, permuted_probs=None)
+    return _fake(plan, inputs, inp.device)[0]
 
 
 def _combine_setup(ctx, inputs, output):
@@ -167,92 +163,92 @@ def _combine_setup(ctx, inputs, output):
 
 
 def _combine_backward(ctx, grad):
+    if grad is None:
+        return None, None, None, None
     row_map, inp, merging_probs = ctx.saved_tensors
     if ctx.has_weights:
-        grad_inp, grad_weights = combine_backward(grad, row_map, inp, merging_probs, ctx.padded)
+        grad_inp, grad_weights = COMBINE_BACKWARD(grad, row_map, inp, merging_probs, ctx.padded)
         return grad_inp, None, grad_weights, None
-    return scatter_rows(grad, row_map, ctx.num_rows, ctx.padded), None, None, None
+    return SCATTER_ROWS(grad, row_map, ctx.num_rows, ctx.padded), None, None, None
 
 
-combine.register_autograd(_combine_backward, setup_context=_combine_setup)
-
-
-def _scatter_plan(grad, row_map, num_rows, padded):
-    return kernels.scatter_plan(
+def _scatter_sizes(grad, row_map, num_rows, padded) -> dict:
+    return dict(
         num_tokens=row_map.shape[0],
         hidden=grad.shape[1],
         num_slots=row_map.shape[1] - 1,
         num_rows=num_rows,
         padded=padded,
         element_bytes=grad.element_size(),
-        device=device_info(grad.device),
     )
 
 
-@torch.library.custom_op("moetriton::scatter_rows", mutates_args=())
-def scatter_rows(grad: Tensor, row_id_map: Tensor, num_rows: int, padded: bool) -> Tensor:
+def _scatter_rows(grad: Tensor, row_id_map: Tensor, num_rows: int, padded: bool) -> Tensor:
     """[N, H]: every token's row copied to the rows of its slots, all other rows zero (unweighted combine
     backward)."""
     if not uses_kernels(grad.device):
         return reference.scatter_rows(grad, row_id_map, num_rows)
-    return _run(
-        _scatter_plan(grad, row_id_map, num_rows, padded), dict(grad=grad, row_id_map=row_id_map), grad.device
-    )[0]
+    executable = bound(
+        kernels.scatter_plan, grad.device, **_scatter_sizes(grad, row_id_map, num_rows, padded)
+    )
+    return executable(dict(grad=grad, row_id_map=row_id_map))[0]
 
 
-@scatter_rows.register_fake
-def _(grad, row_id_map, num_rows, padded):
-    return _fake(
-        _scatter_plan(grad, row_id_map, num_rows, padded), dict(grad=grad, row_id_map=row_id_map), grad.device
-    )[0]
+def _scatter_rows_fake(grad, row_id_map, num_rows, padded):
+    sizes = _scatter_sizes(grad, row_id_map, num_rows, padded)
+    plan = kernels.scatter_plan(**sizes, device=device_info(grad.device))
+    return _fake(plan, dict(grad=grad, row_id_map=row_id_map), grad.device)[0]
 
 
-def _combine_backward_plan(grad, row_map, inp, padded):
-    return kernels.combine_backward_plan(
+def _combine_backward_sizes(grad, row_map, inp, padded) -> dict:
+    return dict(
         num_tokens=row_map.shape[0],
         hidden=grad.shape[1],
         num_slots=row_map.shape[1] - 1,
         num_rows=inp.shape[0],
         padded=padded,
         element_bytes=inp.element_size(),
-        device=device_info(grad.device),
     )
 
 
-@torch.library.custom_op("moetriton::combine_backward", mutates_args=())
-def combine_backward(
+def _combine_backward_op(
     grad: Tensor, row_id_map: Tensor, inp: Tensor, merging_probs: Tensor, padded: bool
 ) -> tuple[Tensor, Tensor]:
     """(grad_inp [N, H], grad_merging_probs [T, S]) of weighted combine, in one pass over the rows."""
     if not uses_kernels(grad.device):
         return reference.combine_backward(grad, row_id_map, inp, merging_probs, inp.shape[0])
+    sizes = _combine_backward_sizes(grad, row_id_map, inp, padded)
     inputs = dict(grad=grad, row_id_map=row_id_map, inp=inp, weights=merging_probs)
-    return _run(_combine_backward_plan(grad, row_id_map, inp, padded), inputs, grad.device)
+    return bound(kernels.combine_backward_plan, grad.device, **sizes)(inputs)
 
 
-@combine_backward.register_fake
-def _(grad, row_id_map, inp, merging_probs, padded):
+def _combine_backward_fake(grad, row_id_map, inp, merging_probs, padded):
+    sizes = _combine_backward_sizes(grad, row_id_map, inp, padded)
+    plan = kernels.combine_backward_plan(**sizes, device=device_info(grad.device))
     inputs = dict(grad=grad, row_id_map=row_id_map, inp=inp, weights=merging_probs)
-    return _fake(_combine_backward_plan(grad, row_id_map, inp, padded), inputs, grad.device)
+    return _fake(plan, inputs, grad.device)
+
+
+SCATTER_ROWS = Op("scatter_rows", _scatter_rows, _scatter_rows_fake)
+COMBINE_BACKWARD = Op("combine_backward", _combine_backward_op, _combine_backward_fake)
+COMBINE = Op("combine", _combine, _combine_fake, setup=_combine_setup, backward=_combine_backward)
 
 
 # chunk sort ----------------------------------------------------------------------------------------------
 
 
-def _sort_plan(inp, split_sizes, probs, backward):
-    return kernels.sort_chunks_plan(
+def _sort_sizes(inp, split_sizes, probs, backward) -> dict:
+    return dict(
         num_rows=inp.shape[0],
         hidden=inp.shape[1],
         num_splits=split_sizes.shape[0],
         element_bytes=inp.element_size(),
         has_probs=probs is not None,
         backward=backward,
-        device=device_info(inp.device),
     )
 
 
-@torch.library.custom_op("moetriton::sort_chunks", mutates_args=())
-def sort_chunks(
+def _sort_chunks(
     inp: Tensor, split_sizes: Tensor, sorted_indices: Tensor, probs: Tensor | None, backward: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(output, row_id_map, permuted_probs): chunk j of the output is chunk sorted_indices[j] of inp;
@@ -260,28 +256,38 @@ def sort_chunks(
     if not uses_kernels(inp.device):
         return reference.sort_chunks(inp, split_sizes, sorted_indices, probs, backward)
     inputs = dict(inp=inp, split_sizes=split_sizes, sorted_indices=sorted_indices, probs=probs)
-    return _run(_sort_plan(inp, split_sizes, probs, backward), inputs, inp.device)
+    return bound(kernels.sort_chunks_plan, inp.device, **_sort_sizes(inp, split_sizes, probs, backward))(
+        inputs
+    )
 
 
-@sort_chunks.register_fake
-def _(inp, split_sizes, sorted_indices, probs, backward):
+def _sort_chunks_fake(inp, split_sizes, sorted_indices, probs, backward):
+    plan = kernels.sort_chunks_plan(
+        **_sort_sizes(inp, split_sizes, probs, backward), device=device_info(inp.device)
+    )
     inputs = dict(inp=inp, split_sizes=split_sizes, sorted_indices=sorted_indices, probs=probs)
-    return _fake(_sort_plan(inp, split_sizes, probs, backward), inputs, inp.device)
+    return _fake(plan, inputs, inp.device)
 
 
 def _sort_setup(ctx, inputs, output):
-    _, split_sizes, sorted_indices, probs, backward = inputs
+    inp, split_sizes, sorted_indices, probs, backward = inputs
     ctx.backward = backward
     ctx.has_probs = probs is not None
+    ctx.rows = (inp.shape, inp.dtype, inp.device)
     ctx.save_for_backward(split_sizes, sorted_indices)
 
 
 def _sort_backward(ctx, grad_output, grad_map, grad_probs):
+    grad_probs = grad_probs if ctx.has_probs else None
+    if grad_output is None and grad_probs is None:
+        return None, None, None, None, None
+    if grad_output is None:  # only the permuted probs were used
+        grad_output = _zeros_like_meta(ctx.rows)
     split_sizes, sorted_indices = ctx.saved_tensors
-    grad_inp, _, grad_in_probs = sort_chunks(
-        grad_output, split_sizes, sorted_indices, grad_probs if ctx.has_probs else None, not ctx.backward
+    grad_inp, _, grad_in_probs = SORT_CHUNKS(
+        grad_output, split_sizes, sorted_indices, grad_probs, not ctx.backward
     )
     return grad_inp, None, None, grad_in_probs if ctx.has_probs else None, None
 
 
-sort_chunks.register_autograd(_sort_backward, setup_context=_sort_setup)
+SORT_CHUNKS = Op("sort_chunks", _sort_chunks, _sort_chunks_fake, setup=_sort_setup, backward=_sort_backward)

@@ -20,7 +20,9 @@ from moetriton.kernels import router as plans
 from moetriton.kernels import router_validation as rules
 
 from . import reference_router as reference
-from ._launch import allocate, describe, device_info, dtype_name, run_plan, uses_kernels
+from ._checks import Signature, describe, memoised, same_device, signature
+from ._launch import allocate, bound, dtype_name, uses_kernels
+from ._op import Op
 
 
 def _fake(outputs: dict, inputs: dict[str, Tensor | None], device: torch.device) -> tuple[Tensor, ...]:
@@ -29,12 +31,41 @@ def _fake(outputs: dict, inputs: dict[str, Tensor | None], device: torch.device)
     return tuple(buffers.values())
 
 
-def _check_devices(**tensors: Tensor | None) -> None:
-    present = [(name, t) for name, t in tensors.items() if t is not None]
-    first_name, first = present[0]
-    for name, tensor in present[1:]:
-        if tensor.device != first.device:
-            raise ValueError(f"{name}: expected device {first.device} (as {first_name}), got {tensor.device}")
+@memoised
+def _check_topk(
+    *, logits: Signature, expert_bias: Signature | None, return_indices, **options
+) -> rules.TopkConfig:
+    config = rules.check_topk(logits=describe(logits), expert_bias=describe(expert_bias), **options)
+    if not isinstance(return_indices, bool):
+        raise ValueError(f"return_indices: expected a bool, got {type(return_indices).__name__}")
+    same_device(logits=logits, expert_bias=expert_bias)
+    return config
+
+
+@memoised
+def _check_aux_scores(*, logits: Signature, topk, score_function) -> tuple[int, int, int, str]:
+    return rules.check_aux_scores(logits=describe(logits), topk=topk, score_function=score_function)
+
+
+@memoised
+def _check_aux_loss(
+    *, probs: Signature, tokens_per_expert: Signature, total_num_tokens, num_experts, topk, coeff
+) -> rules.AuxLossConfig:
+    total_is_tensor = isinstance(total_num_tokens, tuple)
+    config = rules.check_aux_loss(
+        probs=describe(probs),
+        tokens_per_expert=describe(tokens_per_expert),
+        total_num_tokens=describe(total_num_tokens) if total_is_tensor else total_num_tokens,
+        num_experts=num_experts,
+        topk=topk,
+        coeff=coeff,
+    )
+    same_device(
+        probs=probs,
+        tokens_per_expert=tokens_per_expert,
+        total_num_tokens=total_num_tokens if total_is_tensor else None,
+    )
+    return config
 
 
 # top-k -----------------------------------------------------------------------------------------------------
@@ -43,7 +74,7 @@ def _check_devices(**tensors: Tensor | None) -> None:
 # accept symbolic sizes (torch.compile with dynamic shapes).
 
 
-def _topk_plan(
+def _topk_executable(
     logits,
     expert_bias,
     topk,
@@ -54,7 +85,9 @@ def _topk_plan(
     score_function,
     return_indices,
 ):
-    return plans.topk_plan(
+    return bound(
+        plans.topk_plan,
+        logits.device,
         num_tokens=logits.shape[0],
         num_experts=logits.shape[1],
         topk=topk,
@@ -65,12 +98,10 @@ def _topk_plan(
         scaling_factor=scaling_factor,
         has_bias=expert_bias is not None,
         return_indices=return_indices,
-        device=device_info(logits.device),
     )
 
 
-@torch.library.custom_op("moetriton::router_topk", mutates_args=())
-def router_topk(
+def _router_topk(
     logits: Tensor,
     expert_bias: Tensor | None,
     topk: int,
@@ -86,12 +117,10 @@ def router_topk(
     options = (topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function, return_indices)
     if not uses_kernels(logits.device):
         return reference.topk_forward(logits, expert_bias, *options)
-    plan = _topk_plan(logits, expert_bias, *options)
-    return run_plan(plan, dict(logits=logits, bias=expert_bias), logits.device)
+    return _topk_executable(logits, expert_bias, *options)(dict(logits=logits, bias=expert_bias))
 
 
-@router_topk.register_fake
-def _(logits, expert_bias, topk, *options):
+def _router_topk_fake(logits, expert_bias, topk, *options):
     outputs = plans.topk_outputs(*logits.shape, topk, return_indices=options[-1])
     return _fake(outputs, dict(logits=logits), logits.device)
 
@@ -103,28 +132,30 @@ def _topk_setup(ctx, inputs, output):
 
 
 def _topk_backward(ctx, grad_probs, grad_map, grad_indices):
+    if grad_probs is None:
+        return (None,) * 9
     logits, routing_map = ctx.saved_tensors
-    grad_logits = router_topk_backward(grad_probs, logits, routing_map, *ctx.options)
+    grad_logits = ROUTER_TOPK_BACKWARD(grad_probs, logits, routing_map, *ctx.options)
     return grad_logits, None, None, None, None, None, None, None, None
 
 
-router_topk.register_autograd(_topk_backward, setup_context=_topk_setup)
+ROUTER_TOPK = Op("router_topk", _router_topk, _router_topk_fake, setup=_topk_setup, backward=_topk_backward)
 
 
-def _topk_backward_plan(logits, topk, use_pre_softmax, scaling_factor, score_function):
-    return plans.topk_backward_plan(
+def _topk_backward_executable(logits, topk, use_pre_softmax, scaling_factor, score_function):
+    return bound(
+        plans.topk_backward_plan,
+        logits.device,
         num_tokens=logits.shape[0],
         num_experts=logits.shape[1],
         topk=topk,
         score_function=score_function,
         use_pre_softmax=use_pre_softmax,
         scaling_factor=scaling_factor,
-        device=device_info(logits.device),
     )
 
 
-@torch.library.custom_op("moetriton::router_topk_backward", mutates_args=())
-def router_topk_backward(
+def _router_topk_backward(
     grad_probs: Tensor,
     logits: Tensor,
     routing_map: Tensor,
@@ -138,37 +169,37 @@ def router_topk_backward(
     if not uses_kernels(logits.device):
         return reference.topk_backward(grad_probs, logits, routing_map, *options)
     inputs = dict(grad_probs=grad_probs, logits=logits, routing_map=routing_map)
-    return run_plan(_topk_backward_plan(logits, *options), inputs, logits.device)[0]
+    return _topk_backward_executable(logits, *options)(inputs)[0]
 
 
-@router_topk_backward.register_fake
-def _(grad_probs, logits, routing_map, *options):
+def _router_topk_backward_fake(grad_probs, logits, routing_map, *options):
     return _fake(plans.grad_logits_outputs(*logits.shape), dict(logits=logits), logits.device)[0]
 
+
+ROUTER_TOPK_BACKWARD = Op("router_topk_backward", _router_topk_backward, _router_topk_backward_fake)
 
 # aux-loss scores -------------------------------------------------------------------------------------------
 
 
-def _scores_plan(logits, topk, score_function):
-    return plans.aux_scores_plan(
+def _scores_executable(logits, topk, score_function):
+    return bound(
+        plans.aux_scores_plan,
+        logits.device,
         num_tokens=logits.shape[0],
         num_experts=logits.shape[1],
         topk=topk,
         score_function=score_function,
-        device=device_info(logits.device),
     )
 
 
-@torch.library.custom_op("moetriton::router_aux_scores", mutates_args=())
-def router_aux_scores(logits: Tensor, topk: int, score_function: str) -> tuple[Tensor, Tensor]:
+def _router_aux_scores(logits: Tensor, topk: int, score_function: str) -> tuple[Tensor, Tensor]:
     """(routing_map [T, E] bool, scores [T, E] fp32) of [T, E] logits."""
     if not uses_kernels(logits.device):
         return reference.aux_scores_forward(logits, topk, score_function)
-    return run_plan(_scores_plan(logits, topk, score_function), dict(logits=logits), logits.device)
+    return _scores_executable(logits, topk, score_function)(dict(logits=logits))
 
 
-@router_aux_scores.register_fake
-def _(logits, topk, score_function):
+def _router_aux_scores_fake(logits, topk, score_function):
     return _fake(plans.aux_scores_outputs(*logits.shape), {}, logits.device)
 
 
@@ -179,41 +210,54 @@ def _scores_setup(ctx, inputs, output):
 
 
 def _scores_backward(ctx, grad_map, grad_scores):
+    if grad_scores is None:
+        return None, None, None
     (logits,) = ctx.saved_tensors
-    return router_aux_scores_backward(grad_scores, logits, ctx.score_function), None, None
+    return ROUTER_AUX_SCORES_BACKWARD(grad_scores, logits, ctx.score_function), None, None
 
 
-router_aux_scores.register_autograd(_scores_backward, setup_context=_scores_setup)
+ROUTER_AUX_SCORES = Op(
+    "router_aux_scores",
+    _router_aux_scores,
+    _router_aux_scores_fake,
+    setup=_scores_setup,
+    backward=_scores_backward,
+)
 
 
-def _scores_backward_plan(logits, score_function):
-    return plans.aux_scores_backward_plan(
+def _scores_backward_executable(logits, score_function):
+    return bound(
+        plans.aux_scores_backward_plan,
+        logits.device,
         num_tokens=logits.shape[0],
         num_experts=logits.shape[1],
         score_function=score_function,
-        device=device_info(logits.device),
     )
 
 
-@torch.library.custom_op("moetriton::router_aux_scores_backward", mutates_args=())
-def router_aux_scores_backward(grad_scores: Tensor, logits: Tensor, score_function: str) -> Tensor:
+def _router_aux_scores_backward(grad_scores: Tensor, logits: Tensor, score_function: str) -> Tensor:
     """grad_logits [T, E] (logits dtype) of the aux-loss scores."""
     if not uses_kernels(logits.device):
         return reference.aux_scores_backward(grad_scores, logits, score_function)
-    plan = _scores_backward_plan(logits, score_function)
-    return run_plan(plan, dict(grad_scores=grad_scores, logits=logits), logits.device)[0]
+    executable = _scores_backward_executable(logits, score_function)
+    return executable(dict(grad_scores=grad_scores, logits=logits))[0]
 
 
-@router_aux_scores_backward.register_fake
-def _(grad_scores, logits, score_function):
+def _router_aux_scores_backward_fake(grad_scores, logits, score_function):
     return _fake(plans.grad_logits_outputs(*logits.shape), dict(logits=logits), logits.device)[0]
 
+
+ROUTER_AUX_SCORES_BACKWARD = Op(
+    "router_aux_scores_backward", _router_aux_scores_backward, _router_aux_scores_backward_fake
+)
 
 # aux loss --------------------------------------------------------------------------------------------------
 
 
-def _loss_plan(probs, total, total_int, num_experts, topk, coeff):
-    return plans.aux_loss_plan(
+def _loss_executable(probs, total, total_int, num_experts, topk, coeff):
+    return bound(
+        plans.aux_loss_plan,
+        probs.device,
         num_rows=probs.shape[0],
         num_cols=probs.shape[1],
         num_experts=num_experts,
@@ -223,8 +267,7 @@ def _loss_plan(probs, total, total_int, num_experts, topk, coeff):
     )
 
 
-@torch.library.custom_op("moetriton::router_aux_loss", mutates_args=())
-def router_aux_loss(
+def _router_aux_loss(
     probs: Tensor,
     tokens_per_expert: Tensor,
     total: Tensor | None,
@@ -239,11 +282,10 @@ def router_aux_loss(
     if not uses_kernels(probs.device):
         return reference.aux_loss(probs, tokens_per_expert, total_int if total is None else total, *options)
     inputs = dict(probs=probs, counts=tokens_per_expert, total=total)
-    return run_plan(_loss_plan(probs, total, total_int, *options), inputs, probs.device)[0]
+    return _loss_executable(probs, total, total_int, *options)(inputs)[0]
 
 
-@router_aux_loss.register_fake
-def _(probs, tokens_per_expert, total, total_int, *options):
+def _router_aux_loss_fake(probs, tokens_per_expert, total, total_int, *options):
     return _fake(plans.aux_loss_outputs(), dict(probs=probs), probs.device)[0]
 
 
@@ -254,16 +296,24 @@ def _loss_setup(ctx, inputs, output):
 
 
 def _loss_backward(ctx, grad_loss):
+    if grad_loss is None:
+        return (None,) * 7
     tokens_per_expert, total = ctx.saved_tensors
-    grad_probs = router_aux_loss_backward(grad_loss, tokens_per_expert, total, *ctx.options)
+    grad_probs = ROUTER_AUX_LOSS_BACKWARD(grad_loss, tokens_per_expert, total, *ctx.options)
     return grad_probs, None, None, None, None, None, None
 
 
-router_aux_loss.register_autograd(_loss_backward, setup_context=_loss_setup)
+ROUTER_AUX_LOSS = Op(
+    "router_aux_loss", _router_aux_loss, _router_aux_loss_fake, setup=_loss_setup, backward=_loss_backward
+)
 
 
-def _loss_backward_plan(total, num_rows, num_cols, probs_dtype, total_int, num_experts, topk, coeff):
-    return plans.aux_loss_backward_plan(
+def _loss_backward_executable(
+    total, num_rows, num_cols, probs_dtype, total_int, num_experts, topk, coeff, device
+):
+    return bound(
+        plans.aux_loss_backward_plan,
+        device,
         num_rows=num_rows,
         num_cols=num_cols,
         num_experts=num_experts,
@@ -274,8 +324,7 @@ def _loss_backward_plan(total, num_rows, num_cols, probs_dtype, total_int, num_e
     )
 
 
-@torch.library.custom_op("moetriton::router_aux_loss_backward", mutates_args=())
-def router_aux_loss_backward(
+def _router_aux_loss_backward(
     grad_loss: Tensor,
     tokens_per_expert: Tensor,
     total: Tensor | None,
@@ -292,14 +341,19 @@ def router_aux_loss_backward(
     if not uses_kernels(grad_loss.device):
         return reference.aux_loss_backward(grad_loss, tokens_per_expert, total, *options)
     inputs = dict(grad_loss=grad_loss, counts=tokens_per_expert, total=total)
-    return run_plan(_loss_backward_plan(total, *options), inputs, grad_loss.device)[0]
+    return _loss_backward_executable(total, *options, grad_loss.device)(inputs)[0]
 
 
-@router_aux_loss_backward.register_fake
-def _(grad_loss, tokens_per_expert, total, num_rows, num_cols, probs_dtype, *options):
+def _router_aux_loss_backward_fake(
+    grad_loss, tokens_per_expert, total, num_rows, num_cols, probs_dtype, *options
+):
     outputs = plans.aux_loss_backward_outputs(num_rows, num_cols, dtype_name(probs_dtype))
     return _fake(outputs, {}, grad_loss.device)[0]
 
+
+ROUTER_AUX_LOSS_BACKWARD = Op(
+    "router_aux_loss_backward", _router_aux_loss_backward, _router_aux_loss_backward_fake
+)
 
 # Public API ------------------------------------------------------------------------------------------------
 
@@ -345,22 +399,20 @@ def fused_topk_with_score_function(
         >>> routing_map.tolist(), indices.tolist()
         ([[False, True, False, True]], [[1, 3]])
     """
-    config = rules.check_topk(
-        logits=describe(logits),
+    config = _check_topk(
+        logits=signature(logits),
+        expert_bias=signature(expert_bias),
+        return_indices=return_indices,
         topk=topk,
         use_pre_softmax=use_pre_softmax,
         num_groups=num_groups,
         group_topk=group_topk,
         scaling_factor=scaling_factor,
         score_function=score_function,
-        expert_bias=describe(expert_bias),
     )
-    if not isinstance(return_indices, bool):
-        raise ValueError(f"return_indices: expected a bool, got {type(return_indices).__name__}")
-    _check_devices(logits=logits, expert_bias=expert_bias)
     shape = logits.shape
-    probs, routing_map, indices = router_topk(
-        logits.reshape(-1, config.num_experts),
+    probs, routing_map, indices = ROUTER_TOPK(
+        logits if logits.dim() == 2 else logits.reshape(-1, config.num_experts),
         expert_bias,
         config.topk,
         config.use_pre_softmax,
@@ -370,6 +422,8 @@ def fused_topk_with_score_function(
         config.score_function,
         return_indices,
     )
+    if len(shape) == 2:  # the common case needs no reshape back
+        return (probs, routing_map, indices) if return_indices else (probs, routing_map)
     result = (probs.reshape(shape), routing_map.reshape(shape))
     return (*result, indices.reshape(*shape[:-1], config.topk)) if return_indices else result
 
@@ -394,10 +448,10 @@ def fused_compute_score_for_moe_aux_loss(
         >>> routing_map.tolist(), scores.tolist()
         ([[True, True, False, False]], [[0.25, 0.25, 0.25, 0.25]])
     """
-    _, num_experts, topk, score_function = rules.check_aux_scores(
-        logits=describe(logits), topk=topk, score_function=score_function
+    _, num_experts, topk, score_function = _check_aux_scores(
+        logits=signature(logits), topk=topk, score_function=score_function
     )
-    routing_map, scores = router_aux_scores(logits.reshape(-1, num_experts), topk, score_function)
+    routing_map, scores = ROUTER_AUX_SCORES(logits.reshape(-1, num_experts), topk, score_function)
     return routing_map.reshape(logits.shape), scores.reshape(logits.shape)
 
 
@@ -431,20 +485,15 @@ def fused_moe_aux_loss(
         2.0
     """
     total_is_tensor = isinstance(total_num_tokens, Tensor)
-    config = rules.check_aux_loss(
-        probs=describe(probs),
-        tokens_per_expert=describe(tokens_per_expert),
-        total_num_tokens=describe(total_num_tokens) if total_is_tensor else total_num_tokens,
+    config = _check_aux_loss(
+        probs=signature(probs),
+        tokens_per_expert=signature(tokens_per_expert),
+        total_num_tokens=signature(total_num_tokens) if total_is_tensor else total_num_tokens,
         num_experts=num_experts,
         topk=topk,
         coeff=coeff,
     )
-    _check_devices(
-        probs=probs,
-        tokens_per_expert=tokens_per_expert,
-        total_num_tokens=total_num_tokens if total_is_tensor else None,
-    )
-    return router_aux_loss(
+    return ROUTER_AUX_LOSS(
         probs,
         tokens_per_expert,
         total_num_tokens if total_is_tensor else None,

@@ -1,0 +1,80 @@
+"""One moetriton op, two ways in: the torch.library custom op and a direct eager call.
+
+Every op is defined once, by its implementation (what runs: the launch plan, or the reference), its fake
+(shapes only), and for differentiable ops its autograd `setup` and `backward`. From these, `Op` builds:
+
+* the torch.library custom op `moetriton::<name>`, with the fake and autograd registered: what
+  torch.compile traces (fullgraph included), and what tensor subclasses (FakeTensor, DTensor, ...) reach
+  through the dispatcher;
+* a torch.autograd.Function over the same implementation, setup and backward.
+
+Calling an `Op` picks one: plain tensors in eager mode (the common case of a training step) run the
+implementation directly, through the autograd.Function when a gradient is needed, so the call pays none of
+the dispatcher's and the custom-op wrapper's host cost (several times the kernels' own launch cost for
+small shapes); anything else goes through the custom op. Both ways run the same code and give the same
+results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# Types whose instances take the direct path; subclasses (FakeTensor, DTensor, quantized wrappers) do not.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class Op:
+    """An op built from its implementation; call it like the implementation."""
+
+    def __init__(
+        self,
+        name: str,
+        impl: Callable[..., Any],
+        fake: Callable[..., Any],
+        *,
+        setup: Callable[..., None] | None = None,
+        backward: Callable[..., tuple] | None = None,
+    ) -> None:
+        self.impl = impl
+        self.custom = torch.library.custom_op(f"moetriton::{name}", impl, mutates_args=())
+        self.custom.register_fake(fake)
+        self.function = None
+        if backward is not None:
+            self.custom.register_autograd(backward, setup_context=setup)
+            self.function = _autograd_function(name, impl, setup, backward)
+
+    def __call__(self, *args):
+        if torch.compiler.is_compiling():
+            return self.custom(*args)
+        needs_grad = False
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                if type(arg) not in _PLAIN or arg.is_meta:
+                    return self.custom(*args)
+                needs_grad = needs_grad or arg.requires_grad
+        if needs_grad and self.function is not None and torch.is_grad_enabled():
+            return self.function.apply(*args)
+        return self.impl(*args)
+
+
+def _autograd_function(
+    name: str, impl: Callable[..., Any], setup: Callable[..., None], backward: Callable[..., tuple]
+) -> type[torch.autograd.Function]:
+    """A torch.autograd.Function running `impl`, then `setup(ctx, inputs, output)`, with `backward`: the
+    custom op's autograd registration, as a Function. Gradients of outputs that were not used arrive as None
+    (not materialised as zeros), as integer outputs never carry one."""
+
+    def forward(ctx, *args):
+        ctx.set_materialize_grads(False)
+        output = impl(*args)
+        setup(ctx, args, output)
+        return output
+
+    return type(
+        f"{name.title().replace('_', '')}Function",
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+    )
