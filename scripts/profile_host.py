@@ -34,8 +34,13 @@ def _calls(shape) -> dict:
     sizes = torch.full((E,), T * K // E, device="cuda", dtype=torch.int32)
     order = torch.arange(E, device="cuda", dtype=torch.int32).flip(0)
     logits = torch.randn(T, E, device="cuda", dtype=torch.bfloat16)
+    x_grad = x.clone().requires_grad_()
+    grad_rows = torch.randn(T * K, H, device="cuda", dtype=torch.bfloat16)
     return {
         "dispatch": lambda: mt.token_dispatch(x, mask, T * K, scores),
+        "dispatch_fwd_bwd": lambda: torch.autograd.grad(
+            mt.token_dispatch(x_grad, mask, T * K, scores)[0], x_grad, grad_rows
+        ),
         "combine_fwd_bwd": lambda: torch.autograd.grad(
             mt.token_combine(rows, row_map, weights), (rows, weights), grad
         ),

@@ -92,7 +92,9 @@ class _Launcher:
     16-byte alignment of the inputs, and the class of each row stride: what Triton specialises a kernel
     on, beside the plan's fixed sizes) goes through Triton's JIT, which compiles or loads the kernel; later
     calls launch the compiled kernel directly (`CompiledKernel[grid]`, Triton's own launcher), skipping the
-    JIT's argument binding and cache-key work."""
+    JIT's argument binding and cache-key work. The launch is the call Triton's JIT itself makes
+    (`CompiledKernel.run` with the kernel's function, packed metadata and launch hooks), so profilers that
+    hook Triton launches still see every launch."""
 
     def __init__(self, launch) -> None:
         self.launch = launch
@@ -126,8 +128,23 @@ class _Launcher:
             args.append(env[name])
         runner = self.runners.get(key)
         if runner is not None:
-            launcher, constexpr_values = runner
-            launcher(*args, *constexpr_values, stream=stream)
+            compiled, constexpr_values = runner
+            args += constexpr_values
+            runtime = _triton_knobs().runtime
+            enter = runtime.launch_enter_hook
+            # Launch metadata only feeds the enter hooks (profilers): built when one is registered.
+            hooked = enter is not None and getattr(enter, "calls", True)
+            metadata = compiled.launch_metadata(self.grid, stream, *args) if hooked else None
+            compiled.run(
+                *self.grid,
+                stream,
+                compiled.function,
+                compiled.packed_metadata,
+                metadata,
+                enter,
+                runtime.launch_exit_hook,
+                *args,
+            )
             return
         launch = self.launch
         strides = {align: alignment(env[name].stride(0)) for name, align in self.stride_aligns}
@@ -135,7 +152,7 @@ class _Launcher:
         compiled = launch.kernel[launch.grid](*args, **launch.constexprs, **strides, **options)
         if stream is not None and compiled is not None:  # compiled (not interpreted) kernels only
             constexprs = {**launch.constexprs, **strides}
-            self.runners[key] = (compiled[self.grid], [constexprs[name] for name in self.constexpr_names])
+            self.runners[key] = (compiled, [constexprs[name] for name in self.constexpr_names])
 
 
 class Executable:
@@ -248,6 +265,13 @@ def _driver():
     from triton.runtime import driver
 
     return driver
+
+
+@functools.cache
+def _triton_knobs():
+    from triton import knobs
+
+    return knobs
 
 
 _EXECUTABLES: collections.OrderedDict = collections.OrderedDict()

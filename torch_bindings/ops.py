@@ -97,7 +97,18 @@ def _dispatch_backward(ctx, grad_output, grad_probs, grad_scales, grad_map, grad
     if grad_output is None:  # only permuted_probs was used
         grad_output = _zeros_like_meta(ctx.rows)
     grad_inp, grad_routing_probs = DISPATCH_BACKWARD(grad_output, grad_probs, row_map)
-    return grad_inp, None, grad_routing_probs if ctx.has_probs else None, None, None, None, None, None, None
+    # Without a gradient for permuted_probs the op returns an empty placeholder: no gradient for probs.
+    return (
+        grad_inp,
+        None,
+        grad_routing_probs if grad_probs is not None else None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 def _combine_sizes(inp, row_map, weights, permuted_probs) -> dict:
