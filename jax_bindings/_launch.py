@@ -43,7 +43,12 @@ def uses_kernels() -> bool:
 def device_info() -> DeviceInfo:
     if on_gpu():
         device = jax.devices()[0]
-        return DeviceInfo(name=device.device_kind, num_sms=getattr(device, "core_count", None) or 132)
+        capability = str(getattr(device, "compute_capability", "")).replace(".", "")
+        return DeviceInfo(
+            name=device.device_kind,
+            num_sms=getattr(device, "core_count", None) or 132,
+            arch=f"sm_{capability}" if capability else "unknown",
+        )
     return DeviceInfo()
 
 

@@ -154,12 +154,14 @@ class SearchSpace:
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    """What plans may know about the device: a cache key, the multiprocessor count, and whether launches may
-    use programmatic dependent launch (a Hopper-or-newer GPU driven by an executor that supports it)."""
+    """What plans may know about the device: a cache key, the multiprocessor count, whether launches may
+    use programmatic dependent launch (a Hopper-or-newer GPU driven by an executor that supports it), and
+    the architecture ("sm_90"), by which a GPU without an autotune cache of its own borrows another's."""
 
     name: str = "cpu"
     num_sms: int = 4
     pdl: bool = False
+    arch: str = "cpu"
 
 
 #: Plans made without device information (CPU, the interpreter, tests) use this.

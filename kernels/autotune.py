@@ -4,10 +4,15 @@ Files: moetriton/autotune_cache/<device>/<kernel>.json, written by scripts/autot
     {"kernel": ..., "device": ..., "triton": "3.6.0", "source_hash": "...",
      "entries": {"<key>": {"features": {...}, "best": {...config...}, "ms": ..., "timings": {...}}}}
 
-Lookup order: the exact key; else the nearest bucket (same categorical features, smallest sum of
-|log2| distances over the numeric ones); else None, and the plan uses its heuristic. A cache written by
-another Triton version or for other kernel source is still used (every cached config is a member of the
-kernel's search space, so it is correct, if perhaps no longer the fastest) and reported once.
+Each file also records the GPU's architecture and multiprocessor count ("arch": "sm_90", "num_sms": 132).
+
+Which file: the device's own; else, for a GPU with no cache of its own, the cache of the closest GPU of the
+same architecture (nearest multiprocessor count, then name), reported once (an H200 without its files uses
+the H100's rather than bare heuristics). Which entry: the exact key; else the nearest bucket (same
+categorical features, smallest sum of |log2| distances over the numeric ones); else None, and the plan uses
+its heuristic. A cache written by another Triton version or for other kernel source is still used (every
+cached config is a member of the kernel's search space, so it is correct, if perhaps no longer the fastest)
+and reported once.
 """
 
 from __future__ import annotations
@@ -75,11 +80,28 @@ def cache_root() -> Path:
     return Path(str(importlib.resources.files("moetriton.autotune_cache")))
 
 
+def _borrowed(device: DeviceInfo, kernel: str) -> Path | None:
+    """The cache file of the closest other GPU of `device`'s architecture for `kernel`, or None."""
+    candidates = []
+    for path in sorted(cache_root().glob(f"*/{kernel}.json")):
+        data = json.loads(path.read_text())
+        if data.get("arch") == device.arch and device.arch not in ("cpu", "unknown"):
+            candidates.append((abs(int(data.get("num_sms", 0)) - device.num_sms), path.parent.name, path))
+    return min(candidates)[2] if candidates else None
+
+
 @functools.cache
-def _load(device: str, kernel: str) -> dict | None:
-    path = cache_root() / device_dir(device) / f"{kernel}.json"
+def _load(device: DeviceInfo, kernel: str) -> dict | None:
+    path = cache_root() / device_dir(device.name) / f"{kernel}.json"
     if not path.is_file():
-        return None
+        path = _borrowed(device, kernel)
+        if path is None:
+            return None
+        warnings.warn(
+            f"moetriton: no autotune cache for {device.name}; {kernel} uses {path.parent.name}'s (same "
+            f"architecture {device.arch}). Run scripts/autotune.py on this GPU for configs of its own.",
+            stacklevel=3,
+        )
     data = json.loads(path.read_text())
     stale = []
     if data.get("triton") != triton.__version__:
@@ -101,7 +123,7 @@ def _distance(a: Mapping[str, int], b: Mapping[str, int]) -> float:
     return sum(abs(math.log2(max(a[n], 1)) - math.log2(max(b[n], 1))) for n in a if n not in CATEGORICAL)
 
 
-def lookup(kernel: str, features: Mapping[str, int], device: str) -> dict[str, int] | None:
+def lookup(kernel: str, features: Mapping[str, int], device: DeviceInfo) -> dict[str, int] | None:
     """Cached best config for `kernel` on `device` at `features` (exact key, else nearest bucket), or None."""
     data = _load(device, kernel)
     if not data or not data.get("entries"):
@@ -125,5 +147,5 @@ def resolve(
 ) -> dict[str, int]:
     """The config a plan uses: the caller's, else the autotune cache's for `device`, else the heuristic.
     The heuristic must lie in the search space (checked), so every config a plan can use is tested."""
-    chosen = config if config is not None else lookup(space.kernel, features, device.name)
+    chosen = config if config is not None else lookup(space.kernel, features, device)
     return dict(space.default(**heuristic), **(chosen or {}))

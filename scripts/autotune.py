@@ -236,10 +236,12 @@ def _router_cases(shape: MoEShape, info, generator: torch.Generator):
     )
 
 
-def _load(path: Path, kernel: str, device_name: str) -> dict:
+def _load(path: Path, kernel: str, info: kernels.DeviceInfo) -> dict:
     fresh = dict(
         kernel=kernel,
-        device=device_name,
+        device=info.name,
+        arch=info.arch,
+        num_sms=info.num_sms,
         triton=triton.__version__,
         source_hash=autotune.source_hash(kernel),
         entries={},
@@ -283,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def cache(kernel: str) -> dict:
         if kernel not in caches:
-            caches[kernel] = _load(out_dir / f"{kernel}.json", kernel, device_name)
+            caches[kernel] = _load(out_dir / f"{kernel}.json", kernel, device_info(device))
             retuned.setdefault(kernel, set())
         return caches[kernel]
 

@@ -55,7 +55,12 @@ def uses_kernels(device: torch.device) -> bool:
 @functools.cache
 def _cuda_info(index: int) -> DeviceInfo:
     props = torch.cuda.get_device_properties(index)
-    return DeviceInfo(name=props.name, num_sms=props.multi_processor_count, pdl=props.major >= 9)
+    return DeviceInfo(
+        name=props.name,
+        num_sms=props.multi_processor_count,
+        pdl=props.major >= 9,
+        arch=f"sm_{props.major}{props.minor}",
+    )
 
 
 def device_info(device: torch.device) -> DeviceInfo:

@@ -1,5 +1,6 @@
 """The autotune cache: committed files parse and hold only search-space configs; lookups resolve exactly,
-by nearest bucket, or not at all; a stale cache is reported once and still used."""
+by nearest bucket, or not at all; a stale cache is reported once and still used; a GPU without a cache of its
+own uses the closest same-architecture GPU's, and says so once."""
 
 import json
 import warnings
@@ -9,6 +10,8 @@ import triton
 
 from moetriton import kernels
 from moetriton.kernels import autotune
+
+TEST_GPU = kernels.DeviceInfo("Test GPU 80GB", 132, arch="sm_90")
 
 
 def _cache_files():
@@ -21,6 +24,7 @@ def test_committed_cache_holds_only_search_space_configs(path):
     space = kernels.SEARCH_SPACES[data["kernel"]]
     configs = space.configs()
     assert data["entries"], path
+    assert data["arch"].startswith("sm_") and data["num_sms"] > 0
     for key, entry in data["entries"].items():
         assert key == autotune.key_of(entry["features"])
         assert entry["best"] in configs, (key, entry["best"])
@@ -40,6 +44,8 @@ def fake_cache(tmp_path, monkeypatch):
     data = dict(
         kernel="combine",
         device="Test GPU 80GB",
+        arch="sm_90",
+        num_sms=132,
         triton=triton.__version__,
         source_hash=autotune.source_hash("combine"),
         entries=entries,
@@ -53,11 +59,11 @@ def fake_cache(tmp_path, monkeypatch):
 
 def test_lookup_exact_nearest_and_none(fake_cache):
     features = dict(num_tokens=16384, hidden=2048, num_slots=8, element_bytes=2)
-    assert autotune.lookup("combine", features, "Test GPU 80GB") == dict(block_h=4096, num_warps=8)
-    assert autotune.lookup("combine", dict(features, num_tokens=2048), "Test GPU 80GB")["block_h"] == 512
-    assert autotune.lookup("combine", dict(features, num_tokens=8192), "Test GPU 80GB")["block_h"] == 4096
-    assert autotune.lookup("combine", dict(features, element_bytes=4), "Test GPU 80GB") is None
-    assert autotune.lookup("combine", features, "Other GPU") is None
+    assert autotune.lookup("combine", features, TEST_GPU) == dict(block_h=4096, num_warps=8)
+    assert autotune.lookup("combine", dict(features, num_tokens=2048), TEST_GPU)["block_h"] == 512
+    assert autotune.lookup("combine", dict(features, num_tokens=8192), TEST_GPU)["block_h"] == 4096
+    assert autotune.lookup("combine", dict(features, element_bytes=4), TEST_GPU) is None
+    assert autotune.lookup("combine", features, kernels.DeviceInfo("Other GPU", 132, arch="sm_80")) is None
     plan = kernels.combine_plan(
         num_tokens=16384,
         hidden=2048,
@@ -65,9 +71,21 @@ def test_lookup_exact_nearest_and_none(fake_cache):
         element_bytes=2,
         has_weights=True,
         gather_probs=False,
-        device=kernels.DeviceInfo("Test GPU 80GB", 132),
+        device=TEST_GPU,
     )
     assert plan.launches[0].constexprs["BLOCK_H"] == 2048 and plan.launches[0].num_warps == 8
+
+
+def test_a_gpu_without_a_cache_borrows_the_closest_of_its_architecture(fake_cache):
+    features = dict(num_tokens=16384, hidden=2048, num_slots=8, element_bytes=2)
+    sibling = kernels.DeviceInfo("Test GPU 141GB", 132, arch="sm_90")
+    with pytest.warns(UserWarning, match="no autotune cache for Test GPU 141GB.*Test_GPU_80GB"):
+        assert autotune.lookup("combine", features, sibling) == dict(block_h=4096, num_warps=8)
+    with warnings.catch_warnings():  # said once
+        warnings.simplefilter("error")
+        assert autotune.lookup("combine", features, sibling) == dict(block_h=4096, num_warps=8)
+    # Another architecture does not borrow: its heuristic decides.
+    assert autotune.lookup("combine", features, kernels.DeviceInfo("Test GPU 2", 132, arch="sm_100")) is None
 
 
 def test_stale_cache_is_reported_once_and_still_used(fake_cache):
@@ -76,10 +94,10 @@ def test_stale_cache_is_reported_once_and_still_used(fake_cache):
     fake_cache.write_text(json.dumps(data))
     features = dict(num_tokens=1024, hidden=2048, num_slots=8, element_bytes=2)
     with pytest.warns(UserWarning, match="stale"):
-        assert autotune.lookup("combine", features, "Test GPU 80GB")["block_h"] == 512
+        assert autotune.lookup("combine", features, TEST_GPU)["block_h"] == 512
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert autotune.lookup("combine", features, "Test GPU 80GB")["block_h"] == 512
+        assert autotune.lookup("combine", features, TEST_GPU)["block_h"] == 512
 
 
 def test_dispatch_plan_consults_the_cache_for_both_of_its_kernels(tmp_path, monkeypatch):
@@ -114,7 +132,7 @@ def test_dispatch_plan_consults_the_cache_for_both_of_its_kernels(tmp_path, monk
             element_bytes=2,
             has_probs=True,
             scale_cols=None,
-            device=kernels.DeviceInfo("Test GPU 80GB", 132),
+            device=TEST_GPU,
         )
     finally:
         autotune._load.cache_clear()
