@@ -20,6 +20,8 @@ unpermute_with_mask_map_bwd_with_merging_probs; its dispatch backward is an unpe
 from __future__ import annotations
 
 import itertools
+import sys
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -331,8 +333,11 @@ def _jax_results(shape: MoEShape, quick: bool) -> list[Result]:
     dispatch_bytes = token_bytes(T, H, eb) + T * E * 5 + token_bytes(N, H, eb) + N * 4 + map_bytes + E * 4
     combine_bytes = token_bytes(N, H, eb) + map_bytes + T * E * 4 + token_bytes(T, H, eb)
     sets = make_sets(dispatch_bytes + combine_bytes, make)
+    # The reference's argsort combine and its vjp hold several [T * K, H] fp32 temporaries per input set:
+    # past the small shapes they do not fit beside the rotating sets.
+    with_reference = not quick and N * H <= 2**24
     for impl, api in (("moetriton", mj), ("jax-ref", reference)):
-        if quick and impl != "moetriton":
+        if impl != "moetriton" and not with_reference:
             continue
         add(
             "dispatch",
@@ -360,4 +365,10 @@ def _jax_results(shape: MoEShape, quick: bool) -> list[Result]:
 def results(shape: MoEShape, quick: bool = False) -> list[Result]:
     if not torch.cuda.is_available():
         return []
-    return _torch_results(shape, quick) + _jax_results(shape, quick)
+    out = []
+    for framework in (_torch_results, _jax_results):  # one framework's failure keeps the other's rows
+        try:
+            out += framework(shape, quick)
+        except Exception:
+            print(f"{framework.__name__} {shape.name} failed:\n{traceback.format_exc()}", file=sys.stderr)
+    return out
