@@ -12,7 +12,9 @@ Ops: dispatch (mask + probs -> rows + probs, map included), dispatch_bwd, dispat
 reported as "e:<op>" so they stand apart from the graph-mode rows of the other modules. The *_bwd rows call
 the backward op alone (moetriton.torch.ops, as autograd would) beside TE's backward kernel wrapper: the
 like-for-like comparison. The *_fwd_bwd rows go through torch.autograd for moetriton (what a training step
-pays, autograd engine included) but call TE's two wrappers directly, so they favour TE. TE's dispatch is
+pays, autograd engine included); for TE they come twice: "te-triton" calls its two wrappers directly (no
+autograd engine: favours TE), "te-autograd" calls them from a minimal torch.autograd.Function, as TE's
+moe_permute_with_probs / moe_unpermute do (a lower bound of TE as users call it). TE's dispatch is
 its row-map build plus permute-with-probs; its combine backward is
 unpermute_with_mask_map_bwd_with_merging_probs; its dispatch backward is an unpermute of the cotangent.
 """
@@ -41,6 +43,39 @@ def _te():
     except ImportError:
         return None
     return permutation
+
+
+def _te_autograd(te, T: int, E: int, N: int, H: int):
+    """TE's dispatch (mask + probs) and combine (merging probs) kernels behind torch.autograd.Functions that
+    do nothing else, so that the fwd_bwd rows can charge TE the autograd engine that its users pay too."""
+
+    class Dispatch(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, mask, probs):
+            row_map = te.make_row_id_map(mask, T, E)
+            ctx.save_for_backward(row_map)
+            return te.permute_with_mask_map(x, row_map, probs, None, None, T, E, N, H, 0)[0]
+
+        @staticmethod
+        def backward(ctx, grad):
+            (row_map,) = ctx.saved_tensors
+            return te.unpermute_with_mask_map(grad, row_map, None, None, None, T, E, H)[0], None, None
+
+    class Combine(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, rows, row_map, weights):
+            ctx.save_for_backward(rows, row_map, weights)
+            return te.unpermute_with_mask_map(rows, row_map, weights, None, None, T, E, H)[0]
+
+        @staticmethod
+        def backward(ctx, grad):
+            rows, row_map, weights = ctx.saved_tensors
+            grad_rows, grad_weights = te.unpermute_with_mask_map_bwd_with_merging_probs(
+                grad, row_map, rows, weights, None, T, E, N, H
+            )
+            return grad_rows, None, grad_weights
+
+    return Dispatch.apply, Combine.apply
 
 
 def _cycle(sets: list, fn: Callable) -> Callable[[], object]:
@@ -147,6 +182,14 @@ def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
             return te.unpermute_with_mask_map(g, row_map, None, None, None, T, E, H)
 
         add("dispatch_fwd_bwd", "te-triton", te_dispatch_fwd_bwd, grad_sets, fwd_bwd_bytes)
+        te_dispatch_autograd, te_combine_autograd = _te_autograd(te, T, E, N, H)
+        add(
+            "dispatch_fwd_bwd",
+            "te-autograd",
+            lambda x, m, p, g: torch.autograd.grad(te_dispatch_autograd(x, m, p), x, g),
+            grad_sets,
+            fwd_bwd_bytes,
+        )
 
     # combine ----------------------------------------------------------------------------------------------
     combine_bytes = token_bytes(N, H, eb) + map_bytes + T * E * 4 + token_bytes(T, H, eb)
@@ -200,6 +243,13 @@ def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
             return te.unpermute_with_mask_map_bwd_with_merging_probs(g, t, y, w, None, T, E, N, H)
 
         add("combine_fwd_bwd", "te-triton", te_combine_fwd_bwd, sets, combine_bytes + combine_bwd_bytes)
+        add(
+            "combine_fwd_bwd",
+            "te-autograd",
+            lambda y, r, w, g, t: torch.autograd.grad(te_combine_autograd(y, t, w), (y, w), g),
+            sets,
+            combine_bytes + combine_bwd_bytes,
+        )
     if not quick:
         add(
             "combine",
