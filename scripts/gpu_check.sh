@@ -34,7 +34,7 @@ for stage in $stages; do
               --out "$OUT/eager" ${EAGER_ARGS:-} 2>&1 | tee "$OUT/eager.log") ;;
     hostprof) (cd "$repo" && timeout ${HOSTPROF_TIMEOUT:-120} python3 scripts/profile_host.py ${HOSTPROF_ARGS:-} \
                  > "$OUT/hostprof.log" 2>&1; tail -40 "$OUT/hostprof.log") ;;
-    usecache) cp /tmp/cache/*/*.json /tmp/site/moetriton/autotune_cache/*/ ;;
+    usecache) cp -r /tmp/cache/. /tmp/site/moetriton/autotune_cache/ ;;
     jaxprof) (cd "$repo" && timeout ${JAXPROF_TIMEOUT:-150} python3 scripts/profile_jax.py --hlo "$OUT/hlo.txt" \
                 ${JAXPROF_ARGS:-} > "$OUT/jaxprof.log" 2>&1; tail -80 "$OUT/jaxprof.log") ;;
     plan) (cd "$repo" && timeout ${PLAN_TIMEOUT:-150} python3 scripts/profile_plan.py ${PLAN_ARGS:-} 2>&1 | tee "$OUT/plan.log") ;;
