@@ -172,16 +172,23 @@ class Executable:
         self.strided = strided_inputs(plan)
         self.launchers = [_Launcher(launch) for launch in plan.launches]
         results = set(plan.results)
-        # Results: (name, shape, fixed dtype or None, the input whose dtype it takes, zeroed).
-        self.results = []
-        for name in plan.results:
+        # Own allocations: (name, shape, fixed dtype or None, the input whose dtype it takes, zeroed,
+        # returned): the results, in order, then scratch buffers whose dtype follows an input's.
+        self.allocations = []
+        owned = list(plan.results) + [
+            name
+            for name, spec in plan.buffers.items()
+            if name not in results and spec.dtype.startswith("like:")
+        ]
+        for name in owned:
             spec = plan.buffers[name]
             like = spec.dtype.removeprefix("like:") if spec.dtype.startswith("like:") else None
-            self.results.append((name, spec.shape, None if like else _DTYPES[spec.dtype], like, spec.zero))
+            dtype = None if like else _DTYPES[spec.dtype]
+            self.allocations.append((name, spec.shape, dtype, like, spec.zero, name in results))
         # Scratch: fixed dtypes, each at a 128-byte offset of one uint8 workspace (split in one call).
         self.scratch, self.scratch_bytes = [], []
         for name, spec in plan.buffers.items():
-            if name not in results:
+            if name not in results and not spec.dtype.startswith("like:"):
                 dtype = _DTYPES[spec.dtype]
                 nbytes = dtype.itemsize * _numel(spec.shape)
                 self.scratch.append((name, dtype, spec.zero))
@@ -208,11 +215,12 @@ class Executable:
                 key.append(None)
             env[name] = tensor
         results = []
-        for name, shape, dtype, like, zero in self.results:
+        for name, shape, dtype, like, zero, returned in self.allocations:
             dtype = dtype or inputs[like].dtype
             buffer = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
             env[name] = buffer
-            results.append(buffer)
+            if returned:
+                results.append(buffer)
         if not self.launchers:
             return tuple(results)
         if INTERPRETER:

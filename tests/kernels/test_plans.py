@@ -103,3 +103,31 @@ def test_heuristic_defaults_lie_in_the_search_spaces():
         kernels.SEARCH_SPACES["combine"].default(block_h=3, num_warps=4)
     for space in kernels.SEARCH_SPACES.values():
         assert space.configs(), space.kernel
+
+
+def test_a_plan_may_return_part_of_its_buffers():
+    """The autotune script runs a dispatch plan for its row map alone: buffers it does not return, those whose
+    dtype follows an input's ("like:inp") included, are still allocated, and the map equals the full run's."""
+    plan = kernels.dispatch_plan(
+        num_tokens=6,
+        hidden=8,
+        num_slots=4,
+        num_experts=4,
+        is_mask=True,
+        num_out_tokens=12,
+        align_size=None,
+        element_bytes=2,
+        has_probs=True,
+        scale_cols=None,
+    )
+    generator = torch.Generator().manual_seed(0)
+    inputs = dict(
+        inp=torch.randn(6, 8, generator=generator).to(dtype=torch.bfloat16, device=DEVICE),
+        routing=(torch.rand(6, 4, generator=generator) < 0.5).to(DEVICE),
+        probs=torch.rand(6, 4, generator=generator).to(DEVICE),
+        scales=None,
+    )
+    full = dict(zip(plan.results, run_plan(plan, inputs, DEVICE), strict=True))
+    map_only = kernels.Plan(plan.buffers, plan.launches, ("row_id_map",))
+    (row_id_map,) = run_plan(map_only, inputs, DEVICE)
+    assert torch.equal(row_id_map, full["row_id_map"])
