@@ -47,7 +47,7 @@ KERNEL_SOURCES = {
     "router_aux_scores_backward": ("router", ("_aux_scores_backward_kernel",)),
 }
 # Features compared for equality rather than by distance.
-CATEGORICAL = ("element_bytes", "is_mask")
+CATEGORICAL = ("element_bytes", "is_mask", "weighted")
 
 
 def device_dir(device_name: str) -> str:

@@ -1010,7 +1010,14 @@ def combine_plan(
     Inputs: "inp" [N, H], "row_id_map", "weights" [T, S] or None, "permuted_probs" [N] or None.
     Results: output [T, H] and, with `gather_probs`, probs [T, S] (dtype `probs_dtype`).
     """
-    features = dict(num_tokens=num_tokens, hidden=hidden, num_slots=num_slots, element_bytes=element_bytes)
+    # Weighted (combine) and unweighted (dispatch backward) sums are tuned apart: their best configs differ.
+    features = dict(
+        num_tokens=num_tokens,
+        hidden=hidden,
+        num_slots=num_slots,
+        element_bytes=element_bytes,
+        weighted=int(has_weights),
+    )
     heuristic = dict(block_h=4096, num_warps=_warps_for(_columns(hidden, 4096) * element_bytes))
     cfg = autotune.resolve(COMBINE_SPACE, heuristic, config, features, device)
     buffers = {

@@ -117,21 +117,25 @@ def _cases(shape: MoEShape, kind: str, device, tuned):
         lambda c: dispatch_plan(c, "dispatch"),
         sets,
     )
-    yield (
-        "combine",
-        data_features,
-        lambda c: kernels.combine_plan(
-            num_tokens=T,
-            hidden=H,
-            num_slots=S,
-            element_bytes=eb,
-            has_weights=True,
-            gather_probs=False,
-            device=info,
-            config=c,
-        ),
-        [dict(s, inp=s["rows"], permuted_probs=None) for s in sets],
-    )
+    for weighted in (True, False):  # combine, and dispatch's backward (an unweighted combine)
+        yield (
+            "combine",
+            dict(data_features, weighted=int(weighted)),
+            lambda c, weighted=weighted: kernels.combine_plan(
+                num_tokens=T,
+                hidden=H,
+                num_slots=S,
+                element_bytes=eb,
+                has_weights=weighted,
+                gather_probs=False,
+                device=info,
+                config=c,
+            ),
+            [
+                dict(s, inp=s["rows"], permuted_probs=None, weights=s["weights"] if weighted else None)
+                for s in sets
+            ],
+        )
     yield (
         "combine_backward",
         data_features,
