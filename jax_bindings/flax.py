@@ -28,6 +28,21 @@ DEFAULT_LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("router_experts", None),
 )
 
+
+def init_sharded(module: nn.Module, key: jax.Array, *args, mesh: Mesh, rules=DEFAULT_LOGICAL_AXIS_RULES):
+    """`module.init(key, *args)` under jit, every variable placed by its logical axes: the mesh sharding
+    that `rules` give its annotation (the usual Flax recipe, as one call). Returns the boxed variables.
+
+    Example:
+        >>> block = MoEBlock(num_experts=8, ffn_dim=512, topk=2, mesh=mesh)
+        >>> variables = init_sharded(block, key, x, mesh=mesh)
+    """
+    abstract = jax.eval_shape(module.init, key, *args)
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        return jax.jit(module.init, out_shardings=shardings)(key, *args)
+
+
 _expert_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1)
 
 
@@ -46,9 +61,8 @@ class MoEBlock(nn.Module):
 
     Example:
         >>> block = MoEBlock(num_experts=8, ffn_dim=512, topk=2, mesh=mesh, data_axes=("data",))
-        >>> with mesh, nn.logical_axis_rules(DEFAULT_LOGICAL_AXIS_RULES):
-        ...     variables = jax.jit(block.init)(jax.random.key(0), x)
-        ...     out, aux_loss, dropped = jax.jit(block.apply)(variables, x)
+        >>> variables = init_sharded(block, jax.random.key(0), x, mesh=mesh)  # gate_up, down over "ep"
+        >>> out, aux_loss, dropped = jax.jit(block.apply)(variables, x)
     """
 
     num_experts: int

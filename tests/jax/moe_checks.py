@@ -253,7 +253,7 @@ def check_exchanges() -> None:
 def check_flax() -> None:
     from flax import linen as nn
 
-    from moetriton.jax.flax import DEFAULT_LOGICAL_AXIS_RULES, MoEBlock
+    from moetriton.jax.flax import MoEBlock, init_sharded
 
     mesh = make_mesh(2, 2)
     problem = fixed_problem(2, 2, routing="empty_ranks", topk=2, align_size=2)
@@ -268,11 +268,11 @@ def check_flax() -> None:
         ep_axis="ep",
         data_axes=("data",),
     )
-    with mesh, nn.logical_axis_rules(DEFAULT_LOGICAL_AXIS_RULES):
-        variables = jax.jit(block.init)(jax.random.key(0), x)
-        params = nn.meta.unbox(variables["params"])
-        out, aux_loss, dropped = jax.jit(block.apply)(variables, x)
-    assert params["gate_up"].sharding.spec[0] == "ep", params["gate_up"].sharding
+    variables = init_sharded(block, jax.random.key(0), x, mesh=mesh)
+    params = nn.meta.unbox(variables["params"])
+    for name in ("gate_up", "down"):
+        assert tuple(params[name].sharding.spec) == ("ep", None, None), (name, params[name].sharding)
+    out, aux_loss, dropped = jax.jit(block.apply)(variables, x)
     expected = moe(
         x,
         params["gate"],
