@@ -10,7 +10,7 @@ the dense single-device reference `moetriton.jax.reference_moe`, on a mesh of (d
 * one-expert / empty-experts: every token on the experts of EP rank 0 (the dropless worst case the receive
   buffer is sized for, alignment included), and whole EP ranks without tokens;
 * determinism: two runs of the jitted layer and its gradient are bitwise equal;
-* exchanges: exchange="ragged" (GPU only) and "padded" against the reference and each other;
+* exchanges (GPUs only): exchange="ragged" and "padded" against the reference and each other, bitwise;
 * flax: the Flax MoEBlock on a mesh with logical-axis rules equals the functional layer;
 * errors: mesh-dependent argument errors.
 
@@ -26,7 +26,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from jax.sharding import Mesh
 
 from moetriton.jax import reference_router
@@ -196,6 +196,7 @@ def check_mesh(data: int, ep: int, examples: int) -> None:
     @settings(max_examples=examples, **_SETTINGS)
     @given(moe_problems(shards=data * ep, max_experts_per_shard=2))
     def run(problem):
+        assume(problem.topk > 1 and problem.seq > 1)  # skip the simplest problem, which Hypothesis draws first
         for align_size, capacity_factor in ((None, None), (4, None), (problem.align_size, 0.25)):
             variant = dataclasses.replace(problem, align_size=align_size, capacity_factor=capacity_factor)
             check_against_reference(variant, mesh)
@@ -205,7 +206,7 @@ def check_mesh(data: int, ep: int, examples: int) -> None:
 
 def check_overflow() -> None:
     mesh = make_mesh(1, 4)
-    for routing, align_size in (("rank0", None), ("rank0", 2), ("empty_ranks", None)):
+    for routing, align_size in (("rank0", 2), ("empty_ranks", None)):
         problem = fixed_problem(1, 4, routing=routing, topk=2, align_size=align_size, capacity_factor=0.5)
         dropped = expected_dropped(problem, mesh.size)
         assert dropped > 0, "the problem must overflow"
@@ -216,12 +217,14 @@ def check_overflow() -> None:
 def check_routing_extremes() -> None:
     """All tokens on EP rank 0's experts (K = L = 2: the dropless worst case, alignment included), and
     whole ranks without a token."""
-    for data, ep in ((1, 4), (2, 2)):
-        mesh = make_mesh(data, ep)
-        for routing in ("rank0", "empty_ranks"):
-            for align_size in (None, 4):
-                problem = fixed_problem(data, ep, routing=routing, topk=2, align_size=align_size)
-                check_against_reference(problem, mesh)
+    for (data, ep), routing, align_size in (
+        ((1, 4), "rank0", 4),
+        ((1, 4), "empty_ranks", None),
+        ((2, 2), "rank0", None),
+        ((2, 2), "empty_ranks", 4),
+    ):
+        problem = fixed_problem(data, ep, routing=routing, topk=2, align_size=align_size)
+        check_against_reference(problem, make_mesh(data, ep))
 
 
 def check_determinism() -> None:
@@ -238,16 +241,16 @@ def check_determinism() -> None:
 
 
 def check_exchanges() -> None:
-    """The ragged all-to-all (GPU) and the padded fallback against the reference and each other, bitwise."""
-    on_gpu = jax.default_backend() == "gpu"
+    """The ragged all-to-all and the padded fallback against the reference and each other, bitwise (GPUs:
+    XLA:CPU has no ragged all-to-all)."""
+    assert jax.default_backend() == "gpu", "the ragged all-to-all needs GPUs"
     mesh = make_mesh(1, min(len(jax.devices()), 4))
     for routing in ("rank0", "empty_ranks"):
         problem = fixed_problem(1, mesh.size, routing=routing, topk=2, align_size=4)
         padded = check_against_reference(problem, mesh, exchange="padded")
-        if on_gpu:
-            ragged = check_against_reference(problem, mesh, exchange="ragged")
-            for a, b in zip(jax.tree.leaves(ragged), jax.tree.leaves(padded), strict=True):
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        ragged = check_against_reference(problem, mesh, exchange="ragged")
+        for a, b in zip(jax.tree.leaves(ragged), jax.tree.leaves(padded), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def check_flax() -> None:
@@ -312,12 +315,12 @@ def check_errors() -> None:
 
 
 CHECKS = {
-    "mesh-1x1": lambda: check_mesh(1, 1, 3),
-    "mesh-1x2": lambda: check_mesh(1, 2, 3),
-    "mesh-1x4": lambda: check_mesh(1, 4, 2),
-    "mesh-1x8": lambda: check_mesh(1, 8, 2),
-    "mesh-2x2": lambda: check_mesh(2, 2, 2),
-    "mesh-2x4": lambda: check_mesh(2, 4, 2),
+    "mesh-1x1": lambda: check_mesh(1, 1, 2),
+    "mesh-1x2": lambda: check_mesh(1, 2, 2),
+    "mesh-1x4": lambda: check_mesh(1, 4, 1),
+    "mesh-1x8": lambda: check_mesh(1, 8, 1),
+    "mesh-2x2": lambda: check_mesh(2, 2, 1),
+    "mesh-2x4": lambda: check_mesh(2, 4, 1),
     "overflow": check_overflow,
     "routing-extremes": check_routing_extremes,
     "determinism": check_determinism,
