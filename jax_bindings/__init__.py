@@ -5,17 +5,20 @@ On GPU the kernels run compiled through jax-triton (imported lazily); on CPU the
 interpreter (through jax.pure_callback) when TRITON_INTERPRET=1 was set before import, and otherwise the
 pure-JAX reference (`moetriton.jax.reference`) runs instead. Every op is differentiable (custom_vjp), works
 under jax.jit and jax.vmap, and partitions along the token axis under jax.jit sharding (custom_partitioning
-with Shardy rules). Never imports torch. See docs/jax.md.
+with Shardy rules). `moe` is the expert-parallel MoE layer built on them (docs/moe.md); its Flax Linen
+module lives in `moetriton.jax.flax`, the only module that imports flax. Never imports torch. See docs/jax.md.
 """
 
 from . import reference, reference_router
 from .api import sort_chunks_by_index, token_combine, token_dispatch
+from .moe import moe
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 
 __all__ = [
     "fused_compute_score_for_moe_aux_loss",
     "fused_moe_aux_loss",
     "fused_topk_with_score_function",
+    "moe",
     "reference",
     "reference_router",
     "sort_chunks_by_index",

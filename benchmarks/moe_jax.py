@@ -1,0 +1,474 @@
+"""One expert-parallel MoE layer step in JAX (forward + backward, bf16): moetriton.jax.moe against a baseline
+built the MaxText way (argsort permutation + jax.lax.ragged_dot, no Triton).
+
+    python -m benchmarks.moe_jax                         # mixtral and dsv3, 1 GPU and EP = 2 (needs 2 GPUs)
+    python -m benchmarks.moe_jax --shapes mixtral --ep 1 --steps 20 --out results/
+    python -m benchmarks.moe_jax --tiny --steps 1        # CPU smoke test: tiny shapes, 2 host devices
+
+Rows (one per impl x shape x EP; printed and written to DIR/moe_jax.csv, the log to DIR/moe_jax.log):
+
+* step_ms: median wall time of the jitted step (value_and_grad of the layer w.r.t. x and every weight),
+  inputs resident, one block_until_ready per step.
+* stage shares (moetriton rows): per-stage jitted forward + backward timings, NOT a profile: every stage
+  (router incl. aux loss; dispatch; all-to-all = count all-gather + exchange + reverse exchange; chunk sorts
+  = sort + inverse sort; grouped GEMMs; combine) runs as its own jitted value_and_grad on the inputs the
+  layer gives it, and its share is its time over step_ms (they need not add up to 100%: XLA overlaps and
+  fuses across stages inside the step). routing_share = router + dispatch + chunk sorts + combine.
+* gemm_tflops: grouped-GEMM flops (2 * rows * H * 2F + 2 * rows * F * H forward, x3 for forward +
+  backward, rows = routed slots T * K per GPU) over the grouped-GEMM stage time (step time for the
+  baseline), and its % of the 790 TFLOP/s bf16 peak.
+* a2a_gbps (EP > 1): routed-slot bytes of the four exchanges of a step (forward, reverse, and their
+  transposes: 4 * T * K * H * 2 bytes per GPU) over the all-to-all stage time, beside plain_a2a_gbps: the
+  same bytes through four plain jax.lax.all_to_all calls.
+
+Each row catches its own failure (out of memory included), prints it and goes on. On CPU the exchange is the
+padded all_to_all fallback (XLA:CPU has no ragged all-to-all) and the ops run the pure-JAX reference unless
+TRITON_INTERPRET=1: --tiny only checks that everything runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+
+# Host devices for EP on CPU (--tiny); the flag only concerns the CPU platform, harmless on GPU machines.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from moetriton.jax import reference_router, sort_chunks_by_index, token_combine, token_dispatch
+from moetriton.jax.moe import MoEConfig, _experts, _move, _router, apply_activation, moe
+from moetriton.kernels.expert_parallel import dropless_exchange, ep_layout
+from moetriton.kernels.shapes import MOE_LAYER_SHAPES, MoELayerShape
+
+PEAK_TFLOPS = 790.0  # H100 SXM dense bf16
+TINY_SHAPES = {
+    "mixtral": MoELayerShape("mixtral-tiny", 64, 32, 48, 8, 2),
+    "dsv3": MoELayerShape("dsv3-tiny", 64, 32, 16, 16, 4, "sigmoid", 4, 2),
+}
+STAGES = ("router", "dispatch", "all_to_all", "chunk_sorts", "grouped_gemm", "combine")
+ROUTING_STAGES = ("router", "dispatch", "chunk_sorts", "combine")
+COLUMNS = (
+    "impl",
+    "shape",
+    "ep",
+    "tokens_per_gpu",
+    "step_ms",
+    *(f"{stage}_share" for stage in STAGES),
+    "routing_share",
+    "stage_method",
+    "gemm_tflops",
+    "gemm_peak_pct",
+    "a2a_gbps",
+    "plain_a2a_gbps",
+    "error",
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: MoELayerShape
+    ep: int
+    align_size: int | None
+    seq: int  # tokens per sequence: x is [EP * tokens / seq, seq, H]
+
+    @property
+    def batch(self) -> int:
+        return self.ep * self.shape.num_tokens // self.seq
+
+
+def median_ms(function, *args, steps: int) -> float:
+    """Median wall ms of `function(*args)` (jitted) over `steps` calls after two warm-up calls."""
+    jax.block_until_ready(function(*args))
+    jax.block_until_ready(function(*args))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        jax.block_until_ready(function(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def make_mesh(ep: int) -> Mesh | None:
+    return None if ep == 1 else Mesh(np.array(jax.devices()[:ep]), ("ep",))
+
+
+def make_inputs(case: Case, mesh: Mesh | None):
+    """(x [B, S, H], gate [H, E], gate_up [E, H, 2F], down [E, F, H]) in bf16, placed as the layer wants."""
+    shape, dtype = case.shape, jnp.bfloat16
+    keys = jax.random.split(jax.random.key(0), 4)
+    hidden, ffn, experts = shape.hidden, shape.ffn, shape.num_experts
+
+    def normal(key, dims, scale, spec):
+        make = jax.jit(lambda: (jax.random.normal(key, dims, jnp.float32) * scale).astype(dtype))
+        if mesh is None:
+            return make()
+        return jax.jit(make, out_shardings=NamedSharding(mesh, spec))()
+
+    tokens, experts_spec = PartitionSpec("ep"), PartitionSpec("ep")
+    return (
+        normal(keys[0], (case.batch, case.seq, hidden), 1.0, tokens),
+        normal(keys[1], (hidden, experts), hidden**-0.5, PartitionSpec()),
+        normal(keys[2], (experts, hidden, 2 * ffn), hidden**-0.5, experts_spec),
+        normal(keys[3], (experts, ffn, hidden), ffn**-0.5, experts_spec),
+    )
+
+
+def _router_options(shape: MoELayerShape) -> dict:
+    return dict(score_function=shape.score_function, num_groups=shape.num_groups, group_topk=shape.group_topk)
+
+
+def moetriton_layer(case: Case, mesh: Mesh | None):
+    def layer(x, gate, gate_up, down):
+        return moe(
+            x,
+            gate,
+            gate_up,
+            down,
+            topk=case.shape.topk,
+            aux_loss_coeff=1e-2,
+            align_size=case.align_size,
+            mesh=mesh,
+            ep_axis="ep",
+            **_router_options(case.shape),
+        )
+
+    return layer
+
+
+# Baseline: MaxText-style (argsort permutation, ragged_dot, no Triton) -----------------------------------
+
+
+def _baseline_shard(x, gate, gate_up, down, *, case: Case, config: MoEConfig):
+    """One token shard of the baseline layer: pure-JAX router (moetriton.jax.reference_router), argsort
+    dispatch, the same exchange, argsort to local-expert order, ragged_dot, unsort, weighted sum."""
+    shape = case.shape
+    batch, seq, hidden = x.shape
+    num_tokens, experts, topk = batch * seq, shape.num_experts, shape.topk
+    x_flat = x.reshape(num_tokens, hidden)
+    logits = jnp.dot(x_flat, gate, preferred_element_type=jnp.float32)
+    probs, routing_map, indices = reference_router.fused_topk_with_score_function(
+        logits, topk, **_router_options(shape), return_indices=True
+    )
+    _, scores = reference_router.fused_compute_score_for_moe_aux_loss(logits, topk, shape.score_function)
+    routed = routing_map.sum(0, dtype=jnp.int32)
+    if config.ep_axis:
+        routed = jax.lax.psum(routed, "ep")
+    aux_loss = reference_router.fused_moe_aux_loss(
+        scores, routed, num_tokens * case.ep, experts, topk, 1e-2
+    ).astype(jnp.float32)
+    weights = jnp.take_along_axis(probs, indices, axis=1).astype(x.dtype)  # [T, K]
+    flat_experts = indices.reshape(-1)  # [T * K]
+    order = jnp.argsort(flat_experts, stable=True)
+    send = x_flat[order // topk]  # [T * K, H], expert-major
+    counts = jnp.bincount(flat_experts, length=experts).astype(jnp.int32)
+    if config.ep_axis is None:
+        expert_out = _baseline_experts(send, counts, gate_up, down)
+    else:
+        layout = ep_layout(num_tokens=num_tokens, num_experts=experts, topk=topk, ep_size=case.ep)
+        sizes = dropless_exchange(jax.lax.all_gather(counts, "ep"), jax.lax.axis_index("ep"), layout)
+        recv = _move(
+            send,
+            layout.recv_rows,
+            (sizes["input_offsets"], sizes["send_sizes"]),
+            sizes["output_offsets"],
+            (sizes["recv_offsets"], sizes["recv_sizes"]),
+            layout,
+            config,
+        )
+        # Local expert of every received row (source-major chunks), then a second argsort to expert-major.
+        chunk_ends = jnp.cumsum(sizes["chunk_sizes"])
+        chunk = jnp.searchsorted(chunk_ends, jnp.arange(layout.recv_rows), side="right")
+        local_expert = jnp.where(
+            chunk < chunk_ends.shape[0], chunk % layout.local_experts, layout.local_experts
+        )
+        local_order = jnp.argsort(local_expert, stable=True)
+        out_sorted = _baseline_experts(recv[local_order], sizes["group_sizes"], gate_up, down)
+        source_rows = jnp.zeros_like(out_sorted).at[local_order].set(out_sorted)
+        expert_out = _move(
+            source_rows,
+            layout.send_rows,
+            (sizes["recv_offsets"], sizes["recv_sizes"]),
+            sizes["return_offsets"],
+            (sizes["input_offsets"], sizes["send_sizes"]),
+            layout,
+            config,
+        )
+    unsorted = jnp.zeros_like(expert_out).at[order].set(expert_out)  # [T * K, H] in (token, slot) order
+    out = jnp.sum(unsorted.reshape(num_tokens, topk, hidden) * weights[..., None], axis=1)
+    if config.ep_axis:
+        aux_loss = jax.lax.psum(aux_loss, "ep")
+    return out.reshape(x.shape), aux_loss, jnp.zeros((), jnp.int32)
+
+
+def _baseline_experts(rows, group_sizes, gate_up, down):
+    hidden = jax.lax.ragged_dot(rows, gate_up, group_sizes, preferred_element_type=rows.dtype)
+    return jax.lax.ragged_dot(
+        apply_activation(hidden, "swiglu"), down, group_sizes, preferred_element_type=rows.dtype
+    )
+
+
+def _config(case: Case, mesh: Mesh | None) -> MoEConfig:
+    shape = case.shape
+    on_gpu = mesh is not None and all(device.platform == "gpu" for device in mesh.devices.flat)
+    return MoEConfig(
+        topk=shape.topk,
+        score_function=shape.score_function,
+        use_pre_softmax=False,
+        num_groups=shape.num_groups,
+        group_topk=shape.group_topk,
+        scaling_factor=None,
+        aux_loss_coeff=1e-2,
+        align_size=case.align_size,
+        capacity_factor=None,
+        activation="swiglu",
+        dtype="bfloat16",
+        mesh=mesh,
+        ep_axis="ep" if mesh is not None else None,
+        data_axes=(),
+        exchange="ragged" if on_gpu else "padded",
+        num_shards=case.ep,
+        ep_size=case.ep,
+    )
+
+
+def _shard_mapped(mesh: Mesh | None, function, in_specs, out_specs):
+    """`function` under shard_map over the "ep" axis, or itself without a mesh."""
+    if mesh is None:
+        return function
+    return jax.shard_map(function, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def baseline_layer(case: Case, mesh: Mesh | None):
+    config = _config(case, mesh)
+
+    def shard(x, gate, gate_up, down):
+        return _baseline_shard(x, gate, gate_up, down, case=case, config=config)
+
+    tokens, replicated = PartitionSpec("ep"), PartitionSpec()
+    return _shard_mapped(mesh, shard, (tokens, replicated, tokens, tokens), (tokens, replicated, replicated))
+
+
+# Steps and stages ---------------------------------------------------------------------------------------
+
+
+def train_step(layer):
+    """jit(value_and_grad) of <out, 1> + aux loss w.r.t. x and every weight."""
+
+    def loss(x, gate, gate_up, down):
+        out, aux_loss, _ = layer(x, gate, gate_up, down)
+        return jnp.sum(out.astype(jnp.float32)) * 1e-3 + aux_loss
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+
+
+def _fwd_bwd(function, num_diff: int):
+    """jit(value_and_grad) of the sum of `function`'s float outputs w.r.t. its first num_diff arguments."""
+
+    def total(*args):
+        outs = function(*args)
+        return sum(
+            jnp.sum(o.astype(jnp.float32))
+            for o in jax.tree.leaves(outs)
+            if jnp.issubdtype(o.dtype, jnp.floating)
+        )
+
+    return jax.jit(jax.value_and_grad(total, argnums=tuple(range(num_diff))))
+
+
+def stage_times(case: Case, mesh: Mesh | None, arrays, steps: int) -> dict[str, float]:
+    """ms of every stage of the moetriton layer, forward + backward, each jitted on its own (module doc)."""
+    config = _config(case, mesh)
+    shape = case.shape
+    tokens_per_shard = shape.num_tokens
+    layout = ep_layout(
+        num_tokens=tokens_per_shard,
+        num_experts=shape.num_experts,
+        topk=shape.topk,
+        ep_size=case.ep,
+        align_size=case.align_size,
+    )
+    tok, rep = PartitionSpec("ep"), PartitionSpec()
+    x, gate, gate_up, down = arrays
+    x_flat = x.reshape(-1, shape.hidden)
+
+    def router(x_flat, gate):
+        weights, indices, routed, aux = _router(x_flat, gate, None, config, tokens_per_shard * case.ep)
+        return weights, indices, routed[None], aux[None]
+
+    def dispatch(tokens, indices):
+        send, _, row_id_map, _, counts = token_dispatch(
+            tokens, indices=indices, num_experts=shape.num_experts, align_size=layout.align_size
+        )
+        return send, row_id_map, counts
+
+    def exchange_sizes(counts):
+        if mesh is None:
+            return dropless_exchange(counts[None], 0, layout)
+        return dropless_exchange(jax.lax.all_gather(counts, "ep"), jax.lax.axis_index("ep"), layout)
+
+    def all_to_all(send, counts):
+        sizes = exchange_sizes(counts)
+        forward = (sizes["input_offsets"], sizes["send_sizes"]), (sizes["recv_offsets"], sizes["recv_sizes"])
+        recv = _move(send, layout.recv_rows, forward[0], sizes["output_offsets"], forward[1], layout, config)
+        back = _move(recv, layout.send_rows, forward[1], sizes["return_offsets"], forward[0], layout, config)
+        return recv, back
+
+    order = jnp.asarray(layout.expert_major_order(), jnp.int32)
+    inverse = jnp.asarray(layout.source_major_order(), jnp.int32)
+
+    def sorts(recv, counts):
+        chunk_sizes = exchange_sizes(counts)["chunk_sizes"]
+        rows, _ = sort_chunks_by_index(recv, chunk_sizes, order)
+        back, _ = sort_chunks_by_index(rows, chunk_sizes[order], inverse)
+        return rows, back
+
+    def gemm(rows, gate_up, down, counts):
+        return _experts(rows, exchange_sizes(counts)["group_sizes"], gate_up, down, config)
+
+    def combine(rows, weights, row_id_map):
+        return token_combine(rows, row_id_map, weights)
+
+    shard = partial(_shard_mapped, mesh)
+    run_router = shard(router, (tok, rep), (tok, tok, tok, tok))
+    weights, indices, _, _ = jax.jit(run_router)(x_flat, gate)
+    run_dispatch = shard(dispatch, (tok, tok), (tok, tok, tok))
+    send, row_id_map, counts = jax.jit(run_dispatch)(x_flat, indices)
+    run_gemm = shard(gemm, (tok, tok, tok, tok), tok)
+    run_combine = shard(combine, (tok, tok, tok), tok)
+    times = {
+        "router": median_ms(_fwd_bwd(run_router, 2), x_flat, gate, steps=steps),
+        "dispatch": median_ms(_fwd_bwd(run_dispatch, 1), x_flat, indices, steps=steps),
+        "all_to_all": 0.0,  # one EP rank: the send buffer is the receive buffer, already expert-major
+        "chunk_sorts": 0.0,
+        "combine": median_ms(_fwd_bwd(run_combine, 2), send, weights, row_id_map, steps=steps),
+    }
+    rows = send
+    if case.ep > 1:
+        run_a2a = shard(all_to_all, (tok, tok), (tok, tok))
+        recv, _ = jax.jit(run_a2a)(send, counts)
+        run_sorts = shard(sorts, (tok, tok), (tok, tok))
+        rows, _ = jax.jit(run_sorts)(recv, counts)
+        times["all_to_all"] = median_ms(_fwd_bwd(run_a2a, 1), send, counts, steps=steps)
+        times["chunk_sorts"] = median_ms(_fwd_bwd(run_sorts, 1), recv, counts, steps=steps)
+    times["grouped_gemm"] = median_ms(_fwd_bwd(run_gemm, 3), rows, gate_up, down, counts, steps=steps)
+    return times
+
+
+def plain_all_to_all_ms(case: Case, mesh: Mesh, steps: int) -> float:
+    """Four chained jax.lax.all_to_all calls moving T * K rows of H bf16 per GPU each."""
+    shape = case.shape
+    rows = shape.num_tokens * shape.topk
+    buffer = jax.jit(
+        lambda: jnp.ones((case.ep * rows, shape.hidden), jnp.bfloat16),
+        out_shardings=NamedSharding(mesh, PartitionSpec("ep")),
+    )()
+
+    def four(block):
+        slabs = block.reshape(case.ep, -1, block.shape[1])
+        for _ in range(4):
+            slabs = jax.lax.all_to_all(slabs, "ep", 0, 0)
+        return slabs.reshape(block.shape)
+
+    run = jax.jit(_shard_mapped(mesh, four, (PartitionSpec("ep"),), PartitionSpec("ep")))
+    return median_ms(run, buffer, steps=steps)
+
+
+# Rows ---------------------------------------------------------------------------------------------------
+
+
+def measure(impl: str, case: Case, steps: int) -> dict:
+    shape = case.shape
+    row = dict(impl=impl, shape=shape.name, ep=case.ep, tokens_per_gpu=shape.num_tokens)
+    mesh = make_mesh(case.ep)
+    arrays = make_inputs(case, mesh)
+    layer = moetriton_layer(case, mesh) if impl == "moetriton" else baseline_layer(case, mesh)
+    step_ms = median_ms(train_step(layer), *arrays, steps=steps)
+    row["step_ms"] = round(step_ms, 3)
+    rows = shape.num_tokens * shape.topk
+    flops = 3 * (2 * rows * shape.hidden * 2 * shape.ffn + 2 * rows * shape.ffn * shape.hidden)
+    gemm_ms = step_ms
+    if impl == "moetriton":
+        stages = stage_times(case, mesh, arrays, steps)
+        for stage in STAGES:
+            row[f"{stage}_share"] = round(stages[stage] / step_ms, 4)
+        row["routing_share"] = round(sum(stages[stage] for stage in ROUTING_STAGES) / step_ms, 4)
+        row["stage_method"] = "per-stage jitted fwd+bwd timings"
+        gemm_ms = stages["grouped_gemm"]
+        if case.ep > 1:
+            a2a_bytes = 4 * rows * shape.hidden * 2
+            row["a2a_gbps"] = round(a2a_bytes / (stages["all_to_all"] * 1e-3) / 1e9, 1)
+            row["plain_a2a_gbps"] = round(
+                a2a_bytes / (plain_all_to_all_ms(case, mesh, steps) * 1e-3) / 1e9, 1
+            )
+    tflops = flops / (gemm_ms * 1e-3) / 1e12
+    row["gemm_tflops"] = round(tflops, 1)
+    row["gemm_peak_pct"] = round(100 * tflops / PEAK_TFLOPS, 1)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", default="mixtral,dsv3", help="comma-separated MOE_LAYER_SHAPES names")
+    parser.add_argument("--impl", default="moetriton,maxtext", help="moetriton and/or maxtext (the baseline)")
+    parser.add_argument("--ep", default="1,2", help="EP sizes (EP > 1 needs that many local devices)")
+    parser.add_argument("--tokens", type=int, help="tokens per GPU (default: the shape's)")
+    parser.add_argument("--align", type=int, default=0, help="align_size of the moetriton layer (0: none)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement (median)")
+    parser.add_argument("--out", default="benchmark-results", help="folder for moe_jax.csv and moe_jax.log")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / "moe_jax.log").open("w")
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        log.write(text + "\n")
+
+    say(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
+    table = TINY_SHAPES if args.tiny else MOE_LAYER_SHAPES
+    rows = []
+    for name in args.shapes.split(","):
+        shape = table[name]
+        if args.tokens:
+            shape = replace(shape, num_tokens=args.tokens)
+        for ep in (int(ep) for ep in args.ep.split(",")):
+            if ep > len(jax.devices()):
+                say(f"skipping {name} EP={ep}: {len(jax.devices())} device(s)")
+                continue
+            case = Case(shape, ep, args.align or None, seq=min(shape.num_tokens, 512))
+            for impl in args.impl.split(","):
+                try:
+                    row = measure(impl, case, args.steps)
+                except Exception as error:  # out of memory and any other failure: report the row, go on
+                    say(traceback.format_exc(limit=3))
+                    row = dict(impl=impl, shape=shape.name, ep=ep, tokens_per_gpu=shape.num_tokens)
+                    row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                rows.append(row)
+                say(" ".join(f"{key}={row[key]}" for key in COLUMNS if key in row))
+    with (out / "moe_jax.csv").open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    say(f"wrote {out / 'moe_jax.csv'}")
+    log.close()
+    return 1 if args.tiny and any("error" in row for row in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

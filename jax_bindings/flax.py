@@ -1,0 +1,145 @@
+"""Flax Linen front end of the expert-parallel MoE layer: `MoEBlock` (moetriton.jax.flax).
+
+The block owns the layer's parameters, with logical-axis annotations so they shard the Flax way
+(`nn.logical_axis_rules`): gate [H, E] ("embed", "router_experts"), fused gate+up [E, H, 2F] ("experts",
+"embed", "mlp") and down [E, F, H] ("experts", "mlp", "embed"). DEFAULT_LOGICAL_AXIS_RULES puts "experts"
+on the "ep" mesh axis and replicates the rest, which is the layout `moetriton.jax.moe` computes in; rules
+that also shard "embed" or "mlp" (FSDP) work too: jit gathers those weights before the layer. The optional
+expert bias (sigmoid / sqrtsoftplus routing) is not trained by gradients: it lives in the "moe" collection,
+for the caller's load-balancing update rule. Importing this module imports flax; `moetriton.jax` does not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from jax.sharding import Mesh
+
+from .moe import ACTIVATIONS, moe
+
+#: Logical axis -> mesh axis for the default layout (experts over "ep", everything else replicated).
+DEFAULT_LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
+    ("experts", "ep"),
+    ("embed", None),
+    ("mlp", None),
+    ("router_experts", None),
+)
+
+
+def init_sharded(module: nn.Module, key: jax.Array, *args, mesh: Mesh, rules=DEFAULT_LOGICAL_AXIS_RULES):
+    """`module.init(key, *args)` under jit, every variable placed by its logical axes: the mesh sharding
+    that `rules` give its annotation (the usual Flax recipe, as one call). Returns the boxed variables.
+
+    Example:
+        >>> block = MoEBlock(num_experts=8, ffn_dim=512, topk=2, mesh=mesh)
+        >>> variables = init_sharded(block, key, x, mesh=mesh)
+    """
+    abstract = jax.eval_shape(module.init, key, *args)
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        return jax.jit(module.init, out_shardings=shardings)(key, *args)
+
+
+_expert_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1)
+
+
+class MoEBlock(nn.Module):
+    """Mixture-of-experts MLP with expert parallelism; `__call__(x [B, S, H])` returns (out [B, S, H],
+    aux_loss fp32 scalar, dropped int32 scalar), as `moetriton.jax.moe`, whose docstring explains every
+    option below.
+
+    Attributes:
+        num_experts: E (a multiple of the EP size). ffn_dim: F. topk: K.
+        score_function, use_pre_softmax, num_groups, group_topk, scaling_factor: router options.
+        use_expert_bias: keep an [E] selection bias in the "moe" collection (sigmoid / sqrtsoftplus only).
+        aux_loss_coeff, align_size, capacity_factor (None: dropless), activation: layer options.
+        dtype: compute dtype (default: the input's); param_dtype: parameter dtype.
+        mesh, ep_axis, data_axes, exchange: where the layer runs (mesh None: one device).
+
+    Example:
+        >>> block = MoEBlock(num_experts=8, ffn_dim=512, topk=2, mesh=mesh, data_axes=("data",))
+        >>> variables = init_sharded(block, jax.random.key(0), x, mesh=mesh)  # gate_up, down over "ep"
+        >>> out, aux_loss, dropped = jax.jit(block.apply)(variables, x)
+    """
+
+    num_experts: int
+    ffn_dim: int
+    topk: int
+    score_function: str = "softmax"
+    use_pre_softmax: bool = False
+    num_groups: int | None = None
+    group_topk: int | None = None
+    scaling_factor: float | None = None
+    use_expert_bias: bool = False
+    aux_loss_coeff: float = 0.0
+    align_size: int | None = None
+    capacity_factor: float | None = None
+    activation: str = "swiglu"
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    gate_init: Any = nn.initializers.lecun_normal()
+    expert_init: Any = _expert_init
+    mesh: Mesh | None = None
+    ep_axis: str | None = "ep"
+    data_axes: tuple[str, ...] = ()
+    exchange: str = "auto"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation: expected one of {tuple(ACTIVATIONS)}, got {self.activation!r}")
+        hidden, experts = x.shape[-1], self.num_experts
+        width = 2 * self.ffn_dim if ACTIVATIONS[self.activation][0] else self.ffn_dim
+        gate = self.param(
+            "gate",
+            nn.with_logical_partitioning(self.gate_init, ("embed", "router_experts")),
+            (hidden, experts),
+            self.param_dtype,
+        )
+        gate_up = self.param(
+            "gate_up",
+            nn.with_logical_partitioning(self.expert_init, ("experts", "embed", "mlp")),
+            (experts, hidden, width),
+            self.param_dtype,
+        )
+        down = self.param(
+            "down",
+            nn.with_logical_partitioning(self.expert_init, ("experts", "mlp", "embed")),
+            (experts, self.ffn_dim, hidden),
+            self.param_dtype,
+        )
+        expert_bias = None
+        if self.use_expert_bias:
+            expert_bias = self.variable(
+                "moe",
+                "expert_bias",
+                nn.with_logical_partitioning(nn.initializers.zeros_init(), ("router_experts",)),
+                jax.random.key(0),
+                (experts,),
+                jnp.float32,
+            ).value
+        return moe(
+            x,
+            gate,
+            gate_up,
+            down,
+            topk=self.topk,
+            expert_bias=nn.meta.unbox(expert_bias),
+            score_function=self.score_function,
+            use_pre_softmax=self.use_pre_softmax,
+            num_groups=self.num_groups,
+            group_topk=self.group_topk,
+            scaling_factor=self.scaling_factor,
+            aux_loss_coeff=self.aux_loss_coeff,
+            align_size=self.align_size,
+            capacity_factor=self.capacity_factor,
+            activation=self.activation,
+            dtype=self.dtype,
+            mesh=self.mesh,
+            ep_axis=self.ep_axis,
+            data_axes=self.data_axes,
+            exchange=self.exchange,
+        )

@@ -1,0 +1,448 @@
+"""Expert-parallel MoE layer: router -> dispatch -> all-to-all -> grouped GEMMs -> all-to-all -> combine.
+
+`moe(x, gate, gate_up, down, topk=..., mesh=...)` is a pure function (jit- and grad-safe, static shapes, no
+host sync). Tokens are sharded over (data axes..., EP axis) on their batch axis, experts over the EP axis
+(expert e lives on EP rank e // L, L = E / EP). Every token shard runs, inside one `jax.shard_map`:
+
+    logits = x @ gate (fp32) -> fused top-k (indices) -> aux loss (global: counts psum-ed over all token
+    shards, partial losses psum-ed) -> token_dispatch (aligned, or capacity C) -> exchange -> chunk sort to
+    expert-major -> ragged_dot(x, gate_up) -> activation -> ragged_dot(., down) -> inverse chunk sort ->
+    reverse exchange -> token_combine with the merging probs.
+
+The exchange sizes and static buffer sizes come from moetriton.kernels.expert_parallel (`ep_layout`,
+`dropless_exchange`, `dropped_slots`); nothing here re-derives them. Two exchanges move the same rows:
+
+* "ragged": `jax.lax.ragged_all_to_all` into the static receive buffer (GPU);
+* "padded": every (source, destination) pair's rows padded to the pair's worst case and moved with a
+  fixed-size `jax.lax.all_to_all`, then compacted into the same receive buffer layout. XLA:CPU has no
+  ragged all-to-all, so "auto" picks this on CPU meshes.
+
+The capacity policy needs neither: every (source, expert) pair owns exactly C rows, so one fixed-size
+all_to_all moves [L, C] slabs. Gradients are our ops' custom_vjp rules plus JAX's transposes of the
+collectives and of ragged_dot. Never imports torch or flax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from moetriton.kernels.expert_parallel import EPLayout, dropless_exchange, dropped_slots, ep_layout
+
+from .api import sort_chunks_by_index, token_combine, token_dispatch
+from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
+
+#: activation name -> (whether it is gated, i.e. gate_up holds [gate | up] of 2F columns, the function).
+ACTIVATIONS: dict[str, tuple[bool, Callable[[jax.Array], jax.Array]]] = {
+    "swiglu": (True, jax.nn.silu),
+    "geglu": (True, partial(jax.nn.gelu, approximate=False)),
+    "gelu": (False, partial(jax.nn.gelu, approximate=False)),
+    "relu": (False, jax.nn.relu),
+}
+EXCHANGES = ("auto", "ragged", "padded")
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+def apply_activation(h: jax.Array, activation: str) -> jax.Array:
+    """The expert MLP's activation on the first GEMM's output h [N, 2F] (gated) or [N, F]; math in fp32,
+    result in h.dtype. Zero rows give zero rows (padding stays inert)."""
+    gated, function = ACTIVATIONS[activation]
+    h32 = h.astype(jnp.float32)
+    if gated:
+        ffn = h.shape[-1] // 2
+        return (function(h32[..., :ffn]) * h32[..., ffn:]).astype(h.dtype)
+    return function(h32).astype(h.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Static configuration of one layer call (hashable: the jit cache key)."""
+
+    topk: int
+    score_function: str
+    use_pre_softmax: bool
+    num_groups: int | None
+    group_topk: int | None
+    scaling_factor: float | None
+    aux_loss_coeff: float
+    align_size: int | None
+    capacity_factor: float | None
+    activation: str
+    dtype: str
+    mesh: Mesh | None
+    ep_axis: str | None
+    data_axes: tuple[str, ...]
+    exchange: str  # "ragged" or "padded" (resolved)
+    num_shards: int  # token shards: the product of the data axes' and the EP axis' sizes
+    ep_size: int
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        return self.data_axes + ((self.ep_axis,) if self.ep_axis else ())
+
+
+# Exchanges ------------------------------------------------------------------------------------------------
+
+
+def _block_rows(buffer: jax.Array, offsets: jax.Array, sizes: jax.Array, rows: int) -> jax.Array:
+    """[P, rows, H]: block p holds buffer[offsets[p] : offsets[p] + sizes[p]], zero-padded to `rows`."""
+    position = jnp.arange(rows, dtype=offsets.dtype)
+    index = jnp.clip(offsets[:, None] + position[None, :], 0, buffer.shape[0] - 1)
+    valid = position[None, :] < sizes[:, None]
+    return jnp.where(valid[..., None], buffer[index], jnp.zeros((), buffer.dtype))
+
+
+def _compact_blocks(blocks: jax.Array, offsets: jax.Array, sizes: jax.Array, rows: int) -> jax.Array:
+    """Inverse of `_block_rows`: [rows, H] with blocks[p, :sizes[p]] at offsets[p] (ascending), zeros
+    elsewhere."""
+    row = jnp.arange(rows, dtype=offsets.dtype)
+    block = jnp.clip(jnp.searchsorted(offsets, row, side="right") - 1, 0, blocks.shape[0] - 1)
+    within = row - offsets[block]
+    valid = (within >= 0) & (within < sizes[block])
+    picked = blocks[block, jnp.clip(within, 0, blocks.shape[1] - 1)]
+    return jnp.where(valid[:, None], picked, jnp.zeros((), blocks.dtype))
+
+
+def _move(buffer, rows: int, source, remote_offsets, destination, layout: EPLayout, config: MoEConfig):
+    """One dropless exchange over the EP group. buffer [N, H]: this rank sends rank p the rows
+    source = (offsets [EP], sizes [EP]) describe, which land at remote_offsets[p] in p's result; the result
+    [rows, H] holds the rows from every rank p at destination = (offsets, sizes), zeros elsewhere. The
+    padded fallback moves every pair's rows in a block of the pair's worst case (recv_rows / EP)."""
+    (send_offsets, send_sizes), (recv_offsets, recv_sizes) = source, destination
+    if config.exchange == "ragged":
+        result = jnp.zeros((rows, buffer.shape[1]), buffer.dtype)
+        return jax.lax.ragged_all_to_all(
+            buffer, result, send_offsets, send_sizes, remote_offsets, recv_sizes, axis_name=config.ep_axis
+        )
+    blocks = _block_rows(buffer, send_offsets, send_sizes, layout.recv_rows // layout.ep_size)
+    received = jax.lax.all_to_all(blocks, config.ep_axis, 0, 0)  # [EP, pair rows, H], block p from rank p
+    return _compact_blocks(received, recv_offsets, recv_sizes, rows)
+
+
+def _capacity_exchange(buffer: jax.Array, layout: EPLayout, config: MoEConfig) -> jax.Array:
+    """Capacity policy, either direction: [EP * L * C, H] -> [EP * L * C, H], the [L, C] slab for rank r
+    swapped with rank r's slab for this rank (the exchange is its own inverse)."""
+    if layout.ep_size == 1:
+        return buffer
+    slabs = buffer.reshape(layout.ep_size, -1, buffer.shape[1])
+    return jax.lax.all_to_all(slabs, config.ep_axis, 0, 0).reshape(buffer.shape)
+
+
+# One token shard --------------------------------------------------------------------------------------------
+
+
+def _experts(rows: jax.Array, group_sizes: jax.Array, gate_up, down, config: MoEConfig) -> jax.Array:
+    """Grouped expert MLP on expert-major rows [N, H] with group_sizes [L]: rows past the groups are zero
+    and stay zero."""
+    dtype = jnp.dtype(config.dtype)
+    hidden = jax.lax.ragged_dot(rows, gate_up.astype(dtype), group_sizes, preferred_element_type=dtype)
+    act = apply_activation(hidden, config.activation)
+    return jax.lax.ragged_dot(act, down.astype(dtype), group_sizes, preferred_element_type=dtype)
+
+
+def _router(x_flat, gate, expert_bias, config: MoEConfig, num_tokens_global: int):
+    """(merging weights [T, K] fp32, indices [T, K] int32, routed slots per expert [E] int32, partial aux
+    loss of this shard (fp32 scalar; the psum over token shards is the global loss))."""
+    logits = jnp.dot(x_flat, gate.astype(x_flat.dtype), preferred_element_type=jnp.float32)  # [T, E]
+    probs, routing_map, indices = fused_topk_with_score_function(
+        logits,
+        config.topk,
+        config.use_pre_softmax,
+        config.num_groups,
+        config.group_topk,
+        config.scaling_factor,
+        config.score_function,
+        None if expert_bias is None else jax.lax.stop_gradient(expert_bias.astype(jnp.float32)),
+        return_indices=True,
+    )
+    weights = jnp.take_along_axis(probs, indices, axis=1)
+    routed = routing_map.sum(0, dtype=jnp.int32)
+    if config.aux_loss_coeff == 0:
+        return weights, indices, routed, jnp.zeros((), jnp.float32)
+    _, scores = fused_compute_score_for_moe_aux_loss(logits, config.topk, config.score_function)
+    routed_global = jax.lax.psum(routed, config.token_axes) if config.token_axes else routed
+    num_experts = gate.shape[1]
+    loss = fused_moe_aux_loss(
+        scores, routed_global, num_tokens_global, num_experts, config.topk, config.aux_loss_coeff
+    )
+    return weights, indices, routed, loss.astype(jnp.float32)
+
+
+def _shard(x, gate, gate_up, down, expert_bias, *, config: MoEConfig):
+    """What one token shard computes: x [B_local, S, H] -> (out [B_local, S, H], aux loss, dropped)."""
+    shape = x.shape
+    num_tokens, hidden = shape[0] * shape[1], shape[2]
+    num_experts = gate.shape[1]
+    layout = ep_layout(
+        num_tokens=num_tokens,
+        num_experts=num_experts,
+        topk=config.topk,
+        ep_size=config.ep_size,
+        align_size=config.align_size,
+        capacity_factor=config.capacity_factor,
+    )
+    x_flat = x.reshape(num_tokens, hidden)
+    weights, indices, routed, aux_loss = _router(
+        x_flat, gate, expert_bias, config, num_tokens * config.num_shards
+    )
+    tokens = x_flat.astype(config.dtype)
+    if layout.dropless:
+        send, _, row_id_map, pad_offsets, counts = token_dispatch(
+            tokens, indices=indices, num_experts=num_experts, align_size=layout.align_size
+        )
+    else:
+        send, _, row_id_map, pad_offsets, counts = token_dispatch(
+            tokens, indices=indices, num_experts=num_experts, capacity=layout.capacity
+        )
+    if layout.ep_size == 1:
+        # One EP rank: the send buffer is the receive buffer, already expert-major.
+        expert_out = _experts(send, counts, gate_up, down, config)
+    else:
+        expert_out = _exchanged_experts(send, counts, gate_up, down, layout, config)
+    out = token_combine(expert_out, row_id_map, weights, pad_offsets)
+    dropped = dropped_slots(routed, layout).astype(jnp.int32)
+    if config.token_axes:
+        aux_loss = jax.lax.psum(aux_loss, config.token_axes)
+        dropped = jax.lax.psum(dropped, config.token_axes)
+    return out.astype(x.dtype).reshape(shape), aux_loss, dropped
+
+
+def _exchanged_experts(send, counts, gate_up, down, layout: EPLayout, config: MoEConfig):
+    """Send buffer [send_rows, H] -> expert outputs in the same rows, through the EP group's experts."""
+    ep, local = layout.ep_size, layout.local_experts
+    to_expert_major = jnp.asarray(layout.expert_major_order(), jnp.int32)
+    to_source_major = jnp.asarray(layout.source_major_order(), jnp.int32)
+    if layout.dropless:
+        counts_all = jax.lax.all_gather(counts, config.ep_axis)  # [EP, E]
+        sizes = dropless_exchange(counts_all, jax.lax.axis_index(config.ep_axis), layout)
+        chunk_sizes, group_sizes = sizes["chunk_sizes"], sizes["group_sizes"]
+        # send buffer [send_rows, H] -> source-major receive buffer [recv_rows, H]
+        recv = _move(
+            send,
+            layout.recv_rows,
+            (sizes["input_offsets"], sizes["send_sizes"]),
+            sizes["output_offsets"],
+            (sizes["recv_offsets"], sizes["recv_sizes"]),
+            layout,
+            config,
+        )
+    else:
+        chunk_sizes = jnp.full((ep * local,), layout.capacity, jnp.int32)
+        group_sizes = jnp.full((local,), ep * layout.capacity, jnp.int32)
+        recv = _capacity_exchange(send, layout, config)
+    expert_rows, _ = sort_chunks_by_index(recv, chunk_sizes, to_expert_major)
+    expert_out = _experts(expert_rows, group_sizes, gate_up, down, config)
+    source_rows, _ = sort_chunks_by_index(expert_out, chunk_sizes[to_expert_major], to_source_major)
+    if layout.dropless:
+        return _move(
+            source_rows,
+            layout.send_rows,
+            (sizes["recv_offsets"], sizes["recv_sizes"]),
+            sizes["return_offsets"],
+            (sizes["input_offsets"], sizes["send_sizes"]),
+            layout,
+            config,
+        )
+    return _capacity_exchange(source_rows, layout, config)
+
+
+# Public API ------------------------------------------------------------------------------------------------
+
+
+def _check_array(name: str, array, shape: tuple[int, ...], meaning: str) -> None:
+    if tuple(array.shape) != shape:
+        raise ValueError(f"{name}: expected shape {meaning} = {shape}, got {tuple(array.shape)}")
+    if not jnp.issubdtype(array.dtype, jnp.floating):
+        raise ValueError(f"{name}: expected a floating dtype, got {array.dtype}")
+
+
+def _resolve_exchange(exchange: str, mesh: Mesh | None) -> str:
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
+    if exchange != "auto":
+        return exchange
+    # XLA:CPU has no ragged-all-to-all: CPU meshes move padded fixed-size blocks instead.
+    devices = mesh.devices.flat if mesh is not None else jax.devices()[:1]
+    return "ragged" if all(device.platform == "gpu" for device in devices) else "padded"
+
+
+def _check_mesh(mesh: Mesh | None, ep_axis: str | None, data_axes: tuple[str, ...]) -> tuple[int, int]:
+    """(EP size, token shards) of the mesh arguments."""
+    if mesh is None:
+        if data_axes:
+            raise ValueError(f"data_axes: expected () without a mesh, got {data_axes}")
+        return 1, 1
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh: expected a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+    for name, axis in [("ep_axis", ep_axis)] * (ep_axis is not None) + [("data_axes", a) for a in data_axes]:
+        if axis not in mesh.shape:
+            raise ValueError(
+                f"{name}: expected a mesh axis name, one of {tuple(mesh.axis_names)}, got {axis!r}"
+            )
+    if ep_axis in data_axes or len(set(data_axes)) != len(data_axes):
+        raise ValueError(f"data_axes: expected distinct axes other than ep_axis {ep_axis!r}, got {data_axes}")
+    ep_size = mesh.shape[ep_axis] if ep_axis is not None else 1
+    return ep_size, ep_size * math.prod(mesh.shape[axis] for axis in data_axes)
+
+
+def moe(
+    x: jax.Array,
+    gate: jax.Array,
+    gate_up: jax.Array,
+    down: jax.Array,
+    *,
+    topk: int,
+    expert_bias: jax.Array | None = None,
+    score_function: str = "softmax",
+    use_pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    scaling_factor: float | None = None,
+    aux_loss_coeff: float = 0.0,
+    align_size: int | None = None,
+    capacity_factor: float | None = None,
+    activation: str = "swiglu",
+    dtype=None,
+    mesh: Mesh | None = None,
+    ep_axis: str | None = "ep",
+    data_axes: tuple[str, ...] = (),
+    exchange: str = "auto",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A mixture-of-experts MLP layer with expert parallelism.
+
+    Args:
+        x: [B, S, H] tokens, any float dtype; B must be a multiple of the token shards (the product of the
+            sizes of `data_axes` and `ep_axis`).
+        gate: [H, E] router weights. Logits are x @ gate accumulated in fp32 and kept in fp32.
+        gate_up: [E, H, 2F] fused gate and up projections for a gated activation ("swiglu", "geglu": the first
+            F columns are the gate, the last F the up projection), or [E, H, F] for "gelu" / "relu".
+        down: [E, F, H] down projections.
+        topk: K experts per token (1 <= K <= E).
+        expert_bias: [E] selection bias (sigmoid / sqrtsoftplus only; no gradient).
+        score_function, use_pre_softmax, num_groups, group_topk, scaling_factor: the router's options, as in
+            `fused_topk_with_score_function`.
+        aux_loss_coeff: weight of the load-balancing loss (0 disables it; the loss is then 0). The loss is
+            global: the same value and gradients as the unsharded layer's.
+        align_size: rows of every expert block rounded up to a multiple of this (grouped-GEMM tiles).
+        capacity_factor: None for the dropless policy; c > 0 for the capacity policy: every (token shard,
+            expert) pair keeps its first C = align * max(1, ceil(c * T * K / (E * align))) routed slots in
+            token order (earlier tokens win) and drops the rest (a dropped slot adds nothing to its token; the
+            other weights are not renormalised). T is the tokens of one shard.
+        activation: "swiglu" (default), "geglu", "gelu" or "relu".
+        dtype: compute dtype of the dispatched tokens, the expert weights and the grouped GEMMs (default
+            x.dtype). The router runs in fp32; the output is in x.dtype.
+        mesh: the device mesh (None: one device, no collectives). Tokens are sharded over
+            (*data_axes, ep_axis) on B, the expert axis of gate_up / down over ep_axis, gate and expert_bias
+            replicated; inputs in other shardings are resharded by jit (FSDP-sharded weights are
+            all-gathered).
+        ep_axis: the mesh axis of expert parallelism (None: no EP, experts replicated); E must be a multiple
+            of its size.
+        data_axes: further mesh axes sharding the tokens (data / FSDP parallelism).
+        exchange: "auto" (ragged all-to-all on GPU meshes, padded fixed-size all-to-all elsewhere), "ragged"
+            or "padded". Both move the same rows and give the same results.
+
+    Returns:
+        (out [B, S, H] in x.dtype, aux_loss fp32 scalar, dropped int32 scalar: routed slots the capacity
+        policy dropped over all token shards, 0 for dropless).
+
+    Example:
+        >>> mesh = jax.make_mesh((4,), ("ep",))
+        >>> out, aux_loss, dropped = moe(x, gate, gate_up, down, topk=2, mesh=mesh, aux_loss_coeff=1e-2)
+    """
+    if x.ndim != 3:
+        raise ValueError(f"x: expected rank 3 [B, S, H], got shape {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"x: expected a floating dtype, got {x.dtype}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {tuple(ACTIVATIONS)}, got {activation!r}")
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function: expected one of {SCORE_FUNCTIONS}, got {score_function!r}")
+    batch, _, hidden = x.shape
+    if gate.ndim != 2:
+        raise ValueError(f"gate: expected rank 2 [H, E], got shape {tuple(gate.shape)}")
+    num_experts = gate.shape[1]
+    _check_array("gate", gate, (hidden, num_experts), "[H, E]")
+    if gate_up.ndim != 3:
+        raise ValueError(
+            f"gate_up: expected rank 3 [E, H, 2F] or [E, H, F], got shape {tuple(gate_up.shape)}"
+        )
+    gated = ACTIVATIONS[activation][0]
+    width = gate_up.shape[2]
+    if gated and width % 2:
+        raise ValueError(f"gate_up: expected an even last axis 2F for {activation!r}, got {width}")
+    ffn = width // 2 if gated else width
+    _check_array("gate_up", gate_up, (num_experts, hidden, width), "[E, H, 2F]" if gated else "[E, H, F]")
+    _check_array("down", down, (num_experts, ffn, hidden), "[E, F, H]")
+    if expert_bias is not None:
+        if score_function == "softmax":
+            raise ValueError(
+                "expert_bias: expected None with score_function 'softmax' (sigmoid / sqrtsoftplus)"
+            )
+        _check_array("expert_bias", expert_bias, (num_experts,), "[E]")
+    data_axes = tuple(data_axes)
+    ep_size, num_shards = _check_mesh(mesh, ep_axis if mesh is not None else None, data_axes)
+    if batch % num_shards:
+        raise ValueError(
+            f"x: expected a batch size B that is a multiple of the token shards {num_shards}, got {batch}"
+        )
+    if isinstance(aux_loss_coeff, bool) or not isinstance(aux_loss_coeff, int | float) or aux_loss_coeff < 0:
+        raise ValueError(f"aux_loss_coeff: expected a number >= 0, got {aux_loss_coeff!r}")
+    # Validates topk, E against the EP size, align_size and capacity_factor with the layout's messages.
+    ep_layout(
+        num_tokens=batch // num_shards * x.shape[1],
+        num_experts=num_experts,
+        topk=topk,
+        ep_size=ep_size,
+        align_size=align_size,
+        capacity_factor=capacity_factor,
+    )
+    config = MoEConfig(
+        topk=topk,
+        score_function=score_function,
+        use_pre_softmax=use_pre_softmax,
+        num_groups=num_groups,
+        group_topk=group_topk,
+        scaling_factor=scaling_factor,
+        aux_loss_coeff=float(aux_loss_coeff),
+        align_size=align_size,
+        capacity_factor=None if capacity_factor is None else float(capacity_factor),
+        activation=activation,
+        dtype=jnp.dtype(dtype or x.dtype).name,
+        mesh=mesh,
+        ep_axis=ep_axis if mesh is not None else None,
+        data_axes=data_axes,
+        exchange=_resolve_exchange(exchange, mesh),
+        num_shards=num_shards,
+        ep_size=ep_size,
+    )
+    return _moe(x, gate, gate_up, down, expert_bias, config)
+
+
+@partial(jax.jit, static_argnums=(5,))
+def _moe(x, gate, gate_up, down, expert_bias, config: MoEConfig):
+    if config.mesh is None:
+        return _shard(x, gate, gate_up, down, expert_bias, config=config)
+    tokens = PartitionSpec(config.token_axes or None)
+    experts = PartitionSpec(config.ep_axis)
+    arrays = (x, gate, gate_up, down) + ((expert_bias,) if expert_bias is not None else ())
+    specs = (tokens, PartitionSpec(), experts, experts, PartitionSpec())[: len(arrays)]
+
+    def body(x, gate, gate_up, down, expert_bias=None):
+        return _shard(x, gate, gate_up, down, expert_bias, config=config)
+
+    # check_vma=False: our ops' custom_vjp rules and host callbacks do not carry varying-axis types; every
+    # collective here is explicit, and JAX still psums the gradients of replicated inputs.
+    sharded = jax.shard_map(
+        body,
+        mesh=config.mesh,
+        in_specs=specs,
+        out_specs=(tokens, PartitionSpec(), PartitionSpec()),
+        check_vma=False,
+    )
+    return sharded(*arrays)

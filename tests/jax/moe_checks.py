@@ -1,0 +1,346 @@
+"""Expert-parallel MoE layer checks, run in a subprocess with 8 host CPU devices (see test_moe.py) or on GPUs.
+
+`python -m tests.jax.moe_checks CHECK` runs one check and prints "CHECK: ok". Every check compares
+`moetriton.jax.moe` (forward, aux loss, dropped count, and the gradients of x, gate, gate_up and down) with
+the dense single-device reference `moetriton.jax.reference_moe`, on a mesh of (data, ep) devices:
+
+* mesh-DxE: problems drawn from tests/strategies_moe.py on a D x E mesh, each run dropless without and with
+  alignment and under a capacity factor small enough to overflow;
+* overflow: capacity with forced overflow, the dropped count checked against a count made here with numpy;
+* one-expert / empty-experts: every token on the experts of EP rank 0 (the dropless worst case the receive
+  buffer is sized for, alignment included), and whole EP ranks without tokens;
+* determinism: two runs of the jitted layer and its gradient are bitwise equal;
+* exchanges (GPUs only): exchange="ragged" and "padded" against the reference and each other, bitwise;
+* flax: the Flax MoEBlock on a mesh with logical-axis rules equals the functional layer;
+* errors: mesh-dependent argument errors.
+
+On CPU the exchange is the padded all_to_all fallback (XLA:CPU has no ragged all-to-all); on GPUs "auto"
+picks the ragged all-to-all. XLA_FLAGS must give 8 host devices before JAX starts; the parent test sets it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, assume, given, settings
+from jax.sharding import Mesh
+
+from moetriton.jax import reference_router
+from moetriton.jax.moe import moe
+from moetriton.jax.reference_moe import moe_reference
+from moetriton.kernels.expert_parallel import ep_layout
+from tests.strategies_moe import MoEProblem, moe_problems
+
+_SETTINGS = dict(
+    deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck), print_blob=True
+)
+
+
+def make_mesh(data: int, ep: int) -> Mesh:
+    devices = jax.devices()
+    assert len(devices) >= data * ep, "set XLA_FLAGS=--xla_force_host_platform_device_count=8 first"
+    return Mesh(np.array(devices[: data * ep]).reshape(data, ep), ("data", "ep"))
+
+
+def _arrays(problem: MoEProblem) -> tuple[jax.Array, ...]:
+    return tuple(jnp.asarray(a) for a in (problem.x, problem.gate, problem.gate_up, problem.down))
+
+
+def _options(problem: MoEProblem) -> dict:
+    return dict(
+        topk=problem.topk,
+        expert_bias=None if problem.expert_bias is None else jnp.asarray(problem.expert_bias),
+        score_function=problem.score_function,
+        num_groups=problem.num_groups,
+        group_topk=problem.group_topk,
+        align_size=problem.align_size,
+        capacity_factor=problem.capacity_factor,
+        aux_loss_coeff=1e-2,
+    )
+
+
+def _loss(layer, cotangent):
+    """Scalar loss whose gradient checks every output: <out, cotangent> + aux loss."""
+
+    def loss(x, gate, gate_up, down):
+        out, aux_loss, _ = layer(x, gate, gate_up, down)
+        return jnp.sum(out.astype(jnp.float32) * cotangent) + aux_loss
+
+    return loss
+
+
+def layer_and_reference(problem: MoEProblem, mesh: Mesh | None, **extra):
+    """(layer, reference): functions of (x, gate, gate_up, down) -> (out, aux_loss, dropped). Without a mesh
+    the layer runs on one device without collectives."""
+    options = _options(problem)
+    num_shards = 1 if mesh is None else mesh.size
+    placement = {} if mesh is None else dict(mesh=mesh, ep_axis="ep", data_axes=("data",))
+
+    def layer(x, gate, gate_up, down):
+        return moe(x, gate, gate_up, down, **placement, **options, **extra)
+
+    def reference(x, gate, gate_up, down):
+        return moe_reference(x, gate, gate_up, down, num_shards=num_shards, **options)
+
+    return layer, reference
+
+
+def _close(got, expected, what: str, rtol: float = 2e-5) -> None:
+    expected = np.asarray(expected, np.float32)
+    scale = float(np.max(np.abs(expected), initial=1.0))
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), expected, rtol=rtol, atol=rtol * scale, err_msg=what
+    )
+
+
+def check_against_reference(problem: MoEProblem, mesh: Mesh | None, **extra) -> tuple:
+    """Forward, aux loss, dropped count and every gradient of the layer against the reference; returns the
+    layer's (forward results, gradients). A bf16 compute `dtype` in `extra` gets bf16 tolerances."""
+    rtol, grad_rtol = (2e-5, 1e-4) if extra.get("dtype") is None else (3e-2, 5e-2)
+    layer, reference = layer_and_reference(problem, mesh, **extra)
+    arrays = _arrays(problem)
+    what = f"{problem} on mesh {None if mesh is None else dict(mesh.shape)} {extra}"
+    got, expected = jax.jit(layer)(*arrays), jax.jit(reference)(*arrays)
+    _close(got[0], expected[0], f"out of {what}", rtol)
+    _close(got[1], expected[1], f"aux loss of {what}")
+    assert got[0].shape == problem.x.shape and got[0].dtype == arrays[0].dtype, what
+    assert got[2].dtype == jnp.int32 and int(got[2]) == int(expected[2]), (
+        int(got[2]),
+        int(expected[2]),
+        what,
+    )
+    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=problem.x.shape).astype(np.float32))
+    argnums = (0, 1, 2, 3)
+    grads = jax.jit(jax.grad(_loss(layer, cotangent), argnums))(*arrays)
+    expected_grads = jax.jit(jax.grad(_loss(reference, cotangent), argnums))(*arrays)
+    for name, g, e in zip(("x", "gate", "gate_up", "down"), grads, expected_grads, strict=True):
+        _close(g, e, f"grad {name} of {what}", grad_rtol)
+    return got, grads
+
+
+def expected_dropped(problem: MoEProblem, num_shards: int) -> int:
+    """Dropped slots counted with numpy: route with the reference, count each shard's slots per expert."""
+    logits = problem.x.reshape(-1, problem.hidden) @ problem.gate
+    _, _, indices = reference_router.fused_topk_with_score_function(
+        jnp.asarray(logits, jnp.float32),
+        problem.topk,
+        num_groups=problem.num_groups,
+        group_topk=problem.group_topk,
+        score_function=problem.score_function,
+        expert_bias=None if problem.expert_bias is None else jnp.asarray(problem.expert_bias),
+        return_indices=True,
+    )
+    shard_tokens = problem.num_tokens // num_shards
+    capacity = ep_layout(
+        num_tokens=shard_tokens,
+        num_experts=problem.num_experts,
+        topk=problem.topk,
+        ep_size=1,
+        align_size=problem.align_size,
+        capacity_factor=problem.capacity_factor,
+    ).capacity
+    dropped = 0
+    for block in np.split(np.asarray(indices), num_shards):
+        counts = np.bincount(block.reshape(-1), minlength=problem.num_experts)
+        dropped += int(np.maximum(counts - capacity, 0).sum())
+    return dropped
+
+
+def fixed_problem(
+    data: int, ep: int, *, routing: str, topk: int, align_size: int | None, capacity_factor=None
+) -> MoEProblem:
+    """A problem with a chosen routing pattern: "rank0" sends every token to experts 0 .. K-1, all on EP
+    rank 0; "empty_ranks" never routes to the experts of odd EP ranks."""
+    rng = np.random.default_rng(7)
+    shards, local = data * ep, 2
+    hidden, ffn, num_experts = 8, 8, ep * local
+    x = np.abs(rng.normal(size=(2 * shards, 3, hidden))).astype(np.float32)
+    gate = rng.normal(0, 0.3, (hidden, num_experts)).astype(np.float32)
+    if routing == "rank0":
+        gate[:, :topk] += 2.0
+    else:
+        for expert in range(num_experts):
+            if (expert // local) % 2:
+                gate[:, expert] -= 3.0
+    return MoEProblem(
+        batch=2 * shards,
+        seq=3,
+        hidden=hidden,
+        ffn=ffn,
+        num_experts=num_experts,
+        topk=topk,
+        score_function="softmax",
+        num_groups=None,
+        group_topk=None,
+        align_size=align_size,
+        capacity_factor=capacity_factor,
+        routing=routing,
+        x=x,
+        gate=gate,
+        gate_up=rng.normal(0, 0.3, (num_experts, hidden, 2 * ffn)).astype(np.float32),
+        down=rng.normal(0, 0.3, (num_experts, ffn, hidden)).astype(np.float32),
+        expert_bias=None,
+    )
+
+
+# Checks ---------------------------------------------------------------------------------------------------
+
+
+def check_mesh(data: int, ep: int, examples: int) -> None:
+    mesh = make_mesh(data, ep)
+
+    @settings(max_examples=examples, **_SETTINGS)
+    @given(moe_problems(shards=data * ep, max_experts_per_shard=2))
+    def run(problem):
+        assume(problem.topk > 1 and problem.seq > 1)  # not the simplest problem, which Hypothesis draws first
+        for align_size, capacity_factor in ((None, None), (4, None), (problem.align_size, 0.25)):
+            variant = dataclasses.replace(problem, align_size=align_size, capacity_factor=capacity_factor)
+            check_against_reference(variant, mesh)
+
+    run()
+
+
+def check_overflow() -> None:
+    mesh = make_mesh(1, 4)
+    for routing, align_size in (("rank0", 2), ("empty_ranks", None)):
+        problem = fixed_problem(1, 4, routing=routing, topk=2, align_size=align_size, capacity_factor=0.5)
+        dropped = expected_dropped(problem, mesh.size)
+        assert dropped > 0, "the problem must overflow"
+        got, _ = check_against_reference(problem, mesh)
+        assert int(got[2]) == dropped, (int(got[2]), dropped)
+
+
+def check_routing_extremes() -> None:
+    """All tokens on EP rank 0's experts (K = L = 2: the dropless worst case, alignment included), and
+    whole ranks without a token."""
+    for (data, ep), routing, align_size in (
+        ((1, 4), "rank0", 4),
+        ((1, 4), "empty_ranks", None),
+        ((2, 2), "rank0", None),
+        ((2, 2), "empty_ranks", 4),
+    ):
+        problem = fixed_problem(data, ep, routing=routing, topk=2, align_size=align_size)
+        check_against_reference(problem, make_mesh(data, ep))
+
+
+def check_determinism() -> None:
+    mesh = make_mesh(2, 2)
+    problem = fixed_problem(2, 2, routing="empty_ranks", topk=2, align_size=2)
+    layer, _ = layer_and_reference(problem, mesh)
+    arrays = _arrays(problem)
+    cotangent = jnp.ones(problem.x.shape, jnp.float32)
+    step = jax.jit(jax.value_and_grad(_loss(layer, cotangent), argnums=(0, 1, 2, 3)))
+    forward = jax.jit(layer)
+    first, second = (forward(*arrays), step(*arrays)), (forward(*arrays), step(*arrays))
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def check_exchanges() -> None:
+    """The ragged all-to-all and the padded fallback against the reference and each other, bitwise (GPUs:
+    XLA:CPU has no ragged all-to-all)."""
+    assert jax.default_backend() == "gpu", "the ragged all-to-all needs GPUs"
+    mesh = make_mesh(1, min(len(jax.devices()), 4))
+    for routing in ("rank0", "empty_ranks"):
+        problem = fixed_problem(1, mesh.size, routing=routing, topk=2, align_size=4)
+        padded = check_against_reference(problem, mesh, exchange="padded")
+        ragged = check_against_reference(problem, mesh, exchange="ragged")
+        for a, b in zip(jax.tree.leaves(ragged), jax.tree.leaves(padded), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def check_flax() -> None:
+    from flax import linen as nn
+
+    from moetriton.jax.flax import MoEBlock, init_sharded
+
+    mesh = make_mesh(2, 2)
+    problem = fixed_problem(2, 2, routing="empty_ranks", topk=2, align_size=2)
+    x = jnp.asarray(problem.x)
+    block = MoEBlock(
+        num_experts=problem.num_experts,
+        ffn_dim=problem.ffn,
+        topk=2,
+        align_size=2,
+        aux_loss_coeff=1e-2,
+        mesh=mesh,
+        ep_axis="ep",
+        data_axes=("data",),
+    )
+    variables = init_sharded(block, jax.random.key(0), x, mesh=mesh)
+    params = nn.meta.unbox(variables["params"])
+    for name in ("gate_up", "down"):
+        assert tuple(params[name].sharding.spec) == ("ep", None, None), (name, params[name].sharding)
+    out, aux_loss, dropped = jax.jit(block.apply)(variables, x)
+    expected = moe(
+        x,
+        params["gate"],
+        params["gate_up"],
+        params["down"],
+        topk=2,
+        align_size=2,
+        aux_loss_coeff=1e-2,
+        mesh=mesh,
+        ep_axis="ep",
+        data_axes=("data",),
+    )
+    for a, b in zip((out, aux_loss, dropped), expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def check_errors() -> None:
+    mesh = make_mesh(1, 4)
+    problem = fixed_problem(1, 4, routing="rank0", topk=2, align_size=None)
+    x, gate, gate_up, down = _arrays(problem)
+    cases = [
+        (dict(gate=gate[:, :6], gate_up=gate_up[:6], down=down[:6]), "num_experts: expected a multiple of"),
+        (dict(ep_axis="experts"), "ep_axis: expected a mesh axis name"),
+        (dict(data_axes=("batch",)), "data_axes: expected a mesh axis name"),
+        (dict(data_axes=("ep",)), "data_axes: expected distinct axes"),
+        (dict(x=x[:2]), "x: expected a batch size B that is a multiple of the token shards 4"),
+    ]
+    for change, message in cases:
+        arguments = dict(x=x, gate=gate, gate_up=gate_up, down=down, topk=2, mesh=mesh, ep_axis="ep")
+        arguments.update(change)
+        try:
+            moe(**arguments)
+        except ValueError as error:
+            assert message in str(error), (message, str(error))
+        else:
+            raise AssertionError(f"no error for {change}")
+
+
+CHECKS = {
+    "mesh-1x1": lambda: check_mesh(1, 1, 2),
+    "mesh-1x2": lambda: check_mesh(1, 2, 2),
+    "mesh-1x4": lambda: check_mesh(1, 4, 1),
+    "mesh-1x8": lambda: check_mesh(1, 8, 1),
+    "mesh-2x2": lambda: check_mesh(2, 2, 1),
+    "mesh-2x4": lambda: check_mesh(2, 4, 1),
+    "overflow": check_overflow,
+    "routing-extremes": check_routing_extremes,
+    "determinism": check_determinism,
+    "exchanges": check_exchanges,
+    "flax": check_flax,
+    "errors": check_errors,
+}
+
+#: Devices each check needs.
+DEVICES = {
+    name: int(np.prod([int(n) for n in name[5:].split("x")])) for name in CHECKS if name.startswith("mesh")
+}
+DEVICES.update(
+    {"overflow": 4, "routing-extremes": 4, "determinism": 4, "exchanges": 2, "flax": 4, "errors": 4}
+)
+
+
+if __name__ == "__main__":
+    # Exact fp32 matmuls on GPU too (no TF32): routing must not flip between the layer and the reference.
+    jax.config.update("jax_default_matmul_precision", "highest")
+    name = sys.argv[1]
+    CHECKS[name]()
+    print(f"{name}: ok")

@@ -1,0 +1,137 @@
+"""The expert-parallel MoE layer (moetriton.jax.moe, the Flax MoEBlock) against its dense reference.
+
+Mesh checks run in subprocesses (tests/jax/moe_checks.py) with 8 host CPU devices: the flag must reach JAX
+before it starts, and never reaches this process's JAX. There the exchange is the padded all_to_all fallback
+(XLA:CPU has no ragged all-to-all). On a machine with GPUs the same checks run on as many GPUs as they need,
+with the ragged all-to-all. Single-device checks (no mesh) and argument errors run in this process.
+"""
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+
+from moetriton.jax.moe import moe
+from tests.jax.moe_checks import CHECKS, DEVICES, check_against_reference, fixed_problem
+from tests.strategies_moe import moe_problems
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gpu_count() -> int:
+    try:
+        return len(jax.devices("gpu"))
+    except RuntimeError:
+        return 0
+
+
+def _run_check(name: str, env: dict) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.jax.moe_checks", name],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    assert f"{name}: ok" in result.stdout
+
+
+@pytest.mark.parametrize("name", sorted(set(CHECKS) - {"exchanges"}))
+def test_moe_on_cpu_devices(name):
+    _run_check(
+        name, dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(set(CHECKS) - {"exchanges"}))
+def test_moe_on_gpus(name):
+    if _gpu_count() < DEVICES[name]:
+        pytest.skip(f"MoE check {name} needs {DEVICES[name]} GPUs, found {_gpu_count()}")
+    _run_check(name, dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+
+
+@pytest.mark.gpu
+def test_ragged_exchange_on_gpus():
+    """The ragged all-to-all path exists only on GPUs (XLA:CPU lacks ragged-all-to-all)."""
+    if _gpu_count() < 2:
+        pytest.skip("the ragged all-to-all exchange needs 2 GPUs (XLA:CPU has no ragged-all-to-all)")
+    _run_check("exchanges", dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+
+
+@settings(max_examples=2)
+@given(moe_problems())
+def test_one_device_without_mesh_matches_reference(problem):
+    assume(problem.topk > 1 and problem.seq > 1)  # skip the simplest problem, which Hypothesis draws first
+    for align_size, capacity_factor in ((None, None), (2, None), (problem.align_size, 0.25)):
+        variant = dataclasses.replace(problem, align_size=align_size, capacity_factor=capacity_factor)
+        with jax.default_matmul_precision("highest"):  # no TF32 on GPU: routing must match the reference
+            check_against_reference(variant, None)
+
+
+def test_bf16_compute_matches_fp32_reference():
+    problem = fixed_problem(1, 1, routing="empty_ranks", topk=2, align_size=4)
+    with jax.default_matmul_precision("highest"):
+        check_against_reference(problem, None, dtype="bfloat16")
+
+
+def _args(**change):
+    rng = np.random.default_rng(0)
+    hidden, ffn, experts = 8, 4, 4
+    arguments = dict(
+        x=jnp.asarray(rng.normal(size=(2, 3, hidden)), jnp.float32),
+        gate=jnp.zeros((hidden, experts)),
+        gate_up=jnp.zeros((experts, hidden, 2 * ffn)),
+        down=jnp.zeros((experts, ffn, hidden)),
+        topk=2,
+    )
+    arguments.update(change)
+    return arguments
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(x=jnp.zeros((6, 8))), "x: expected rank 3 [B, S, H]"),
+        (dict(x=jnp.zeros((2, 3, 8), jnp.int32)), "x: expected a floating dtype"),
+        (dict(gate=jnp.zeros((7, 4))), "gate: expected shape [H, E] = (8, 4)"),
+        (dict(gate_up=jnp.zeros((4, 8, 7))), "gate_up: expected an even last axis"),
+        (dict(gate_up=jnp.zeros((3, 8, 8))), "gate_up: expected shape [E, H, 2F] = (4, 8, 8)"),
+        (dict(down=jnp.zeros((4, 8, 8))), "down: expected shape [E, F, H] = (4, 4, 8)"),
+        (dict(activation="relu"), "down: expected shape [E, F, H] = (4, 8, 8)"),
+        (dict(topk=5), "topk: expected <= num_experts = 4"),
+        (dict(topk=0), "topk: expected an int >= 1"),
+        (dict(capacity_factor=0.0), "capacity_factor: expected a finite number > 0"),
+        (dict(capacity_factor=-1.0), "capacity_factor: expected a finite number > 0"),
+        (dict(capacity_factor="full"), "capacity_factor: expected None (dropless) or a number > 0"),
+        (dict(align_size=0), "align_size: expected None or an int >= 1"),
+        (dict(activation="tanh"), "activation: expected one of"),
+        (dict(score_function="softplus"), "score_function: expected one of"),
+        (dict(expert_bias=jnp.zeros(4)), "expert_bias: expected None with score_function 'softmax'"),
+        (dict(expert_bias=jnp.zeros(3), score_function="sigmoid"), "expert_bias: expected shape [E] = (4,)"),
+        (dict(aux_loss_coeff=-1.0), "aux_loss_coeff: expected a number >= 0"),
+        (dict(exchange="nccl"), "exchange: expected one of"),
+        (dict(data_axes=("data",)), "data_axes: expected () without a mesh"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(change, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        moe(**_args(**change))
+
+
+def test_importing_moetriton_jax_does_not_import_flax():
+    code = "import sys, moetriton.jax; assert 'flax' not in sys.modules; import moetriton.jax.flax"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
