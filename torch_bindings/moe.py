@@ -72,12 +72,15 @@ def _check_moe(
     activation,
     aux_loss_coeff,
 ) -> tuple[int, int, int]:
-    """(hidden H, experts E, ffn F) of valid layer arguments; errors name the argument and the expected value."""
+    """(hidden H, experts E, ffn F) of valid layer arguments; errors name the argument and the expected
+    value."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
     # Comparisons rather than math.isfinite, which torch.compile does not trace on a Python float.
-    if isinstance(aux_loss_coeff, bool) or not isinstance(aux_loss_coeff, int | float) or not (
-        0 <= aux_loss_coeff < math.inf
+    if (
+        isinstance(aux_loss_coeff, bool)
+        or not isinstance(aux_loss_coeff, int | float)
+        or not (0 <= aux_loss_coeff < math.inf)
     ):
         raise ValueError(f"aux_loss_coeff: expected a finite number >= 0, got {aux_loss_coeff!r}")
     x_shape, dtype = x[0], x[1]
@@ -87,9 +90,9 @@ def _check_moe(
         raise ValueError(f"gate_weight: expected [E, H], got shape {tuple(gate_weight[0])}")
     num_experts, hidden = gate_weight[0]
     if len(x_shape) < 1 or x_shape[-1] != hidden:
-        raise ValueError(f"x: expected [..., H] with H = {hidden} (gate_weight's columns), got {tuple(x_shape)}")
+        raise ValueError(f"x: expected [..., H] with H = {hidden} (as gate_weight), got {list(x_shape)}")
     if num_experts % ep_size:
-        raise ValueError(f"num_experts: expected a multiple of the EP group size {ep_size}, got {num_experts}")
+        raise ValueError(f"num_experts: expected a multiple of the EP size {ep_size}, got {num_experts}")
     local = num_experts // ep_size
     if len(down[0]) != 3:
         raise ValueError(f"down: expected [L, F, H], got shape {tuple(down[0])}")
