@@ -182,18 +182,13 @@ def _activate(hidden: Tensor, activation: str) -> Tensor:
     return F.gelu(hidden) if activation == "gelu" else F.relu(hidden)
 
 
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def grouped_mm_supported(rows: Tensor, gate_up: Tensor, down: Tensor) -> bool:
     """True where the dropless experts run `torch._grouped_mm`: CUDA, compute capability 9.0+, bf16 rows
     and weights, and every row stride a multiple of 16 bytes (H, gate_up's width and F multiples of 8)."""
     return (
         hasattr(torch, "_grouped_mm")
         and rows.is_cuda
-        and _capability(rows.device) >= (9, 0)
+        and torch.cuda.get_device_properties(rows.device).major >= 9  # constant under torch.compile
         and rows.dtype == gate_up.dtype == down.dtype == torch.bfloat16
         and all(size % 8 == 0 for size in (rows.shape[1], gate_up.shape[2], down.shape[1]))
     )
