@@ -54,6 +54,16 @@ ACTIVATIONS = ("swiglu", "gelu", "relu")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+#: Stages of a layer call, each a torch.profiler.record_function range "moe.<stage>" (the benchmark
+#: attributes backward work to the stage whose forward ops it differentiates).
+STAGES = ("router", "dispatch", "all_to_all", "chunk_sort", "grouped_gemm", "activation", "combine")
+
+
+def _stage(name: str) -> torch.profiler.record_function:
+    """The profiler range of one stage (a few host microseconds; ignored by torch.compile)."""
+    return torch.profiler.record_function(f"moe.{name}")
+
+
 def _group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if group is None:
         return 1, 0
@@ -224,25 +234,37 @@ def expert_mlp(
     if use_grouped_mm is None:
         use_grouped_mm = grouped_mm_supported(rows, gate_up, down)
     if use_grouped_mm:
-        hidden = torch._grouped_mm(rows, gate_up, offs=offsets)
-        return torch._grouped_mm(_activate(hidden, activation), down, offs=offsets)
+        with _stage("grouped_gemm"):
+            hidden = torch._grouped_mm(rows, gate_up, offs=offsets)
+        with _stage("activation"):
+            act = _activate(hidden, activation)
+        with _stage("grouped_gemm"):
+            return torch._grouped_mm(act, down, offs=offsets)
     positions = torch.arange(rows.shape[0], device=rows.device, dtype=torch.int32)
     expert_of_row = torch.searchsorted(offsets, positions, right=True)[:, None]  # [N, 1]
 
     def grouped(inp: Tensor, weights: Tensor) -> Tensor:
-        out = inp.new_zeros(inp.shape[0], weights.shape[2])
-        for expert in range(weights.shape[0]):
-            out = torch.where(expert_of_row == expert, inp @ weights[expert], out)
-        return out
+        with _stage("grouped_gemm"):
+            out = inp.new_zeros(inp.shape[0], weights.shape[2])
+            for expert in range(weights.shape[0]):
+                out = torch.where(expert_of_row == expert, inp @ weights[expert], out)
+            return out
 
-    return grouped(_activate(grouped(rows, gate_up), activation), down)
+    hidden = grouped(rows, gate_up)
+    with _stage("activation"):
+        act = _activate(hidden, activation)
+    return grouped(act, down)
 
 
 def _batched_mlp(rows: Tensor, gate_up: Tensor, down: Tensor, activation: str) -> Tensor:
     """Capacity experts: rows [L * M, H], M rows per local expert -> [L * M, H], one bmm per projection."""
     slabs = rows.view(gate_up.shape[0], -1, rows.shape[1])  # [L, M, H]
-    out = torch.bmm(_activate(torch.bmm(slabs, gate_up), activation), down)
-    return out.reshape(rows.shape)
+    with _stage("grouped_gemm"):
+        hidden = torch.bmm(slabs, gate_up)
+    with _stage("activation"):
+        act = _activate(hidden, activation)
+    with _stage("grouped_gemm"):
+        return torch.bmm(act, down).reshape(rows.shape)
 
 
 @functools.lru_cache(maxsize=64)
@@ -260,30 +282,40 @@ def _dropless_experts(send, send_counts, layout, ep_rank, group, gate_up, down, 
     """Dropless: send buffer [S, H] with send_counts [E] rows per expert -> expert outputs, same layout."""
     if layout.ep_size == 1:
         return expert_mlp(send, send_counts, gate_up, down, activation)
-    counts_all = _gather_counts(send_counts, layout.ep_size, group)
-    on_host = dropless_exchange(counts_all.cpu(), ep_rank, layout)  # the call's one host sync
-    on_device = dropless_exchange(counts_all, ep_rank, layout)
-    send_sizes, recv_sizes = on_host["send_sizes"].tolist(), on_host["recv_sizes"].tolist()
-    received = _Exchange.apply(send, send_sizes, recv_sizes, sum(recv_sizes), group)  # [R, H] source-major
-    to_expert_major, to_source_major = _chunk_orders(layout.ep_size, layout.local_experts, send.device)
-    chunk_sizes = on_device["chunk_sizes"]
-    expert_major, _ = sort_chunks_by_index(received, chunk_sizes, to_expert_major)
+    with _stage("all_to_all"):
+        counts_all = _gather_counts(send_counts, layout.ep_size, group)
+        on_host = dropless_exchange(counts_all.cpu(), ep_rank, layout)  # the call's one host sync
+        send_sizes, recv_sizes = on_host["send_sizes"].tolist(), on_host["recv_sizes"].tolist()
+        received = _Exchange.apply(
+            send, send_sizes, recv_sizes, sum(recv_sizes), group
+        )  # [R, H] source-major
+    with _stage("chunk_sort"):
+        on_device = dropless_exchange(counts_all, ep_rank, layout)
+        to_expert_major, to_source_major = _chunk_orders(layout.ep_size, layout.local_experts, send.device)
+        chunk_sizes = on_device["chunk_sizes"]
+        expert_major, _ = sort_chunks_by_index(received, chunk_sizes, to_expert_major)
     out = expert_mlp(expert_major, on_device["group_sizes"], gate_up, down, activation)
-    source_major, _ = sort_chunks_by_index(out, chunk_sizes[to_expert_major], to_source_major)
-    return _Exchange.apply(source_major, recv_sizes, send_sizes, send.shape[0], group)
+    with _stage("chunk_sort"):
+        source_major, _ = sort_chunks_by_index(out, chunk_sizes[to_expert_major], to_source_major)
+    with _stage("all_to_all"):
+        return _Exchange.apply(source_major, recv_sizes, send_sizes, send.shape[0], group)
 
 
 def _capacity_experts(send, layout, group, gate_up, down, activation) -> Tensor:
     """Capacity: send buffer [E * C, H] = [EP, L, C] slabs -> expert outputs, same layout."""
     if layout.ep_size == 1:
         return _batched_mlp(send, gate_up, down, activation)
-    received = _Exchange.apply(send, None, None, send.shape[0], group)  # [EP, L, C] source-major
-    to_expert_major, to_source_major = _chunk_orders(layout.ep_size, layout.local_experts, send.device)
-    chunk_sizes = torch.full_like(to_expert_major, layout.capacity)
-    expert_major, _ = sort_chunks_by_index(received, chunk_sizes, to_expert_major)  # [L, EP, C]
+    with _stage("all_to_all"):
+        received = _Exchange.apply(send, None, None, send.shape[0], group)  # [EP, L, C] source-major
+    with _stage("chunk_sort"):
+        to_expert_major, to_source_major = _chunk_orders(layout.ep_size, layout.local_experts, send.device)
+        chunk_sizes = torch.full_like(to_expert_major, layout.capacity)
+        expert_major, _ = sort_chunks_by_index(received, chunk_sizes, to_expert_major)  # [L, EP, C]
     out = _batched_mlp(expert_major, gate_up, down, activation)
-    source_major, _ = sort_chunks_by_index(out, chunk_sizes, to_source_major)
-    return _Exchange.apply(source_major, None, None, send.shape[0], group)
+    with _stage("chunk_sort"):
+        source_major, _ = sort_chunks_by_index(out, chunk_sizes, to_source_major)
+    with _stage("all_to_all"):
+        return _Exchange.apply(source_major, None, None, send.shape[0], group)
 
 
 # Layer -----------------------------------------------------------------------------------------------------
@@ -385,38 +417,42 @@ def moe(
         align_size=align_size,
         capacity_factor=capacity_factor,
     )
-    logits = F.linear(tokens, gate_weight)  # [T, E]
-    probs, routing_map, indices = fused_topk_with_score_function(
-        logits,
-        topk,
-        use_pre_softmax=use_pre_softmax,
-        num_groups=num_groups,
-        group_topk=group_topk,
-        scaling_factor=scaling_factor,
-        score_function=score_function,
-        expert_bias=expert_bias,
-        return_indices=True,
-    )
-    merging = probs.gather(1, indices.long())  # [T, K]
-    aux_loss, dropped = _routing_statistics(
-        logits,
-        routing_map.sum(0),
-        layout,
-        score_function,
-        aux_loss_coeff,
-        token_group if token_group is not None else ep_group,
-    )
-    if layout.dropless:
-        send, _, row_id_map, pad_offsets, send_counts = token_dispatch(
-            tokens, indices=indices, num_experts=num_experts, align_size=layout.align_size
+    with _stage("router"):
+        logits = F.linear(tokens, gate_weight)  # [T, E]
+        probs, routing_map, indices = fused_topk_with_score_function(
+            logits,
+            topk,
+            use_pre_softmax=use_pre_softmax,
+            num_groups=num_groups,
+            group_topk=group_topk,
+            scaling_factor=scaling_factor,
+            score_function=score_function,
+            expert_bias=expert_bias,
+            return_indices=True,
         )
+        merging = probs.gather(1, indices.long())  # [T, K]
+        aux_loss, dropped = _routing_statistics(
+            logits,
+            routing_map.sum(0),
+            layout,
+            score_function,
+            aux_loss_coeff,
+            token_group if token_group is not None else ep_group,
+        )
+    if layout.dropless:
+        with _stage("dispatch"):
+            send, _, row_id_map, pad_offsets, send_counts = token_dispatch(
+                tokens, indices=indices, num_experts=num_experts, align_size=layout.align_size
+            )
         out = _dropless_experts(send, send_counts, layout, ep_rank, ep_group, gate_up, down, activation)
     else:
-        send, _, row_id_map, pad_offsets, _ = token_dispatch(
-            tokens, indices=indices, num_experts=num_experts, capacity=layout.capacity
-        )
+        with _stage("dispatch"):
+            send, _, row_id_map, pad_offsets, _ = token_dispatch(
+                tokens, indices=indices, num_experts=num_experts, capacity=layout.capacity
+            )
         out = _capacity_experts(send, layout, ep_group, gate_up, down, activation)
-    combined = token_combine(out, row_id_map, merging_probs=merging, pad_offsets=pad_offsets)
+    with _stage("combine"):
+        combined = token_combine(out, row_id_map, merging_probs=merging, pad_offsets=pad_offsets)
     return combined.reshape(x.shape), aux_loss, dropped
 
 
