@@ -157,6 +157,19 @@ class _Exchange(torch.autograd.Function):
         return _all_to_all(grad, *ctx.reverse), None, None, None, None
 
 
+def all_to_all_rows(
+    rows: Tensor, send_sizes: list[int] | None, recv_sizes: list[int] | None, out_rows: int, group
+) -> Tensor:
+    """Differentiable all_to_all_single of rows [N, H] -> [out_rows, H]: blocks of `send_sizes` rows go to
+    the ranks in order, blocks of `recv_sizes` rows arrive (None: N / EP rows each way, out_rows = N); rows
+    past the received ones are zero. The backward is the reverse exchange of the gradient.
+
+    Example (two ranks; rank 0 sends 1 row to itself and 2 to rank 1):
+        >>> out = all_to_all_rows(rows, [1, 2], [1, 3], 4, group)  # doctest: +SKIP
+    """
+    return _Exchange.apply(rows, send_sizes, recv_sizes, out_rows, group)
+
+
 class _GlobalSum(torch.autograd.Function):
     """all_reduce(SUM) of a rank's partial loss; the backward passes the gradient through, so each rank
     differentiates its own partial: the gradient of its tokens in the global loss."""
@@ -286,7 +299,7 @@ def _dropless_experts(send, send_counts, layout, ep_rank, group, gate_up, down, 
         counts_all = _gather_counts(send_counts, layout.ep_size, group)
         on_host = dropless_exchange(counts_all.cpu(), ep_rank, layout)  # the call's one host sync
         send_sizes, recv_sizes = on_host["send_sizes"].tolist(), on_host["recv_sizes"].tolist()
-        received = _Exchange.apply(
+        received = all_to_all_rows(
             send, send_sizes, recv_sizes, sum(recv_sizes), group
         )  # [R, H] source-major
     with _stage("chunk_sort"):
@@ -298,7 +311,7 @@ def _dropless_experts(send, send_counts, layout, ep_rank, group, gate_up, down, 
     with _stage("chunk_sort"):
         source_major, _ = sort_chunks_by_index(out, chunk_sizes[to_expert_major], to_source_major)
     with _stage("all_to_all"):
-        return _Exchange.apply(source_major, recv_sizes, send_sizes, send.shape[0], group)
+        return all_to_all_rows(source_major, recv_sizes, send_sizes, send.shape[0], group)
 
 
 def _capacity_experts(send, layout, group, gate_up, down, activation) -> Tensor:
@@ -306,7 +319,7 @@ def _capacity_experts(send, layout, group, gate_up, down, activation) -> Tensor:
     if layout.ep_size == 1:
         return _batched_mlp(send, gate_up, down, activation)
     with _stage("all_to_all"):
-        received = _Exchange.apply(send, None, None, send.shape[0], group)  # [EP, L, C] source-major
+        received = all_to_all_rows(send, None, None, send.shape[0], group)  # [EP, L, C] source-major
     with _stage("chunk_sort"):
         to_expert_major, to_source_major = _chunk_orders(layout.ep_size, layout.local_experts, send.device)
         chunk_sizes = torch.full_like(to_expert_major, layout.capacity)
@@ -315,7 +328,7 @@ def _capacity_experts(send, layout, group, gate_up, down, activation) -> Tensor:
     with _stage("chunk_sort"):
         source_major, _ = sort_chunks_by_index(out, chunk_sizes, to_source_major)
     with _stage("all_to_all"):
-        return _Exchange.apply(source_major, None, None, send.shape[0], group)
+        return all_to_all_rows(source_major, None, None, send.shape[0], group)
 
 
 # Layer -----------------------------------------------------------------------------------------------------

@@ -5,6 +5,10 @@ torch._grouped_mm, CUDA-graph capture and torch.compile."""
 
 from __future__ import annotations
 
+import csv
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -19,6 +23,7 @@ from tests.torch._helpers import DEVICE
 from tests.torch._moe_helpers import TOLERANCE, check_rank, ep_worker, reference, run_layer, tensors
 
 H, F, E = 8, 8, 4
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _weights(seed: int = 0, dtype=torch.float32, experts: int = E, hidden: int = H, ffn: int = F):
@@ -274,6 +279,33 @@ def test_expert_parallel_nccl_two_gpus(tmp_path):
         _spawn(tmp_path, 2, "nccl", problems)
 
     check()
+
+
+# Example and benchmark smoke runs ---------------------------------------------------------------------------
+
+
+def test_example_runs_and_agrees_with_the_reference(capsys):
+    spec = importlib.util.spec_from_file_location(
+        "torch_moe_ep_example", ROOT / "examples" / "torch_moe_ep.py"
+    )
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    errors = example.run(small=True)
+    assert set(errors) == {"dropless", "capacity 1.0"} and max(errors.values()) < 1e-4, errors
+    assert "MoELayer EP=1" in capsys.readouterr().out
+
+
+def test_benchmark_tiny_writes_a_row_per_impl(tmp_path):
+    from benchmarks import moe_torch
+
+    assert moe_torch.main(["--tiny", "--shapes", "mixtral", "--out", str(tmp_path)]) == 0
+    with (tmp_path / "moe_torch_ep1.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["impl"] for row in rows] == ["moetriton", "megatron"]
+    for row in rows:
+        assert float(row["step_ms"]) > 0 and float(row["grouped_gemm_ms"]) > 0
+        shares = sum(float(row[f"{stage}_share_pct"]) for stage in moe_torch.STAGES)
+        assert abs(shares - 100) < 0.1 and float(row["other_share_pct"]) < 50, row
 
 
 # GPU: grouped GEMM, CUDA graphs, torch.compile --------------------------------------------------------------
