@@ -227,7 +227,8 @@ def test_module_validates_at_construction():
 
 
 # One example holds several problems: each example costs a spawn, and shrinking (many spawns) is off.
-_ONE_SPAWN = settings(max_examples=1, phases=(Phase.explicit, Phase.reuse, Phase.generate))
+_NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
+_ONE_SPAWN = settings(max_examples=1, phases=_NO_SHRINK)
 
 
 def _spawn(tmp_path, world: int, backend: str, problems, data_parallel: bool = False) -> None:
@@ -273,7 +274,7 @@ def test_token_group_makes_aux_loss_and_dropped_global(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL EP needs 2 CUDA GPUs")
 def test_expert_parallel_nccl_two_gpus(tmp_path):
-    @settings(max_examples=3)
+    @settings(max_examples=3, phases=_NO_SHRINK)
     @given(problems=_ep_problems(2))
     def check(problems):
         _spawn(tmp_path, 2, "nccl", problems)
@@ -389,4 +390,4 @@ def test_compiled_layer_fullgraph_matches_eager(capacity_factor):
         (out.float().square().sum() + aux_loss).backward()
         results.append([out.detach(), aux_loss.detach(), dropped, xg.grad, layer.gate_up.grad.clone()])
     for got, expected in zip(*results, strict=True):
-        torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(got, expected, rtol=3e-2, atol=3e-2)  # bf16 fusions round differently
