@@ -50,7 +50,8 @@ def moe_reference(
 
     Args:
         x: [..., H] all tokens (every rank's, in rank order); gate_weight [E, H]; gate_up [E, H, 2F] (or
-            [E, H, F] non-gated); down [E, F, H]: every expert. Any float dtype; the math is fp32.
+            [E, H, F] non-gated); down [E, F, H]: every expert. Any float dtype; the math is fp32, except
+            that the logits are rounded to x.dtype, as the layer's are.
         num_shards: token shards of the capacity policy (the token group's size).
         The other arguments are `moe`'s.
 
@@ -68,7 +69,9 @@ def moe_reference(
     num_tokens = tokens.shape[0]
     if num_tokens % num_shards:
         raise ValueError(f"num_shards: expected a divisor of the token count {num_tokens}, got {num_shards}")
-    logits = F.linear(tokens, gate_weight.float())
+    # The layer's logits are in x.dtype (one rounding of an fp32 accumulation): round alike, so bf16 and fp16
+    # inputs route the same tokens to the same experts here.
+    logits = F.linear(tokens, gate_weight.float()).to(x.dtype).float()
     probs, routing_map = reference_router.fused_topk_with_score_function(
         logits,
         topk,

@@ -22,7 +22,7 @@ def options(problem: MoEProblem) -> dict:
         group_topk=problem.group_topk,
         align_size=problem.align_size,
         capacity_factor=problem.capacity_factor,
-        aux_loss_coeff=0.01,
+        aux_loss_coeff=0.1,  # large enough that a wrong aux-loss gradient shows
     )
 
 

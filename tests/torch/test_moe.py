@@ -341,6 +341,28 @@ def test_grouped_mm_matches_the_fallback():
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_single_rank_layer_never_syncs_with_the_host(capacity_factor):
+    """EP = 1, dropless or capacity: forward and backward issue no host sync (torch's sync debug mode
+    raises on one)."""
+    x, weights = (
+        _tokens(64, dtype=torch.bfloat16, hidden=64),
+        _weights(dtype=torch.bfloat16, hidden=64, ffn=32),
+    )
+    kwargs = dict(topk=2, capacity_factor=capacity_factor, align_size=8, aux_loss_coeff=0.01)
+    _run(x, weights, **kwargs)  # warm up: kernels compiled, checks memoised
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        leaves = [x.clone().requires_grad_(), *(w.clone().requires_grad_() for w in weights)]
+        out, aux_loss, _ = mt.moe(*leaves, **kwargs)
+        torch.autograd.backward([out, aux_loss], [torch.ones_like(out), torch.ones_like(aux_loss)])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_capacity_layer_captures_in_a_cuda_graph():
     x, weights = (
         _tokens(64, dtype=torch.bfloat16, hidden=64),
