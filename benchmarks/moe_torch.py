@@ -49,12 +49,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moetriton.kernels.shapes import MOE_LAYER_SHAPES, MoELayerShape
+from moetriton.torch.moe import STAGES as LAYER_STAGES
+from moetriton.torch.moe import all_to_all_rows, expert_mlp, moe
 
 IMPLS = ("moetriton", "megatron")
 PEAK_TFLOPS = 790.0  # H100 SXM dense bf16
 AUX_LOSS_COEFF = 1e-2
 BACKWARD = "autograd::engine::evaluate_function"
-STAGES = ("router", "dispatch", "all_to_all", "chunk_sort", "grouped_gemm", "activation", "combine", "other")
+STAGES = (*LAYER_STAGES, "other")  # "other": the loss and gradient accumulation
 ROUTING_STAGES = ("router", "dispatch", "chunk_sort", "combine")
 TINY = {
     "mixtral": MoELayerShape("mixtral-tiny", 16, 16, 16, 4, 2),
@@ -108,8 +110,6 @@ def megatron_moe(
     x, gate_weight, gate_up, down, shape: MoELayerShape, group
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The baseline layer: (out [T, H], aux_loss) on this rank's tokens and local experts."""
-    from moetriton.torch.moe import all_to_all_rows, expert_mlp
-
     with _stage("router"):
         logits = F.linear(x, gate_weight)
         weights, indices = _baseline_router(logits, shape)
@@ -235,7 +235,6 @@ def _inputs(shape: MoELayerShape, tokens: int, rank: int, ep: int, device, dtype
 
 
 def _layer_step(impl: str, shape: MoELayerShape, inputs: dict, args, group) -> Callable[[], None]:
-    import moetriton.torch as mt
 
     x = inputs["x"].requires_grad_()
     params = [inputs[name] for name in ("gate_weight", "gate_up", "down")]
@@ -245,7 +244,7 @@ def _layer_step(impl: str, shape: MoELayerShape, inputs: dict, args, group) -> C
         for param in params:
             param.grad = None
         if impl == "moetriton":
-            out, aux_loss, _ = mt.moe(
+            out, aux_loss, _ = moe(
                 x,
                 *params,
                 topk=shape.topk,
