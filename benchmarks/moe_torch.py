@@ -235,7 +235,7 @@ def _inputs(shape: MoELayerShape, tokens: int, rank: int, ep: int, device, dtype
 
 
 def _layer_step(impl: str, shape: MoELayerShape, inputs: dict, args, group) -> Callable[[], None]:
-
+    """One forward + backward of `impl` on the inputs (gradients reset first, not accumulated)."""
     x = inputs["x"].requires_grad_()
     params = [inputs[name] for name in ("gate_weight", "gate_up", "down")]
 
