@@ -217,15 +217,17 @@ def _plain_all_to_all_gbps(rows: int, hidden: int, dtype, device, group) -> floa
 
 
 def _inputs(shape: MoELayerShape, tokens: int, rank: int, ep: int, device, dtype) -> dict:
-    generator = torch.Generator().manual_seed(1000 + rank)
+    """Tokens, output cotangent and this rank's parameters, drawn on the device (dsv3's expert weights are
+    billions of values)."""
+    generator = torch.Generator(device).manual_seed(1000 + rank)
+    shared = torch.Generator(device).manual_seed(7)  # the gate is replicated: the same on every rank
     local = shape.num_experts // ep
 
-    def normal(*size, scale=1.0, seed_generator=generator):
-        return (torch.randn(*size, generator=seed_generator) * scale).to(device, dtype)
+    def normal(*size, scale=1.0, source=generator):
+        return torch.randn(*size, generator=source, device=device, dtype=dtype) * scale
 
-    shared = torch.Generator().manual_seed(7)  # the gate is replicated: the same on every rank
     params = dict(
-        gate_weight=normal(shape.num_experts, shape.hidden, scale=shape.hidden**-0.5, seed_generator=shared),
+        gate_weight=normal(shape.num_experts, shape.hidden, scale=shape.hidden**-0.5, source=shared),
         gate_up=normal(local, shape.hidden, 2 * shape.ffn, scale=shape.hidden**-0.5),
         down=normal(local, shape.ffn, shape.hidden, scale=shape.ffn**-0.5),
     )
