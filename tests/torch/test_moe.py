@@ -129,6 +129,30 @@ def test_expert_mlp_fallback_zeroes_tail_rows():
     assert torch.equal(got[6:], torch.zeros_like(got[6:]))
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_bf16_layer_routes_like_the_reference(capacity_factor):
+    """bf16 tokens and weights: the same experts and drops as the fp32 reference (which rounds the logits
+    to bf16 as the layer does), outputs and gradients within bf16 rounding."""
+    x, weights = _tokens(16, dtype=torch.bfloat16), _weights(dtype=torch.bfloat16)
+    out, aux_loss, dropped, grads = _run(
+        x, weights, topk=2, capacity_factor=capacity_factor, aux_loss_coeff=0.1
+    )
+    assert out.dtype == torch.bfloat16 and aux_loss.dtype == torch.float32
+    leaves = [t.clone().requires_grad_() for t in (x, *weights)]  # bf16: the reference rounds the logits
+    expected, expected_aux, expected_dropped = moe_reference(
+        *leaves, topk=2, capacity_factor=capacity_factor, aux_loss_coeff=0.1
+    )
+    assert int(dropped) == int(expected_dropped)
+    (
+        (expected * torch.linspace(-1, 1, expected.numel(), device=DEVICE).view_as(expected)).sum()
+        + expected_aux
+    ).backward()
+    for got, want in zip(
+        [out, aux_loss, *grads], [expected, expected_aux, *(leaf.grad for leaf in leaves)], strict=True
+    ):
+        torch.testing.assert_close(got.float(), want.detach().float(), rtol=3e-2, atol=3e-2)
+
+
 @pytest.mark.parametrize("activation", ["gelu", "relu"])
 def test_non_gated_activations(activation):
     x = _tokens(6)
