@@ -1,11 +1,13 @@
-"""moetriton for PyTorch: token dispatch / combine / chunk sort and the fused router, as torch.library ops.
+"""moetriton for PyTorch: token dispatch / combine / chunk sort and the fused router, as torch.library ops,
+and the expert-parallel MoE layer built on them (MoELayer, moe).
 
 On CUDA the Triton kernels run compiled; on CPU they run under the Triton interpreter when TRITON_INTERPRET=1
 was set before import, and otherwise the pure-PyTorch reference (`moetriton.torch.reference`) runs instead.
 """
 
-from . import reference, reference_router
+from . import reference, reference_moe, reference_router
 from .api import sort_chunks_by_index, token_combine, token_dispatch
+from .moe import MoELayer, moe
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 from .te import (
     moe_permute,
@@ -17,9 +19,11 @@ from .te import (
 )
 
 __all__ = [
+    "MoELayer",
     "fused_compute_score_for_moe_aux_loss",
     "fused_moe_aux_loss",
     "fused_topk_with_score_function",
+    "moe",
     "moe_permute",
     "moe_permute_and_pad_with_probs",
     "moe_permute_with_probs",
@@ -27,6 +31,7 @@ __all__ = [
     "moe_sort_chunks_by_index_with_probs",
     "moe_unpermute",
     "reference",
+    "reference_moe",
     "reference_router",
     "sort_chunks_by_index",
     "token_combine",

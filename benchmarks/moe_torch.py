@@ -1,0 +1,439 @@
+"""Layer-step benchmark of the PyTorch expert-parallel MoE layer (issue #13) beside a Megatron-style
+baseline.
+
+    python -m benchmarks.moe_torch                                # one GPU (EP = 1), mixtral and dsv3
+    torchrun --nproc-per-node 2 -m benchmarks.moe_torch           # EP = 2 over NCCL
+    python -m benchmarks.moe_torch --tiny                         # CPU smoke run: tiny shapes, one step
+
+(--tiny runs on CPU: our kernels interpreted when TRITON_INTERPRET=1 is in the environment, as in the test
+suite, otherwise moetriton's reference ops.)
+
+One step = forward + backward of one layer (bf16 on GPU) on MOE_LAYER_SHAPES (T tokens per GPU), aux loss
+on (coefficient 1e-2). Implementations:
+
+* moetriton: `moetriton.torch.moe` (our router, dispatch, chunk sort and combine kernels);
+* megatron: the same layer without our kernels, the way Megatron-Core's unfused path builds it: torch
+  softmax / sigmoid / group-limited top-k router, torch.argsort permutation (index_select) and index_add
+  unpermutation, all_to_all_single with host split sizes, chunk sort by torch.split + torch.cat; the same
+  grouped GEMMs (`moetriton.torch.moe.expert_mlp`: torch._grouped_mm where supported) and SwiGLU.
+
+Each row (impl x shape x EP) reports: step_ms (median wall time of `--steps` synchronised steps, slowest
+rank); the stage breakdown from a torch.profiler trace of two steps: every stage is a record_function range
+"moe.<stage>" in the forward, and backward work (autograd::engine::evaluate_function events) is attributed
+to the stage whose forward op created the autograd node (matched by sequence number); times are GPU time
+of the kernels launched (CPU time on CPU), shares are of the profiled total ("other": the loss and gradient
+accumulation); routing share = router + dispatch + chunk_sort + combine; grouped-GEMM TFLOP/s =
+3 x (2 rows H 2F + 2 rows F H) / grouped_gemm time, rows = T x K routed slots, against the 790 TFLOP/s
+bf16 peak; with EP > 1, all-to-all GB/s = bytes this rank sends in the 4 token exchanges of a step (4 x
+T K H x 2 bytes, padding not counted) / all_to_all stage time, against a plain all_to_all_single of
+[T K, H] with equal splits. A row that runs out of memory is printed and written as OOM, and the next row
+runs (under torchrun an OOM on one rank only would leave the other waiting for the collective timeout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import gc
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moetriton.kernels.shapes import MOE_LAYER_SHAPES, MoELayerShape
+from moetriton.torch.moe import STAGES as LAYER_STAGES
+from moetriton.torch.moe import all_to_all_rows, expert_mlp, moe
+
+IMPLS = ("moetriton", "megatron")
+PEAK_TFLOPS = 790.0  # H100 SXM dense bf16
+AUX_LOSS_COEFF = 1e-2
+BACKWARD = "autograd::engine::evaluate_function"
+STAGES = (*LAYER_STAGES, "other")  # "other": the loss and gradient accumulation
+ROUTING_STAGES = ("router", "dispatch", "chunk_sort", "combine")
+TINY = {
+    "mixtral": MoELayerShape("mixtral-tiny", 16, 16, 16, 4, 2),
+    "dsv3": MoELayerShape("dsv3-tiny", 16, 16, 16, 8, 4, "sigmoid", 4, 2),
+}
+
+
+def _stage(name: str) -> torch.profiler.record_function:
+    return torch.profiler.record_function(f"moe.{name}")
+
+
+# Megatron-style baseline ------------------------------------------------------------------------------------
+
+
+def _baseline_router(logits: torch.Tensor, shape: MoELayerShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, K] in logits.dtype, indices [T, K]): top-k of the logits then softmax over the K
+    (softmax), or top-k of sigmoid scores renormalised over the K, group-limited when the shape says so."""
+    scores = logits.float() if shape.score_function == "softmax" else logits.float().sigmoid()
+    if shape.num_groups:
+        num_tokens = scores.shape[0]
+        per_group = scores.view(num_tokens, shape.num_groups, -1)
+        group_scores = per_group.topk(shape.topk // shape.group_topk, dim=-1).values.sum(-1)  # [T, G]
+        chosen = group_scores.topk(shape.group_topk, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+        expert_mask = group_mask.repeat_interleave(shape.num_experts // shape.num_groups, dim=1)
+        scores = scores.masked_fill(~expert_mask, float("-inf"))
+    top, indices = scores.topk(shape.topk, dim=-1)
+    if shape.score_function == "softmax":
+        weights = top.softmax(-1)
+    else:
+        weights = top / (top.sum(-1, keepdim=True) + 1e-20) if shape.topk > 1 else top
+    return weights.to(logits.dtype), indices
+
+
+def _baseline_aux_loss(logits, indices, shape: MoELayerShape, group) -> torch.Tensor:
+    """Switch loss with the tokens per expert summed over the group (this rank's partial)."""
+    scores = logits.float().softmax(-1) if shape.score_function == "softmax" else logits.float().sigmoid()
+    if shape.score_function != "softmax":
+        scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    tokens_per_expert = torch.bincount(indices.reshape(-1), minlength=shape.num_experts)
+    world = 1
+    if group is not None:
+        dist.all_reduce(tokens_per_expert, group=group)
+        world = dist.get_world_size(group)
+    total = logits.shape[0] * world
+    coeff = AUX_LOSS_COEFF * shape.num_experts / (shape.topk * total * total)
+    return coeff * (scores.sum(0) * tokens_per_expert).sum()
+
+
+def megatron_moe(
+    x, gate_weight, gate_up, down, shape: MoELayerShape, group
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The baseline layer: (out [T, H], aux_loss) on this rank's tokens and local experts."""
+    with _stage("router"):
+        logits = F.linear(x, gate_weight)
+        weights, indices = _baseline_router(logits, shape)
+        aux_loss = _baseline_aux_loss(logits, indices, shape, group)
+    with _stage("dispatch"):
+        flat = indices.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # [T K] slots in expert order
+        permuted = x.index_select(0, order // shape.topk)
+        counts = torch.bincount(flat, minlength=shape.num_experts)
+    if group is None:
+        out = expert_mlp(permuted, counts, gate_up, down, "swiglu")
+    else:
+        ep, rank, local = dist.get_world_size(group), dist.get_rank(group), gate_up.shape[0]
+        with _stage("all_to_all"):
+            counts_all = counts.new_empty(ep * shape.num_experts)  # [EP E]: every rank's counts
+            dist.all_gather_into_tensor(counts_all, counts, group=group)
+            per_pair = counts_all.view(ep, ep, local)  # [source, destination, local expert]
+            on_host = per_pair.cpu()  # the one host sync, as in Megatron's all-to-all dispatcher
+            send_sizes = on_host[rank].sum(-1).tolist()
+            mine = on_host[:, rank]  # [source, local expert]
+            recv_sizes = mine.sum(-1).tolist()
+            received = all_to_all_rows(permuted, send_sizes, recv_sizes, sum(recv_sizes), group)
+        with _stage("chunk_sort"):
+            chunks = received.split(mine.reshape(-1).tolist())
+            expert_major = torch.cat([chunks[p * local + j] for j in range(local) for p in range(ep)])
+        out = expert_mlp(expert_major, per_pair[:, rank].sum(0), gate_up, down, "swiglu")
+        with _stage("chunk_sort"):
+            chunks = out.split(mine.t().reshape(-1).tolist())
+            source_major = torch.cat([chunks[j * ep + p] for p in range(ep) for j in range(local)])
+        with _stage("all_to_all"):
+            out = all_to_all_rows(source_major, recv_sizes, send_sizes, permuted.shape[0], group)
+    with _stage("combine"):
+        weighted = out * weights.reshape(-1)[order, None]
+        combined = torch.zeros_like(x).index_add_(0, order // shape.topk, weighted)
+    return combined, aux_loss
+
+
+# Measurement ------------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(step: Callable[[], None], steps: int, device: torch.device, group) -> float:
+    """Median wall time of `steps` calls, each started together on every rank and synchronised."""
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        if group is not None:
+            dist.barrier(group=group)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def stage_ms(events, per_steps: int, on_gpu: bool) -> dict[str, float]:
+    """ms per step of every stage from profiler events (see the module docstring)."""
+
+    def spent(event) -> float:
+        return (event.device_time_total if on_gpu else event.cpu_time_total) / 1e3 / per_steps
+
+    def enclosing(event) -> str | None:
+        """ "moe.<stage>" or the backward node evaluation that `event` runs in, if any."""
+        while event is not None:
+            if event.name.startswith(("moe.", BACKWARD)):
+                return event.name
+            event = event.cpu_parent
+        return None
+
+    totals: dict[str, float] = defaultdict(float)
+    stage_of_node: dict[int, str] = {}
+    backward = []
+    for event in sorted(events, key=lambda event: event.time_range.start):
+        if event.cpu_parent is None and event.device_type == torch.autograd.DeviceType.CPU:
+            if event.name.startswith(BACKWARD):
+                backward.append(event)
+            else:  # a stage range, or forward work outside the stages (the loss)
+                totals[event.name.removeprefix("moe.") if event.name.startswith("moe.") else "other"] += (
+                    spent(event)
+                )
+        context = enclosing(event)
+        if event.sequence_nr >= 0 and not (context or "").startswith(BACKWARD):
+            # Forward ops: the op that creates autograd node n is the last to see sequence number n.
+            stage_of_node[event.sequence_nr] = context.removeprefix("moe.") if context else "other"
+    for event in backward:
+        totals[stage_of_node.get(event.sequence_nr, "other")] += spent(event)
+    return {stage: totals.get(stage, 0.0) for stage in STAGES}
+
+
+def _plain_all_to_all_gbps(rows: int, hidden: int, dtype, device, group) -> float:
+    """GB/s this rank sends with a plain all_to_all_single of [rows, H] in equal splits."""
+    ep = dist.get_world_size(group)
+    rows = max(ep, rows // ep * ep)
+    send = torch.randn(rows, hidden, device=device).to(dtype)
+    recv = torch.empty_like(send)
+    ms = _median_ms(lambda: dist.all_to_all_single(recv, send, group=group), 10, device, group)
+    return send.numel() * send.element_size() / (ms * 1e-3) / 1e9
+
+
+# Rows -------------------------------------------------------------------------------------------------------
+
+
+def _inputs(shape: MoELayerShape, tokens: int, rank: int, ep: int, device, dtype) -> dict:
+    """Tokens, output cotangent and this rank's parameters, drawn on the device (dsv3's expert weights are
+    billions of values)."""
+    generator = torch.Generator(device).manual_seed(1000 + rank)
+    shared = torch.Generator(device).manual_seed(7)  # the gate is replicated: the same on every rank
+    local = shape.num_experts // ep
+
+    def normal(*size, scale=1.0, source=generator):
+        return torch.randn(*size, generator=source, device=device, dtype=dtype) * scale
+
+    params = dict(
+        gate_weight=normal(shape.num_experts, shape.hidden, scale=shape.hidden**-0.5, source=shared),
+        gate_up=normal(local, shape.hidden, 2 * shape.ffn, scale=shape.hidden**-0.5),
+        down=normal(local, shape.ffn, shape.hidden, scale=shape.ffn**-0.5),
+    )
+    for param in params.values():
+        param.requires_grad_()
+    return dict(x=normal(tokens, shape.hidden), cotangent=normal(tokens, shape.hidden), **params)
+
+
+def _layer_step(impl: str, shape: MoELayerShape, inputs: dict, args, group) -> Callable[[], None]:
+    """One forward + backward of `impl` on the inputs (gradients reset first, not accumulated)."""
+    x = inputs["x"].requires_grad_()
+    params = [inputs[name] for name in ("gate_weight", "gate_up", "down")]
+
+    def step() -> None:
+        x.grad = None
+        for param in params:
+            param.grad = None
+        if impl == "moetriton":
+            out, aux_loss, _ = moe(
+                x,
+                *params,
+                topk=shape.topk,
+                score_function=shape.score_function,
+                num_groups=shape.num_groups,
+                group_topk=shape.group_topk,
+                aux_loss_coeff=AUX_LOSS_COEFF,
+                align_size=args.align_size,
+                capacity_factor=args.capacity_factor,
+                ep_group=group,
+            )
+        else:
+            out, aux_loss = megatron_moe(x, *params, shape, group)
+        torch.autograd.backward([out, aux_loss], [inputs["cotangent"], torch.ones_like(aux_loss)])
+
+    return step
+
+
+def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict:
+    ep = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    tokens = args.tokens or shape.num_tokens
+    row = dict(
+        impl=impl,
+        shape=shape.name,
+        ep=ep,
+        tokens_per_gpu=tokens,
+        hidden=shape.hidden,
+        ffn=shape.ffn,
+        experts=shape.num_experts,
+        topk=shape.topk,
+        policy="dropless" if args.capacity_factor is None else f"capacity {args.capacity_factor}",
+        align_size=args.align_size,
+        dtype=str(dtype).removeprefix("torch."),
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    )
+    inputs = _inputs(shape, tokens, rank, ep, device, dtype)
+    step = _layer_step(impl, shape, inputs, args, group)
+    for _ in range(1 if args.tiny else 2):  # compile the kernels, fill the allocator cache
+        step()
+    step_ms = _median_ms(step, args.steps, device, group)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiled_steps = 1 if args.tiny else 2
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(profiled_steps):
+            step()
+        _sync(device)
+    stages = stage_ms(profile.events(), profiled_steps, device.type == "cuda")
+    if group is not None:
+        slowest = torch.tensor([step_ms], device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        step_ms = float(slowest)
+    total = sum(stages.values())
+    rows = tokens * shape.topk
+    gemm_flops = 3 * (2 * rows * shape.hidden * 2 * shape.ffn + 2 * rows * shape.ffn * shape.hidden)
+    gemm_tflops = gemm_flops / (stages["grouped_gemm"] * 1e-3) / 1e12 if stages["grouped_gemm"] else 0.0
+    row.update(step_ms=round(step_ms, 4))
+    row.update({f"{stage}_ms": round(ms, 4) for stage, ms in stages.items()})
+    row.update(
+        {f"{stage}_share_pct": round(100 * ms / total, 2) if total else 0.0 for stage, ms in stages.items()}
+    )
+    routing = sum(stages[stage] for stage in ROUTING_STAGES)
+    row.update(
+        routing_share_pct=round(100 * routing / total, 2) if total else 0.0,
+        gemm_tflops=round(gemm_tflops, 1),
+        gemm_pct_of_peak=round(100 * gemm_tflops / PEAK_TFLOPS, 1),
+    )
+    if group is not None and stages["all_to_all"]:
+        sent = 4 * rows * shape.hidden * inputs["x"].element_size()
+        layer_gbps = sent / (stages["all_to_all"] * 1e-3) / 1e9
+        plain_gbps = _plain_all_to_all_gbps(rows, shape.hidden, dtype, device, group)
+        row.update(
+            a2a_gbps=round(layer_gbps, 1),
+            plain_a2a_gbps=round(plain_gbps, 1),
+            a2a_pct_of_plain=round(100 * layer_gbps / plain_gbps, 1),
+        )
+    return row
+
+
+# Driver -----------------------------------------------------------------------------------------------------
+
+
+def _setup(tiny: bool) -> tuple[torch.device, torch.dtype, object]:
+    """(device, dtype, EP group or None): torchrun's environment gives the group (NCCL on GPUs)."""
+    on_gpu = torch.cuda.is_available() and not tiny
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    group = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group(
+            "nccl" if on_gpu else "gloo",
+            timeout=datetime.timedelta(minutes=5),
+            device_id=device if on_gpu else None,
+        )
+        group = dist.group.WORLD
+    return device, torch.bfloat16 if on_gpu else torch.float32, group
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", default="mixtral,dsv3", help="comma-separated MOE_LAYER_SHAPES names")
+    parser.add_argument("--impl", default=",".join(IMPLS), help=f"comma-separated, from {IMPLS}")
+    parser.add_argument("--out", type=Path, default=None, help="folder for moe_torch_ep<N>.csv and .log")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per GPU (default: the shape's)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per row")
+    parser.add_argument("--align-size", type=int, default=None, help="dispatch alignment (default none)")
+    parser.add_argument(
+        "--capacity-factor", type=float, default=None, help="capacity policy for moetriton (default dropless)"
+    )
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU, one step (smoke test)")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.steps = 1
+    impls = [impl for impl in args.impl.split(",") if impl]
+    names = [name for name in args.shapes.split(",") if name]
+    for impl in impls:
+        if impl not in IMPLS:
+            parser.error(f"--impl: expected names from {IMPLS}, got {impl!r}")
+    for name in names:
+        if name not in MOE_LAYER_SHAPES:
+            parser.error(f"--shapes: expected names from {sorted(MOE_LAYER_SHAPES)}, got {name!r}")
+    device, dtype, group = _setup(args.tiny)
+    rank = dist.get_rank() if group is not None else 0
+    ep = dist.get_world_size() if group is not None else 1
+    if not args.tiny and device.type != "cuda":
+        print("the layer benchmark needs a CUDA GPU (or --tiny for a CPU smoke run); nothing to do")
+        return 0
+    lines, rows = [], []
+
+    def report(line: str) -> None:
+        if rank == 0:
+            print(line, flush=True)
+            lines.append(line)
+
+    for name in names:
+        shape = TINY[name] if args.tiny else MOE_LAYER_SHAPES[name]
+        if shape.num_experts % ep:
+            report(f"{shape.name}: {shape.num_experts} experts do not split over EP = {ep}; skipped")
+            continue
+        for impl in impls:
+            if impl == "megatron" and args.capacity_factor is not None:
+                report(f"{impl} {shape.name}: the baseline is dropless only; skipped under --capacity-factor")
+                continue
+            try:
+                row = run_row(impl, shape, args, device, dtype, group)
+            except torch.OutOfMemoryError as error:
+                row = dict(impl=impl, shape=shape.name, ep=ep, note=f"OOM: {str(error).splitlines()[0]}")
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            rows.append(row)
+            report(_describe(row))
+    if rank == 0 and args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"moe_torch_ep{ep}.csv"
+        columns = list(dict.fromkeys(column for row in rows for column in row))
+        with path.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        (args.out / f"moe_torch_ep{ep}.log").write_text("\n".join(lines) + "\n")
+        print(f"wrote {path}")
+    if group is not None:
+        dist.destroy_process_group()
+    return 0
+
+
+def _describe(row: dict) -> str:
+    head = f"{row['impl']:<10} {row['shape']:<13} EP={row['ep']}"
+    if "note" in row:
+        return f"{head}  {row['note']}"
+    shares = " ".join(f"{stage} {row[f'{stage}_share_pct']:.1f}%" for stage in STAGES)
+    a2a = ""
+    if "a2a_gbps" in row:
+        a2a = f" | all-to-all {row['a2a_gbps']:.1f} GB/s = {row['a2a_pct_of_plain']:.0f}% of plain"
+    return (
+        f"{head} {row['policy']} step {row['step_ms']:.3f} ms | routing {row['routing_share_pct']:.1f}% | "
+        f"grouped GEMM {row['gemm_tflops']:.0f} TFLOP/s ({row['gemm_pct_of_peak']:.0f}% of {PEAK_TFLOPS:.0f})"
+        f"{a2a} | {shares}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The expert-parallel MoE layer (moetriton.torch.MoELayer) over torch.distributed, checked against the
+dense single-process reference on every rank.
+
+    python examples/torch_moe_ep.py                               # one process (EP = 1)
+    torchrun --nproc-per-node 2 examples/torch_moe_ep.py          # EP = 2: NCCL on GPUs, gloo on CPU
+    torchrun --nproc-per-node 4 examples/torch_moe_ep.py --small  # small shapes even on GPUs
+
+Every rank builds the same global weights from one seed, keeps its E / EP experts and its shard of the
+tokens, runs one forward + backward step for each capacity policy (dropless, capacity_factor=1), and compares
+its outputs and gradients with the reference's (gate gradient summed over the ranks). On CPU the Triton
+kernels run under the Triton interpreter (TRITON_INTERPRET=1, set here before moetriton is imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _setup() -> tuple[int, int, torch.device]:
+    """(rank, world, device); a process group when started by torchrun."""
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None)
+    return rank, world, device
+
+
+def _step(mt, layer, x, cotangent):
+    """One forward + backward of the layer: (out, aux_loss, dropped, grads by parameter name, x grad)."""
+    layer.zero_grad()
+    xg = x.detach().clone().requires_grad_()
+    out, aux_loss, dropped = layer(xg)
+    ((out.float() * cotangent).sum() + aux_loss).backward()
+    grads = {name: param.grad.float().clone() for name, param in layer.named_parameters()}
+    return out.detach(), aux_loss.detach(), dropped, grads, xg.grad
+
+
+def run(small: bool) -> dict[str, float]:
+    """Worst error over the ranks per policy; printed by rank 0."""
+    rank, world, device = _setup()
+    import moetriton.torch as mt
+    from moetriton.torch.reference_moe import moe_reference
+
+    on_gpu = device.type == "cuda"
+    big = on_gpu and not small
+    tokens, hidden, ffn = (4096, 1024, 512) if big else (16, 32, 16)
+    align_size, timed_steps = (16, 3) if big else (4, 1)
+    num_experts, topk = 4 * world, 2
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-4
+    group = dist.group.WORLD if world > 1 else None
+    generator = torch.Generator().manual_seed(0)
+    x_all = torch.randn(world * tokens, hidden, generator=generator)
+    cotangent_all = torch.randn(world * tokens, hidden, generator=generator)
+    shard = slice(rank * tokens, (rank + 1) * tokens)
+    errors = {}
+    for policy, capacity_factor in (("dropless", None), ("capacity 1.0", 1.0)):
+        layer = mt.MoELayer(
+            hidden,
+            ffn,
+            num_experts,
+            topk,
+            aux_loss_coeff=1e-2,
+            align_size=align_size,
+            capacity_factor=capacity_factor,
+            ep_group=group,
+            dtype=dtype,
+            device=device,
+        )
+        torch.manual_seed(1)  # the same global weights on every rank; each keeps its experts
+        gate = torch.randn(num_experts, hidden) / hidden**0.5
+        gate_up = torch.randn(num_experts, hidden, 2 * ffn) / hidden**0.5
+        down = torch.randn(num_experts, ffn, hidden) / ffn**0.5
+        local = slice(rank * layer.down.shape[0], (rank + 1) * layer.down.shape[0])
+        with torch.no_grad():
+            for param, value in (
+                (layer.gate_weight, gate),
+                (layer.gate_up, gate_up[local]),
+                (layer.down, down[local]),
+            ):
+                param.copy_(value)
+        x, cotangent = x_all[shard].to(device, dtype), cotangent_all[shard].to(device)
+        out, aux_loss, dropped, grads, grad_x = _step(mt, layer, x, cotangent)
+        if group is not None:
+            dist.all_reduce(grads["gate_weight"], group=group)
+            dist.all_reduce(dropped, group=group, op=dist.ReduceOp.MAX)  # the same on every rank already
+        leaves = [t.to(device, dtype).clone().requires_grad_() for t in (x_all, gate, gate_up, down)]
+        ref_out, ref_aux, ref_dropped = moe_reference(
+            *leaves,
+            topk=topk,
+            aux_loss_coeff=1e-2,
+            align_size=align_size,
+            capacity_factor=capacity_factor,
+            num_shards=world,
+        )
+        ((ref_out * cotangent_all.to(device)).sum() + ref_aux).backward()
+        pairs = [
+            (out.float(), ref_out.detach()[shard]),
+            (aux_loss, ref_aux.detach()),
+            (grad_x.float(), leaves[0].grad[shard].float()),
+            (grads["gate_weight"], leaves[1].grad.float()),
+            (grads["gate_up"], leaves[2].grad[local].float()),
+            (grads["down"], leaves[3].grad[local].float()),
+        ]
+        error = torch.stack([((a - b).abs().max() / b.abs().max().clamp(min=1e-6)) for a, b in pairs]).max()
+        if group is not None:
+            dist.all_reduce(error, group=group, op=dist.ReduceOp.MAX)
+        if int(dropped) != int(ref_dropped):
+            raise RuntimeError(f"{policy}: dropped {int(dropped)} slots, the reference {int(ref_dropped)}")
+        errors[policy] = float(error)
+        if on_gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(timed_steps):
+            _step(mt, layer, x, cotangent)
+        if on_gpu:
+            torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - start) / timed_steps * 1e3
+        if rank == 0:
+            print(
+                f"MoELayer EP={world} ({dist.get_backend() if group else 'no group'}, {device.type}) "
+                f"{policy}: T={tokens}/rank H={hidden} F={ffn} E={num_experts} K={topk} "
+                f"{str(dtype).removeprefix('torch.')}"
+                f" | max relative error vs reference {error:.1e}, dropped {int(dropped)} (reference "
+                f"{int(ref_dropped)}), aux loss {float(aux_loss):.4f}, fwd+bwd {step_ms:.2f} ms"
+            )
+    if group is not None:
+        dist.destroy_process_group()
+    worst = max(errors.values())
+    if worst > tolerance:
+        raise RuntimeError(f"error {worst:.2e} above the tolerance {tolerance:.0e}: {errors}")
+    return errors
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--small", action="store_true", help="small shapes even on GPUs")
+    run(parser.parse_args().small)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,439 @@
+"""moetriton.torch.MoELayer / moe against the dense fp32 reference: forward, aux loss, dropped count and the
+gradients of the input and every parameter, in one process and over gloo (CPU) / NCCL (2 GPUs) EP groups of
+spawned processes; capacity overflow, alignment, determinism, empty experts, errors; on a GPU
+torch._grouped_mm, CUDA-graph capture and torch.compile."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+import moetriton.torch as mt
+from moetriton.torch.moe import expert_mlp, grouped_mm_supported
+from moetriton.torch.reference_moe import moe_reference
+from tests.strategies_moe import moe_problems
+from tests.torch._helpers import DEVICE
+from tests.torch._moe_helpers import TOLERANCE, check_rank, ep_worker, reference, run_layer, tensors
+
+H, F, E = 8, 8, 4
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _weights(seed: int = 0, dtype=torch.float32, experts: int = E, hidden: int = H, ffn: int = F):
+    generator = torch.Generator().manual_seed(seed)
+    gate = torch.randn(experts, hidden, generator=generator) / hidden**0.5
+    gate_up = torch.randn(experts, hidden, 2 * ffn, generator=generator) / hidden**0.5
+    down = torch.randn(experts, ffn, hidden, generator=generator) / ffn**0.5
+    return [w.to(DEVICE, dtype) for w in (gate, gate_up, down)]
+
+
+def _tokens(num_tokens: int, seed: int = 1, dtype=torch.float32, hidden: int = H) -> torch.Tensor:
+    return torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def _run(x, weights, **kwargs):
+    """(out, aux_loss, dropped, grads of x and the weights) of one layer call and a fixed loss."""
+    leaves = [x.clone().requires_grad_(), *(w.clone().requires_grad_() for w in weights)]
+    out, aux_loss, dropped = mt.moe(*leaves, **kwargs)
+    (
+        (out.float() * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)).sum() + aux_loss
+    ).backward()
+    return out.detach(), aux_loss.detach(), dropped, [leaf.grad for leaf in leaves]
+
+
+# One process (EP = 1) ---------------------------------------------------------------------------------------
+
+
+@settings(max_examples=8)
+@given(problem=moe_problems())
+def test_layer_matches_the_dense_reference(problem):
+    full = tensors(problem, DEVICE)
+    check_rank(problem, run_layer(problem, full, 0, 1), reference(problem, full), 0, 1, ep=False)
+
+
+@pytest.mark.parametrize(("align_size", "dropped"), [(None, 6), (4, 4)])
+def test_capacity_overflow_drops_the_latest_tokens_and_counts_them(align_size, dropped):
+    """Equal logits: every token picks expert 0 (ties go to the lowest index). C = ceil(8 * 1 / 4) = 2
+    (aligned to 4: 4), so the first C tokens keep their slot and the rest get zero output."""
+    x = _tokens(8)
+    gate, gate_up, down = _weights()
+    out, _, count, _ = _run(
+        x, [torch.zeros_like(gate), gate_up, down], topk=1, capacity_factor=1.0, align_size=align_size
+    )
+    assert count.dtype == torch.int32 and int(count) == dropped
+    kept = 8 - dropped
+    assert torch.equal(out[kept:], torch.zeros_like(out[kept:]))
+    assert out[:kept].abs().amin(1).gt(0).all()
+    expected, _, expected_dropped = moe_reference(
+        x, torch.zeros_like(gate), gate_up, down, topk=1, capacity_factor=1.0, align_size=align_size
+    )
+    assert int(expected_dropped) == dropped
+    torch.testing.assert_close(out, expected, **TOLERANCE)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 2.0])
+def test_alignment_changes_no_result(capacity_factor):
+    x, weights = _tokens(9), _weights()
+    results = [_run(x, weights, topk=2, capacity_factor=capacity_factor, align_size=a) for a in (None, 4, 16)]
+    for other in results[1:]:
+        for got, expected in zip(
+            other[:2] + tuple(other[3]), results[0][:2] + tuple(results[0][3]), strict=True
+        ):
+            torch.testing.assert_close(got, expected, **TOLERANCE)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_two_runs_are_bitwise_equal(capacity_factor):
+    x, weights = _tokens(10), _weights()
+    first, second = (
+        _run(x, weights, topk=2, align_size=4, capacity_factor=capacity_factor, aux_loss_coeff=0.1)
+        for _ in range(2)
+    )
+    for got, expected in zip(second[:3] + tuple(second[3]), first[:3] + tuple(first[3]), strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_all_tokens_on_one_expert_leave_the_others_empty():
+    """Dropless: expert 0 takes every token; the empty experts get no rows and exactly zero gradients."""
+    x = _tokens(7).abs()
+    gate, gate_up, down = _weights()
+    gate[0] = 5.0
+    out, _, dropped, grads = _run(x, [gate, gate_up, down], topk=1, align_size=4)
+    expected, _, _ = moe_reference(x, gate, gate_up, down, topk=1)
+    torch.testing.assert_close(out, expected, **TOLERANCE)
+    assert int(dropped) == 0
+    for grad in grads[2:]:
+        assert torch.equal(grad[1:], torch.zeros_like(grad[1:]))
+        assert grad[0].abs().sum() > 0
+
+
+def test_expert_mlp_fallback_zeroes_tail_rows():
+    """The masked per-expert loop equals one matmul per group, and zero rows past the groups stay zero."""
+    _, gate_up, down = _weights()
+    rows = torch.cat([_tokens(6), torch.zeros(3, H, device=DEVICE)])
+    sizes = torch.tensor([2, 0, 3, 1], device=DEVICE)
+    got = expert_mlp(rows, sizes, gate_up, down, "swiglu", use_grouped_mm=False)
+    starts = [0, 2, 2, 5, 6]
+    for expert in range(E):
+        block = rows[starts[expert] : starts[expert + 1]]
+        hidden = block @ gate_up[expert]
+        expected = (torch.nn.functional.silu(hidden[:, :F]) * hidden[:, F:]) @ down[expert]
+        torch.testing.assert_close(got[starts[expert] : starts[expert + 1]], expected, **TOLERANCE)
+    assert torch.equal(got[6:], torch.zeros_like(got[6:]))
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_bf16_layer_routes_like_the_reference(capacity_factor):
+    """bf16 tokens and weights: the same experts and drops as the fp32 reference (which rounds the logits
+    to bf16 as the layer does), outputs and gradients within bf16 rounding."""
+    x, weights = _tokens(16, dtype=torch.bfloat16), _weights(dtype=torch.bfloat16)
+    out, aux_loss, dropped, grads = _run(
+        x, weights, topk=2, capacity_factor=capacity_factor, aux_loss_coeff=0.1
+    )
+    assert out.dtype == torch.bfloat16 and aux_loss.dtype == torch.float32
+    leaves = [t.clone().requires_grad_() for t in (x, *weights)]  # bf16: the reference rounds the logits
+    expected, expected_aux, expected_dropped = moe_reference(
+        *leaves, topk=2, capacity_factor=capacity_factor, aux_loss_coeff=0.1
+    )
+    assert int(dropped) == int(expected_dropped)
+    (
+        (expected * torch.linspace(-1, 1, expected.numel(), device=DEVICE).view_as(expected)).sum()
+        + expected_aux
+    ).backward()
+    for got, want in zip(
+        [out, aux_loss, *grads], [expected, expected_aux, *(leaf.grad for leaf in leaves)], strict=True
+    ):
+        torch.testing.assert_close(got.float(), want.detach().float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+def test_non_gated_activations(activation):
+    x = _tokens(6)
+    gate, gate_up, down = _weights()
+    up = gate_up[:, :, :F].contiguous()
+    out, _, _, _ = _run(x, [gate, up, down], topk=2, activation=activation)
+    expected, _, _ = moe_reference(x, gate, up, down, topk=2, activation=activation)
+    torch.testing.assert_close(out, expected, **TOLERANCE)
+
+
+def test_module_runs_the_functional_layer():
+    layer = mt.MoELayer(
+        H, F, E, 2, score_function="sigmoid", expert_bias=True, aux_loss_coeff=0.1, device=DEVICE
+    )
+    assert layer.gate_weight.shape == (E, H) and layer.gate_up.shape == (E, H, 2 * F)
+    assert layer.down.shape == (E, F, H)
+    assert "expert_bias" in layer.state_dict() and layer.expert_bias.requires_grad is False
+    layer.expert_bias[1] = 0.5
+    x = _tokens(6).view(2, 3, H)
+    out, aux_loss, dropped = layer(x)
+    expected = mt.moe(
+        x,
+        layer.gate_weight,
+        layer.gate_up,
+        layer.down,
+        topk=2,
+        score_function="sigmoid",
+        expert_bias=layer.expert_bias,
+        aux_loss_coeff=0.1,
+    )
+    assert out.shape == x.shape
+    for got, want in zip((out, aux_loss, dropped), expected, strict=True):
+        assert torch.equal(got, want)
+    assert "local_experts=4" in repr(layer)
+
+
+def _bad(name: str):
+    """Valid arguments of a small layer call with one of them broken; (args, kwargs)."""
+    x = _tokens(4)
+    gate, gate_up, down = _weights()
+    kwargs = dict(topk=2)
+    broken = {
+        "x": lambda: (x[:, :5], gate, gate_up, down),
+        "gate_weight": lambda: (x, gate[None], gate_up, down),
+        "gate_up": lambda: (x, gate, gate_up[:, :, :F], down),
+        "down": lambda: (x, gate, gate_up, down[:, :, : H - 1]),
+        "dtype": lambda: (x, gate.half(), gate_up, down),
+        "x dtype": lambda: (x.double(), gate, gate_up, down),
+    }
+    if name in broken:
+        return broken[name](), kwargs
+    bad_kwargs = {
+        "capacity_factor": dict(capacity_factor=0.0),
+        "negative capacity_factor": dict(capacity_factor=-1.0),
+        "align_size": dict(align_size=0),
+        "activation": dict(activation="tanh"),
+        "aux_loss_coeff": dict(aux_loss_coeff=-1.0),
+        "topk": dict(topk=E + 1),
+        "expert_bias": dict(expert_bias=torch.zeros(E + 1, device=DEVICE)),
+    }
+    return (x, gate, gate_up, down), kwargs | bad_kwargs[name]
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("x", "x: expected"),
+        ("gate_weight", "gate_weight: expected"),
+        ("gate_up", "gate_up: expected"),
+        ("down", "down: expected"),
+        ("dtype", "gate_weight: expected dtype"),
+        ("x dtype", "x: expected dtype"),
+        ("capacity_factor", "capacity_factor"),
+        ("negative capacity_factor", "capacity_factor"),
+        ("align_size", "align_size"),
+        ("activation", "activation"),
+        ("aux_loss_coeff", "aux_loss_coeff"),
+        ("topk", "topk"),
+        ("expert_bias", "expert_bias"),
+    ],
+)
+def test_bad_input_is_named(case, match):
+    args, kwargs = _bad(case)
+    with pytest.raises(ValueError, match=match):
+        mt.moe(*args, **kwargs)
+
+
+def test_module_validates_at_construction():
+    with pytest.raises(ValueError, match="activation"):
+        mt.MoELayer(H, F, E, 2, activation="tanh")
+    with pytest.raises(ValueError, match="capacity_factor"):
+        mt.MoELayer(H, F, E, 2, capacity_factor=0)
+
+
+# Process groups ---------------------------------------------------------------------------------------------
+
+
+# One example holds several problems: each example costs a spawn, and shrinking (many spawns) is off.
+_NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
+_ONE_SPAWN = settings(max_examples=1, phases=_NO_SHRINK)
+
+
+def _spawn(tmp_path, world: int, backend: str, problems, data_parallel: bool = False) -> None:
+    store = tmp_path / f"store_{backend}_{world}"
+    mp.spawn(
+        ep_worker, args=(world, str(store), backend, list(problems), data_parallel), nprocs=world, join=True
+    )
+
+
+def _ep_problems(world: int):
+    """A dropless and a capacity problem (the second one also checked for determinism)."""
+    return st.tuples(
+        moe_problems(shards=world, max_experts_per_shard=2, policies=("dropless",)),
+        moe_problems(shards=world, max_experts_per_shard=2, policies=("capacity",)),
+    )
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_expert_parallel_gloo_matches_the_dense_reference(tmp_path, world):
+    """Spawned CPU processes, EP over all of them: each rank's outputs and gradients equal the unsharded
+    reference's for its tokens and experts (gate gradient summed over ranks), aux loss and dropped count
+    global; plus the EP-size errors."""
+
+    @_ONE_SPAWN
+    @given(problems=_ep_problems(world))
+    def check(problems):
+        _spawn(tmp_path, world, "gloo", problems)
+
+    check()
+
+
+def test_token_group_makes_aux_loss_and_dropped_global(tmp_path):
+    """Data parallel: every expert on both ranks, only the aux-loss statistics and dropped count shared."""
+
+    @_ONE_SPAWN
+    @given(problems=_ep_problems(2))
+    def check(problems):
+        _spawn(tmp_path, 2, "gloo", problems, data_parallel=True)
+
+    check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL EP needs 2 CUDA GPUs")
+def test_expert_parallel_nccl_two_gpus(tmp_path):
+    @settings(max_examples=3, phases=_NO_SHRINK)
+    @given(problems=_ep_problems(2))
+    def check(problems):
+        _spawn(tmp_path, 2, "nccl", problems)
+
+    check()
+
+
+# Example and benchmark smoke runs ---------------------------------------------------------------------------
+
+
+def test_example_runs_and_agrees_with_the_reference(capsys):
+    spec = importlib.util.spec_from_file_location(
+        "torch_moe_ep_example", ROOT / "examples" / "torch_moe_ep.py"
+    )
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    errors = example.run(small=True)
+    assert set(errors) == {"dropless", "capacity 1.0"} and max(errors.values()) < 1e-4, errors
+    assert "MoELayer EP=1" in capsys.readouterr().out
+
+
+def test_benchmark_tiny_writes_a_row_per_impl(tmp_path):
+    from benchmarks import moe_torch
+
+    assert moe_torch.main(["--tiny", "--shapes", "mixtral", "--out", str(tmp_path)]) == 0
+    with (tmp_path / "moe_torch_ep1.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["impl"] for row in rows] == ["moetriton", "megatron"]
+    for row in rows:
+        assert float(row["step_ms"]) > 0 and float(row["grouped_gemm_ms"]) > 0
+        shares = sum(float(row[f"{stage}_share_pct"]) for stage in moe_torch.STAGES)
+        assert abs(shares - 100) < 0.1 and float(row["other_share_pct"]) < 50, row
+
+
+# GPU: grouped GEMM, CUDA graphs, torch.compile --------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_grouped_mm_matches_the_fallback():
+    hidden, ffn, experts = 64, 32, 4
+    _, gate_up, down = _weights(dtype=torch.bfloat16, experts=experts, hidden=hidden, ffn=ffn)
+    if not grouped_mm_supported(_tokens(1, dtype=torch.bfloat16, hidden=hidden), gate_up, down):
+        pytest.skip("torch._grouped_mm needs compute capability 9.0+")
+    rows = torch.cat(
+        [
+            _tokens(40, dtype=torch.bfloat16, hidden=hidden),
+            torch.zeros(8, hidden, device=DEVICE, dtype=torch.bfloat16),
+        ]
+    )
+    sizes = torch.tensor([16, 0, 8, 16], device=DEVICE)
+    results = []
+    for use in (True, False):
+        leaves = [w.clone().requires_grad_() for w in (rows, gate_up, down)]
+        out = expert_mlp(leaves[0], sizes, leaves[1], leaves[2], "swiglu", use_grouped_mm=use)
+        out.float().square().sum().backward()
+        results.append([out.detach(), *(leaf.grad for leaf in leaves)])
+    for got, expected in zip(*results, strict=True):
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(results[0][0][40:], torch.zeros_like(results[0][0][40:]))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_single_rank_layer_never_syncs_with_the_host(capacity_factor):
+    """EP = 1, dropless or capacity: forward and backward issue no host sync (torch's sync debug mode
+    raises on one)."""
+    x, weights = (
+        _tokens(64, dtype=torch.bfloat16, hidden=64),
+        _weights(dtype=torch.bfloat16, hidden=64, ffn=32),
+    )
+    kwargs = dict(topk=2, capacity_factor=capacity_factor, align_size=8, aux_loss_coeff=0.01)
+    _run(x, weights, **kwargs)  # warm up: kernels compiled, checks memoised
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        leaves = [x.clone().requires_grad_(), *(w.clone().requires_grad_() for w in weights)]
+        out, aux_loss, _ = mt.moe(*leaves, **kwargs)
+        torch.autograd.backward([out, aux_loss], [torch.ones_like(out), torch.ones_like(aux_loss)])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_capacity_layer_captures_in_a_cuda_graph():
+    x, weights = (
+        _tokens(64, dtype=torch.bfloat16, hidden=64),
+        _weights(dtype=torch.bfloat16, hidden=64, ffn=32),
+    )
+    kwargs = dict(topk=2, capacity_factor=1.0, align_size=8, aux_loss_coeff=0.01)
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up: kernels compiled, checks memoised, constant tensors cached
+            mt.moe(static_x, *weights, **kwargs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = mt.moe(static_x, *weights, **kwargs)
+    fresh = _tokens(64, seed=5, dtype=torch.bfloat16, hidden=64)
+    static_x.copy_(fresh)
+    graph.replay()
+    expected = mt.moe(fresh, *weights, **kwargs)
+    for got, want in zip(static_out, expected, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_compiled_layer_fullgraph_matches_eager(capacity_factor):
+    """torch.compile(fullgraph=True) of the EP = 1 layer (bf16 and torch._grouped_mm on a recent GPU)."""
+    torch._dynamo.reset()
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    layer = mt.MoELayer(
+        64,
+        32,
+        E,
+        2,
+        align_size=8,
+        aux_loss_coeff=0.01,
+        capacity_factor=capacity_factor,
+        dtype=dtype,
+        device=DEVICE,
+    )
+    x = _tokens(24, dtype=dtype, hidden=64).view(2, 12, 64)
+    results = []
+    for fn in (layer, torch.compile(layer, fullgraph=True)):
+        layer.zero_grad()
+        xg = x.clone().requires_grad_()
+        out, aux_loss, dropped = fn(xg)
+        (out.float().square().sum() + aux_loss).backward()
+        results.append([out.detach(), aux_loss.detach(), dropped, xg.grad, layer.gate_up.grad.clone()])
+    for got, expected in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected, rtol=3e-2, atol=3e-2)  # bf16 fusions round differently

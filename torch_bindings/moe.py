@@ -1,0 +1,568 @@
+"""Expert-parallel MoE layer: `MoELayer` (nn.Module) and its functional form `moe`.
+
+One call on one rank of the expert-parallel (EP) group, T tokens, E experts of which L = E / EP are local
+(expert e lives on rank e // L), top-K routing; sizes and exchange formulas come from
+moetriton.kernels.expert_parallel (EPLayout, dropless_exchange, dropped_slots):
+
+    x [T, H] -> logits = x @ gate_weight^T [T, E] (in x.dtype, fp32 accumulation)
+      -> fused top-k: probs [T, E], routing_map [T, E], indices [T, K]; merging weights w = probs at indices
+      -> aux loss, global over the token group (tokens_per_expert and T all-reduced)
+      -> token_dispatch: send buffer, expert-major and therefore rank-major
+      -> counts, then rows exchanged with all_to_all_single -> receive buffer, source-major
+      -> sort_chunks_by_index to expert-major -> grouped GEMM gate_up -> SwiGLU -> grouped GEMM down
+      -> inverse chunk sort -> reverse all_to_all_single -> token_combine with w -> [T, H]
+
+Capacity policies (the same as the JAX layer):
+
+* dropless (`capacity_factor=None`): every routed slot is computed. With EP > 1 the variable split sizes of
+  all_to_all_single must be on the host: the layer copies the gathered counts [EP, E] to the host once per
+  call (its only host sync) and sizes the receive buffer exactly. With EP = 1 there is no exchange: the
+  experts read the send buffer in place, with group sizes from token_dispatch's counts on the device, and
+  nothing syncs.
+* capacity (`capacity_factor=c`): every (source rank, expert) pair keeps its first C = layout.capacity slots
+  in token order (earlier tokens win) and drops the rest (a dropped slot adds nothing to its token's output;
+  the remaining weights are not renormalised). The exchange moves fixed [L, C] slabs and the experts run a
+  batched GEMM over [L, EP * C] rows: no size depends on data, nothing syncs, and the step captures in a CUDA
+  graph. `dropped` counts the dropped slots over the token group exactly.
+
+Grouped GEMMs: dropless rows go through `torch._grouped_mm` (offsets = int32 cumulative group ends) on CUDA
+GPUs of compute capability 9.0 or later, with bf16 tensors whose hidden and FFN sizes are multiples of 8
+(16-byte strides); anywhere else a per-expert loop that masks each expert's rows (every expert multiplies
+every row: E / EP times the FLOPs, a correctness fallback, CUDA-graph and compile safe). The capacity path
+uses torch.bmm on every device.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moetriton.kernels.expert_parallel import EPLayout, dropless_exchange, dropped_slots, ep_layout
+
+from ._checks import Signature, memoised, same_device, signature
+from .api import sort_chunks_by_index, token_combine, token_dispatch
+from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
+
+#: Expert activations: "swiglu" takes gate_up [L, H, 2F] (first F columns gate, last F up); the non-gated
+#: "gelu" and "relu" take gate_up [L, H, F] (the up projection alone).
+ACTIVATIONS = ("swiglu", "gelu", "relu")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+#: Stages of a layer call, each a torch.profiler.record_function range "moe.<stage>" (the benchmark
+#: attributes backward work to the stage whose forward ops it differentiates).
+STAGES = ("router", "dispatch", "all_to_all", "chunk_sort", "grouped_gemm", "activation", "combine")
+
+
+def _stage(name: str) -> torch.profiler.record_function:
+    """The profiler range of one stage (a few host microseconds; ignored by torch.compile)."""
+    return torch.profiler.record_function(f"moe.{name}")
+
+
+def _group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+@memoised
+def _check_moe(
+    *,
+    x: Signature,
+    gate_weight: Signature,
+    gate_up: Signature,
+    down: Signature,
+    expert_bias: Signature | None,
+    ep_size: int,
+    activation,
+    aux_loss_coeff,
+) -> tuple[int, int, int]:
+    """(hidden H, experts E, ffn F) of valid layer arguments; errors name the argument and the expected
+    value."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    # Comparisons rather than math.isfinite, which torch.compile does not trace on a Python float.
+    if (
+        isinstance(aux_loss_coeff, bool)
+        or not isinstance(aux_loss_coeff, int | float)
+        or not (0 <= aux_loss_coeff < math.inf)
+    ):
+        raise ValueError(f"aux_loss_coeff: expected a finite number >= 0, got {aux_loss_coeff!r}")
+    x_shape, dtype = x[0], x[1]
+    if dtype not in _DTYPES:
+        raise ValueError(f"x: expected dtype float32, bfloat16 or float16, got {dtype}")
+    if len(gate_weight[0]) != 2:
+        raise ValueError(f"gate_weight: expected [E, H], got shape {tuple(gate_weight[0])}")
+    num_experts, hidden = gate_weight[0]
+    if len(x_shape) < 1 or x_shape[-1] != hidden:
+        raise ValueError(f"x: expected [..., H] with H = {hidden} (as gate_weight), got {list(x_shape)}")
+    if num_experts % ep_size:
+        raise ValueError(f"num_experts: expected a multiple of the EP size {ep_size}, got {num_experts}")
+    local = num_experts // ep_size
+    if len(down[0]) != 3:
+        raise ValueError(f"down: expected [L, F, H], got shape {tuple(down[0])}")
+    ffn = down[0][1]
+    width = 2 * ffn if activation == "swiglu" else ffn
+    if tuple(gate_up[0]) != (local, hidden, width):
+        raise ValueError(
+            f"gate_up: expected [L, H, {'2F' if activation == 'swiglu' else 'F'}] = {[local, hidden, width]} "
+            f"(L = E / EP local experts), got {list(gate_up[0])}"
+        )
+    if tuple(down[0]) != (local, ffn, hidden):
+        raise ValueError(f"down: expected [L, F, H] = {[local, ffn, hidden]}, got {list(down[0])}")
+    for name, sig in (("gate_weight", gate_weight), ("gate_up", gate_up), ("down", down)):
+        if sig[1] != dtype:
+            raise ValueError(f"{name}: expected dtype {dtype} (as x), got {sig[1]}")
+    if expert_bias is not None and tuple(expert_bias[0]) != (num_experts,):
+        raise ValueError(f"expert_bias: expected [E] = [{num_experts}], got {list(expert_bias[0])}")
+    same_device(x=x, gate_weight=gate_weight, gate_up=gate_up, down=down, expert_bias=expert_bias)
+    return hidden, num_experts, ffn
+
+
+# Collectives -----------------------------------------------------------------------------------------------
+
+
+def _all_to_all(
+    rows: Tensor, send_sizes: list[int] | None, recv_sizes: list[int] | None, out_rows: int, group
+) -> Tensor:
+    """[out_rows, H]: rows [N, H] sent in `send_sizes` row blocks, received in `recv_sizes` blocks (None:
+    equal blocks, out_rows = N); rows past the received ones are zero."""
+    out = rows.new_empty(out_rows, rows.shape[1])
+    if send_sizes is None:
+        dist.all_to_all_single(out, rows.contiguous(), group=group)
+        return out
+    received = sum(recv_sizes)
+    out[received:].zero_()
+    dist.all_to_all_single(
+        out[:received], rows[: sum(send_sizes)].contiguous(), recv_sizes, send_sizes, group=group
+    )
+    return out
+
+
+class _Exchange(torch.autograd.Function):
+    """all_to_all_single of rows whose backward is the reverse exchange of the gradient."""
+
+    @staticmethod
+    def forward(ctx, rows, send_sizes, recv_sizes, out_rows, group):
+        ctx.reverse = (recv_sizes, send_sizes, rows.shape[0], group)
+        return _all_to_all(rows, send_sizes, recv_sizes, out_rows, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, *ctx.reverse), None, None, None, None
+
+
+def all_to_all_rows(
+    rows: Tensor, send_sizes: list[int] | None, recv_sizes: list[int] | None, out_rows: int, group
+) -> Tensor:
+    """Differentiable all_to_all_single of rows [N, H] -> [out_rows, H]: blocks of `send_sizes` rows go to
+    the ranks in order, blocks of `recv_sizes` rows arrive (None: N / EP rows each way, out_rows = N); rows
+    past the received ones are zero. The backward is the reverse exchange of the gradient.
+
+    Example (two ranks; rank 0 sends 1 row to itself and 2 to rank 1):
+        >>> out = all_to_all_rows(rows, [1, 2], [1, 3], 4, group)  # doctest: +SKIP
+    """
+    return _Exchange.apply(rows, send_sizes, recv_sizes, out_rows, group)
+
+
+class _GlobalSum(torch.autograd.Function):
+    """all_reduce(SUM) of a rank's partial loss; the backward passes the gradient through, so each rank
+    differentiates its own partial: the gradient of its tokens in the global loss."""
+
+    @staticmethod
+    def forward(ctx, partial, group):
+        total = partial.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _gather_counts(counts: Tensor, ep_size: int, group) -> Tensor:
+    """[EP, E] rows per expert of every rank's send buffer. dropless_exchange needs all of them (both
+    directions' sizes and offsets), so each rank sends its row to every rank: an all_to_all_single of the
+    row repeated EP times."""
+    gathered = counts.new_empty(ep_size, counts.shape[0])
+    dist.all_to_all_single(gathered, counts.expand(ep_size, -1).contiguous(), group=group)
+    return gathered
+
+
+# Experts ---------------------------------------------------------------------------------------------------
+
+
+def _activate(hidden: Tensor, activation: str) -> Tensor:
+    """[N, 2F] -> [N, F] (SwiGLU) or [N, F] -> [N, F]; zero rows stay zero."""
+    if activation == "swiglu":
+        gate, up = hidden.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(hidden) if activation == "gelu" else F.relu(hidden)
+
+
+def grouped_mm_supported(rows: Tensor, gate_up: Tensor, down: Tensor) -> bool:
+    """True where the dropless experts run `torch._grouped_mm`: CUDA, compute capability 9.0+, bf16 rows
+    and weights, and every row stride a multiple of 16 bytes (H, gate_up's width and F multiples of 8)."""
+    return (
+        hasattr(torch, "_grouped_mm")
+        and rows.is_cuda
+        and torch.cuda.get_device_properties(rows.device).major >= 9  # constant under torch.compile
+        and rows.dtype == gate_up.dtype == down.dtype == torch.bfloat16
+        and all(size % 8 == 0 for size in (rows.shape[1], gate_up.shape[2], down.shape[1]))
+    )
+
+
+def expert_mlp(
+    rows: Tensor,
+    group_sizes: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    activation: str,
+    use_grouped_mm: bool | None = None,
+) -> Tensor:
+    """Dropless experts on expert-major rows: [N, H] -> [N, H].
+
+    Args:
+        rows: [N, H]; expert j's rows follow expert j - 1's, group_sizes[j] of them; rows past the last
+            group must be zero (token_dispatch's tail): they join the last group and come out zero.
+        group_sizes: [L] int32/int64 on rows' device (no host sync).
+        gate_up: [L, H, 2F] (SwiGLU) or [L, H, F]; down: [L, F, H].
+        activation: one of ACTIVATIONS.
+        use_grouped_mm: force torch._grouped_mm (True) or the masked per-expert loop (False); None picks
+            `grouped_mm_supported`.
+
+    Example:
+        >>> rows = torch.randn(5, 8)
+        >>> gate_up, down = torch.randn(2, 8, 8), torch.randn(2, 4, 8)
+        >>> expert_mlp(rows, torch.tensor([3, 2]), gate_up, down, "swiglu").shape
+        torch.Size([5, 8])
+    """
+    offsets = group_sizes.cumsum(0, dtype=torch.int32)  # [L] end of each group
+    offsets[-1] = rows.shape[0]  # so no output row is left undefined
+    if use_grouped_mm is None:
+        use_grouped_mm = grouped_mm_supported(rows, gate_up, down)
+    if use_grouped_mm:
+        with _stage("grouped_gemm"):
+            hidden = torch._grouped_mm(rows, gate_up, offs=offsets)
+        with _stage("activation"):
+            act = _activate(hidden, activation)
+        with _stage("grouped_gemm"):
+            return torch._grouped_mm(act, down, offs=offsets)
+    positions = torch.arange(rows.shape[0], device=rows.device, dtype=torch.int32)
+    expert_of_row = torch.searchsorted(offsets, positions, right=True)[:, None]  # [N, 1]
+
+    def grouped(inp: Tensor, weights: Tensor) -> Tensor:
+        with _stage("grouped_gemm"):
+            out = inp.new_zeros(inp.shape[0], weights.shape[2])
+            for expert in range(weights.shape[0]):
+                out = torch.where(expert_of_row == expert, inp @ weights[expert], out)
+            return out
+
+    hidden = grouped(rows, gate_up)
+    with _stage("activation"):
+        act = _activate(hidden, activation)
+    return grouped(act, down)
+
+
+def _batched_mlp(rows: Tensor, gate_up: Tensor, down: Tensor, activation: str) -> Tensor:
+    """Capacity experts: rows [L * M, H], M rows per local expert -> [L * M, H], one bmm per projection."""
+    slabs = rows.view(gate_up.shape[0], -1, rows.shape[1])  # [L, M, H]
+    with _stage("grouped_gemm"):
+        hidden = torch.bmm(slabs, gate_up)
+    with _stage("activation"):
+        act = _activate(hidden, activation)
+    with _stage("grouped_gemm"):
+        return torch.bmm(act, down).reshape(rows.shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_orders(ep_size: int, local_experts: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(to expert-major, back to source-major) sorted_indices on the device, built once: a host-to-device
+    copy on every call would sync and could not be captured in a CUDA graph."""
+    layout = ep_layout(num_tokens=0, num_experts=ep_size * local_experts, topk=1, ep_size=ep_size)
+    return (
+        torch.tensor(layout.expert_major_order(), device=device),
+        torch.tensor(layout.source_major_order(), device=device),
+    )
+
+
+def _dropless_experts(send, send_counts, layout, ep_rank, group, gate_up, down, activation) -> Tensor:
+    """Dropless: send buffer [S, H] with send_counts [E] rows per expert -> expert outputs, same layout."""
+    if layout.ep_size == 1:
+        return expert_mlp(send, send_counts, gate_up, down, activation)
+    with _stage("all_to_all"):
+        counts_all = _gather_counts(send_counts, layout.ep_size, group)
+        on_host = dropless_exchange(counts_all.cpu(), ep_rank, layout)  # the call's one host sync
+        send_sizes, recv_sizes = on_host["send_sizes"].tolist(), on_host["recv_sizes"].tolist()
+        received = all_to_all_rows(
+            send, send_sizes, recv_sizes, sum(recv_sizes), group
+        )  # [R, H] source-major
+    with _stage("chunk_sort"):
+        on_device = dropless_exchange(counts_all, ep_rank, layout)
+        to_expert_major, to_source_major = _chunk_orders(layout.ep_size, layout.local_experts, send.device)
+        chunk_sizes = on_device["chunk_sizes"]
+        expert_major, _ = sort_chunks_by_index(received, chunk_sizes, to_expert_major)
+    out = expert_mlp(expert_major, on_device["group_sizes"], gate_up, down, activation)
+    with _stage("chunk_sort"):
+        source_major, _ = sort_chunks_by_index(out, chunk_sizes[to_expert_major], to_source_major)
+    with _stage("all_to_all"):
+        return all_to_all_rows(source_major, recv_sizes, send_sizes, send.shape[0], group)
+
+
+def _capacity_experts(send, layout, group, gate_up, down, activation) -> Tensor:
+    """Capacity: send buffer [E * C, H] = [EP, L, C] slabs -> expert outputs, same layout."""
+    if layout.ep_size == 1:
+        return _batched_mlp(send, gate_up, down, activation)
+    with _stage("all_to_all"):
+        received = all_to_all_rows(send, None, None, send.shape[0], group)  # [EP, L, C] source-major
+    with _stage("chunk_sort"):
+        to_expert_major, to_source_major = _chunk_orders(layout.ep_size, layout.local_experts, send.device)
+        chunk_sizes = torch.full_like(to_expert_major, layout.capacity)
+        expert_major, _ = sort_chunks_by_index(received, chunk_sizes, to_expert_major)  # [L, EP, C]
+    out = _batched_mlp(expert_major, gate_up, down, activation)
+    with _stage("chunk_sort"):
+        source_major, _ = sort_chunks_by_index(out, chunk_sizes, to_source_major)
+    with _stage("all_to_all"):
+        return all_to_all_rows(source_major, None, None, send.shape[0], group)
+
+
+# Layer -----------------------------------------------------------------------------------------------------
+
+
+def _routing_statistics(
+    logits: Tensor, routed: Tensor, layout: EPLayout, score_function: str, coeff: float, group
+) -> tuple[Tensor, Tensor]:
+    """(aux_loss fp32 scalar, dropped int32 scalar), both global over `group` (None: this rank alone).
+    routed [E]: this rank's routed slots per expert. One all_reduce carries the routed counts, T and the
+    dropped slots; no host sync."""
+    num_experts = layout.num_experts
+    dropped = dropped_slots(routed, layout)
+    total_tokens: int | Tensor = layout.num_tokens
+    group_size, _ = _group_size_and_rank(group)
+    if group_size > 1 and (coeff > 0 or not layout.dropless):
+        stats = torch.cat([routed, dropped.reshape(1), routed.new_full((1,), layout.num_tokens)])
+        dist.all_reduce(stats, group=group)
+        routed, dropped, total_tokens = stats[:num_experts], stats[num_experts], stats[num_experts + 1]
+    aux_loss = torch.zeros((), dtype=torch.float32, device=logits.device)
+    if coeff > 0 and layout.num_tokens > 0:
+        _, scores = fused_compute_score_for_moe_aux_loss(logits, layout.topk, score_function)
+        aux_loss = fused_moe_aux_loss(scores, routed, total_tokens, num_experts, layout.topk, coeff)
+        if group_size > 1:
+            aux_loss = _GlobalSum.apply(aux_loss, group)
+    return aux_loss, dropped.to(torch.int32)
+
+
+def moe(
+    x: Tensor,
+    gate_weight: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    *,
+    topk: int,
+    expert_bias: Tensor | None = None,
+    score_function: str = "softmax",
+    use_pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    scaling_factor: float | None = None,
+    aux_loss_coeff: float = 0.0,
+    align_size: int | None = None,
+    activation: str = "swiglu",
+    capacity_factor: float | None = None,
+    ep_group: dist.ProcessGroup | None = None,
+    token_group: dist.ProcessGroup | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One MoE layer on this rank's tokens, experts sharded over `ep_group` (see the module docstring).
+
+    Args:
+        x: [..., H] float32/bfloat16/float16 tokens of this rank.
+        gate_weight: [E, H] router weight (nn.Linear convention), x.dtype; logits are x.dtype.
+        gate_up: [L, H, 2F] fused gate+up weights of this rank's L = E / EP experts (experts
+            rank * L ... rank * L + L - 1), first F columns the gate; [L, H, F] for non-gated activations.
+        down: [L, F, H] down-projection weights of the local experts.
+        topk, expert_bias, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor: the
+            router's (moetriton.torch.fused_topk_with_score_function); expert_bias [E] steers selection only.
+        aux_loss_coeff: load-balancing loss weight (0: no loss, a zero scalar).
+        align_size: rows per expert block padded to a multiple of this (dropless; the capacity is rounded
+            up to it).
+        activation: "swiglu" (default), "gelu" or "relu" (non-gated).
+        capacity_factor: None for dropless; c > 0 for C = c x the balanced load per (rank, expert).
+        ep_group: the expert-parallel process group (None: one rank, every expert local). Every rank calls
+            with the same T, E, K and options.
+        token_group: the group over which the aux loss and the dropped count are global: every rank whose
+            tokens share the loss (EP and data parallel ranks; None: ep_group).
+
+    Returns:
+        (out [..., H] in x.dtype, aux_loss fp32 scalar, dropped int32 scalar): aux_loss has the same value
+        on every rank and its backward gives each rank the gradient of its own tokens, so parameter
+        gradients summed over token_group equal the unsharded layer's. Differentiable in x, gate_weight,
+        gate_up and down. Host syncs: one per call for dropless with EP > 1, none otherwise.
+
+    Example:
+        >>> x = torch.randn(6, 8)
+        >>> gate, gate_up, down = torch.randn(4, 8), torch.randn(4, 8, 8), torch.randn(4, 4, 8)
+        >>> out, aux_loss, dropped = moe(x, gate, gate_up, down, topk=2, capacity_factor=1.0)
+        >>> out.shape, aux_loss.dtype, dropped.dtype
+        (torch.Size([6, 8]), torch.float32, torch.int32)
+    """
+    ep_size, ep_rank = _group_size_and_rank(ep_group)
+    hidden, num_experts, _ = _check_moe(
+        x=signature(x),
+        gate_weight=signature(gate_weight),
+        gate_up=signature(gate_up),
+        down=signature(down),
+        expert_bias=signature(expert_bias),
+        ep_size=ep_size,
+        activation=activation,
+        aux_loss_coeff=aux_loss_coeff,
+    )
+    tokens = x.reshape(-1, hidden)  # [T, H]
+    layout = ep_layout(
+        num_tokens=tokens.shape[0],
+        num_experts=num_experts,
+        topk=topk,
+        ep_size=ep_size,
+        align_size=align_size,
+        capacity_factor=capacity_factor,
+    )
+    with _stage("router"):
+        logits = F.linear(tokens, gate_weight)  # [T, E]
+        probs, routing_map, indices = fused_topk_with_score_function(
+            logits,
+            topk,
+            use_pre_softmax=use_pre_softmax,
+            num_groups=num_groups,
+            group_topk=group_topk,
+            scaling_factor=scaling_factor,
+            score_function=score_function,
+            expert_bias=expert_bias,
+            return_indices=True,
+        )
+        merging = probs.gather(1, indices.long())  # [T, K]
+        aux_loss, dropped = _routing_statistics(
+            logits,
+            routing_map.sum(0),
+            layout,
+            score_function,
+            aux_loss_coeff,
+            token_group if token_group is not None else ep_group,
+        )
+    if layout.dropless:
+        with _stage("dispatch"):
+            send, _, row_id_map, pad_offsets, send_counts = token_dispatch(
+                tokens, indices=indices, num_experts=num_experts, align_size=layout.align_size
+            )
+        out = _dropless_experts(send, send_counts, layout, ep_rank, ep_group, gate_up, down, activation)
+    else:
+        with _stage("dispatch"):
+            send, _, row_id_map, pad_offsets, _ = token_dispatch(
+                tokens, indices=indices, num_experts=num_experts, capacity=layout.capacity
+            )
+        out = _capacity_experts(send, layout, ep_group, gate_up, down, activation)
+    with _stage("combine"):
+        combined = token_combine(out, row_id_map, merging_probs=merging, pad_offsets=pad_offsets)
+    return combined.reshape(x.shape), aux_loss, dropped
+
+
+class MoELayer(nn.Module):
+    """Expert-parallel MoE layer: router, dispatch, all-to-all, grouped GEMMs, combine (see `moe`).
+
+    Parameters: gate_weight [E, H]; gate_up [L, H, 2F] (SwiGLU; [L, H, F] non-gated) and down [L, F, H] for
+    this rank's L = E / EP experts (rank r holds experts r * L ... r * L + L - 1); with `expert_bias=True`
+    an fp32 buffer expert_bias [E] (sigmoid / sqrtsoftplus; update it from the routed counts outside the
+    layer, as aux-loss-free balancing does).
+
+    forward(x [..., H]) -> (out [..., H], aux_loss fp32 scalar, dropped int32 scalar).
+
+    Example:
+        >>> layer = MoELayer(16, 32, num_experts=4, topk=2, aux_loss_coeff=1e-2)
+        >>> out, aux_loss, dropped = layer(torch.randn(2, 3, 16))
+        >>> out.shape
+        torch.Size([2, 3, 16])
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        topk: int,
+        *,
+        score_function: str = "softmax",
+        use_pre_softmax: bool = False,
+        num_groups: int | None = None,
+        group_topk: int | None = None,
+        scaling_factor: float | None = None,
+        expert_bias: bool = False,
+        aux_loss_coeff: float = 0.0,
+        align_size: int | None = None,
+        activation: str = "swiglu",
+        capacity_factor: float | None = None,
+        ep_group: dist.ProcessGroup | None = None,
+        token_group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+        ep_size, _ = _group_size_and_rank(ep_group)
+        ep_layout(  # validates E, K, EP, align_size and capacity_factor now rather than at the first call
+            num_tokens=0,
+            num_experts=num_experts,
+            topk=topk,
+            ep_size=ep_size,
+            align_size=align_size,
+            capacity_factor=capacity_factor,
+        )
+        local = num_experts // ep_size
+        width = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        factory = dict(dtype=dtype, device=device)
+        self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
+        self.gate_up = nn.Parameter(torch.empty(local, hidden_size, width, **factory))
+        self.down = nn.Parameter(torch.empty(local, ffn_hidden_size, hidden_size, **factory))
+        bias = torch.zeros(num_experts, dtype=torch.float32, device=device) if expert_bias else None
+        self.register_buffer("expert_bias", bias)
+        self.ep_group = ep_group
+        self.token_group = token_group
+        self.options = dict(
+            topk=topk,
+            score_function=score_function,
+            use_pre_softmax=use_pre_softmax,
+            num_groups=num_groups,
+            group_topk=group_topk,
+            scaling_factor=scaling_factor,
+            aux_loss_coeff=aux_loss_coeff,
+            align_size=align_size,
+            activation=activation,
+            capacity_factor=capacity_factor,
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal weights with standard deviation fan_in ** -0.5 (fan_in: H, H and F)."""
+        for weight in (self.gate_weight, self.gate_up, self.down):
+            nn.init.normal_(weight, std=weight.shape[1] ** -0.5)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return moe(
+            x,
+            self.gate_weight,
+            self.gate_up,
+            self.down,
+            expert_bias=self.expert_bias,
+            ep_group=self.ep_group,
+            token_group=self.token_group,
+            **self.options,
+        )
+
+    def extra_repr(self) -> str:
+        experts, hidden = self.gate_weight.shape
+        ffn = self.down.shape[1]
+        options = ", ".join(f"{name}={value}" for name, value in self.options.items())
+        return f"hidden={hidden}, ffn={ffn}, experts={experts}, local_experts={self.down.shape[0]}, {options}"
