@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device-tool call: install what the GPU machine lacks, run the whole test suite on CUDA, run the
 # benchmarks, and leave logs under $OUT. Usage (device tool, repo root): bash scripts/gpu_check.sh [stage...]
-# Stages: smoke tests bench eager hostprof router autotune usecache jaxprof plan (default: tests bench).
+# Stages: smoke tests bench eager hostprof router autotune usecache jaxprof plan moe1 moe2 (default: tests
+# bench). moe1: the MoE layer examples and layer-step benchmarks on one GPU; moe2: the same with EP = 2 on
+# two GPUs (torchrun for PyTorch, one process for JAX); their logs and CSVs come back as $OUT/moe.tar.
 # usecache copies what autotune wrote into the installed package, so later stages of the same call run with
 # the new cache. Carry `.whl` (the jax-triton wheel) and, to benchmark TransformerEngine's Triton kernels
 # beside ours, `.te` (a folder holding an importable `transformer_engine.pytorch.triton.permutation`; never
@@ -10,6 +12,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# NVLink multicast stays off on the lent machines (a program using it can take shared GPUs out of service).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export HOME=${HOME:-/root} TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p "$TRITON_CACHE_DIR"
 stages=${*:-tests bench}
@@ -41,5 +45,22 @@ for stage in $stages; do
     router) (cd "$repo" && timeout ${ROUTER_TIMEOUT:-300} python3 -m benchmarks.router_cases 2>&1 | tee "$OUT/router.log") ;;
     autotune) (cd "$repo" && timeout ${AUTOTUNE_TIMEOUT:-500} python3 scripts/autotune.py --out /tmp/cache ${AUTOTUNE_ARGS:-} \
                  > "$OUT/autotune.log" 2>&1; tail -45 "$OUT/autotune.log"; tar -C /tmp/cache -cf "$OUT/autotune_cache.tar" .) ;;
+    moe1) (cd "$repo" && mkdir -p "$OUT/moe" && {
+            timeout ${MOE_EXAMPLE_TIMEOUT:-120} python3 examples/torch_moe_ep.py
+            timeout ${MOE_EXAMPLE_TIMEOUT:-120} python3 examples/jax_moe_ep.py
+            timeout ${MOE_TIMEOUT:-240} python3 -m benchmarks.moe_torch --out "$OUT/moe" ${MOE_TORCH_ARGS:-}
+            XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOE_TIMEOUT:-240} python3 -m benchmarks.moe_jax --ep 1 \
+              --out "$OUT/moe" ${MOE_JAX_ARGS:-}
+          } > "$OUT/moe/moe1.log" 2>&1; grep -v -i warn "$OUT/moe/moe1.log" | tail -40
+          tar -C "$OUT" -cf "$OUT/moe.tar" moe && rm -r "$OUT/moe") ;;
+    moe2) (cd "$repo" && mkdir -p "$OUT/moe" && {
+            timeout ${MOE_EXAMPLE_TIMEOUT:-120} python3 -m torch.distributed.run --nproc-per-node 2 examples/torch_moe_ep.py
+            timeout ${MOE_EXAMPLE_TIMEOUT:-120} python3 examples/jax_moe_ep.py
+            timeout ${MOE_TIMEOUT:-240} python3 -m torch.distributed.run --nproc-per-node 2 -m benchmarks.moe_torch \
+              --out "$OUT/moe" ${MOE_TORCH_ARGS:-}
+            XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOE_TIMEOUT:-240} python3 -m benchmarks.moe_jax \
+              --ep ${MOE_JAX_EP:-1,2} --out "$OUT/moe" ${MOE_JAX_ARGS:-}
+          } > "$OUT/moe/moe2.log" 2>&1; grep -v -i warn "$OUT/moe/moe2.log" | tail -40
+          tar -C "$OUT" -cf "$OUT/moe.tar" moe && rm -r "$OUT/moe") ;;
   esac
 done

@@ -3,8 +3,6 @@ on one rank of a process group; and the worker that spawned EP test processes ru
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -111,8 +109,9 @@ def ep_worker(rank: int, world: int, store: str, backend: str, problems: list, d
     """One rank of a spawned test group: every problem through the layer with EP over the whole group
     (or, with `data_parallel`, every expert on every rank and only the token statistics shared), against
     the reference; the second problem also runs twice and must repeat bit for bit."""
-    if backend == "gloo":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before moetriton is imported (run_layer)
+    # A gloo rank computes on CPU tensors: under the Triton interpreter where the parent set it (CPU-only
+    # machines, tests/conftest.py), else through the PyTorch reference path (a GPU machine, whose Triton may
+    # not interpret: kernels/_interpreter.py).
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
