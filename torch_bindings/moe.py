@@ -243,7 +243,7 @@ def expert_mlp(
         torch.Size([5, 8])
     """
     offsets = group_sizes.cumsum(0, dtype=torch.int32)  # [L] end of each group
-    offsets[-1] = rows.shape[0]  # so no output row is left undefined
+    offsets[-1:].fill_(rows.shape[0])  # no output row left undefined; a fill, not a host-to-device copy
     if use_grouped_mm is None:
         use_grouped_mm = grouped_mm_supported(rows, gate_up, down)
     if use_grouped_mm:

@@ -316,7 +316,8 @@ def test_example_runs_and_agrees_with_the_reference(capsys):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     errors = example.run(small=True)
-    assert set(errors) == {"dropless", "capacity 1.0"} and max(errors.values()) < 1e-4, errors
+    limit = 5e-2 if DEVICE.type == "cuda" else 1e-4  # the example runs bf16 on a GPU, fp32 on CPU
+    assert set(errors) == {"dropless", "capacity 1.0"} and max(errors.values()) < limit, errors
     assert "MoELayer EP=1" in capsys.readouterr().out
 
 
@@ -427,7 +428,12 @@ def test_compiled_layer_fullgraph_matches_eager(capacity_factor):
         dtype=dtype,
         device=DEVICE,
     )
-    x = _tokens(24, dtype=dtype, hidden=64).view(2, 12, 64)
+    # Integer tokens and gate: every logit is an exact small integer whatever kernel computes it, so the
+    # compiled graph routes exactly as eager (a bf16 logit rounded differently could flip a near tie).
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        layer.gate_weight.copy_(torch.randint(-1, 2, layer.gate_weight.shape, generator=generator))
+    x = torch.randint(-2, 3, (2, 12, 64), generator=generator).to(DEVICE, dtype)
     results = []
     for fn in (layer, torch.compile(layer, fullgraph=True)):
         layer.zero_grad()
