@@ -12,7 +12,8 @@ the dense single-device reference `moetriton.jax.reference_moe`, on a mesh of (d
 * determinism: two runs of the jitted layer and its gradient are bitwise equal;
 * exchanges (GPUs only): exchange="ragged" and "padded" against the reference and each other, bitwise;
 * flax: the Flax MoEBlock on a mesh with logical-axis rules equals the functional layer;
-* errors: mesh-dependent argument errors.
+* errors: mesh-dependent argument errors;
+* benchmark: benchmarks/moe_jax.py's baseline against the layer, and one step of its command line.
 
 On CPU the exchange is the padded all_to_all fallback (XLA:CPU has no ragged all-to-all); on GPUs "auto"
 picks the ragged all-to-all. XLA_FLAGS must give 8 host devices before JAX starts; the parent test sets it.
@@ -20,8 +21,11 @@ picks the ragged all-to-all. XLA_FLAGS must give 8 host devices before JAX start
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import sys
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -63,14 +67,15 @@ def _options(problem: MoEProblem) -> dict:
     )
 
 
-def _loss(layer, cotangent):
-    """Scalar loss whose gradient checks every output: <out, cotangent> + aux loss."""
+def step(layer, cotangent):
+    """jit of (x, gate, gate_up, down) -> ((loss, (out, aux_loss, dropped)), gradients): one compiled program
+    for the forward results and every gradient, loss = <out, cotangent> + aux loss."""
 
     def loss(x, gate, gate_up, down):
-        out, aux_loss, _ = layer(x, gate, gate_up, down)
-        return jnp.sum(out.astype(jnp.float32) * cotangent) + aux_loss
+        results = layer(x, gate, gate_up, down)
+        return jnp.sum(results[0].astype(jnp.float32) * cotangent) + results[1], results
 
-    return loss
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
 
 
 def layer_and_reference(problem: MoEProblem, mesh: Mesh | None, **extra):
@@ -104,19 +109,14 @@ def check_against_reference(problem: MoEProblem, mesh: Mesh | None, **extra) -> 
     layer, reference = layer_and_reference(problem, mesh, **extra)
     arrays = _arrays(problem)
     what = f"{problem} on mesh {None if mesh is None else dict(mesh.shape)} {extra}"
-    got, expected = jax.jit(layer)(*arrays), jax.jit(reference)(*arrays)
+    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=problem.x.shape).astype(np.float32))
+    (_, got), grads = step(layer, cotangent)(*arrays)
+    (_, expected), expected_grads = step(reference, cotangent)(*arrays)
     _close(got[0], expected[0], f"out of {what}", rtol)
     _close(got[1], expected[1], f"aux loss of {what}")
     assert got[0].shape == problem.x.shape and got[0].dtype == arrays[0].dtype, what
-    assert got[2].dtype == jnp.int32 and int(got[2]) == int(expected[2]), (
-        int(got[2]),
-        int(expected[2]),
-        what,
-    )
-    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=problem.x.shape).astype(np.float32))
-    argnums = (0, 1, 2, 3)
-    grads = jax.jit(jax.grad(_loss(layer, cotangent), argnums))(*arrays)
-    expected_grads = jax.jit(jax.grad(_loss(reference, cotangent), argnums))(*arrays)
+    assert got[2].dtype == jnp.int32, what
+    assert int(got[2]) == int(expected[2]), (int(got[2]), int(expected[2]), what)
     for name, g, e in zip(("x", "gate", "gate_up", "down"), grads, expected_grads, strict=True):
         _close(g, e, f"grad {name} of {what}", grad_rtol)
     return got, grads
@@ -233,9 +233,8 @@ def check_determinism() -> None:
     layer, _ = layer_and_reference(problem, mesh)
     arrays = _arrays(problem)
     cotangent = jnp.ones(problem.x.shape, jnp.float32)
-    step = jax.jit(jax.value_and_grad(_loss(layer, cotangent), argnums=(0, 1, 2, 3)))
-    forward = jax.jit(layer)
-    first, second = (forward(*arrays), step(*arrays)), (forward(*arrays), step(*arrays))
+    run = step(layer, cotangent)
+    first, second = run(*arrays), run(*arrays)
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -314,6 +313,29 @@ def check_errors() -> None:
             raise AssertionError(f"no error for {change}")
 
 
+def check_benchmark() -> None:
+    """benchmarks/moe_jax.py: its MaxText-style baseline computes the same layer (to bf16 rounding), and its
+    command line runs one step of both implementations on EP = 2 and writes the CSV."""
+    from benchmarks import moe_jax
+
+    mesh = moe_jax.make_mesh(2)
+    for shape in moe_jax.TINY_SHAPES.values():
+        case = moe_jax.Case(shape, 2, None, seq=16)
+        arrays = moe_jax.make_inputs(case, mesh)
+        got = jax.jit(moe_jax.baseline_layer(case, mesh))(*arrays)
+        expected = jax.jit(moe_jax.moetriton_layer(case, mesh))(*arrays)
+        _close(got[0], expected[0], f"baseline output of {shape.name}", 3e-2)
+        _close(got[1], expected[1], f"baseline aux loss of {shape.name}", 1e-3)
+    with tempfile.TemporaryDirectory() as out:
+        argv = ["--tiny", "--steps", "1", "--shapes", "mixtral", "--ep", "2", "--out", out]
+        assert moe_jax.main(argv) == 0
+        with (Path(out) / "moe_jax.csv").open() as file:
+            rows = list(csv.DictReader(file))
+    assert [row["impl"] for row in rows] == ["moetriton", "maxtext"], rows
+    assert all(float(row["step_ms"]) > 0 and not row["error"] for row in rows), rows
+    assert float(rows[0]["a2a_gbps"]) > 0 and float(rows[0]["routing_share"]) > 0, rows[0]
+
+
 CHECKS = {
     "mesh-1x1": lambda: check_mesh(1, 1, 2),
     "mesh-1x2": lambda: check_mesh(1, 2, 2),
@@ -327,6 +349,7 @@ CHECKS = {
     "exchanges": check_exchanges,
     "flax": check_flax,
     "errors": check_errors,
+    "benchmark": check_benchmark,
 }
 
 #: Devices each check needs.
