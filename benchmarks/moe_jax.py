@@ -89,6 +89,11 @@ class Case:
         return self.ep * self.shape.num_tokens // self.seq
 
 
+def _significant(value: float) -> float:
+    """`value` to 4 significant digits (tiny CPU figures must not round to 0)."""
+    return float(f"{value:.4g}")
+
+
 def median_ms(function, *args, steps: int) -> float:
     """Median wall ms of `function(*args)` (jitted) over `steps` calls after two warm-up calls."""
     jax.block_until_ready(function(*args))
@@ -396,26 +401,25 @@ def measure(impl: str, case: Case, steps: int) -> dict:
     arrays = make_inputs(case, mesh)
     layer = moetriton_layer(case, mesh) if impl == "moetriton" else baseline_layer(case, mesh)
     step_ms = median_ms(train_step(layer), *arrays, steps=steps)
-    row["step_ms"] = round(step_ms, 3)
+    row["step_ms"] = _significant(step_ms)
     rows = shape.num_tokens * shape.topk
     flops = 3 * (2 * rows * shape.hidden * 2 * shape.ffn + 2 * rows * shape.ffn * shape.hidden)
     gemm_ms = step_ms
     if impl == "moetriton":
         stages = stage_times(case, mesh, arrays, steps)
         for stage in STAGES:
-            row[f"{stage}_share"] = round(stages[stage] / step_ms, 4)
-        row["routing_share"] = round(sum(stages[stage] for stage in ROUTING_STAGES) / step_ms, 4)
+            row[f"{stage}_share"] = _significant(stages[stage] / step_ms)
+        row["routing_share"] = _significant(sum(stages[stage] for stage in ROUTING_STAGES) / step_ms)
         row["stage_method"] = "per-stage jitted fwd+bwd timings"
         gemm_ms = stages["grouped_gemm"]
         if case.ep > 1:
             a2a_bytes = 4 * rows * shape.hidden * 2
-            row["a2a_gbps"] = round(a2a_bytes / (stages["all_to_all"] * 1e-3) / 1e9, 1)
-            row["plain_a2a_gbps"] = round(
-                a2a_bytes / (plain_all_to_all_ms(case, mesh, steps) * 1e-3) / 1e9, 1
-            )
+            row["a2a_gbps"] = _significant(a2a_bytes / (stages["all_to_all"] * 1e-3) / 1e9)
+            plain_ms = plain_all_to_all_ms(case, mesh, steps)
+            row["plain_a2a_gbps"] = _significant(a2a_bytes / (plain_ms * 1e-3) / 1e9)
     tflops = flops / (gemm_ms * 1e-3) / 1e12
-    row["gemm_tflops"] = round(tflops, 1)
-    row["gemm_peak_pct"] = round(100 * tflops / PEAK_TFLOPS, 1)
+    row["gemm_tflops"] = _significant(tflops)
+    row["gemm_peak_pct"] = _significant(100 * tflops / PEAK_TFLOPS)
     return row
 
 
