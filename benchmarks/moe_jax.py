@@ -49,7 +49,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moetriton.jax import reference_router, sort_chunks_by_index, token_combine, token_dispatch
-from moetriton.jax.moe import MoEConfig, _experts, _move, _router, apply_activation, moe
+from moetriton.jax.moe import (
+    MoEConfig,
+    _experts,
+    _router,
+    apply_activation,
+    dropless_forward,
+    dropless_reverse,
+    moe,
+)
 from moetriton.kernels.expert_parallel import dropless_exchange, ep_layout
 from moetriton.kernels.shapes import MOE_LAYER_SHAPES, MoELayerShape
 
@@ -184,15 +192,7 @@ def _baseline_shard(x, gate, gate_up, down, *, case: Case, config: MoEConfig):
     else:
         layout = ep_layout(num_tokens=num_tokens, num_experts=experts, topk=topk, ep_size=case.ep)
         sizes = dropless_exchange(jax.lax.all_gather(counts, "ep"), jax.lax.axis_index("ep"), layout)
-        recv = _move(
-            send,
-            layout.recv_rows,
-            (sizes["input_offsets"], sizes["send_sizes"]),
-            sizes["output_offsets"],
-            (sizes["recv_offsets"], sizes["recv_sizes"]),
-            layout,
-            config,
-        )
+        recv = dropless_forward(send, sizes, layout, config)
         # Local expert of every received row (source-major chunks), then a second argsort to expert-major.
         chunk_ends = jnp.cumsum(sizes["chunk_sizes"])
         chunk = jnp.searchsorted(chunk_ends, jnp.arange(layout.recv_rows), side="right")
@@ -202,15 +202,7 @@ def _baseline_shard(x, gate, gate_up, down, *, case: Case, config: MoEConfig):
         local_order = jnp.argsort(local_expert, stable=True)
         out_sorted = _baseline_experts(recv[local_order], sizes["group_sizes"], gate_up, down)
         source_rows = jnp.zeros_like(out_sorted).at[local_order].set(out_sorted)
-        expert_out = _move(
-            source_rows,
-            layout.send_rows,
-            (sizes["recv_offsets"], sizes["recv_sizes"]),
-            sizes["return_offsets"],
-            (sizes["input_offsets"], sizes["send_sizes"]),
-            layout,
-            config,
-        )
+        expert_out = dropless_reverse(source_rows, sizes, layout, config)
     unsorted = jnp.zeros_like(expert_out).at[order].set(expert_out)  # [T * K, H] in (token, slot) order
     out = jnp.sum(unsorted.reshape(num_tokens, topk, hidden) * weights[..., None], axis=1)
     if config.ep_axis:
@@ -326,10 +318,8 @@ def stage_times(case: Case, mesh: Mesh | None, arrays, steps: int) -> dict[str, 
 
     def all_to_all(send, counts):
         sizes = exchange_sizes(counts)
-        forward = (sizes["input_offsets"], sizes["send_sizes"]), (sizes["recv_offsets"], sizes["recv_sizes"])
-        recv = _move(send, layout.recv_rows, forward[0], sizes["output_offsets"], forward[1], layout, config)
-        back = _move(recv, layout.send_rows, forward[1], sizes["return_offsets"], forward[0], layout, config)
-        return recv, back
+        recv = dropless_forward(send, sizes, layout, config)
+        return recv, dropless_reverse(recv, sizes, layout, config)
 
     order = jnp.asarray(layout.expert_major_order(), jnp.int32)
     inverse = jnp.asarray(layout.source_major_order(), jnp.int32)
