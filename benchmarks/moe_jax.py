@@ -49,7 +49,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moetriton.jax import reference_router, sort_chunks_by_index, token_combine, token_dispatch
-from moetriton.jax.moe import MoEConfig, _experts, _move, _router, apply_activation, moe
+from moetriton.jax.moe import (
+    MoEConfig,
+    _experts,
+    _router,
+    apply_activation,
+    dropless_forward,
+    dropless_reverse,
+    moe,
+)
 from moetriton.kernels.expert_parallel import dropless_exchange, ep_layout
 from moetriton.kernels.shapes import MOE_LAYER_SHAPES, MoELayerShape
 
@@ -89,6 +97,11 @@ class Case:
         return self.ep * self.shape.num_tokens // self.seq
 
 
+def _significant(value: float) -> float:
+    """`value` to 4 significant digits (tiny CPU figures must not round to 0)."""
+    return float(f"{value:.4g}")
+
+
 def median_ms(function, *args, steps: int) -> float:
     """Median wall ms of `function(*args)` (jitted) over `steps` calls after two warm-up calls."""
     jax.block_until_ready(function(*args))
@@ -112,7 +125,8 @@ def make_inputs(case: Case, mesh: Mesh | None):
     hidden, ffn, experts = shape.hidden, shape.ffn, shape.num_experts
 
     def normal(key, dims, scale, spec):
-        make = jax.jit(lambda: (jax.random.normal(key, dims, jnp.float32) * scale).astype(dtype))
+        # Drawn in bf16: an fp32 draw of dsv3's expert weights alone would take 45 GB.
+        make = jax.jit(lambda: jax.random.normal(key, dims, dtype) * jnp.asarray(scale, dtype))
         if mesh is None:
             return make()
         return jax.jit(make, out_shardings=NamedSharding(mesh, spec))()
@@ -179,15 +193,7 @@ def _baseline_shard(x, gate, gate_up, down, *, case: Case, config: MoEConfig):
     else:
         layout = ep_layout(num_tokens=num_tokens, num_experts=experts, topk=topk, ep_size=case.ep)
         sizes = dropless_exchange(jax.lax.all_gather(counts, "ep"), jax.lax.axis_index("ep"), layout)
-        recv = _move(
-            send,
-            layout.recv_rows,
-            (sizes["input_offsets"], sizes["send_sizes"]),
-            sizes["output_offsets"],
-            (sizes["recv_offsets"], sizes["recv_sizes"]),
-            layout,
-            config,
-        )
+        recv = dropless_forward(send, sizes, layout, config)
         # Local expert of every received row (source-major chunks), then a second argsort to expert-major.
         chunk_ends = jnp.cumsum(sizes["chunk_sizes"])
         chunk = jnp.searchsorted(chunk_ends, jnp.arange(layout.recv_rows), side="right")
@@ -197,15 +203,7 @@ def _baseline_shard(x, gate, gate_up, down, *, case: Case, config: MoEConfig):
         local_order = jnp.argsort(local_expert, stable=True)
         out_sorted = _baseline_experts(recv[local_order], sizes["group_sizes"], gate_up, down)
         source_rows = jnp.zeros_like(out_sorted).at[local_order].set(out_sorted)
-        expert_out = _move(
-            source_rows,
-            layout.send_rows,
-            (sizes["recv_offsets"], sizes["recv_sizes"]),
-            sizes["return_offsets"],
-            (sizes["input_offsets"], sizes["send_sizes"]),
-            layout,
-            config,
-        )
+        expert_out = dropless_reverse(source_rows, sizes, layout, config)
     unsorted = jnp.zeros_like(expert_out).at[order].set(expert_out)  # [T * K, H] in (token, slot) order
     out = jnp.sum(unsorted.reshape(num_tokens, topk, hidden) * weights[..., None], axis=1)
     if config.ep_axis:
@@ -321,10 +319,8 @@ def stage_times(case: Case, mesh: Mesh | None, arrays, steps: int) -> dict[str, 
 
     def all_to_all(send, counts):
         sizes = exchange_sizes(counts)
-        forward = (sizes["input_offsets"], sizes["send_sizes"]), (sizes["recv_offsets"], sizes["recv_sizes"])
-        recv = _move(send, layout.recv_rows, forward[0], sizes["output_offsets"], forward[1], layout, config)
-        back = _move(recv, layout.send_rows, forward[1], sizes["return_offsets"], forward[0], layout, config)
-        return recv, back
+        recv = dropless_forward(send, sizes, layout, config)
+        return recv, dropless_reverse(recv, sizes, layout, config)
 
     order = jnp.asarray(layout.expert_major_order(), jnp.int32)
     inverse = jnp.asarray(layout.source_major_order(), jnp.int32)
@@ -396,26 +392,25 @@ def measure(impl: str, case: Case, steps: int) -> dict:
     arrays = make_inputs(case, mesh)
     layer = moetriton_layer(case, mesh) if impl == "moetriton" else baseline_layer(case, mesh)
     step_ms = median_ms(train_step(layer), *arrays, steps=steps)
-    row["step_ms"] = round(step_ms, 3)
+    row["step_ms"] = _significant(step_ms)
     rows = shape.num_tokens * shape.topk
     flops = 3 * (2 * rows * shape.hidden * 2 * shape.ffn + 2 * rows * shape.ffn * shape.hidden)
     gemm_ms = step_ms
     if impl == "moetriton":
         stages = stage_times(case, mesh, arrays, steps)
         for stage in STAGES:
-            row[f"{stage}_share"] = round(stages[stage] / step_ms, 4)
-        row["routing_share"] = round(sum(stages[stage] for stage in ROUTING_STAGES) / step_ms, 4)
+            row[f"{stage}_share"] = _significant(stages[stage] / step_ms)
+        row["routing_share"] = _significant(sum(stages[stage] for stage in ROUTING_STAGES) / step_ms)
         row["stage_method"] = "per-stage jitted fwd+bwd timings"
         gemm_ms = stages["grouped_gemm"]
         if case.ep > 1:
             a2a_bytes = 4 * rows * shape.hidden * 2
-            row["a2a_gbps"] = round(a2a_bytes / (stages["all_to_all"] * 1e-3) / 1e9, 1)
-            row["plain_a2a_gbps"] = round(
-                a2a_bytes / (plain_all_to_all_ms(case, mesh, steps) * 1e-3) / 1e9, 1
-            )
+            row["a2a_gbps"] = _significant(a2a_bytes / (stages["all_to_all"] * 1e-3) / 1e9)
+            plain_ms = plain_all_to_all_ms(case, mesh, steps)
+            row["plain_a2a_gbps"] = _significant(a2a_bytes / (plain_ms * 1e-3) / 1e9)
     tflops = flops / (gemm_ms * 1e-3) / 1e12
-    row["gemm_tflops"] = round(tflops, 1)
-    row["gemm_peak_pct"] = round(100 * tflops / PEAK_TFLOPS, 1)
+    row["gemm_tflops"] = _significant(tflops)
+    row["gemm_peak_pct"] = _significant(100 * tflops / PEAK_TFLOPS)
     return row
 
 

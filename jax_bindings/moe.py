@@ -125,6 +125,21 @@ def _move(buffer, rows: int, source, remote_offsets, destination, layout: EPLayo
     return _compact_blocks(received, recv_offsets, recv_sizes, rows)
 
 
+def dropless_forward(send, sizes: dict, layout: EPLayout, config: MoEConfig):
+    """Send buffer [send_rows, H] -> source-major receive buffer [recv_rows, H]; `sizes` from
+    dropless_exchange."""
+    source = (sizes["input_offsets"], sizes["send_sizes"])
+    destination = (sizes["recv_offsets"], sizes["recv_sizes"])
+    return _move(send, layout.recv_rows, source, sizes["output_offsets"], destination, layout, config)
+
+
+def dropless_reverse(recv, sizes: dict, layout: EPLayout, config: MoEConfig):
+    """Receive buffer [recv_rows, H] -> every row back to its place in the send buffer [send_rows, H]."""
+    source = (sizes["recv_offsets"], sizes["recv_sizes"])
+    destination = (sizes["input_offsets"], sizes["send_sizes"])
+    return _move(recv, layout.send_rows, source, sizes["return_offsets"], destination, layout, config)
+
+
 def _capacity_exchange(buffer: jax.Array, layout: EPLayout, config: MoEConfig) -> jax.Array:
     """Capacity policy, either direction: [EP * L * C, H] -> [EP * L * C, H], the [L, C] slab for rank r
     swapped with rank r's slab for this rank (the exchange is its own inverse)."""
@@ -222,16 +237,7 @@ def _exchanged_experts(send, counts, gate_up, down, layout: EPLayout, config: Mo
         counts_all = jax.lax.all_gather(counts, config.ep_axis)  # [EP, E]
         sizes = dropless_exchange(counts_all, jax.lax.axis_index(config.ep_axis), layout)
         chunk_sizes, group_sizes = sizes["chunk_sizes"], sizes["group_sizes"]
-        # send buffer [send_rows, H] -> source-major receive buffer [recv_rows, H]
-        recv = _move(
-            send,
-            layout.recv_rows,
-            (sizes["input_offsets"], sizes["send_sizes"]),
-            sizes["output_offsets"],
-            (sizes["recv_offsets"], sizes["recv_sizes"]),
-            layout,
-            config,
-        )
+        recv = dropless_forward(send, sizes, layout, config)
     else:
         chunk_sizes = jnp.full((ep * local,), layout.capacity, jnp.int32)
         group_sizes = jnp.full((local,), ep * layout.capacity, jnp.int32)
@@ -240,15 +246,7 @@ def _exchanged_experts(send, counts, gate_up, down, layout: EPLayout, config: Mo
     expert_out = _experts(expert_rows, group_sizes, gate_up, down, config)
     source_rows, _ = sort_chunks_by_index(expert_out, chunk_sizes[to_expert_major], to_source_major)
     if layout.dropless:
-        return _move(
-            source_rows,
-            layout.send_rows,
-            (sizes["recv_offsets"], sizes["recv_sizes"]),
-            sizes["return_offsets"],
-            (sizes["input_offsets"], sizes["send_sizes"]),
-            layout,
-            config,
-        )
+        return dropless_reverse(source_rows, sizes, layout, config)
     return _capacity_exchange(source_rows, layout, config)
 
 

@@ -12,7 +12,8 @@ the dense single-device reference `moetriton.jax.reference_moe`, on a mesh of (d
 * determinism: two runs of the jitted layer and its gradient are bitwise equal;
 * exchanges (GPUs only): exchange="ragged" and "padded" against the reference and each other, bitwise;
 * flax: the Flax MoEBlock on a mesh with logical-axis rules equals the functional layer;
-* errors: mesh-dependent argument errors.
+* errors: mesh-dependent argument errors;
+* benchmark: benchmarks/moe_jax.py's baseline against the layer, and one step of its command line.
 
 On CPU the exchange is the padded all_to_all fallback (XLA:CPU has no ragged all-to-all); on GPUs "auto"
 picks the ragged all-to-all. XLA_FLAGS must give 8 host devices before JAX starts; the parent test sets it.
@@ -20,8 +21,11 @@ picks the ragged all-to-all. XLA_FLAGS must give 8 host devices before JAX start
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import sys
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -63,14 +67,15 @@ def _options(problem: MoEProblem) -> dict:
     )
 
 
-def _loss(layer, cotangent):
-    """Scalar loss whose gradient checks every output: <out, cotangent> + aux loss."""
+def step(layer, cotangent):
+    """jit of (x, gate, gate_up, down) -> ((loss, (out, aux_loss, dropped)), gradients): one compiled program
+    for the forward results and every gradient, loss = <out, cotangent> + aux loss."""
 
     def loss(x, gate, gate_up, down):
-        out, aux_loss, _ = layer(x, gate, gate_up, down)
-        return jnp.sum(out.astype(jnp.float32) * cotangent) + aux_loss
+        results = layer(x, gate, gate_up, down)
+        return jnp.sum(results[0].astype(jnp.float32) * cotangent) + results[1], results
 
-    return loss
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
 
 
 def layer_and_reference(problem: MoEProblem, mesh: Mesh | None, **extra):
@@ -104,19 +109,14 @@ def check_against_reference(problem: MoEProblem, mesh: Mesh | None, **extra) -> 
     layer, reference = layer_and_reference(problem, mesh, **extra)
     arrays = _arrays(problem)
     what = f"{problem} on mesh {None if mesh is None else dict(mesh.shape)} {extra}"
-    got, expected = jax.jit(layer)(*arrays), jax.jit(reference)(*arrays)
+    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=problem.x.shape).astype(np.float32))
+    (_, got), grads = step(layer, cotangent)(*arrays)
+    (_, expected), expected_grads = step(reference, cotangent)(*arrays)
     _close(got[0], expected[0], f"out of {what}", rtol)
     _close(got[1], expected[1], f"aux loss of {what}")
     assert got[0].shape == problem.x.shape and got[0].dtype == arrays[0].dtype, what
-    assert got[2].dtype == jnp.int32 and int(got[2]) == int(expected[2]), (
-        int(got[2]),
-        int(expected[2]),
-        what,
-    )
-    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=problem.x.shape).astype(np.float32))
-    argnums = (0, 1, 2, 3)
-    grads = jax.jit(jax.grad(_loss(layer, cotangent), argnums))(*arrays)
-    expected_grads = jax.jit(jax.grad(_loss(reference, cotangent), argnums))(*arrays)
+    assert got[2].dtype == jnp.int32, what
+    assert int(got[2]) == int(expected[2]), (int(got[2]), int(expected[2]), what)
     for name, g, e in zip(("x", "gate", "gate_up", "down"), grads, expected_grads, strict=True):
         _close(g, e, f"grad {name} of {what}", grad_rtol)
     return got, grads
@@ -205,9 +205,10 @@ def check_mesh(data: int, ep: int, examples: int) -> None:
 
 
 def check_overflow() -> None:
-    mesh = make_mesh(1, 4)
+    ep = min(4, len(jax.devices()))  # 4 CPU devices; 2 GPUs suffice
+    mesh = make_mesh(1, ep)
     for routing, align_size in (("rank0", 2), ("empty_ranks", None)):
-        problem = fixed_problem(1, 4, routing=routing, topk=2, align_size=align_size, capacity_factor=0.5)
+        problem = fixed_problem(1, ep, routing=routing, topk=2, align_size=align_size, capacity_factor=0.5)
         dropped = expected_dropped(problem, mesh.size)
         assert dropped > 0, "the problem must overflow"
         got, _ = check_against_reference(problem, mesh)
@@ -233,9 +234,8 @@ def check_determinism() -> None:
     layer, _ = layer_and_reference(problem, mesh)
     arrays = _arrays(problem)
     cotangent = jnp.ones(problem.x.shape, jnp.float32)
-    step = jax.jit(jax.value_and_grad(_loss(layer, cotangent), argnums=(0, 1, 2, 3)))
-    forward = jax.jit(layer)
-    first, second = (forward(*arrays), step(*arrays)), (forward(*arrays), step(*arrays))
+    run = step(layer, cotangent)
+    first, second = run(*arrays), run(*arrays)
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -293,15 +293,15 @@ def check_flax() -> None:
 
 
 def check_errors() -> None:
-    mesh = make_mesh(1, 4)
-    problem = fixed_problem(1, 4, routing="rank0", topk=2, align_size=None)
+    mesh = make_mesh(1, 2)
+    problem = fixed_problem(1, 2, routing="rank0", topk=2, align_size=None)
     x, gate, gate_up, down = _arrays(problem)
     cases = [
-        (dict(gate=gate[:, :6], gate_up=gate_up[:6], down=down[:6]), "num_experts: expected a multiple of"),
+        (dict(gate=gate[:, :3], gate_up=gate_up[:3], down=down[:3]), "num_experts: expected a multiple of"),
         (dict(ep_axis="experts"), "ep_axis: expected a mesh axis name"),
         (dict(data_axes=("batch",)), "data_axes: expected a mesh axis name"),
         (dict(data_axes=("ep",)), "data_axes: expected distinct axes"),
-        (dict(x=x[:2]), "x: expected a batch size B that is a multiple of the token shards 4"),
+        (dict(x=x[:1]), "x: expected a batch size B that is a multiple of the token shards 2"),
     ]
     for change, message in cases:
         arguments = dict(x=x, gate=gate, gate_up=gate_up, down=down, topk=2, mesh=mesh, ep_axis="ep")
@@ -312,6 +312,30 @@ def check_errors() -> None:
             assert message in str(error), (message, str(error))
         else:
             raise AssertionError(f"no error for {change}")
+
+
+def check_benchmark() -> None:
+    """benchmarks/moe_jax.py: its MaxText-style baseline computes the same layer as moetriton's (to bf16
+    rounding) on EP = 2, and its command line runs one step of both implementations (EP = 1, the cheapest
+    to compile) and writes the CSV."""
+    from benchmarks import moe_jax
+
+    mesh = moe_jax.make_mesh(2)
+    for shape in moe_jax.TINY_SHAPES.values():
+        case = moe_jax.Case(shape, 2, None, seq=16)
+        arrays = moe_jax.make_inputs(case, mesh)
+        got = jax.jit(moe_jax.baseline_layer(case, mesh))(*arrays)
+        expected = jax.jit(moe_jax.moetriton_layer(case, mesh))(*arrays)
+        _close(got[0], expected[0], f"baseline output of {shape.name}", 3e-2)
+        _close(got[1], expected[1], f"baseline aux loss of {shape.name}", 1e-3)
+    with tempfile.TemporaryDirectory() as out:
+        argv = ["--tiny", "--steps", "1", "--shapes", "mixtral", "--ep", "1", "--out", out]
+        assert moe_jax.main(argv) == 0
+        with (Path(out) / "moe_jax.csv").open() as file:
+            rows = list(csv.DictReader(file))
+    assert [row["impl"] for row in rows] == ["moetriton", "maxtext"], rows
+    assert all(float(row["step_ms"]) > 0 and not row["error"] for row in rows), rows
+    assert float(rows[0]["routing_share"]) > 0 and float(rows[0]["gemm_tflops"]) > 0, rows[0]
 
 
 CHECKS = {
@@ -327,6 +351,7 @@ CHECKS = {
     "exchanges": check_exchanges,
     "flax": check_flax,
     "errors": check_errors,
+    "benchmark": check_benchmark,
 }
 
 #: Devices each check needs.
@@ -334,7 +359,15 @@ DEVICES = {
     name: int(np.prod([int(n) for n in name[5:].split("x")])) for name in CHECKS if name.startswith("mesh")
 }
 DEVICES.update(
-    {"overflow": 4, "routing-extremes": 4, "determinism": 4, "exchanges": 2, "flax": 4, "errors": 4}
+    {
+        "overflow": 2,
+        "routing-extremes": 4,
+        "determinism": 4,
+        "exchanges": 2,
+        "flax": 4,
+        "errors": 2,
+        "benchmark": 2,
+    }
 )
 
 
