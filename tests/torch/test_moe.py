@@ -435,11 +435,22 @@ def test_compiled_layer_fullgraph_matches_eager(capacity_factor):
         layer.gate_weight.copy_(torch.randint(-1, 2, layer.gate_weight.shape, generator=generator))
     x = torch.randint(-2, 3, (2, 12, 64), generator=generator).to(DEVICE, dtype)
     results = []
-    for fn in (layer, torch.compile(layer, fullgraph=True)):
+    compiled = (
+        torch.compile(layer, fullgraph=True, backend="aot_eager"),
+        torch.compile(layer, fullgraph=True),
+    )
+    for fn in (layer, *compiled):
         layer.zero_grad()
         xg = x.clone().requires_grad_()
         out, aux_loss, dropped = fn(xg)
         (out.float().square().sum() + aux_loss).backward()
         results.append([out.detach(), aux_loss.detach(), dropped, xg.grad, layer.gate_up.grad.clone()])
-    for got, expected in zip(*results, strict=True):
-        torch.testing.assert_close(got, expected, rtol=3e-2, atol=3e-2)  # bf16 fusions round differently
+    eager, traced, inductor = results
+    for got, expected in zip(traced, eager, strict=True):  # the captured graph alone changes nothing
+        assert torch.equal(got, expected)
+    for got, expected in zip(inductor, eager, strict=True):
+        # Inductor fuses bf16 elementwise ops (one rounding where eager rounds each op): on the H100 the
+        # forward differed by <= 0.031 at outputs of magnitude 5-6 (with the backend="aot_eager" graph bit
+        # for bit equal), so the bound scales with the tensor; a wrongly routed token would be off by O(1).
+        scale = float(expected.float().abs().max()) if expected.is_floating_point() else 0.0
+        torch.testing.assert_close(got, expected, rtol=3e-2, atol=3e-2 * max(scale, 1.0))
