@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import Mesh
 
+from moetriton.kernels.expert_parallel import gate_up_width
+
 from .moe import ACTIVATIONS, moe
 
 #: Logical axis -> mesh axis for the default layout (experts over "ep", everything else replicated).
@@ -92,7 +94,7 @@ class MoEBlock(nn.Module):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation: expected one of {tuple(ACTIVATIONS)}, got {self.activation!r}")
         hidden, experts = x.shape[-1], self.num_experts
-        width = 2 * self.ffn_dim if ACTIVATIONS[self.activation][0] else self.ffn_dim
+        width = gate_up_width(self.activation, self.ffn_dim)
         gate = self.param(
             "gate",
             nn.with_logical_partitioning(self.gate_init, ("embed", "router_experts")),

@@ -33,17 +33,23 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from moetriton.kernels.expert_parallel import EPLayout, dropless_exchange, dropped_slots, ep_layout
+from moetriton.kernels.expert_parallel import (
+    GATED_ACTIVATIONS,
+    EPLayout,
+    dropless_exchange,
+    dropped_slots,
+    ep_layout,
+)
 
 from .api import sort_chunks_by_index, token_combine, token_dispatch
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 
-#: activation name -> (whether it is gated, i.e. gate_up holds [gate | up] of 2F columns, the function).
-ACTIVATIONS: dict[str, tuple[bool, Callable[[jax.Array], jax.Array]]] = {
-    "swiglu": (True, jax.nn.silu),
-    "geglu": (True, partial(jax.nn.gelu, approximate=False)),
-    "gelu": (False, partial(jax.nn.gelu, approximate=False)),
-    "relu": (False, jax.nn.relu),
+#: activation name -> its function (applied to the gate half when the activation is gated: GATED_ACTIVATIONS).
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "swiglu": jax.nn.silu,
+    "geglu": partial(jax.nn.gelu, approximate=False),
+    "gelu": partial(jax.nn.gelu, approximate=False),
+    "relu": jax.nn.relu,
 }
 EXCHANGES = ("auto", "ragged", "padded")
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -52,9 +58,9 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 def apply_activation(h: jax.Array, activation: str) -> jax.Array:
     """The expert MLP's activation on the first GEMM's output h [N, 2F] (gated) or [N, F]; math in fp32,
     result in h.dtype. Zero rows give zero rows (padding stays inert)."""
-    gated, function = ACTIVATIONS[activation]
+    function = ACTIVATIONS[activation]
     h32 = h.astype(jnp.float32)
-    if gated:
+    if GATED_ACTIVATIONS[activation]:
         ffn = h.shape[-1] // 2
         return (function(h32[..., :ffn]) * h32[..., ffn:]).astype(h.dtype)
     return function(h32).astype(h.dtype)
@@ -370,7 +376,7 @@ def moe(
         raise ValueError(
             f"gate_up: expected rank 3 [E, H, 2F] or [E, H, F], got shape {tuple(gate_up.shape)}"
         )
-    gated = ACTIVATIONS[activation][0]
+    gated = GATED_ACTIVATIONS[activation]
     width = gate_up.shape[2]
     if gated and width % 2:
         raise ValueError(f"gate_up: expected an even last axis 2F for {activation!r}, got {width}")

@@ -34,6 +34,15 @@ from .permutation import buffer_rows
 
 POLICIES = ("dropless", "capacity")
 
+#: Expert activations by name: True for a gated one (the fused gate_up weight holds [gate | up], 2F columns),
+#: False for a plain one (F columns). Each framework implements the functions; the shapes are decided here.
+GATED_ACTIVATIONS = {"swiglu": True, "geglu": True, "gelu": False, "relu": False}
+
+
+def gate_up_width(activation: str, ffn: int) -> int:
+    """Columns of the fused gate+up expert weight for `activation` and FFN width F: 2F if gated, else F."""
+    return 2 * ffn if GATED_ACTIVATIONS[activation] else ffn
+
 
 @dataclass(frozen=True)
 class EPLayout:

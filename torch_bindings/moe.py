@@ -42,7 +42,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moetriton.kernels.expert_parallel import EPLayout, dropless_exchange, dropped_slots, ep_layout
+from moetriton.kernels.expert_parallel import (
+    EPLayout,
+    dropless_exchange,
+    dropped_slots,
+    ep_layout,
+    gate_up_width,
+)
 
 from ._checks import Signature, memoised, same_device, signature
 from .api import sort_chunks_by_index, token_combine, token_dispatch
@@ -107,10 +113,10 @@ def _check_moe(
     if len(down[0]) != 3:
         raise ValueError(f"down: expected [L, F, H], got shape {tuple(down[0])}")
     ffn = down[0][1]
-    width = 2 * ffn if activation == "swiglu" else ffn
+    width = gate_up_width(activation, ffn)
     if tuple(gate_up[0]) != (local, hidden, width):
         raise ValueError(
-            f"gate_up: expected [L, H, {'2F' if activation == 'swiglu' else 'F'}] = {[local, hidden, width]} "
+            f"gate_up: expected [L, H, {'2F' if width != ffn else 'F'}] = {[local, hidden, width]} "
             f"(L = E / EP local experts), got {list(gate_up[0])}"
         )
     if tuple(down[0]) != (local, ffn, hidden):
@@ -521,7 +527,7 @@ class MoELayer(nn.Module):
             capacity_factor=capacity_factor,
         )
         local = num_experts // ep_size
-        width = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        width = gate_up_width(activation, ffn_hidden_size)
         factory = dict(dtype=dtype, device=device)
         self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
         self.gate_up = nn.Parameter(torch.empty(local, hidden_size, width, **factory))
