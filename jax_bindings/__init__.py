@@ -11,6 +11,7 @@ module lives in `moetriton.jax.flax`, the only module that imports flax. Never i
 
 from . import reference, reference_router
 from .api import sort_chunks_by_index, token_combine, token_dispatch
+from .grouped_gemm import grouped_matmul
 from .moe import moe
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 
@@ -18,6 +19,7 @@ __all__ = [
     "fused_compute_score_for_moe_aux_loss",
     "fused_moe_aux_loss",
     "fused_topk_with_score_function",
+    "grouped_matmul",
     "moe",
     "reference",
     "reference_router",

@@ -19,6 +19,12 @@ from ._plan import (
     strided_inputs,
 )
 from .chunk_sort import SORT_CHUNKS_SPACE, sort_chunks_plan
+from .grouped_gemm import (
+    GROUPED_MATMUL_SPACE,
+    GROUPED_MATMUL_WGRAD_SPACE,
+    grouped_matmul_plan,
+    grouped_matmul_wgrad_plan,
+)
 from .permutation import (
     COMBINE_BACKWARD_SPACE,
     COMBINE_SPACE,
@@ -42,6 +48,8 @@ SEARCH_SPACES = {
         COMBINE_SPACE,
         COMBINE_BACKWARD_SPACE,
         SORT_CHUNKS_SPACE,
+        GROUPED_MATMUL_SPACE,
+        GROUPED_MATMUL_WGRAD_SPACE,
         *router.SEARCH_SPACES,
     )
 }
@@ -63,6 +71,8 @@ __all__ = [
     "dispatch_outputs",
     "dispatch_plan",
     "expert_count_plan",
+    "grouped_matmul_plan",
+    "grouped_matmul_wgrad_plan",
     "interpreter_problem",
     "next_pow2",
     "router",

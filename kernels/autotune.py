@@ -41,6 +41,8 @@ KERNEL_SOURCES = {
     "combine": ("permutation", ("_combine_kernel",)),
     "combine_backward": ("permutation", ("_combine_backward_kernel",)),
     "sort_chunks": ("chunk_sort", ("_sort_chunks_kernel",)),
+    "grouped_matmul": ("grouped_gemm", ("_grouped_matmul_kernel",)),
+    "grouped_matmul_wgrad": ("grouped_gemm", ("_grouped_matmul_wgrad_kernel",)),
     "router_topk": ("router", ("_topk_forward_kernel",)),
     "router_topk_backward": ("router", ("_topk_backward_kernel",)),
     "router_aux_scores": ("router", ("_aux_scores_forward_kernel",)),

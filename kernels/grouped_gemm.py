@@ -1,0 +1,328 @@
+"""Grouped GEMM for the expert MLPs: rows [M, K] split into E contiguous groups, group g multiplied by its own
+weight matrix [K, N] (`jax.lax.ragged_dot` semantics).
+
+`group_sizes` [E] lives on the device, so the number of row tiles of each group is only known to the
+kernel: grids are sized for the worst case (cdiv(M, BLOCK_M) + E row tiles: every group may waste one
+partial tile) and every program locates its tile from the group sizes, O(E) vector work next to a
+[BLOCK_M, BLOCK_N] tile's K-deep product. Rows past sum(group_sizes) are written as zeros, as ragged_dot
+defines them; group sizes are clipped to the rows present, so a bad size can never read or write out of
+bounds. Both kernels accumulate in fp32 and store in the output dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import triton
+import triton.language as tl
+
+from . import autotune
+from ._interpreter import INTERPRETER
+from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, SearchSpace, cached, cdiv, next_pow2
+
+
+@triton.jit
+def _group_bounds(group_sizes_ptr, num_rows, NUM_GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr):
+    """[GROUPS_POW2] vectors of the groups, their first rows and their row counts, sizes clipped to
+    [0, num_rows - first row] so that every group lies inside the rows present."""
+    groups = tl.arange(0, GROUPS_POW2)
+    sizes = tl.load(group_sizes_ptr + groups, mask=groups < NUM_GROUPS, other=0).to(tl.int32)
+    sizes = tl.maximum(sizes, 0)
+    ends = tl.minimum(tl.cumsum(sizes, axis=0), num_rows)
+    starts = tl.minimum(tl.cumsum(sizes, axis=0) - sizes, num_rows)
+    return groups, starts, ends - starts
+
+
+@triton.jit
+def _pick(values, groups, group):
+    """values[group] of a [GROUPS_POW2] vector, as a scalar."""
+    return tl.sum(tl.where(groups == group, values, 0), axis=0)
+
+
+@triton.jit
+def _grouped_matmul_kernel(
+    lhs_ptr,  # [M, K]
+    rhs_ptr,  # [E, K, N] through (RHS_K_STRIDE, RHS_N_STRIDE): [E, N, K] transposed reads serve the dgrad
+    group_sizes_ptr,  # [E] integer
+    num_rows,  # M
+    out_ptr,  # [M, N]
+    NUM_COLS: tl.constexpr,  # N
+    DEPTH: tl.constexpr,  # K
+    NUM_GROUPS: tl.constexpr,
+    GROUPS_POW2: tl.constexpr,
+    RHS_K_STRIDE: tl.constexpr,
+    RHS_N_STRIDE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SWIZZLE: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """out[rows of g] = lhs[rows of g] @ rhs[g]. Grid ((cdiv(M, BLOCK_M) + E) * cdiv(N, BLOCK_N),).
+
+    Program p owns row tile m and column tile n (SWIZZLE row tiles walk the column tiles together, so
+    their weight tiles are read from L2). Row tiles are numbered group by group, each group starting a new
+    tile; tile m of group g covers rows [start_g + i * BLOCK_M, min(.. + BLOCK_M, end_g)). Tiles past the
+    groups' tiles zero the rows past sum(group_sizes); programs past those exit.
+    """
+    pid = tl.program_id(0)
+    col_tiles: tl.constexpr = (NUM_COLS + BLOCK_N - 1) // BLOCK_N
+    row_tiles = tl.cdiv(num_rows, BLOCK_M) + NUM_GROUPS
+    band = pid // (SWIZZLE * col_tiles)
+    band_rows = tl.minimum(row_tiles - band * SWIZZLE, SWIZZLE)
+    row_tile = band * SWIZZLE + (pid % (SWIZZLE * col_tiles)) % band_rows
+    col_tile = (pid % (SWIZZLE * col_tiles)) // band_rows
+
+    groups, starts, sizes = _group_bounds(group_sizes_ptr, num_rows, NUM_GROUPS, GROUPS_POW2)
+    tiles = tl.cdiv(sizes, BLOCK_M)
+    tile_ends = tl.cumsum(tiles, axis=0)
+    group = tl.sum((tile_ends <= row_tile).to(tl.int32), axis=0)
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < NUM_COLS
+    if group >= NUM_GROUPS:
+        first = tl.sum(sizes, axis=0) + (row_tile - tl.sum(tiles, axis=0)) * BLOCK_M
+        if first < num_rows:
+            rows = first + tl.arange(0, BLOCK_M)
+            zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
+            mask = (rows < num_rows)[:, None] & col_mask[None, :]
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * NUM_COLS + cols[None, :], zeros, mask=mask)
+        return
+    start = _pick(starts, groups, group)
+    end = start + _pick(sizes, groups, group)
+    first = start + (row_tile - _pick(tile_ends - tiles, groups, group)) * BLOCK_M
+    rows = first + tl.arange(0, BLOCK_M)
+    row_mask = rows < end
+    depth = tl.arange(0, BLOCK_K)
+    lhs = lhs_ptr + rows.to(tl.int64)[:, None] * DEPTH + depth[None, :]
+    rhs = (
+        rhs_ptr
+        + group.to(tl.int64) * DEPTH * NUM_COLS
+        + depth[:, None] * RHS_K_STRIDE
+        + cols[None, :].to(tl.int64) * RHS_N_STRIDE
+    )
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(DEPTH, BLOCK_K)):
+        left = DEPTH - k * BLOCK_K
+        a = tl.load(lhs, mask=row_mask[:, None] & (depth[None, :] < left), other=0.0)
+        b = tl.load(rhs, mask=(depth[:, None] < left) & col_mask[None, :], other=0.0)
+        if FP32_DOT:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        lhs += BLOCK_K
+        rhs += BLOCK_K * RHS_K_STRIDE
+    mask = row_mask[:, None] & col_mask[None, :]
+    out = out_ptr + rows.to(tl.int64)[:, None] * NUM_COLS + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _grouped_matmul_wgrad_kernel(
+    lhs_ptr,  # [M, K]
+    grad_ptr,  # [M, N]
+    group_sizes_ptr,  # [E] integer
+    num_rows,  # M
+    out_ptr,  # [E, K, N]
+    NUM_COLS: tl.constexpr,  # N
+    DEPTH: tl.constexpr,  # K
+    NUM_GROUPS: tl.constexpr,
+    GROUPS_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SWIZZLE: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """out[g] = lhs[rows of g]^T @ grad[rows of g], the weight gradient. Grid
+    (E * cdiv(K, BLOCK_K) * cdiv(N, BLOCK_N),).
+
+    Program p owns group g and the output tile (k, n) of out[g], swizzled as in the forward; it walks the
+    group's rows BLOCK_M at a time. An empty group's tile is zeros.
+    """
+    pid = tl.program_id(0)
+    col_tiles: tl.constexpr = (NUM_COLS + BLOCK_N - 1) // BLOCK_N
+    depth_tiles: tl.constexpr = (DEPTH + BLOCK_K - 1) // BLOCK_K
+    group = pid // (col_tiles * depth_tiles)
+    local = pid % (col_tiles * depth_tiles)
+    band = local // (SWIZZLE * col_tiles)
+    band_rows = tl.minimum(depth_tiles - band * SWIZZLE, SWIZZLE)
+    depth_tile = band * SWIZZLE + (local % (SWIZZLE * col_tiles)) % band_rows
+    col_tile = (local % (SWIZZLE * col_tiles)) // band_rows
+
+    groups, starts, sizes = _group_bounds(group_sizes_ptr, num_rows, NUM_GROUPS, GROUPS_POW2)
+    start = _pick(starts, groups, group)
+    end = start + _pick(sizes, groups, group)
+    depth = depth_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    depth_mask = depth < DEPTH
+    col_mask = cols < NUM_COLS
+    rows = start + tl.arange(0, BLOCK_M)
+    lhs = lhs_ptr + rows.to(tl.int64)[:, None] * DEPTH + depth[None, :]
+    grad = grad_ptr + rows.to(tl.int64)[:, None] * NUM_COLS + cols[None, :]
+    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    for first in range(start, end, BLOCK_M):
+        row_mask = (first + tl.arange(0, BLOCK_M)) < end
+        a = tl.load(lhs, mask=row_mask[:, None] & depth_mask[None, :], other=0.0)
+        b = tl.load(grad, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+        if FP32_DOT:
+            acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(tl.trans(a), b, acc)
+        lhs += BLOCK_M * DEPTH
+        grad += BLOCK_M * NUM_COLS
+    out = (
+        out_ptr
+        + group.to(tl.int64) * DEPTH * NUM_COLS
+        + depth.to(tl.int64)[:, None] * NUM_COLS
+        + cols[None, :]
+    )
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=depth_mask[:, None] & col_mask[None, :])
+
+
+GROUPED_MATMUL_SPACE = SearchSpace(
+    "grouped_matmul",
+    {
+        "block_m": (64, 128),
+        "block_n": (64, 128, 256),
+        "block_k": (32, 64),
+        "num_warps": (4, 8),
+        "num_stages": (3, 4),
+    },
+)
+GROUPED_MATMUL_WGRAD_SPACE = SearchSpace(
+    "grouped_matmul_wgrad",
+    {
+        "block_m": (32, 64),
+        "block_n": (64, 128, 256),
+        "block_k": (64, 128),
+        "num_warps": (4, 8),
+        "num_stages": (3, 4),
+    },
+)
+_SWIZZLE = 8
+
+
+def _fp32_dot(element_bytes: int) -> bool:
+    """Whether tiles are multiplied as IEEE fp32: for fp32 inputs (not TF32: ragged_dot's precision), and for
+    every dtype under the interpreter, whose 16-bit tl.dot reads the operands' bits wrongly (Triton 3.9)."""
+    return element_bytes == 4 or INTERPRETER
+
+
+def _check(num_rows: int, depth: int, num_cols: int, num_groups: int, element_bytes: int) -> None:
+    if min(num_rows, depth, num_cols) < 0 or num_groups < 1:
+        raise ValueError(
+            f"grouped_matmul: sizes must be >= 0 with at least one group, got M={num_rows}, K={depth}, "
+            f"N={num_cols}, E={num_groups}"
+        )
+    if element_bytes not in (2, 4):
+        raise ValueError(f"grouped_matmul: element size {element_bytes} bytes (bf16, fp16 or fp32 only)")
+
+
+def _launch(kernel, num_programs: int, args: tuple, sizes: dict, cfg: dict, **constexprs) -> Launch:
+    """A launch of either kernel: a 1-D grid, the sizes and tiles as constexprs (N and K known to the
+    compiler, so their divisibility lets it vectorise), plus `constexprs` of one kernel."""
+    return Launch(
+        kernel=kernel,
+        grid=(num_programs,),
+        args=args,
+        outputs=("out",),
+        constexprs=dict(
+            NUM_COLS=sizes["num_cols"],
+            DEPTH=sizes["depth"],
+            NUM_GROUPS=sizes["num_groups"],
+            GROUPS_POW2=next_pow2(sizes["num_groups"]),
+            BLOCK_M=cfg["block_m"],
+            BLOCK_N=cfg["block_n"],
+            BLOCK_K=cfg["block_k"],
+            SWIZZLE=_SWIZZLE,
+            FP32_DOT=_fp32_dot(sizes["element_bytes"]),
+            **constexprs,
+        ),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+
+
+@cached
+def grouped_matmul_plan(
+    *,
+    num_rows: int,
+    depth: int,
+    num_cols: int,
+    num_groups: int,
+    element_bytes: int,
+    transpose_rhs: bool = False,
+    device: DeviceInfo = DEFAULT_DEVICE,
+    config: Mapping[str, int] | None = None,
+) -> Plan:
+    """out = ragged_dot(lhs, rhs, group_sizes): the forward GEMMs, and with `transpose_rhs` the input
+    gradient (rhs [E, N, K] read as its transpose [E, K, N]).
+
+    Inputs: "lhs" [M, K], "rhs" [E, K, N] (or [E, N, K] with `transpose_rhs`), "group_sizes" [E] int32.
+    Result: "out" [M, N] in the dtype of lhs (element_bytes wide; 4 = fp32, multiplied in IEEE fp32).
+    """
+    _check(num_rows, depth, num_cols, num_groups, element_bytes)
+    features = dict(rows_per_group=cdiv(num_rows, num_groups), depth=depth, num_cols=num_cols)
+    small = num_rows < 128 * num_groups  # small groups waste less of a 64-row tile
+    # H100 sweep (benchmarks/grouped_gemm.py, docs/performance.md): 128 x 256 x 64 tiles lead at the layer
+    # shapes; the transposed weight reads of the input gradient gain from a fourth stage (10.6 vs 11.8 ms).
+    heuristic = dict(
+        block_m=64 if small else 128,
+        block_n=128 if small else 256,
+        block_k=64,
+        num_warps=4 if small else 8,
+        num_stages=4 if transpose_rhs else 3,
+    )
+    cfg = autotune.resolve(GROUPED_MATMUL_SPACE, heuristic, config, features, device)
+    if element_bytes == 4:  # fp32 tiles take twice the shared memory per stage
+        cfg = dict(cfg, block_n=min(cfg["block_n"], 128), block_k=min(cfg["block_k"], 32))
+    buffers = {"out": Buffer((num_rows, num_cols), "like:lhs")}
+    if num_rows == 0 or num_cols == 0:
+        return Plan(buffers, (), ("out",))
+    row_tiles = cdiv(num_rows, cfg["block_m"]) + num_groups
+    rhs_strides = (1, depth) if transpose_rhs else (num_cols, 1)
+    launch = _launch(
+        _grouped_matmul_kernel,
+        row_tiles * cdiv(num_cols, cfg["block_n"]),
+        ("lhs", "rhs", "group_sizes", num_rows),
+        dict(num_cols=num_cols, depth=depth, num_groups=num_groups, element_bytes=element_bytes),
+        cfg,
+        RHS_K_STRIDE=rhs_strides[0],
+        RHS_N_STRIDE=rhs_strides[1],
+    )
+    return Plan(buffers, (launch,), ("out",))
+
+
+@cached
+def grouped_matmul_wgrad_plan(
+    *,
+    num_rows: int,
+    depth: int,
+    num_cols: int,
+    num_groups: int,
+    element_bytes: int,
+    device: DeviceInfo = DEFAULT_DEVICE,
+    config: Mapping[str, int] | None = None,
+) -> Plan:
+    """The weight gradient of ragged_dot: out[g] = lhs[rows of g]^T @ grad[rows of g].
+
+    Inputs: "lhs" [M, K], "grad" [M, N], "group_sizes" [E] int32. Result: "out" [E, K, N] in the dtype of
+    lhs (element_bytes wide); empty groups get zeros.
+    """
+    _check(num_rows, depth, num_cols, num_groups, element_bytes)
+    features = dict(rows_per_group=cdiv(num_rows, num_groups), depth=depth, num_cols=num_cols)
+    heuristic = dict(block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=3)  # H100 sweep's best
+    cfg = autotune.resolve(GROUPED_MATMUL_WGRAD_SPACE, heuristic, config, features, device)
+    if element_bytes == 4:
+        cfg = dict(cfg, block_m=32, block_n=min(cfg["block_n"], 128), block_k=64)
+    buffers = {"out": Buffer((num_groups, depth, num_cols), "like:lhs")}
+    if depth == 0 or num_cols == 0:
+        return Plan(buffers, (), ("out",))
+    launch = _launch(
+        _grouped_matmul_wgrad_kernel,
+        num_groups * cdiv(depth, cfg["block_k"]) * cdiv(num_cols, cfg["block_n"]),
+        ("lhs", "grad", "group_sizes", num_rows),
+        dict(num_cols=num_cols, depth=depth, num_groups=num_groups, element_bytes=element_bytes),
+        cfg,
+    )
+    return Plan(buffers, (launch,), ("out",))

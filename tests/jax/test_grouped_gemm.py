@@ -1,0 +1,181 @@
+"""moetriton.jax.grouped_matmul against a float64 numpy loop over the groups: forward, both gradients, the
+rows past the groups, clipped sizes, empty groups, every config of both kernels, jit determinism, errors.
+On CPU the kernels run under the Triton interpreter (the conftest sets it), on a GPU compiled."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moetriton import kernels
+from moetriton.jax import grouped_matmul
+from moetriton.jax._launch import run_plan, uses_kernels
+
+# Relative to the largest reference magnitude: 16-bit outputs carry ~3 significant digits.
+_TOLERANCE = {"float32": 1e-5, "bfloat16": 2**-7, "float16": 2**-10}
+
+
+def _problem(rows: int, depth: int, cols: int, sizes: list[int], dtype: str, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    lhs = jnp.asarray(rng.standard_normal((rows, depth)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((len(sizes), depth, cols)) / max(depth, 1) ** 0.5, dtype)
+    grad = jnp.asarray(rng.standard_normal((rows, cols)), dtype)
+    return lhs, rhs, jnp.asarray(sizes, jnp.int32), grad
+
+
+def _reference(lhs, rhs, sizes, grad):
+    """(out, grad_lhs, grad_rhs) in float64 from the (rounded) inputs: one plain matmul per group, groups
+    clipped to the rows present, rows past them zero."""
+    lhs, rhs, grad = (np.asarray(a, np.float64) for a in (lhs, rhs, grad))
+    out, grad_lhs, grad_rhs = np.zeros(grad.shape), np.zeros(lhs.shape), np.zeros(rhs.shape)
+    start = 0
+    for group, size in enumerate(np.asarray(sizes)):
+        end = min(start + max(int(size), 0), lhs.shape[0])
+        rows = slice(start, end)
+        out[rows] = lhs[rows] @ rhs[group]
+        grad_lhs[rows] = grad[rows] @ rhs[group].T
+        grad_rhs[group] = lhs[rows].T @ grad[rows]
+        start = end
+    return out, grad_lhs, grad_rhs
+
+
+def _assert_close(got, expected, what: str) -> None:
+    assert got.shape == expected.shape, (what, got.shape, expected.shape)
+    scale = max(float(np.abs(expected).max(initial=0.0)), 1.0)
+    tolerance = _TOLERANCE[np.dtype(got.dtype).name] * scale
+    np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=0, atol=tolerance, err_msg=what)
+
+
+def _check(lhs, rhs, sizes, grad, function=grouped_matmul) -> None:
+    out, vjp = jax.vjp(lambda a, b: function(a, b, sizes), lhs, rhs)
+    grad_lhs, grad_rhs = vjp(grad)
+    expected = _reference(lhs, rhs, sizes, grad)
+    assert out.dtype == lhs.dtype and grad_lhs.dtype == lhs.dtype and grad_rhs.dtype == rhs.dtype
+    for name, got, want in zip(
+        ("out", "grad_lhs", "grad_rhs"), (out, grad_lhs, grad_rhs), expected, strict=True
+    ):
+        _assert_close(got, want, name)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize(
+    ("rows", "depth", "cols", "sizes"),
+    [
+        (50, 24, 40, [10, 0, 23, 7]),  # empty group, rows past the groups, N and K not block multiples
+        (70, 16, 16, [70, 0, 0]),  # trailing empty groups (zero weight gradients)
+        (33, 40, 72, [0]),  # no rows in any group: everything zero
+        (20, 8, 8, [15, 30]),  # sizes past the rows present: clipped, nothing read out of bounds
+        (130, 32, 24, [1, 64, 65]),  # groups straddling 64-row tiles
+    ],
+)
+def test_matches_the_per_group_reference(rows, depth, cols, sizes, dtype):
+    _check(*_problem(rows, depth, cols, sizes, dtype))
+
+
+@pytest.mark.parametrize(("rows", "depth", "cols"), [(0, 8, 8), (6, 0, 8), (6, 8, 0)])
+def test_empty_dimensions(rows, depth, cols):
+    _check(*_problem(rows, depth, cols, [rows // 2, rows - rows // 2], "bfloat16"))
+
+
+def test_negative_sizes_count_as_empty():
+    lhs, rhs, _, grad = _problem(12, 8, 8, [0, 0, 0], "float32")
+    sizes = jnp.asarray([4, -3, 5], jnp.int32)
+    out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, sizes), lhs, rhs)
+    expected = _reference(lhs, rhs, jnp.asarray([4, 0, 5]), grad)
+    for name, got, want in zip(("out", "grad_lhs", "grad_rhs"), (out, *vjp(grad)), expected, strict=True):
+        _assert_close(got, want, name)
+
+
+def test_narrow_integer_sizes_and_jit_determinism():
+    lhs, rhs, sizes, grad = _problem(40, 16, 24, [9, 0, 31], "bfloat16", seed=3)
+
+    @jax.jit
+    def step(a, b, s):
+        out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, s), a, b)
+        return (out, *vjp(grad))
+
+    first = step(lhs, rhs, sizes.astype(jnp.int16))
+    second = step(lhs, rhs, sizes)
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    for name, got, want in zip(
+        ("out", "grad_lhs", "grad_rhs"), first, _reference(lhs, rhs, sizes, grad), strict=True
+    ):
+        _assert_close(got, want, name)
+
+
+def _unique_tiles(space) -> list[dict]:
+    """Configs that differ in tiles (warps and stages change no result under the interpreter)."""
+    configs = space.configs()
+    if uses_kernels() and jax.default_backend() == "cpu":
+        tiles = {
+            tuple((k, v) for k, v in c.items() if k not in ("num_warps", "num_stages")): c for c in configs
+        }
+        configs = list(tiles.values())
+    return configs
+
+
+@pytest.mark.skipif(
+    not uses_kernels(), reason="configs only exist for the kernels (GPU or TRITON_INTERPRET=1)"
+)
+@pytest.mark.parametrize("config", _unique_tiles(kernels.GROUPED_MATMUL_SPACE), ids=str)
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_every_forward_config(config, transpose_rhs):
+    lhs, rhs, sizes, _ = _problem(150, 40, 72, [70, 0, 65], "bfloat16", seed=5)
+    if transpose_rhs:
+        rhs = jnp.swapaxes(rhs, 1, 2).copy()  # [E, N, K]: the kernel reads it transposed
+    plan = kernels.grouped_matmul_plan(
+        num_rows=150,
+        depth=40,
+        num_cols=72,
+        num_groups=3,
+        element_bytes=2,
+        transpose_rhs=transpose_rhs,
+        config=config,
+    )
+    (out,) = run_plan(plan, dict(lhs=lhs, rhs=rhs, group_sizes=sizes))
+    weights = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+    _assert_close(out, _reference(lhs, weights, sizes, jnp.zeros((150, 72)))[0], str(config))
+
+
+@pytest.mark.skipif(
+    not uses_kernels(), reason="configs only exist for the kernels (GPU or TRITON_INTERPRET=1)"
+)
+@pytest.mark.parametrize("config", _unique_tiles(kernels.GROUPED_MATMUL_WGRAD_SPACE), ids=str)
+def test_every_wgrad_config(config):
+    lhs, rhs, sizes, grad = _problem(150, 72, 136, [70, 0, 65], "bfloat16", seed=6)
+    plan = kernels.grouped_matmul_wgrad_plan(
+        num_rows=150, depth=72, num_cols=136, num_groups=3, element_bytes=2, config=config
+    )
+    (out,) = run_plan(plan, dict(lhs=lhs, grad=grad, group_sizes=sizes))
+    _assert_close(out, _reference(lhs, rhs, sizes, grad)[2], str(config))
+
+
+def test_agrees_with_ragged_dot():
+    """The public semantics are ragged_dot's (sizes summing to at most M)."""
+    lhs, rhs, sizes, grad = _problem(48, 16, 32, [5, 20, 0, 11], "float32", seed=8)
+    _check(lhs, rhs, sizes, grad)
+    expected = jax.lax.ragged_dot(lhs, rhs, sizes, precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(np.asarray(grouped_matmul(lhs, rhs, sizes)), np.asarray(expected), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("lhs_shape", "rhs_shape", "sizes_shape", "dtypes", "error", "match"),
+    [
+        ((4, 8), (2, 8), (2,), ("bfloat16", "bfloat16", "int32"), ValueError, "expected lhs"),
+        ((4, 8), (2, 6, 3), (2,), ("bfloat16", "bfloat16", "int32"), ValueError, "disagree"),
+        ((4, 8), (2, 8, 3), (3,), ("bfloat16", "bfloat16", "int32"), ValueError, "disagree"),
+        ((4, 8), (0, 8, 3), (0,), ("bfloat16", "bfloat16", "int32"), ValueError, "at least one group"),
+        ((4, 8), (2, 8, 3), (2,), ("bfloat16", "float32", "int32"), TypeError, "share"),
+        ((4, 8), (2, 8, 3), (2,), ("int32", "int32", "int32"), TypeError, "share"),
+        ((4, 8), (2, 8, 3), (2,), ("bfloat16", "bfloat16", "float32"), TypeError, "integers"),
+    ],
+)
+def test_bad_arguments_raise(lhs_shape, rhs_shape, sizes_shape, dtypes, error, match):
+    lhs, rhs, sizes = (
+        jnp.zeros(s, d) for s, d in zip((lhs_shape, rhs_shape, sizes_shape), dtypes, strict=True)
+    )
+    with pytest.raises(error, match=match):
+        grouped_matmul(lhs, rhs, sizes)
