@@ -6,8 +6,8 @@ host sync). Tokens are sharded over (data axes..., EP axis) on their batch axis,
 
     logits = x @ gate (fp32) -> fused top-k (indices) -> aux loss (global: counts psum-ed over all token
     shards, partial losses psum-ed) -> token_dispatch (aligned, or capacity C) -> exchange -> chunk sort to
-    expert-major -> ragged_dot(x, gate_up) -> activation -> ragged_dot(., down) -> inverse chunk sort ->
-    reverse exchange -> token_combine with the merging probs.
+    expert-major -> grouped_matmul(x, gate_up) -> activation -> grouped_matmul(., down) -> inverse chunk
+    sort -> reverse exchange -> token_combine with the merging probs.
 
 The exchange sizes and static buffer sizes come from moetriton.kernels.expert_parallel (`ep_layout`,
 `dropless_exchange`, `dropped_slots`); nothing here re-derives them. Two exchanges move the same rows:
@@ -19,7 +19,8 @@ The exchange sizes and static buffer sizes come from moetriton.kernels.expert_pa
 
 The capacity policy needs neither: every (source, expert) pair owns exactly C rows, so one fixed-size
 all_to_all moves [L, C] slabs. Gradients are our ops' custom_vjp rules plus JAX's transposes of the
-collectives and of ragged_dot. Never imports torch or flax.
+collectives. The grouped GEMMs are moetriton's (`grouped_matmul`: Triton kernels with their VJP; XLA lowers
+ragged_dot to E-times-padded dots on GPUs). Never imports torch or flax.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from moetriton.kernels.expert_parallel import (
 )
 
 from .api import sort_chunks_by_index, token_combine, token_dispatch
+from .grouped_gemm import grouped_matmul
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 
 #: activation name -> its function (applied to the gate half when the activation is gated: GATED_ACTIVATIONS).
@@ -162,9 +164,9 @@ def _experts(rows: jax.Array, group_sizes: jax.Array, gate_up, down, config: MoE
     """Grouped expert MLP on expert-major rows [N, H] with group_sizes [L]: rows past the groups are zero
     and stay zero."""
     dtype = jnp.dtype(config.dtype)
-    hidden = jax.lax.ragged_dot(rows, gate_up.astype(dtype), group_sizes, preferred_element_type=dtype)
+    hidden = grouped_matmul(rows.astype(dtype), gate_up.astype(dtype), group_sizes)
     act = apply_activation(hidden, config.activation)
-    return jax.lax.ragged_dot(act, down.astype(dtype), group_sizes, preferred_element_type=dtype)
+    return grouped_matmul(act, down.astype(dtype), group_sizes)
 
 
 def _router(x_flat, gate, expert_bias, config: MoEConfig, num_tokens_global: int):
