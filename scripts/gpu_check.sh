@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device-tool call: install what the GPU machine lacks, run the whole test suite on CUDA, run the
 # benchmarks, and leave logs under $OUT. Usage (device tool, repo root): bash scripts/gpu_check.sh [stage...]
-# Stages: smoke tests bench eager hostprof router autotune usecache jaxprof plan moe1 moe2 (default: tests
-# bench). moe1: the MoE layer examples and layer-step benchmarks on one GPU; moe2: the same with EP = 2 on
-# two GPUs (torchrun for PyTorch, one process for JAX); their logs and CSVs come back as $OUT/moe.tar.
+# Stages: smoke tests bench eager hostprof router gemm autotune usecache jaxprof plan moe1 moe2 (default:
+# tests bench). gemm: the grouped-GEMM kernels beside torch._grouped_mm (GEMM_ARGS=--sweep to time configs).
+# moe1: the MoE layer examples and layer-step benchmarks on one GPU; moe2: the same with EP = 2 on two GPUs
+# (torchrun for PyTorch, one process for JAX); their logs and CSVs come back as $OUT/moe.tar.
 # usecache copies what autotune wrote into the installed package, so later stages of the same call run with
 # the new cache. Carry `.whl` (the jax-triton wheel) and, to benchmark TransformerEngine's Triton kernels
 # beside ours, `.te` (a folder holding an importable `transformer_engine.pytorch.triton.permutation`; never
@@ -42,6 +43,8 @@ for stage in $stages; do
     jaxprof) (cd "$repo" && timeout ${JAXPROF_TIMEOUT:-150} python3 scripts/profile_jax.py --hlo "$OUT/hlo.txt" \
                 ${JAXPROF_ARGS:-} > "$OUT/jaxprof.log" 2>&1; tail -80 "$OUT/jaxprof.log") ;;
     plan) (cd "$repo" && timeout ${PLAN_TIMEOUT:-150} python3 scripts/profile_plan.py ${PLAN_ARGS:-} 2>&1 | tee "$OUT/plan.log") ;;
+    gemm) (cd "$repo" && timeout ${GEMM_TIMEOUT:-300} python3 -m benchmarks.grouped_gemm --out "$OUT" ${GEMM_ARGS:-} \
+             2>&1 | tee "$OUT/gemm.log") ;;
     router) (cd "$repo" && timeout ${ROUTER_TIMEOUT:-300} python3 -m benchmarks.router_cases 2>&1 | tee "$OUT/router.log") ;;
     autotune) (cd "$repo" && timeout ${AUTOTUNE_TIMEOUT:-500} python3 scripts/autotune.py --out /tmp/cache ${AUTOTUNE_ARGS:-} \
                  > "$OUT/autotune.log" 2>&1; tail -45 "$OUT/autotune.log"; tar -C /tmp/cache -cf "$OUT/autotune_cache.tar" .) ;;
