@@ -158,6 +158,55 @@ def test_combine_matches_reference_bitwise(problem, weighted, layout):
     assert_reduced(got, reference.token_combine(expert_out, row_id_map, weights), "combine")
 
 
+def _long_rows(kind: str, num_experts: int, topk: int | None, generator: torch.Generator) -> torch.Tensor:
+    """Long routing rows: a token with no slot, one with every slot (of the first 96: the interpreter walks
+    each), one on power-of-two edges (slots 0, 31, 32, 63, 1023, 1024 and the last), one with a run of 40,
+    and random ones. [T, E] bool for a mask, else [T, K] int32 ids."""
+    num_slots = num_experts if kind == "mask" else topk
+    valid = torch.zeros(7, num_slots, dtype=torch.bool)
+    valid[1, :96] = True
+    valid[2, [s for s in (0, 31, 32, 63, 1023, 1024, num_slots - 1) if s < num_slots]] = True
+    valid[3, 30 : 30 + 40] = True
+    valid[4:] = torch.rand(3, num_slots, generator=generator) < min(0.3, 30 / num_slots)
+    if kind == "mask":
+        return valid
+    ids = torch.stack([torch.randperm(num_experts, generator=generator)[:topk] for _ in range(7)]).int()
+    return torch.where(valid, ids, -1)
+
+
+@pytest.mark.parametrize(
+    ("kind", "num_experts", "topk"), [("mask", 70, None), ("indices", 80, 40), ("mask", 1100, None)]
+)
+def test_combine_walks_long_rows(kind, num_experts, topk):
+    """Rows far longer than the routing problems above draw (which stay under 10 slots): the combine kernels'
+    slot walk over up to 1100 slots, S not a power of two, every slot valid. Forward against the
+    sequential reference, gradients against autograd of the reference."""
+    generator = torch.Generator().manual_seed(5)
+    routing = _long_rows(kind, num_experts, topk, generator).to(DEVICE)
+    routing_map, kwargs = (
+        (routing, {}) if kind == "mask" else (None, dict(indices=routing, num_experts=num_experts))
+    )
+    routed = int(routing.sum()) if kind == "mask" else int((routing >= 0).sum())
+    x = torch.randn(routing.shape[0], 5, generator=generator).to(DEVICE)
+    out, _, row_id_map, pad_offsets, _ = mt.token_dispatch(x, routing_map, routed, **kwargs)
+    expert_out = torch.randn(out.shape, generator=generator).to(DEVICE)
+    weights = torch.rand(routing.shape, generator=generator).to(DEVICE)
+    for w in (None, weights):
+        got = mt.token_combine(expert_out, row_id_map, w, pad_offsets)
+        assert_reduced(got, reference.token_combine(expert_out, row_id_map, w), "combine")
+    cotangent_ = torch.randn(x.shape, generator=generator).to(DEVICE)
+    grads = []
+    for api in (mt, reference):
+        xg, eg, wg = (t.clone().requires_grad_() for t in (x, expert_out, weights))
+        permuted = api.token_dispatch(xg, routing_map, routed, **kwargs)[0]
+        y = api.token_combine(permuted, row_id_map, None, pad_offsets) + api.token_combine(
+            eg, row_id_map, wg, pad_offsets
+        )
+        grads.append(torch.autograd.grad(y, (xg, eg, wg), cotangent_))
+    for name, got, expected in zip(("inp", "expert_out", "merging_probs"), *grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6, msg=name)
+
+
 @given(routing_problems(dtypes=("float32",)))
 def test_round_trip_with_normalised_weights_is_identity(problem):
     routing_map, kwargs = routing_args(problem)
