@@ -9,17 +9,37 @@ Rows (one per impl x shape x EP; printed and written to DIR/moe_jax.csv, the log
 
 * step_ms: median wall time of the jitted step (value_and_grad of the layer w.r.t. x and every weight),
   inputs resident, one block_until_ready per step.
-* stage shares (moetriton rows): per-stage jitted forward + backward timings, NOT a profile: every stage
-  (router incl. aux loss; dispatch; all-to-all = count all-gather + exchange + reverse exchange; chunk sorts
-  = sort + inverse sort; grouped GEMMs; combine) runs as its own jitted value_and_grad on the inputs the
-  layer gives it, and its share is its time over step_ms (they need not add up to 100%: XLA overlaps and
-  fuses across stages inside the step). routing_share = router + dispatch + chunk sorts + combine.
+* stage shares (moetriton rows), stage_method says which of two methods gave them:
+  - on GPUs, a profile of the real step: the compiled step runs PROFILED_STEPS times under CUPTI (through
+    torch.profiler: benchmarks.timing.gpu_activities_by_device), and every GPU activity of every device goes
+    to a stage by its name. Our Triton kernels keep their Python names (KERNEL_STAGES lists every one):
+    router (top-k, aux-loss scores and loss, forward and backward), dispatch (count, scan, dispatch),
+    chunk_sorts, grouped_gemm (forward, input and weight gradients), combine (combine and its backward).
+    all_to_all: NCCL kernels, XLA's own collective kernels (the one-shot ragged all-to-all) and peer copies,
+    so besides both exchanges and their transposes it holds the count all-gather and the psums of the
+    routed counts, the aux loss and the replicated gate's gradient (small next to the exchanges), and a
+    collective's time includes waiting for its peers. other: everything else, XLA's kernels (the gate
+    matmul x @ gate and its gradients, the activation, casts, the loss, gradient sums), memsets and local
+    copies. `_combine_kernel` serves token_combine's forward and, unweighted, the backward of
+    token_dispatch: its name cannot tell the two apart, nor can their order (the loss is linear in the
+    output, so XLA may run the forward combine after the backward), so both count as combine and dispatch
+    holds its forward kernels only; dispatch + combine, and so routing_share, are exact. A share is the
+    stage's activity time over the time of all activities (the stages and other add up to 1); gpu_busy_ms
+    is the latter per GPU and step, beside step_ms (activities that overlap, a collective beside compute,
+    count twice there).
+  - on CPU (nothing to profile; --tiny), per-stage jitted forward + backward timings, NOT a profile:
+    every stage (router incl. the gate matmul and aux loss; dispatch; all-to-all = count all-gather +
+    exchange + reverse exchange; chunk sorts = sort + inverse sort; grouped GEMMs; combine) runs as its own
+    jitted value_and_grad on the inputs the layer gives it, and its share is its time over step_ms. They
+    need not add up to 100% (XLA overlaps and fuses across stages inside the step) and inflate small stages
+    (each also sums its outputs and builds their cotangents); no other_share or gpu_busy_ms.
+  routing_share = router + dispatch + chunk sorts + combine.
 * gemm_tflops: grouped-GEMM flops (2 * rows * H * 2F + 2 * rows * F * H forward, x3 for forward +
-  backward, rows = routed slots T * K per GPU) over the grouped-GEMM stage time (step time for the
-  baseline), and its % of the 790 TFLOP/s bf16 peak.
+  backward, rows = routed slots T * K per GPU) over the grouped-GEMM stage time per GPU and step (step time
+  for the baseline), and its % of the 790 TFLOP/s bf16 peak.
 * a2a_gbps (EP > 1): routed-slot bytes of the four exchanges of a step (forward, reverse, and their
-  transposes: 4 * T * K * H * 2 bytes per GPU) over the all-to-all stage time, beside plain_a2a_gbps: the
-  same bytes through four plain jax.lax.all_to_all calls.
+  transposes: 4 * T * K * H * 2 bytes per GPU) over the all-to-all stage time per GPU and step, beside
+  plain_a2a_gbps: the same bytes through four plain jax.lax.all_to_all calls (median wall time).
 
 Each row catches its own failure (out of memory included), prints it and goes on. On CPU the exchange is the
 padded all_to_all fallback (XLA:CPU has no ragged all-to-all) and the ops run the pure-JAX reference unless
@@ -31,6 +51,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import re
 import statistics
 import sys
 import time
@@ -68,13 +89,37 @@ TINY_SHAPES = {
 }
 STAGES = ("router", "dispatch", "all_to_all", "chunk_sorts", "grouped_gemm", "combine")
 ROUTING_STAGES = ("router", "dispatch", "chunk_sorts", "combine")
+PROFILED_STEPS = 3
+#: Stage of every Triton kernel of moetriton.kernels, by the name it runs under on the GPU (its Python name).
+KERNEL_STAGES = {
+    "_topk_forward_kernel": "router",
+    "_topk_backward_kernel": "router",
+    "_aux_scores_forward_kernel": "router",
+    "_aux_scores_backward_kernel": "router",
+    "_aux_loss_partial_kernel": "router",
+    "_aux_loss_finish_kernel": "router",
+    "_aux_loss_backward_kernel": "router",
+    "_count_experts_kernel": "dispatch",
+    "_scan_counts_kernel": "dispatch",
+    "_dispatch_kernel": "dispatch",
+    "_sort_chunks_kernel": "chunk_sorts",
+    "_grouped_matmul_kernel": "grouped_gemm",
+    "_grouped_matmul_wgrad_kernel": "grouped_gemm",
+    "_combine_kernel": "combine",  # also the backward of token_dispatch (module doc)
+    "_combine_backward_kernel": "combine",
+    "_scatter_kernel": "combine",  # backward of the unweighted token_combine (not in this layer)
+}
+#: Collectives on the GPU: NCCL's kernels, XLA's own collective kernels, copies between devices.
+COLLECTIVE_ACTIVITY = re.compile(r"nccl|alltoall|allgather|allreduce|memcpy ptop", re.IGNORECASE)
 COLUMNS = (
     "impl",
     "shape",
     "ep",
     "tokens_per_gpu",
     "step_ms",
+    "gpu_busy_ms",
     *(f"{stage}_share" for stage in STAGES),
+    "other_share",
     "routing_share",
     "stage_method",
     "gemm_tflops",
@@ -286,8 +331,39 @@ def _fwd_bwd(function, num_diff: int):
     return jax.jit(jax.value_and_grad(total, argnums=tuple(range(num_diff))))
 
 
+def activity_stage(name: str) -> str:
+    """The stage of one GPU activity of the step, by its name (module doc)."""
+    for kernel, stage in KERNEL_STAGES.items():
+        if kernel in name:
+            return stage
+    return "all_to_all" if COLLECTIVE_ACTIVITY.search(name) else "other"
+
+
+def profiled_stage_ms(step, arrays, ep: int) -> dict[str, float]:
+    """ms per GPU and step of every stage and "other": the summed durations of their GPU activities over
+    PROFILED_STEPS runs of the compiled `step` on `ep` GPUs (module doc)."""
+    from .timing import gpu_activities_by_device  # imports torch: only where CUDA profiles
+
+    def runs() -> None:
+        for _ in range(PROFILED_STEPS):
+            jax.block_until_ready(step(*arrays))
+
+    by_device = gpu_activities_by_device(runs)
+    if len(by_device) != ep:
+        raise RuntimeError(
+            f"the profile saw GPU activities on {len(by_device)} devices, expected {ep} (torch.profiler"
+            " records them through a CUDA build of torch)"
+        )
+    totals = dict.fromkeys((*STAGES, "other"), 0.0)
+    for activities in by_device.values():
+        for name, start, end in activities:
+            totals[activity_stage(name)] += end - start
+    return {stage: micros * 1e-3 / (ep * PROFILED_STEPS) for stage, micros in totals.items()}
+
+
 def stage_times(case: Case, mesh: Mesh | None, arrays, steps: int) -> dict[str, float]:
-    """ms of every stage of the moetriton layer, forward + backward, each jitted on its own (module doc)."""
+    """ms of every stage of the moetriton layer, forward + backward, each jitted on its own (module doc: the
+    method where the step cannot be profiled)."""
     config = _config(case, mesh)
     shape = case.shape
     tokens_per_shard = shape.num_tokens
@@ -391,17 +467,27 @@ def measure(impl: str, case: Case, steps: int) -> dict:
     mesh = make_mesh(case.ep)
     arrays = make_inputs(case, mesh)
     layer = moetriton_layer(case, mesh) if impl == "moetriton" else baseline_layer(case, mesh)
-    step_ms = median_ms(train_step(layer), *arrays, steps=steps)
+    step = train_step(layer)
+    step_ms = median_ms(step, *arrays, steps=steps)
     row["step_ms"] = _significant(step_ms)
     rows = shape.num_tokens * shape.topk
     flops = 3 * (2 * rows * shape.hidden * 2 * shape.ffn + 2 * rows * shape.ffn * shape.hidden)
     gemm_ms = step_ms
     if impl == "moetriton":
-        stages = stage_times(case, mesh, arrays, steps)
-        for stage in STAGES:
-            row[f"{stage}_share"] = _significant(stages[stage] / step_ms)
-        row["routing_share"] = _significant(sum(stages[stage] for stage in ROUTING_STAGES) / step_ms)
-        row["stage_method"] = "per-stage jitted fwd+bwd timings"
+        if jax.default_backend() == "gpu":
+            stages = profiled_stage_ms(step, arrays, case.ep)
+            share_denominator_ms = sum(stages.values())
+            row["gpu_busy_ms"] = _significant(share_denominator_ms)
+            row["stage_method"] = f"CUPTI profile of {PROFILED_STEPS} steps"
+        else:
+            stages = stage_times(case, mesh, arrays, steps)
+            share_denominator_ms = step_ms
+            row["stage_method"] = "per-stage jitted fwd+bwd timings"
+        for stage, ms in stages.items():
+            row[f"{stage}_share"] = _significant(ms / share_denominator_ms)
+        row["routing_share"] = _significant(
+            sum(stages[stage] for stage in ROUTING_STAGES) / share_denominator_ms
+        )
         gemm_ms = stages["grouped_gemm"]
         if case.ep > 1:
             a2a_bytes = 4 * rows * shape.hidden * 2

@@ -110,19 +110,25 @@ class JaxTiming:
     wall_ms: float  # median host wall time of a run with a sync after it, per call
 
 
-def gpu_activities(runs: Callable[[], None]) -> list[tuple[str, float, float]]:
-    """(name, start, end), times in µs, of every GPU activity (kernels, copies, memsets) that `runs` issues,
-    in order of start, read with CUPTI through torch.profiler."""
+def gpu_activities_by_device(runs: Callable[[], None]) -> dict[int, list[tuple[str, float, float]]]:
+    """Device index -> (name, start, end), times in µs, of every GPU activity (kernels, copies, memsets) that
+    `runs` issues on that device, in order of start, read with CUPTI through torch.profiler."""
+    torch.cuda.init()  # CUPTI records through torch's CUDA context
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         runs()
-    return sorted(
-        (
-            (event.name, event.time_range.start, event.time_range.end)
-            for event in profile.events()
-            if event.device_type == torch.autograd.DeviceType.CUDA
-        ),
-        key=lambda activity: activity[1],
-    )
+    by_device: dict[int, list[tuple[str, float, float]]] = {}
+    for event in sorted(profile.events(), key=lambda event: event.time_range.start):
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            activity = (event.name, event.time_range.start, event.time_range.end)
+            by_device.setdefault(event.device_index, []).append(activity)
+    return by_device
+
+
+def gpu_activities(runs: Callable[[], None]) -> list[tuple[str, float, float]]:
+    """(name, start, end), times in µs, of every GPU activity that `runs` issues on any device, in order of
+    start (gpu_activities_by_device)."""
+    activities = (activity for device in gpu_activities_by_device(runs).values() for activity in device)
+    return sorted(activities, key=lambda activity: activity[1])
 
 
 def _median_span_us(events: list[tuple[str, float, float]], repeats: int, skip: int = 0) -> float:
@@ -144,7 +150,6 @@ def time_jax(fn: Callable, sets: list[tuple], repeats: int = 20) -> JaxTiming:
     import jax
     import jax.numpy as jnp
 
-    torch.cuda.init()  # CUPTI records through torch's CUDA context
     program = jax.jit(lambda sets: [fn(*args) for args in sets])
     filler = jax.jit(lambda a: (a @ a).sum())
     matrix = jnp.ones((8192, 8192), jnp.bfloat16)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call: install what the GPU machine lacks, run the whole test suite on CUDA, run the
 # benchmarks, and leave logs under $OUT. Usage (device tool, repo root): bash scripts/gpu_check.sh [stage...]
-# Stages: smoke tests bench eager hostprof router gemm autotune usecache jaxprof plan moe1 moe2 (default:
+# Stages: setup (install only) smoke tests bench eager hostprof router gemm autotune usecache jaxprof plan moe1 moe2 (default:
 # tests bench). gemm: the grouped-GEMM kernels beside torch._grouped_mm (GEMM_ARGS=--sweep to time configs).
 # moe1: the MoE layer examples and layer-step benchmarks on one GPU; moe2: the same with EP = 2 on two GPUs
 # (torchrun for PyTorch, one process for JAX); their logs and CSVs come back as $OUT/moe.tar.
@@ -30,6 +30,7 @@ python3 -c "import torch, triton, jax; print('torch', torch.__version__, 'triton
 repo=$OLDPWD
 for stage in $stages; do
   case $stage in
+    setup) ;;
     smoke) python3 "$repo/scripts/gpu_smoke.py" 2>&1 | tee "$OUT/smoke.log" ;;
     tests) (cd "$repo" && timeout ${TEST_TIMEOUT:-420} python3 -m pytest ${TEST_PATHS:-tests} -q -p no:cacheprovider \
               -n 8 --maxfail=${MAXFAIL:-30} --tb=short -rfE -W ignore::pytest.PytestWarning \

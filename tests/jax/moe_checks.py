@@ -317,7 +317,7 @@ def check_errors() -> None:
 def check_benchmark() -> None:
     """benchmarks/moe_jax.py: its MaxText-style baseline computes the same layer as moetriton's (to bf16
     rounding) on EP = 2, and its command line runs one step of both implementations (EP = 1, the cheapest
-    to compile) and writes the CSV."""
+    to compile) and writes the CSV; on GPUs the profile puts every GPU activity in one stage or "other"."""
     from benchmarks import moe_jax
 
     mesh = moe_jax.make_mesh(2)
@@ -336,6 +336,9 @@ def check_benchmark() -> None:
     assert [row["impl"] for row in rows] == ["moetriton", "maxtext"], rows
     assert all(float(row["step_ms"]) > 0 and not row["error"] for row in rows), rows
     assert float(rows[0]["routing_share"]) > 0 and float(rows[0]["gemm_tflops"]) > 0, rows[0]
+    if jax.default_backend() == "gpu":
+        shares = [float(rows[0][f"{stage}_share"]) for stage in (*moe_jax.STAGES, "other")]
+        assert abs(sum(shares) - 1) < 1e-3 and float(rows[0]["gpu_busy_ms"]) > 0, rows[0]
 
 
 CHECKS = {
