@@ -12,32 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from moetriton import kernels
+from moetriton.kernels import validation
 
-from ._launch import device_info, run_plan, uses_kernels
-
-_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
-
-def _check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> None:
-    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
-        raise ValueError(
-            "grouped_matmul: expected lhs [M, K], rhs [E, K, N] and group_sizes [E], got shapes "
-            f"{lhs.shape}, {rhs.shape}, {group_sizes.shape}"
-        )
-    if lhs.shape[1] != rhs.shape[1] or rhs.shape[0] != group_sizes.shape[0]:
-        raise ValueError(
-            f"grouped_matmul: lhs {lhs.shape}, rhs {rhs.shape} and group_sizes {group_sizes.shape} disagree "
-            "(need lhs [M, K], rhs [E, K, N], group_sizes [E])"
-        )
-    if rhs.shape[0] == 0:
-        raise ValueError("grouped_matmul: rhs needs at least one group")
-    if lhs.dtype != rhs.dtype or lhs.dtype not in _DTYPES:
-        raise TypeError(
-            f"grouped_matmul: lhs and rhs must share one of bfloat16, float16, float32; got {lhs.dtype} "
-            f"and {rhs.dtype}"
-        )
-    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(f"grouped_matmul: group_sizes must be integers, got {group_sizes.dtype}")
+from ._launch import describe, device_info, run_plan, uses_kernels
 
 
 def _sizes(lhs: jax.Array, rhs: jax.Array, transposed: bool = False) -> dict[str, int]:
@@ -105,7 +82,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> ja
         >>> grouped_matmul(rows, weights, jnp.array([2, 3])).shape  # row 5 is past the groups: zeros
         (6, 3)
     """
-    _check(lhs, rhs, group_sizes)
+    validation.check_grouped_matmul(lhs=describe(lhs), rhs=describe(rhs), group_sizes=describe(group_sizes))
     group_sizes = group_sizes.astype(jnp.int32)
     if not uses_kernels():
         return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)

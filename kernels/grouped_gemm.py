@@ -28,8 +28,9 @@ def _group_bounds(group_sizes_ptr, num_rows, NUM_GROUPS: tl.constexpr, GROUPS_PO
     groups = tl.arange(0, GROUPS_POW2)
     sizes = tl.load(group_sizes_ptr + groups, mask=groups < NUM_GROUPS, other=0).to(tl.int32)
     sizes = tl.maximum(sizes, 0)
-    ends = tl.minimum(tl.cumsum(sizes, axis=0), num_rows)
-    starts = tl.minimum(tl.cumsum(sizes, axis=0) - sizes, num_rows)
+    running = tl.cumsum(sizes, axis=0)
+    ends = tl.minimum(running, num_rows)
+    starts = tl.minimum(running - sizes, num_rows)
     return groups, starts, ends - starts
 
 

@@ -168,3 +168,36 @@ def check_split_values(sizes: list[int], order: list[int], num_rows: int) -> Non
         _fail("split_sizes", f"expected a sum <= {num_rows} (rows of inp), got {sum(sizes)}")
     if sorted(order) != list(range(len(sizes))):
         _fail("sorted_indices", f"expected a permutation of [0, {len(sizes)}), got {order}")
+
+
+GROUPED_MATMUL_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def check_grouped_matmul(
+    *,
+    lhs: tuple[tuple[int, ...], str],
+    rhs: tuple[tuple[int, ...], str],
+    group_sizes: tuple[tuple[int, ...], str],
+) -> None:
+    """Validates grouped_matmul operands: lhs [M, K], rhs [E, K, N] of one float dtype, group_sizes [E]
+    integers, E >= 1. Shape errors raise ValueError, dtype errors TypeError."""
+    (lhs_shape, lhs_dtype), (rhs_shape, rhs_dtype), (sizes_shape, sizes_dtype) = lhs, rhs, group_sizes
+    if len(lhs_shape) != 2 or len(rhs_shape) != 3 or len(sizes_shape) != 1:
+        raise ValueError(
+            "grouped_matmul: expected lhs [M, K], rhs [E, K, N] and group_sizes [E], got shapes "
+            f"{lhs_shape}, {rhs_shape}, {sizes_shape}"
+        )
+    if lhs_shape[1] != rhs_shape[1] or rhs_shape[0] != sizes_shape[0]:
+        raise ValueError(
+            f"grouped_matmul: lhs {lhs_shape}, rhs {rhs_shape} and group_sizes {sizes_shape} disagree "
+            "(need lhs [M, K], rhs [E, K, N], group_sizes [E])"
+        )
+    if rhs_shape[0] == 0:
+        raise ValueError("grouped_matmul: rhs needs at least one group")
+    if lhs_dtype != rhs_dtype or lhs_dtype not in GROUPED_MATMUL_DTYPES:
+        raise TypeError(
+            f"grouped_matmul: lhs and rhs must share one of bfloat16, float16, float32; got {lhs_dtype} "
+            f"and {rhs_dtype}"
+        )
+    if not sizes_dtype.startswith(("int", "uint")):
+        raise TypeError(f"grouped_matmul: group_sizes must be integers, got {sizes_dtype}")
