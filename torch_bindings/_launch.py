@@ -95,14 +95,17 @@ def _rows_unit_stride(tensor: torch.Tensor) -> bool:
 class _Launcher:
     """One launch of a plan, bound to its kernel. The first call of each specialization (the dtypes and
     16-byte alignment of the inputs, and the class of each row stride: what Triton specialises a kernel
-    on, beside the plan's fixed sizes) goes through Triton's JIT, which compiles or loads the kernel; later
-    calls launch the compiled kernel directly (`CompiledKernel[grid]`, Triton's own launcher), skipping the
-    JIT's argument binding and cache-key work. The launch is the call Triton's JIT itself makes
-    (`CompiledKernel.run` with the kernel's function, packed metadata and launch hooks), so profilers that
-    hook Triton launches still see every launch."""
+    on, beside the plan's fixed sizes) goes through Triton's JIT, which compiles or loads the kernel. That
+    call also builds the specialization's fast launch (`fast`): a function generated for this launch that
+    passes every argument as the launcher takes it (device pointers and sizes as ints, constants inline)
+    to the compiled kernel's own launcher (`CompiledKernel.run`, the call Triton's JIT itself makes),
+    skipping the JIT's argument binding and cache-key work and the launcher's per-pointer driver queries.
+    Launches while a profiler hooks Triton (an enter hook registered) take the JIT-style path with tensor
+    arguments and launch metadata, so the hook sees every launch as it would from Triton."""
 
-    def __init__(self, launch) -> None:
+    def __init__(self, launch, scratch: frozenset[str]) -> None:
         self.launch = launch
+        self.scratch = scratch  # buffers passed as workspace addresses by fast launches
         self.grid = (*launch.grid, 1, 1)[:3]  # Triton's launcher reads three grid dimensions
         # (kind, value): 0 = a tensor from the environment, 1 = the row stride of one, 2 = a constant.
         self.template = [
@@ -118,6 +121,7 @@ class _Launcher:
         if launch.pdl:
             self.options["launch_pdl"] = True
         self.runners: dict[tuple, tuple] = {}
+        self.fast: dict[tuple, object] = {}
 
     def __call__(self, env: dict, dummy: torch.Tensor, key: tuple, stream: int | None, debug: bool) -> None:
         args = []
@@ -137,9 +141,7 @@ class _Launcher:
             args += constexpr_values
             runtime = _triton_knobs().runtime
             enter = runtime.launch_enter_hook
-            # Launch metadata only feeds the enter hooks (profilers): built when one is registered.
-            hooked = enter is not None and getattr(enter, "calls", True)
-            metadata = compiled.launch_metadata(self.grid, stream, *args) if hooked else None
+            metadata = compiled.launch_metadata(self.grid, stream, *args) if _hooked(enter) else None
             compiled.run(
                 *self.grid,
                 stream,
@@ -157,43 +159,106 @@ class _Launcher:
         compiled = launch.kernel[launch.grid](*args, **launch.constexprs, **strides, **options)
         if stream is not None and compiled is not None:  # compiled (not interpreted) kernels only
             constexprs = {**launch.constexprs, **strides}
-            self.runners[key] = (compiled, [constexprs[name] for name in self.constexpr_names])
+            constexpr_values = [constexprs[name] for name in self.constexpr_names]
+            self.runners[key] = (compiled, constexpr_values)
+            self.fast[key] = self._fast_launch(compiled, constexpr_values, env, dummy)
+
+    def _fast_launch(self, compiled, constexpr_values: list, env: dict, dummy: torch.Tensor):
+        """The generated launch of one specialization: `launch(env, stream)`, where `env` maps input and
+        result names to tensors and scratch names to device addresses (ints). Which inputs are absent is
+        part of the specialization's key, so their dummy pointer is a constant here."""
+        constants = [
+            self.grid[0],
+            self.grid[1],
+            self.grid[2],
+            compiled.run,
+            compiled.function,
+            compiled.packed_metadata,
+            _triton_knobs().runtime,
+        ]
+        args = []
+
+        def constant(value) -> str:
+            constants.append(value)
+            return f"c[{len(constants) - 1}]"
+
+        def pointer(name: str) -> str:
+            value = env[name]
+            if value is None:
+                return constant(dummy.data_ptr())
+            return f"env[{name!r}]" if name in self.scratch else f"env[{name!r}].data_ptr()"
+
+        for kind, value in self.template:
+            if kind == 0:
+                args.append(pointer(value))
+            elif kind == 1:
+                args.append(f"env[{value!r}].stride(0)")
+            else:
+                args.append(constant(value))
+        args += [pointer(name) for name in self.launch.outputs]
+        args += [constant(value) for value in constexpr_values]
+        source = (
+            "def launch(env, stream):\n"
+            "    runtime = c[6]\n"
+            "    c[3](c[0], c[1], c[2], stream, c[4], c[5], None, runtime.launch_enter_hook,\n"
+            f"         runtime.launch_exit_hook, {', '.join(args)})\n"
+        )
+        namespace = {"c": constants}
+        exec(compile(source, f"<moetriton launch {self.launch.kernel.__name__}>", "exec"), namespace)
+        return namespace["launch"]
+
+
+def _hooked(enter) -> bool:
+    """Whether a launch-enter hook is registered (Triton >= 3.5 keeps an always-present chain of hooks)."""
+    return enter is not None and bool(getattr(enter, "calls", True))
 
 
 class Executable:
     """A plan bound to a device: buffer specs resolved once, the scratch buffers (those the op does not
     return) carved from a single allocation, and one `_Launcher` per launch. Calling it with the inputs
-    arranges them (layouts, see the module docstring), allocates, launches and returns the results."""
+    arranges them (layouts, see the module docstring), allocates, launches and returns the results.
+    Once every launch of a specialization has its fast launch, scratch buffers are passed as addresses
+    into the workspace (no tensor views built per call)."""
 
     def __init__(self, plan: Plan, device: torch.device) -> None:
         self.plan = plan
         self.device = device
         self.cuda = device.type == "cuda"
         self.strided = strided_inputs(plan)
-        self.launchers = [_Launcher(launch) for launch in plan.launches]
         results = set(plan.results)
         # Own allocations: (name, shape, fixed dtype or None, the input whose dtype it takes, zeroed,
-        # returned): the results, in order, then scratch buffers whose dtype follows an input's.
+        # returned): the results, in order, then scratch buffers whose dtype follows an input's or that
+        # start zeroed.
         self.allocations = []
-        owned = list(plan.results) + [
+
+        def in_workspace(name: str, spec) -> bool:
+            return name not in results and not spec.dtype.startswith("like:") and not spec.zero
+
+        scratch_like = [
             name
             for name, spec in plan.buffers.items()
-            if name not in results and spec.dtype.startswith("like:")
+            if name not in results and not in_workspace(name, spec)
         ]
+        owned = list(plan.results) + scratch_like
         for name in owned:
             spec = plan.buffers[name]
             like = spec.dtype.removeprefix("like:") if spec.dtype.startswith("like:") else None
             dtype = None if like else _DTYPES[spec.dtype]
             self.allocations.append((name, spec.shape, dtype, like, spec.zero, name in results))
-        # Scratch: fixed dtypes, each at a 128-byte offset of one uint8 workspace (split in one call).
-        self.scratch, self.scratch_bytes = [], []
+        # Scratch: fixed dtypes, each at a 128-byte offset of one uint8 workspace.
+        self.scratch, self.scratch_bytes, self.scratch_offsets = [], [], []
         for name, spec in plan.buffers.items():
-            if name not in results and not spec.dtype.startswith("like:"):
+            if in_workspace(name, spec):
                 dtype = _DTYPES[spec.dtype]
                 nbytes = dtype.itemsize * _numel(spec.shape)
-                self.scratch.append((name, dtype, spec.zero))
+                self.scratch.append((name, dtype))
+                self.scratch_offsets.append((name, sum(self.scratch_bytes)))
                 self.scratch_bytes.append(-(-nbytes // 128) * 128)
         self.workspace_bytes = sum(self.scratch_bytes)
+        scratch_names = frozenset(name for name, _ in self.scratch)
+        self.launchers = [_Launcher(launch, scratch_names) for launch in plan.launches]
+        # Fast launches of every launcher, per specialization key, once all exist.
+        self.fast: dict[tuple, list] = {}
 
     def __call__(self, inputs: dict[str, torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
         device = self.device
@@ -223,36 +288,56 @@ class Executable:
                 results.append(buffer)
         if not self.launchers:
             return tuple(results)
+        key = tuple(key)
+        hooked = _hooked(_triton_knobs().runtime.launch_enter_hook)
+        fast = self.fast.get(key) if self.cuda and not hooked else None
+        if fast is not None:
+            if self.scratch:  # kept alive (referenced) until the launches are queued
+                workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
+                base = workspace.data_ptr()
+                for name, offset in self.scratch_offsets:
+                    env[name] = base + offset
+            self._on_device(self._launch_fast, env, fast)
+            return tuple(results)
         if INTERPRETER:
             problem = interpreter_problem()
             if problem:
                 raise RuntimeError(problem)
         if self.scratch:
             workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
-            for (name, dtype, zero), part in zip(
+            for (name, dtype), part in zip(
                 self.scratch, workspace.split_with_sizes(self.scratch_bytes), strict=True
             ):
                 # Kernels see only the data pointer and dtype: a flat view of the part is all they need.
-                view = part if dtype == torch.uint8 else part.view(dtype)
-                env[name] = view.zero_() if zero else view
-        key = tuple(key)
+                env[name] = part if dtype == torch.uint8 else part.view(dtype)
         dummy = _dummy(device)
         if self.cuda:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            if index != torch.cuda.current_device():
-                with torch.cuda.device(index):
-                    self._launch(env, dummy, key, index)
-            else:
-                self._launch(env, dummy, key, index)
+            self._on_device(self._launch, env, (dummy, key))
+            if all(key in launcher.fast for launcher in self.launchers):
+                self.fast[key] = [launcher.fast[key] for launcher in self.launchers]
         else:
             for launcher in self.launchers:
                 launcher(env, dummy, key, None, False)
         return tuple(results)
 
-    def _launch(self, env: dict, dummy: torch.Tensor, key: tuple, index: int) -> None:
+    def _on_device(self, launch, env: dict, extra) -> None:
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        if index != torch.cuda.current_device():
+            with torch.cuda.device(index):
+                launch(env, extra, index)
+        else:
+            launch(env, extra, index)
+
+    def _launch(self, env: dict, extra: tuple, index: int) -> None:
+        dummy, key = extra
         stream = _driver().active.get_current_stream(index)
         for launcher in self.launchers:
             launcher(env, dummy, key, stream, True)
+
+    def _launch_fast(self, env: dict, fast: list, index: int) -> None:
+        stream = _driver().active.get_current_stream(index)
+        for launch in fast:
+            launch(env, stream)
 
 
 def _stride_class(tensor: torch.Tensor) -> tuple[int, bool]:
