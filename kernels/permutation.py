@@ -536,6 +536,37 @@ def _scatter_kernel(
 
 
 @triton.jit
+def _next_slot(valid, slots, after, SLOTS_POW2: tl.constexpr):
+    """The lowest valid slot above `after` ([SLOTS_POW2] vectors in), or SLOTS_POW2 when none is left."""
+    return tl.min(tl.where(valid & (slots > after), slots, SLOTS_POW2), axis=0)
+
+
+@triton.jit
+def _slot_row(map_row, slot, num_slots):
+    """The row of `slot` from a token's row map (0 past the last slot: such rows are never read)."""
+    return tl.load(map_row + slot, mask=slot < num_slots, other=0).to(tl.int64)
+
+
+@triton.jit
+def _slot_values(inp_ptr, row, slot, num_slots, inp_stride, cols, cmask, STREAMING: tl.constexpr):
+    """Columns `cols` (`cmask`) of `row` (zeros past the last slot: nothing is read); evict-first when
+    STREAMING (each row is read once)."""
+    # The slot test is made a vector first: the interpreter rejects a vector mask & a scalar one.
+    in_range = (tl.zeros_like(cols) + slot) < num_slots
+    pointers = inp_ptr + row * inp_stride + cols
+    if STREAMING:
+        return tl.load(pointers, mask=cmask & in_range, other=0, eviction_policy="evict_first")
+    return tl.load(pointers, mask=cmask & in_range, other=0)
+
+
+@triton.jit
+def _slot_weight(weight_row, slot, num_slots, acc_dtype: tl.constexpr, HAS_WEIGHTS: tl.constexpr):
+    if HAS_WEIGHTS:
+        return tl.load(weight_row + slot, mask=slot < num_slots, other=0).to(acc_dtype)
+    return tl.full([], 1, acc_dtype)
+
+
+@triton.jit
 def _combine_kernel(
     inp_ptr,  # [N, H] expert outputs
     row_map_ptr,  # [T, S + 1] int32
@@ -551,6 +582,8 @@ def _combine_kernel(
     SLOTS_POW2: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     GATHER_PROBS: tl.constexpr,
+    LOOKAHEAD: tl.constexpr,
+    STREAMING: tl.constexpr,
     HIDDEN_ALIGN: tl.constexpr,
     INP_STRIDE_ALIGN: tl.constexpr,
 ):
@@ -561,6 +594,12 @@ def _combine_kernel(
     and stored in the input dtype. No atomics: every output element has one owner and a fixed order.
     With GATHER_PROBS, program (t, 0) also gathers permuted_probs[row(t, s)] into out_probs[t, s] (0 where
     the slot has no row): the probs gradient of dispatch.
+
+    The slot walk is software-pipelined: a step issues the load of one row's values, then finds the next
+    slot (a reduction over the S slots) and its row while that load is in flight; with LOOKAHEAD = 2 the
+    values are loaded one step before they are added, so two row loads are in flight per program (what
+    many slots per token need, where the per-slot search is long). The order of the additions never changes.
+    STREAMING reads rows evict-first and stores the output streaming (a knob, as in `_dispatch_kernel`).
     """
     pid = tl.program_id(0)
     hidden = _aligned(hidden, HIDDEN_ALIGN)
@@ -572,6 +611,7 @@ def _combine_kernel(
     cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < hidden
     map_row = row_map_ptr + token.to(tl.int64) * (num_slots + 1)
+    weight_row = weights_ptr + token.to(tl.int64) * num_slots
     slots = tl.arange(0, SLOTS_POW2)
     smask = slots < num_slots
     rows = tl.load(map_row + slots, mask=smask, other=-1)
@@ -580,18 +620,34 @@ def _combine_kernel(
         gathered = tl.load(_as_bits(permuted_probs_ptr) + rows, mask=valid, other=0)
         tl.store(_as_bits(out_probs_ptr) + token.to(tl.int64) * num_slots + slots, gathered, mask=smask)
     acc = tl.zeros([BLOCK_H], dtype=acc_dtype)
-    previous = tl.full([], -1, tl.int32)
+    slot = _next_slot(valid, slots, -1, SLOTS_POW2)
+    row = _slot_row(map_row, slot, num_slots)
+    if LOOKAHEAD == 2:
+        values = _slot_values(inp_ptr, row, slot, num_slots, inp_stride, cols, cmask, STREAMING)
+        weight = _slot_weight(weight_row, slot, num_slots, acc_dtype, HAS_WEIGHTS)
+        slot = _next_slot(valid, slots, slot, SLOTS_POW2)
+        row = _slot_row(map_row, slot, num_slots)
     for _ in range(tl.sum(valid.to(tl.int32), axis=0)):
-        slot = tl.min(tl.where(valid & (slots > previous), slots, SLOTS_POW2), axis=0)
-        row = tl.load(map_row + slot).to(tl.int64)
-        values = tl.load(inp_ptr + row * inp_stride + cols, mask=cmask, other=0).to(acc_dtype)
-        if HAS_WEIGHTS:
-            weight = tl.load(weights_ptr + token.to(tl.int64) * num_slots + slot).to(acc_dtype)
-            acc += values * weight
+        next_values = _slot_values(inp_ptr, row, slot, num_slots, inp_stride, cols, cmask, STREAMING)
+        next_weight = _slot_weight(weight_row, slot, num_slots, acc_dtype, HAS_WEIGHTS)
+        slot = _next_slot(valid, slots, slot, SLOTS_POW2)
+        row = _slot_row(map_row, slot, num_slots)
+        if LOOKAHEAD == 2:
+            if HAS_WEIGHTS:
+                acc += values.to(acc_dtype) * weight
+            else:
+                acc += values.to(acc_dtype)
+            values = next_values
+            weight = next_weight
+        elif HAS_WEIGHTS:
+            acc += next_values.to(acc_dtype) * next_weight
         else:
-            acc += values
-        previous = slot
-    tl.store(out_ptr + token.to(tl.int64) * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+            acc += next_values.to(acc_dtype)
+    out = out_ptr + token.to(tl.int64) * hidden + cols
+    if STREAMING:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=cmask, cache_modifier=".cs")
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
@@ -692,7 +748,10 @@ ROW_MAP_SPACE = SearchSpace("row_map", {"block_tokens": (16, 32, 64, 128), "num_
 DISPATCH_SPACE = SearchSpace(
     "dispatch", {"block_bytes": (2048, 4096, 8192, 16384), "num_warps": (4, 8, 16), "streaming": (0, 1)}
 )
-COMBINE_SPACE = SearchSpace("combine", {"block_h": (512, 1024, 2048, 4096), "num_warps": (4, 8, 16)})
+COMBINE_SPACE = SearchSpace(
+    "combine",
+    {"block_h": (512, 1024, 2048, 4096), "num_warps": (2, 4), "lookahead": (1, 2), "streaming": (0, 1)},
+)
 COMBINE_BACKWARD_SPACE = SearchSpace(
     "combine_backward", {"block_h": (512, 1024, 2048, 4096), "num_warps": (4, 8, 16), "streaming": (0, 1)}
 )
@@ -1018,7 +1077,9 @@ def combine_plan(
         element_bytes=element_bytes,
         weighted=int(has_weights),
     )
-    heuristic = dict(block_h=4096, num_warps=_warps_for(_columns(hidden, 4096) * element_bytes))
+    # Many slots per token make the per-slot search long: a deeper pipeline hides it (H100 / H200 runs).
+    lookahead = 2 if num_slots > 8 else 1
+    heuristic = dict(block_h=4096, num_warps=4, lookahead=lookahead, streaming=0)
     cfg = autotune.resolve(COMBINE_SPACE, heuristic, config, features, device)
     buffers = {
         "output": Buffer((num_tokens, hidden), "like:inp"),
@@ -1046,6 +1107,8 @@ def combine_plan(
             SLOTS_POW2=next_pow2(num_slots),
             HAS_WEIGHTS=has_weights,
             GATHER_PROBS=gather_probs,
+            LOOKAHEAD=cfg["lookahead"],
+            STREAMING=bool(cfg["streaming"]),
             HIDDEN_ALIGN=alignment(hidden),
         ),
         num_warps=cfg["num_warps"],
