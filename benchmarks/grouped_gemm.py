@@ -28,29 +28,31 @@ from moetriton.torch._launch import device_info, run_plan
 from .timing import time_graph
 
 PEAK_TFLOPS = 790.0
-FORWARD_SWEEP = [
-    dict(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s)
-    for m, n, k, w, s in [
-        (128, 256, 64, 8, 3),
-        (128, 256, 64, 8, 4),
-        (128, 128, 64, 8, 4),
-        (128, 128, 64, 4, 4),
-        (64, 256, 64, 8, 4),
-        (64, 128, 64, 4, 4),
-        (128, 256, 32, 8, 4),
-    ]
-]
-WGRAD_SWEEP = [
-    dict(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s)
-    for m, n, k, w, s in [
-        (64, 128, 128, 8, 3),
-        (64, 256, 128, 8, 3),
-        (64, 128, 128, 8, 4),
-        (32, 256, 128, 8, 4),
-        (64, 128, 64, 4, 4),
-        (32, 128, 128, 4, 4),
-    ]
-]
+
+
+def _sweep(*tiles: tuple[int, int, int, int, int]) -> list[dict[str, int]]:
+    """Configs from (block_m, block_n, block_k, num_warps, num_stages) tuples."""
+    names = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+    return [dict(zip(names, tile, strict=True)) for tile in tiles]
+
+
+FORWARD_SWEEP = _sweep(
+    (128, 256, 64, 8, 3),
+    (128, 256, 64, 8, 4),
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 4, 4),
+    (64, 256, 64, 8, 4),
+    (64, 128, 64, 4, 4),
+    (128, 256, 32, 8, 4),
+)
+WGRAD_SWEEP = _sweep(
+    (64, 128, 128, 8, 3),
+    (64, 256, 128, 8, 3),
+    (64, 128, 128, 8, 4),
+    (32, 256, 128, 8, 4),
+    (64, 128, 64, 4, 4),
+    (32, 128, 128, 4, 4),
+)
 
 
 def _group_sizes(rows: int, groups: int, device) -> torch.Tensor:

@@ -123,7 +123,8 @@ class _Launcher:
         self.runners: dict[tuple, tuple] = {}
         self.fast: dict[tuple, object] = {}
 
-    def __call__(self, env: dict, dummy: torch.Tensor, key: tuple, stream: int | None, debug: bool) -> None:
+    def __call__(self, env: dict, dummy: torch.Tensor, key: tuple, stream: int | None) -> None:
+        """The JIT-style launch; `stream` is None under the interpreter (which takes no device checks)."""
         args = []
         for kind, value in self.template:
             if kind == 0:
@@ -155,7 +156,8 @@ class _Launcher:
             return
         launch = self.launch
         strides = {align: alignment(env[name].stride(0)) for name, align in self.stride_aligns}
-        options = dict(self.options, debug=True) if debug and launch.checks else self.options
+        checked = stream is not None and launch.checks
+        options = dict(self.options, debug=True) if checked else self.options
         compiled = launch.kernel[launch.grid](*args, **launch.constexprs, **strides, **options)
         if stream is not None and compiled is not None:  # compiled (not interpreted) kernels only
             constexprs = {**launch.constexprs, **strides}
@@ -297,7 +299,7 @@ class Executable:
                 base = workspace.data_ptr()
                 for name, offset in self.scratch_offsets:
                     env[name] = base + offset
-            self._on_device(self._launch_fast, env, fast)
+            self._launch_on_device(fast, env)
             return tuple(results)
         if INTERPRETER:
             problem = interpreter_problem()
@@ -312,32 +314,25 @@ class Executable:
                 env[name] = part if dtype == torch.uint8 else part.view(dtype)
         dummy = _dummy(device)
         if self.cuda:
-            self._on_device(self._launch, env, (dummy, key))
+            self._launch_on_device(self.launchers, env, dummy, key)
             if all(key in launcher.fast for launcher in self.launchers):
                 self.fast[key] = [launcher.fast[key] for launcher in self.launchers]
         else:
             for launcher in self.launchers:
-                launcher(env, dummy, key, None, False)
+                launcher(env, dummy, key, None)
         return tuple(results)
 
-    def _on_device(self, launch, env: dict, extra) -> None:
+    def _launch_on_device(self, launches: list, *arguments) -> None:
+        """Calls every launch with `arguments` and the current stream of this executable's CUDA device,
+        that device made current for the calls."""
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         if index != torch.cuda.current_device():
             with torch.cuda.device(index):
-                launch(env, extra, index)
-        else:
-            launch(env, extra, index)
-
-    def _launch(self, env: dict, extra: tuple, index: int) -> None:
-        dummy, key = extra
+                self._launch_on_device(launches, *arguments)
+            return
         stream = _driver().active.get_current_stream(index)
-        for launcher in self.launchers:
-            launcher(env, dummy, key, stream, True)
-
-    def _launch_fast(self, env: dict, fast: list, index: int) -> None:
-        stream = _driver().active.get_current_stream(index)
-        for launch in fast:
-            launch(env, stream)
+        for launch in launches:
+            launch(*arguments, stream)
 
 
 def _stride_class(tensor: torch.Tensor) -> tuple[int, bool]:

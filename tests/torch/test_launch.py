@@ -75,7 +75,7 @@ def test_fast_launch_passes_what_the_jit_style_launch_passes():
         kernel = _RecordingKernel()
         constexpr_values = [f"constexpr-{name}" for name in launcher.constexpr_names]
         launcher.runners[key] = (kernel, constexpr_values)
-        launcher(env, dummy, key, stream, True)
+        launcher(env, dummy, key, stream)
         fast = launcher._fast_launch(kernel, constexpr_values, env, dummy)
         fast(addresses, stream)
         jit_style, generated = kernel.calls
