@@ -116,7 +116,7 @@ def token_dispatch(
             combine) and unused rows are zero. A static layout for fixed-size all-to-all exchanges.
 
     Returns:
-        (output [N, H], permuted_probs [N] or None, row_id_map [T, S + 1] int32, pad_offsets [n * E] int32 or
+        (output [N, H], permuted_probs [N] or None, row_id_map [T, 2S + 2] int32, pad_offsets [n * E] int32 or
         None (padding or capacity only), tokens_per_expert [n * E] int32 (rows per expert in the buffer,
         padding included)), plus permuted_scales [N, C] as a sixth element when `scales` is given.
         N = n * (rows of a shard's buffer); S = E for a mask, K for indices. Rows in row_id_map are local to
@@ -219,7 +219,7 @@ def token_combine(
 
     Args:
         inp: [N, H] expert outputs in the layout token_dispatch produced; float32/float64/bfloat16/float16.
-        row_id_map: [T, S + 1] int32 from token_dispatch.
+        row_id_map: [T, 2S + 2] int32 from token_dispatch.
         merging_probs: [T, S] weights in the routing layout ([T, E] for a mask, [T, K] for indices).
         pad_offsets: pass what token_dispatch returned when it padded (rows in row_id_map already include
             padding; this tells the backward that pad rows exist, so their gradient is written as zeros).

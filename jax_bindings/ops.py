@@ -131,7 +131,7 @@ class Combine(ShardedOp):
         plan = kernels.combine_plan(
             num_tokens=row_map.shape[0],
             hidden=inp.shape[1],
-            num_slots=row_map.shape[1] - 1,
+            num_slots=kernels.row_map_slots(row_map.shape[1]),
             element_bytes=inp.dtype.itemsize,
             has_weights=weights is not None,
             gather_probs=False,
@@ -170,7 +170,7 @@ class DispatchBackward(ShardedOp):
             plan = kernels.combine_plan(
                 num_tokens=row_map.shape[0],
                 hidden=grad.shape[1],
-                num_slots=row_map.shape[1] - 1,
+                num_slots=kernels.row_map_slots(row_map.shape[1]),
                 element_bytes=grad.dtype.itemsize,
                 has_weights=False,
                 gather_probs=grad_probs is not None,
@@ -213,7 +213,7 @@ class Scatter(ShardedOp):
         plan = kernels.scatter_plan(
             num_tokens=row_map.shape[0],
             hidden=grad.shape[1],
-            num_slots=row_map.shape[1] - 1,
+            num_slots=kernels.row_map_slots(row_map.shape[1]),
             num_rows=self.num_rows,
             padded=self.padded,
             element_bytes=grad.dtype.itemsize,
@@ -258,7 +258,7 @@ class CombineBackward(ShardedOp):
             plan = kernels.combine_backward_plan(
                 num_tokens=row_map.shape[0],
                 hidden=grad.shape[1],
-                num_slots=row_map.shape[1] - 1,
+                num_slots=kernels.row_map_slots(row_map.shape[1]),
                 num_rows=inp.shape[0],
                 padded=self.padded,
                 element_bytes=inp.dtype.itemsize,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moetriton.kernels import buffer_rows
+from moetriton.kernels import buffer_rows, row_map_slots
 
 _BIT_DTYPES = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -49,7 +49,7 @@ def row_map(
     align: int,
     capacity: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Row map [T, S + 1], rows per expert in the buffer [E] and pad offsets [E] (all int32).
+    """Row map [T, 2S + 2], rows per expert in the buffer [E] and pad offsets [E] (all int32).
 
     A slot's row is its expert's (padded) block start plus its rank among that expert's slots in
     (token, slot) order; slots past the buffer, with no expert, or with an id outside [0, E) get -1. With a
@@ -79,16 +79,33 @@ def row_map(
     rows = jnp.where(keep, rows, -1)
     end = jnp.minimum(aligned.sum(), num_rows)
     kept = jnp.minimum(jnp.maximum(num_rows - start, 0), aligned)
+    rows = rows.reshape(num_tokens, num_slots)
+    has_row = rows >= 0
+    # The slot list: slots with a row first (ascending), then -1.
+    slot_ids = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), rows.shape)
+    listed = jnp.sort(jnp.where(has_row, slot_ids, num_slots + slot_ids), axis=1)
+    listed = jnp.where(listed < num_slots, listed, -1)
     full_map = jnp.concatenate(
-        [rows.reshape(num_tokens, num_slots), jnp.full((num_tokens, 1), end, jnp.int32)], axis=1
+        [
+            rows,
+            listed,
+            has_row.sum(axis=1, keepdims=True, dtype=jnp.int32),
+            jnp.full((num_tokens, 1), end, jnp.int32),
+        ],
+        axis=1,
     )
     return full_map.astype(jnp.int32), kept.astype(jnp.int32), (start - plain_start).astype(jnp.int32)
+
+
+def _rows(row_id_map: jax.Array) -> jax.Array:
+    """[T, S] destination rows of a row map's slots (-1: none)."""
+    return row_id_map[:, : row_map_slots(row_id_map.shape[1])]
 
 
 def _slot_rows(row_id_map: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
     """(token of every slot, destination row of every slot) flattened in (token, slot) order; slots without
     a row point at `num_rows`, which scatters drop."""
-    rows = row_id_map[:, :-1]
+    rows = _rows(row_id_map)
     tokens = jnp.broadcast_to(jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None], rows.shape)
     return tokens.reshape(-1), jnp.where(rows >= 0, rows, num_rows).reshape(-1)
 
@@ -105,7 +122,7 @@ def dispatch(
     capacity: int | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array, jax.Array, jax.Array]:
     """One shard of token_dispatch: (output [N, H], permuted_probs [N] | None, permuted_scales [N, C] | None,
-    row_id_map [T, S + 1], pad_offsets [E], tokens_per_expert [E])."""
+    row_id_map [T, 2S + 2], pad_offsets [E], tokens_per_expert [E])."""
     num_rows = buffer_rows(num_out_tokens, num_experts, align_size, capacity)
     full_map, kept, pad_offsets = row_map(routing, num_experts, is_mask, num_rows, align_size or 1, capacity)
     tokens, dst = _slot_rows(full_map, num_rows)
@@ -121,7 +138,7 @@ def combine(inp: jax.Array, row_id_map: jax.Array, weights: jax.Array | None = N
     """One shard of token_combine: per token, the sum over its slots in ascending order of w * inp[row]
     (w = 1 without weights), in fp32 (fp64 for fp64 input), cast to inp.dtype."""
     acc_dtype = _acc_dtype(inp.dtype)
-    rows = row_id_map[:, :-1]
+    rows = _rows(row_id_map)
     num_tokens = rows.shape[0]
     acc = jnp.zeros((num_tokens, inp.shape[1]), acc_dtype)
     if inp.shape[0] == 0 or num_tokens == 0:
@@ -145,7 +162,7 @@ def dispatch_backward(
     grad_inp = combine(grad_output, row_id_map)
     if grad_permuted_probs is None:
         return grad_inp, None
-    rows = row_id_map[:, :-1]
+    rows = _rows(row_id_map)
     if grad_permuted_probs.shape[0] == 0:
         return grad_inp, jnp.zeros(rows.shape, grad_permuted_probs.dtype)
     gathered = grad_permuted_probs[jnp.maximum(rows, 0)]
@@ -165,7 +182,7 @@ def combine_backward(
     rows no slot owns are zero) and grad_weights[t, s] = <inp[row(t, s)], g[t]> in fp32 (0 without a row)."""
     acc_dtype = _acc_dtype(inp.dtype)
     num_rows = inp.shape[0]
-    rows = row_id_map[:, :-1]
+    rows = _rows(row_id_map)
     if num_rows == 0 or rows.shape[0] == 0:
         return jnp.zeros_like(inp), jnp.zeros(weights.shape, weights.dtype)
     tokens, dst = _slot_rows(row_id_map, num_rows)

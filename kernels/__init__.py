@@ -36,6 +36,8 @@ from .permutation import (
     dispatch_outputs,
     dispatch_plan,
     expert_count_plan,
+    row_map_columns,
+    row_map_slots,
     scatter_plan,
 )
 
@@ -76,6 +78,8 @@ __all__ = [
     "interpreter_problem",
     "next_pow2",
     "router",
+    "row_map_columns",
+    "row_map_slots",
     "scatter_plan",
     "sort_chunks_plan",
     "strided_inputs",

@@ -6,10 +6,13 @@ Slots. A routing input gives every token S slots: a mask [T, E] has one slot per
 an index map [T, K] has one slot per top-k position (slot k -> expert indices[t, k], -1 = none). Per-slot
 tensors (probs, merging probs, their gradients) have the routing input's layout: [T, E] or [T, K].
 
-Row map. `row_id_map` is int32 [T, S + 1]: column s holds the destination row of slot s (padding applied),
-or -1 when the slot has no row (not routed, or past the end of the buffer); column S holds `end`, the number
-of leading buffer rows that carry tokens or padding (the same value on every token row, so each token shard
-can read it locally). Rows are expert-major and stable in (token, slot) order:
+Row map. `row_id_map` is int32 [T, 2S + 2] (`row_map_columns`). Column s < S holds the destination row of
+slot s (padding applied), or -1 when the slot has no row (not routed, or past the end of the buffer).
+Columns S .. 2S - 1 list the slots that have a row, ascending, then -1: the combine kernels walk this list,
+so a step costs two scalar loads, not a search over S slots (TE's map is compact the same way). Column 2S
+holds the number of listed slots; column 2S + 1 holds `end`, the number of leading buffer rows that carry
+tokens or padding (the same value on every token row, so each token shard can read it locally). Rows are
+expert-major and stable in (token, slot) order:
     row(t, s) = start[e] + #{(t', s') < (t, s) : expert(t', s') == e},    e = expert(t, s)
 where start[e] is the exclusive prefix sum of the per-expert counts, each rounded up to A when padding.
 
@@ -65,6 +68,33 @@ def _as_bits(ptr):
         return ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     else:
         return ptr.to(tl.pointer_type(tl.uint64), bitcast=True)
+
+
+@triton.jit
+def _map_row(row_map_ptr, token, num_slots):
+    """Pointer to token `token`'s row of a [T, 2S + 2] row map."""
+    return row_map_ptr + token.to(tl.int64) * (2 * num_slots + 2)
+
+
+@triton.jit
+def _write_slot_list(map_row, valid, slots, num_slots):
+    """Columns S .. 2S + 1 of one token's row map, but `end`: the `valid` slots ascending, then -1, and
+    their count. Every lane writes distinct addresses (a listed slot at its rank among the valid ones, a
+    -1 at a position past the count), so no store races another."""
+    flags = valid.to(tl.int32)
+    count = tl.sum(flags, axis=0)
+    tl.store(map_row + num_slots + tl.cumsum(flags, axis=0) - flags, slots, mask=valid)
+    tl.store(map_row + num_slots + slots, -1, mask=(slots >= count) & (slots < num_slots))
+    tl.store(map_row + 2 * num_slots, count)
+
+
+@triton.jit
+def _listed_slot(map_row, num_slots, position, count):
+    """(slot, row) of the token's `position`-th listed slot; (0, 0) at or past `count`, which are never
+    read (the loads they guard are masked)."""
+    live = position < count
+    slot = tl.load(map_row + num_slots + position, mask=live, other=0)
+    return slot, tl.load(map_row + slot, mask=live, other=0).to(tl.int64)
 
 
 @triton.jit
@@ -294,7 +324,7 @@ def _zero_tail(
         out_ptr,
         out_ptr,
         out_ptr,
-        tl.load(row_map_ptr + num_slots) + fill * FILL_ROWS,
+        tl.load(row_map_ptr + 2 * num_slots + 1) + fill * FILL_ROWS,
         num_rows,
         NUM_FILL * FILL_ROWS,
         hidden,
@@ -355,7 +385,7 @@ def _dispatch_kernel(
     out_ptr,  # [N, H]
     out_probs_ptr,  # [N] (HAS_PROBS)
     out_scales_ptr,  # [N, C] (HAS_SCALES)
-    row_map_ptr,  # [T, S + 1] int32
+    row_map_ptr,  # [T, 2S + 2] int32
     tokens_per_expert_ptr,  # [E] int32
     pad_offsets_ptr,  # [E] int32
     IS_MASK: tl.constexpr,
@@ -422,9 +452,10 @@ def _dispatch_kernel(
         )
         valid = rows >= 0
         if chunk == 0:
-            map_row = row_map_ptr + token.to(tl.int64) * (num_slots + 1)
+            map_row = _map_row(row_map_ptr, token, num_slots)
             tl.store(map_row + slots, rows, mask=slots < num_slots)
-            tl.store(map_row + num_slots, end)
+            _write_slot_list(map_row, valid, slots, num_slots)
+            tl.store(map_row + 2 * num_slots + 1, end)
             if HAS_PROBS:
                 probs = tl.load(_as_bits(probs_ptr) + token.to(tl.int64) * num_slots + slots, mask=valid)
                 tl.store(_as_bits(out_probs_ptr) + rows, probs, mask=valid)
@@ -487,7 +518,7 @@ def _dispatch_kernel(
 @triton.jit
 def _scatter_kernel(
     inp_ptr,  # [T, H] payload, moved as raw bits
-    row_map_ptr,  # [T, S + 1] int32
+    row_map_ptr,  # [T, 2S + 2] int32
     num_tokens,
     hidden,
     inp_stride,  # row stride of inp
@@ -504,8 +535,8 @@ def _scatter_kernel(
 ):
     """Scatter tokens through an existing row map (the backward of unweighted combine).
     Grid (T * cdiv(H, BLOCK_H) + NUM_FILL,): token program (t, c) stores columns [c*BLOCK_H, (c+1)*BLOCK_H)
-    of token t to each of its rows; the NUM_FILL programs after them zero the tail past `end` (NUM_FILL is 0
-    when the plan pre-zeroes the output)."""
+    of token t to the row of each listed slot; the NUM_FILL programs after them zero the tail past `end`
+    (NUM_FILL is 0 when the plan pre-zeroes the output)."""
     pid = tl.program_id(0)
     hidden = _aligned(hidden, HIDDEN_ALIGN)
     inp_stride = _aligned(inp_stride, INP_STRIDE_ALIGN)
@@ -516,11 +547,15 @@ def _scatter_kernel(
         cols = (pid % chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
         cmask = cols < hidden
         values = _load_token_chunk(inp_ptr, token, inp_stride, cols, cmask, STREAMING)
-        slots = tl.arange(0, SLOTS_POW2)
-        rows = tl.load(
-            row_map_ptr + token.to(tl.int64) * (num_slots + 1) + slots, mask=slots < num_slots, other=-1
-        )
-        _store_to_rows(_as_bits(out_ptr), values, rows, rows >= 0, hidden, cols, cmask, STREAMING)
+        map_row = _map_row(row_map_ptr, token, num_slots)
+        count = tl.load(map_row + 2 * num_slots)
+        for position in range(count):
+            _, row = _listed_slot(map_row, num_slots, position, count)
+            out = _as_bits(out_ptr) + row * hidden + cols
+            if STREAMING:
+                tl.store(out, values, mask=cmask, cache_modifier=".cs")
+            else:
+                tl.store(out, values, mask=cmask)
     else:
         _zero_tail(
             _as_bits(out_ptr),
@@ -536,23 +571,11 @@ def _scatter_kernel(
 
 
 @triton.jit
-def _next_slot(valid, slots, after, SLOTS_POW2: tl.constexpr):
-    """The lowest valid slot above `after` ([SLOTS_POW2] vectors in), or SLOTS_POW2 when none is left."""
-    return tl.min(tl.where(valid & (slots > after), slots, SLOTS_POW2), axis=0)
-
-
-@triton.jit
-def _slot_row(map_row, slot, num_slots):
-    """The row of `slot` from a token's row map (0 past the last slot: such rows are never read)."""
-    return tl.load(map_row + slot, mask=slot < num_slots, other=0).to(tl.int64)
-
-
-@triton.jit
-def _slot_values(inp_ptr, row, slot, num_slots, inp_stride, cols, cmask, STREAMING: tl.constexpr):
-    """Columns `cols` (`cmask`) of `row` (zeros past the last slot: nothing is read); evict-first when
+def _slot_values(inp_ptr, row, live, inp_stride, cols, cmask, STREAMING: tl.constexpr):
+    """Columns `cols` (`cmask`) of `row` when `live` (else zeros; nothing is read); evict-first when
     STREAMING (each row is read once)."""
-    # The slot test is made a vector first: the interpreter rejects a vector mask & a scalar one.
-    in_range = (tl.zeros_like(cols) + slot) < num_slots
+    # The live flag is made a vector first: the interpreter rejects a vector mask & a scalar one.
+    in_range = (tl.zeros_like(cols) + live.to(tl.int32)) != 0
     pointers = inp_ptr + row * inp_stride + cols
     if STREAMING:
         return tl.load(pointers, mask=cmask & in_range, other=0, eviction_policy="evict_first")
@@ -560,16 +583,16 @@ def _slot_values(inp_ptr, row, slot, num_slots, inp_stride, cols, cmask, STREAMI
 
 
 @triton.jit
-def _slot_weight(weight_row, slot, num_slots, acc_dtype: tl.constexpr, HAS_WEIGHTS: tl.constexpr):
+def _slot_weight(weight_row, slot, live, acc_dtype: tl.constexpr, HAS_WEIGHTS: tl.constexpr):
     if HAS_WEIGHTS:
-        return tl.load(weight_row + slot, mask=slot < num_slots, other=0).to(acc_dtype)
+        return tl.load(weight_row + slot, mask=live, other=0).to(acc_dtype)
     return tl.full([], 1, acc_dtype)
 
 
 @triton.jit
 def _combine_kernel(
     inp_ptr,  # [N, H] expert outputs
-    row_map_ptr,  # [T, S + 1] int32
+    row_map_ptr,  # [T, 2S + 2] int32
     weights_ptr,  # [T, S] merging probs (HAS_WEIGHTS)
     permuted_probs_ptr,  # [N] (GATHER_PROBS)
     num_tokens,
@@ -595,10 +618,10 @@ def _combine_kernel(
     With GATHER_PROBS, program (t, 0) also gathers permuted_probs[row(t, s)] into out_probs[t, s] (0 where
     the slot has no row): the probs gradient of dispatch.
 
-    The slot walk is software-pipelined: a step issues the load of one row's values, then finds the next
-    slot (a reduction over the S slots) and its row while that load is in flight; with LOOKAHEAD = 2 the
-    values are loaded one step before they are added, so two row loads are in flight per program (what
-    many slots per token need, where the per-slot search is long). The order of the additions never changes.
+    The walk follows the row map's list of the token's slots (O(1) per step, whatever S) and is
+    software-pipelined: a step issues the load of one row's values, then reads the next listed slot and its
+    row while that load is in flight; with LOOKAHEAD = 2 the values are loaded one step before they are
+    added, so two row loads are in flight per program. The order of the additions never changes.
     STREAMING reads rows evict-first and stores the output streaming (a knob, as in `_dispatch_kernel`).
     """
     pid = tl.program_id(0)
@@ -610,28 +633,29 @@ def _combine_kernel(
     acc_dtype: tl.constexpr = tl.float64 if inp_ptr.dtype.element_ty == tl.float64 else tl.float32
     cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < hidden
-    map_row = row_map_ptr + token.to(tl.int64) * (num_slots + 1)
+    map_row = _map_row(row_map_ptr, token, num_slots)
     weight_row = weights_ptr + token.to(tl.int64) * num_slots
-    slots = tl.arange(0, SLOTS_POW2)
-    smask = slots < num_slots
-    rows = tl.load(map_row + slots, mask=smask, other=-1)
-    valid = rows >= 0
     if GATHER_PROBS and chunk == 0:
-        gathered = tl.load(_as_bits(permuted_probs_ptr) + rows, mask=valid, other=0)
+        slots = tl.arange(0, SLOTS_POW2)
+        smask = slots < num_slots
+        rows = tl.load(map_row + slots, mask=smask, other=-1)
+        gathered = tl.load(_as_bits(permuted_probs_ptr) + rows, mask=rows >= 0, other=0)
         tl.store(_as_bits(out_probs_ptr) + token.to(tl.int64) * num_slots + slots, gathered, mask=smask)
+    count = tl.load(map_row + 2 * num_slots)
     acc = tl.zeros([BLOCK_H], dtype=acc_dtype)
-    slot = _next_slot(valid, slots, -1, SLOTS_POW2)
-    row = _slot_row(map_row, slot, num_slots)
+    # `position` is the list entry whose row the next load reads; (slot, row) are that entry's.
+    position = tl.full([], 0, tl.int32)
+    slot, row = _listed_slot(map_row, num_slots, position, count)
     if LOOKAHEAD == 2:
-        values = _slot_values(inp_ptr, row, slot, num_slots, inp_stride, cols, cmask, STREAMING)
-        weight = _slot_weight(weight_row, slot, num_slots, acc_dtype, HAS_WEIGHTS)
-        slot = _next_slot(valid, slots, slot, SLOTS_POW2)
-        row = _slot_row(map_row, slot, num_slots)
-    for _ in range(tl.sum(valid.to(tl.int32), axis=0)):
-        next_values = _slot_values(inp_ptr, row, slot, num_slots, inp_stride, cols, cmask, STREAMING)
-        next_weight = _slot_weight(weight_row, slot, num_slots, acc_dtype, HAS_WEIGHTS)
-        slot = _next_slot(valid, slots, slot, SLOTS_POW2)
-        row = _slot_row(map_row, slot, num_slots)
+        values = _slot_values(inp_ptr, row, position < count, inp_stride, cols, cmask, STREAMING)
+        weight = _slot_weight(weight_row, slot, position < count, acc_dtype, HAS_WEIGHTS)
+        position += 1
+        slot, row = _listed_slot(map_row, num_slots, position, count)
+    for _ in range(count):
+        next_values = _slot_values(inp_ptr, row, position < count, inp_stride, cols, cmask, STREAMING)
+        next_weight = _slot_weight(weight_row, slot, position < count, acc_dtype, HAS_WEIGHTS)
+        position += 1
+        slot, row = _listed_slot(map_row, num_slots, position, count)
         if LOOKAHEAD == 2:
             if HAS_WEIGHTS:
                 acc += values.to(acc_dtype) * weight
@@ -653,7 +677,7 @@ def _combine_kernel(
 @triton.jit
 def _combine_backward_kernel(
     grad_ptr,  # [T, H] gradient of the combine output
-    row_map_ptr,  # [T, S + 1] int32
+    row_map_ptr,  # [T, 2S + 2] int32
     inp_ptr,  # [N, H] combine input (expert outputs)
     weights_ptr,  # [T, S] merging probs
     num_tokens,
@@ -675,7 +699,7 @@ def _combine_backward_kernel(
 ):
     """Backward of weighted combine. Grid (T + NUM_FILL,).
 
-    Token program t walks its slots in ascending order and, for each, the whole hidden dimension:
+    Token program t walks its listed slots (ascending) and, for each, the whole hidden dimension:
     grad_inp[row] = g[t] * w[t, s] (computed in fp32, stored in the input dtype) and
     grad_weights[t, s] = sum_h inp[row, h] * g[t, h] (fp32); slots without a row get weight gradient 0.
     Fill programs zero the tail rows [end, N); with padding the plan pre-zeroes grad_inp instead.
@@ -689,18 +713,20 @@ def _combine_backward_kernel(
     if pid < num_tokens:
         token = pid
         acc_dtype: tl.constexpr = tl.float64 if inp_ptr.dtype.element_ty == tl.float64 else tl.float32
-        map_row = row_map_ptr + token.to(tl.int64) * (num_slots + 1)
+        map_row = _map_row(row_map_ptr, token, num_slots)
         slots = tl.arange(0, SLOTS_POW2)
         smask = slots < num_slots
-        rows = tl.load(map_row + slots, mask=smask, other=-1)
-        valid = rows >= 0
         grad_row = grad_ptr + token.to(tl.int64) * grad_stride
         weight_grads = tl.zeros([SLOTS_POW2], dtype=acc_dtype)
-        previous = tl.full([], -1, tl.int32)
-        for _ in range(tl.sum(valid.to(tl.int32), axis=0)):
-            slot = tl.min(tl.where(valid & (slots > previous), slots, SLOTS_POW2), axis=0)
-            row = tl.load(map_row + slot).to(tl.int64)
-            weight = tl.load(weights_ptr + token.to(tl.int64) * num_slots + slot).to(acc_dtype)
+        weight_row = weights_ptr + token.to(tl.int64) * num_slots
+        count = tl.load(map_row + 2 * num_slots)
+        # The next listed slot, its row and weight are read while the current slot's rows move (their
+        # loads chain: list entry, then row and weight).
+        slot, row = _listed_slot(map_row, num_slots, 0, count)
+        weight = _slot_weight(weight_row, slot, count > 0, acc_dtype, True)
+        for position in range(count):
+            next_slot, next_row = _listed_slot(map_row, num_slots, position + 1, count)
+            next_weight = _slot_weight(weight_row, next_slot, position + 1 < count, acc_dtype, True)
             dot = tl.zeros([BLOCK_H], dtype=acc_dtype)
             for h0 in range(0, hidden, BLOCK_H):
                 cols = h0 + tl.arange(0, BLOCK_H)
@@ -717,7 +743,7 @@ def _combine_backward_kernel(
                     tl.store(grad_inp_ptr + row * hidden + cols, scaled, mask=cmask)
                 dot += values * grad
             weight_grads = tl.where(slots == slot, tl.sum(dot, axis=0), weight_grads)
-            previous = slot
+            slot, row, weight = next_slot, next_row, next_weight
         tl.store(
             grad_weights_ptr + token.to(tl.int64) * num_slots + slots,
             weight_grads.to(grad_weights_ptr.dtype.element_ty),
@@ -750,11 +776,21 @@ DISPATCH_SPACE = SearchSpace(
 )
 COMBINE_SPACE = SearchSpace(
     "combine",
-    {"block_h": (512, 1024, 2048, 4096), "num_warps": (2, 4), "lookahead": (1, 2), "streaming": (0, 1)},
+    {"block_h": (512, 1024, 2048, 4096), "num_warps": (2, 4, 8), "lookahead": (1, 2), "streaming": (0, 1)},
 )
 COMBINE_BACKWARD_SPACE = SearchSpace(
     "combine_backward", {"block_h": (512, 1024, 2048, 4096), "num_warps": (4, 8, 16), "streaming": (0, 1)}
 )
+
+
+def row_map_columns(num_slots: int) -> int:
+    """Columns of the row map of S slots per token: S rows, the list of S slots, its count and `end`."""
+    return 2 * num_slots + 2
+
+
+def row_map_slots(columns: int) -> int:
+    """S, the slots per token, of a row map with `columns` columns (see `row_map_columns`)."""
+    return (columns - 2) // 2
 
 
 def _warps_for(block_bytes: int) -> int:
@@ -880,7 +916,7 @@ def dispatch_plan(
     With `capacity` (instead of `num_out_tokens` and `align_size`) every expert owns `capacity` rows.
 
     Inputs: "inp" [T, H], "routing" [T, S], "probs" [T, S] or None, "scales" [T, C] or None.
-    Results: output [N, H], permuted_probs [N], permuted_scales [N, C], row_id_map [T, S + 1],
+    Results: output [N, H], permuted_probs [N], permuted_scales [N, C], row_id_map [T, 2S + 2],
     pad_offsets [E], tokens_per_expert [E] (rows per expert in the buffer, padding included).
     `config` maps "row_map" (the token blocks of the counts and ranks) / "dispatch" to configs from their
     search spaces (defaults: the autotune cache, else heuristics).
@@ -990,7 +1026,7 @@ def dispatch_outputs(
         permuted_scales=Buffer(
             (num_rows, scale_cols) if has_scales else (0,), "like:scales" if has_scales else "float32"
         ),
-        row_id_map=Buffer((num_tokens, num_slots + 1), "int32"),
+        row_id_map=Buffer((num_tokens, row_map_columns(num_slots)), "int32"),
         pad_offsets=Buffer((num_experts,), "int32"),
         tokens_per_expert=Buffer((num_experts,), "int32"),
     )

@@ -8,6 +8,8 @@ only they know whether reading values is free (CPU) or a device sync (GPU).
 
 from __future__ import annotations
 
+from .permutation import row_map_slots
+
 FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8")
@@ -107,9 +109,10 @@ def check_dispatch(
 def check_row_map(row_id_map: tuple[tuple[int, ...], str]) -> tuple[int, int]:
     """Returns (num_tokens, num_slots) of a row_id_map made by token_dispatch."""
     check_array("row_id_map", *row_id_map, ndim=2, dtypes=("int32",))
-    if row_id_map[0][1] < 1:
-        _fail("row_id_map", f"expected shape [T, S + 1] (from token_dispatch), got {row_id_map[0]}")
-    return row_id_map[0][0], row_id_map[0][1] - 1
+    columns = row_id_map[0][1]
+    if columns < 2 or columns % 2:
+        _fail("row_id_map", f"expected shape [T, 2S + 2] (from token_dispatch), got {row_id_map[0]}")
+    return row_id_map[0][0], row_map_slots(columns)
 
 
 def check_combine(

@@ -115,7 +115,7 @@ def _combine_sizes(inp, row_map, weights, permuted_probs) -> dict:
     return dict(
         num_tokens=row_map.shape[0],
         hidden=inp.shape[1],
-        num_slots=row_map.shape[1] - 1,
+        num_slots=kernels.row_map_slots(row_map.shape[1]),
         element_bytes=inp.element_size(),
         has_weights=weights is not None,
         gather_probs=permuted_probs is not None,
@@ -187,7 +187,7 @@ def _scatter_sizes(grad, row_map, num_rows, padded) -> dict:
     return dict(
         num_tokens=row_map.shape[0],
         hidden=grad.shape[1],
-        num_slots=row_map.shape[1] - 1,
+        num_slots=kernels.row_map_slots(row_map.shape[1]),
         num_rows=num_rows,
         padded=padded,
         element_bytes=grad.element_size(),
@@ -215,7 +215,7 @@ def _combine_backward_sizes(grad, row_map, inp, padded) -> dict:
     return dict(
         num_tokens=row_map.shape[0],
         hidden=grad.shape[1],
-        num_slots=row_map.shape[1] - 1,
+        num_slots=kernels.row_map_slots(row_map.shape[1]),
         num_rows=inp.shape[0],
         padded=padded,
         element_bytes=inp.element_size(),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from moetriton.kernels import buffer_rows
+from moetriton.kernels import buffer_rows, row_map_slots
 
 _BIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -34,7 +34,7 @@ def _move_rows(values: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, num_r
 def row_map(
     routing: torch.Tensor, num_experts: int, is_mask: bool, num_rows: int, align: int, capacity: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row map [T, S + 1], kept rows per expert [E] and pad offsets [E] (int32). capacity > 0: every
+    """Row map [T, 2S + 2], kept rows per expert [E] and pad offsets [E] (int32). capacity > 0: every
     expert's block has `capacity` rows and a slot ranked past it in its expert gets no row."""
     num_tokens, num_slots = routing.shape
     device = routing.device
@@ -61,13 +61,24 @@ def row_map(
     rows = torch.where(keep, rows, -1)
     end = aligned.sum().clamp(max=num_rows)
     kept = (num_rows - start).clamp(min=0).minimum(aligned)
-    full_map = torch.cat([rows.view(num_tokens, num_slots), end.expand(num_tokens, 1)], dim=1).int()
+    rows = rows.view(num_tokens, num_slots)
+    has_row = rows >= 0
+    # The slot list: slots with a row first (ascending), then -1.
+    slot_ids = torch.arange(num_slots, device=device).expand(num_tokens, num_slots)
+    listed = torch.sort(torch.where(has_row, slot_ids, num_slots + slot_ids), dim=1).values
+    listed = torch.where(listed < num_slots, listed, -1)
+    full_map = torch.cat([rows, listed, has_row.sum(1, keepdim=True), end.expand(num_tokens, 1)], dim=1).int()
     return full_map, kept.int(), (start - plain_start).int()
+
+
+def _rows(row_id_map: torch.Tensor) -> torch.Tensor:
+    """[T, S] destination rows of a row map's slots (-1: none), int64."""
+    return row_id_map[:, : row_map_slots(row_id_map.shape[1])].long()
 
 
 def _slots(row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token, slot, row) of every slot that has a row, in (token, slot) order."""
-    rows = row_id_map[:, :-1].long()
+    rows = _rows(row_id_map)
     tokens, slots = torch.nonzero(rows >= 0, as_tuple=True)
     return tokens, slots, rows[tokens, slots]
 
@@ -107,7 +118,7 @@ def combine(inp: torch.Tensor, row_id_map: torch.Tensor, weights: torch.Tensor |
     """moetriton::combine: per token, the sum over its slots in ascending order of w * inp[row], in fp32
     (fp64 for fp64 input), cast to inp.dtype."""
     acc_dtype = torch.float64 if inp.dtype == torch.float64 else torch.float32
-    rows = row_id_map[:, :-1].long()
+    rows = _rows(row_id_map)
     num_tokens, num_slots = rows.shape
     valid = rows >= 0
     # Compact each token's slots to the front, keeping ascending slot order.
@@ -133,7 +144,7 @@ def dispatch_backward(
     grad_inp = combine(grad_output, row_id_map, None)
     if grad_permuted_probs is None:
         return grad_inp, grad_output.new_empty(0, dtype=torch.float32)
-    rows = row_id_map[:, :-1].long()
+    rows = _rows(row_id_map)
     gathered = grad_permuted_probs[rows.clamp(min=0)]
     return grad_inp, torch.where(rows >= 0, gathered, torch.zeros_like(gathered))
 

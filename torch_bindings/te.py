@@ -4,7 +4,7 @@ TE / Megatron users switch by changing an import:
     from moetriton.torch import moe_permute, moe_unpermute, ...   # instead of transformer_engine.pytorch
 
 Differences from TE (all deliberate, see docs/te_migration.md):
-- row_id_map has our format ([T, S + 1] int32); pass it only to moe_unpermute.
+- row_id_map has our format ([T, 2S + 2] int32); pass it only to moe_unpermute.
 - A routed slot whose prob is 0 still carries its token (TE writes a zero row there, yet routes the gradient
   to the token); pure data movement is exact.
 - Slots past num_out_tokens are dropped instead of written out of bounds; -1 in an index map never gets a

@@ -140,7 +140,7 @@ def _cpu_only(call, argument):
 
 
 _IDS = jnp.zeros((6, 2), jnp.int32)
-_MAP = jnp.zeros((6, 3), jnp.int32)
+_MAP = jnp.zeros((6, 6), jnp.int32)  # S = 2
 _ROWS = jnp.zeros((6, 5), jnp.float32)
 
 

@@ -83,11 +83,24 @@ def _contract_rows(problem, capacity: int | None = None) -> np.ndarray:
     return rows
 
 
+def _contract_map(problem, capacity: int | None = None) -> np.ndarray:
+    """The row map but its `end` column, built with loops from `_contract_rows`: the rows, each token's
+    slots that have a row (ascending, then -1) and their count."""
+    rows = _contract_rows(problem, capacity)
+    listed = np.full(rows.shape, -1, dtype=np.int64)
+    counts = np.zeros((rows.shape[0], 1), dtype=np.int64)
+    for t in range(rows.shape[0]):
+        for s in range(rows.shape[1]):
+            if rows[t, s] >= 0:
+                listed[t, counts[t, 0]] = s
+                counts[t, 0] += 1
+    return np.concatenate([rows, listed, counts], axis=1)
+
+
 @given(routing_problems(dtypes=("float32",)))
 def test_row_map_follows_the_design_formula(problem):
     (_, _, row_id_map, pad_offsets, tokens_per_expert), _ = _dispatch_both(problem, with_probs=False)
-    expected = _contract_rows(problem)
-    np.testing.assert_array_equal(row_id_map[:, :-1].cpu().numpy(), expected)
+    np.testing.assert_array_equal(row_id_map[:, :-1].cpu().numpy(), _contract_map(problem))
     assert tokens_per_expert.dtype == torch.int32 and row_id_map.dtype == torch.int32
     assert (pad_offsets is None) == (problem.align_size is None)
 
@@ -110,7 +123,7 @@ def test_capacity_dispatch_keeps_the_first_slots_of_each_expert(problem, capacit
         ("output", "permuted_probs", "row_id_map", "pad_offsets", "counts"), got, expected, strict=True
     ):
         assert_same(g, e, name)
-    np.testing.assert_array_equal(got[2][:, :-1].cpu().numpy(), _contract_rows(problem, capacity))
+    np.testing.assert_array_equal(got[2][:, :-1].cpu().numpy(), _contract_map(problem, capacity))
     assert got[0].shape[0] == problem.num_experts * capacity
     assert bool((got[4] == capacity).all())
     if not x.dtype.is_floating_point or x.element_size() == 1:
@@ -138,7 +151,7 @@ def test_capacity_dispatch_keeps_the_first_slots_of_each_expert(problem, capacit
 def test_rows_without_a_token_are_zero(problem):
     (output, permuted_probs, row_id_map, _, counts), _ = _dispatch_both(problem)
     used = torch.zeros(output.shape[0], dtype=torch.bool, device=DEVICE)
-    rows = row_id_map[:, :-1]
+    rows = row_id_map[:, : problem.num_slots]
     used[rows[rows >= 0].long()] = True
     assert not bits(output)[~used].any()
     assert not bits(permuted_probs)[~used].any()
@@ -160,12 +173,13 @@ def test_combine_matches_reference_bitwise(problem, weighted, layout):
 
 def _long_rows(kind: str, num_experts: int, topk: int | None, generator: torch.Generator) -> torch.Tensor:
     """Long routing rows: a token with no slot, one with every slot (of the first 96: the interpreter walks
-    each), one on power-of-two edges (slots 0, 31, 32, 63, 1023, 1024 and the last), one with a run of 40,
+    each), one on power-of-two edges (slots 0, 31, 32, 63, 64, 127, 128, 1023, 1024 and the last: the
+    kernel walks 64-slot windows), one with a run of 40,
     and random ones. [T, E] bool for a mask, else [T, K] int32 ids."""
     num_slots = num_experts if kind == "mask" else topk
     valid = torch.zeros(7, num_slots, dtype=torch.bool)
     valid[1, :96] = True
-    valid[2, [s for s in (0, 31, 32, 63, 1023, 1024, num_slots - 1) if s < num_slots]] = True
+    valid[2, [s for s in (0, 31, 32, 63, 64, 127, 128, 1023, 1024, num_slots - 1) if s < num_slots]] = True
     valid[3, 30 : 30 + 40] = True
     valid[4:] = torch.rand(3, num_slots, generator=generator) < min(0.3, 30 / num_slots)
     if kind == "mask":

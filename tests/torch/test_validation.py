@@ -111,6 +111,10 @@ COMBINE_CASES = {
         lambda: mt.token_combine(torch.zeros(T * E, H, device=DEVICE), _row_map()[:, :0]),
         "row_id_map",
     ),
+    "map width odd": (  # not [T, 2S + 2]: a column cut off
+        lambda: mt.token_combine(torch.zeros(T * E, H, device=DEVICE), _row_map()[:, :-1]),
+        "row_id_map",
+    ),
     "merging_probs shape": (
         lambda: mt.token_combine(torch.zeros(T * E, H, device=DEVICE), _row_map(), torch.zeros(T, K)),
         "merging_probs",
