@@ -36,7 +36,7 @@ from .timing import input_sets, time_eager, time_graph, time_host_and_eager, tim
 DTYPE = torch.bfloat16
 
 
-def _te():
+def te_permutation():
     """TE's PyTorch wrappers of its Triton permutation kernels, or None where TE is not importable."""
     try:
         from transformer_engine.pytorch.triton import permutation
@@ -96,7 +96,7 @@ def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
     import moetriton.torch as mt
     from moetriton.torch import ops, reference
 
-    te = _te()
+    te = te_permutation()
     T, H, E, K = shape.num_tokens, shape.hidden, shape.num_experts, shape.topk
     N = T * K
     eb = torch.finfo(DTYPE).bits // 8

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device-tool call: install what the GPU machine lacks, run the whole test suite on CUDA, run the
 # benchmarks, and leave logs under $OUT. Usage (device tool, repo root): bash scripts/gpu_check.sh [stage...]
-# Stages: setup (install only) smoke tests bench eager hostprof router gemm autotune usecache jaxprof plan moe1 moe2 (default:
-# tests bench). gemm: the grouped-GEMM kernels beside torch._grouped_mm (GEMM_ARGS=--sweep to time configs).
+# Stages: setup (install only) smoke tests bench eager hostprof router gemm autotune usecache jaxprof plan ncu moe1 moe2
+# (default: tests bench). ncu: Nsight Compute counters of the combine kernels beside TE's (scripts/profile_kernels.py,
+# NCU_SHAPES), report as $OUT/ncu.txt. gemm: the grouped-GEMM kernels beside torch._grouped_mm (GEMM_ARGS=--sweep to time configs).
 # moe1: the MoE layer examples and layer-step benchmarks on one GPU; moe2: the same with EP = 2 on two GPUs
 # (torchrun for PyTorch, one process for JAX); their logs and CSVs come back as $OUT/moe.tar.
 # usecache copies what autotune wrote into the installed package, so later stages of the same call run with
@@ -39,9 +40,20 @@ for stage in $stages; do
             pkill -9 -f xdist; pkill -9 -f pytest; true) ;;
     bench) (cd "$repo" && timeout ${BENCH_TIMEOUT:-300} python3 -m benchmarks.run --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log") ;;
     eager) (cd "$repo" && timeout ${EAGER_TIMEOUT:-300} python3 -m benchmarks.run --modules benchmarks.eager_cases \
-              --out "$OUT/eager" ${EAGER_ARGS:-} 2>&1 | tee "$OUT/eager.log") ;;
+              --out "$OUT/eager" ${EAGER_ARGS:-} 2>&1 | tee "$OUT/eager.log"
+            tar -C "$OUT" -cf "$OUT/eager.tar" eager && rm -r "$OUT/eager") ;;
     hostprof) (cd "$repo" && timeout ${HOSTPROF_TIMEOUT:-120} python3 scripts/profile_host.py ${HOSTPROF_ARGS:-} \
                  > "$OUT/hostprof.log" 2>&1; tail -40 "$OUT/hostprof.log") ;;
+    ncu) (cd "$repo" && ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+          timeout ${NCU_TIMEOUT:-240} "$ncu_bin" --clock-control none --kernel-name regex:'_combine_kernel|_unpermute_kernel' \
+            --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+            --section SchedulerStats --section WarpStateStats --section SourceCounters -f -o "$OUT/ncu" \
+            python3 scripts/profile_kernels.py --shapes ${NCU_SHAPES:-qwen3,dsv3,mixtral} > "$OUT/ncu_run.log" 2>&1
+          tail -5 "$OUT/ncu_run.log"
+          "$ncu_bin" --import "$OUT/ncu.ncu-rep" --page details --print-units base > "$OUT/ncu.txt" 2>&1
+          "$ncu_bin" --import "$OUT/ncu.ncu-rep" --page raw --csv > "$OUT/ncu_raw.csv" 2>&1
+          rm -f "$OUT/ncu.ncu-rep"  # too large to bring back; the two text pages hold what it says
+          grep -E "^  [_a-z]|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" "$OUT/ncu.txt" | head -120) ;;
     usecache) cp -r /tmp/cache/. /tmp/site/moetriton/autotune_cache/ ;;
     jaxprof) (cd "$repo" && timeout ${JAXPROF_TIMEOUT:-150} python3 scripts/profile_jax.py --hlo "$OUT/hlo.txt" \
                 ${JAXPROF_ARGS:-} > "$OUT/jaxprof.log" 2>&1; tail -80 "$OUT/jaxprof.log") ;;
