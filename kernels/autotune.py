@@ -49,7 +49,7 @@ KERNEL_SOURCES = {
     "router_aux_scores_backward": ("router", ("_aux_scores_backward_kernel",)),
 }
 # Features compared for equality rather than by distance.
-CATEGORICAL = ("element_bytes", "is_mask", "weighted")
+CATEGORICAL = ("element_bytes", "is_mask", "weighted", "gather")
 
 
 def device_dir(device_name: str) -> str:

@@ -98,6 +98,18 @@ def _listed_slot(map_row, num_slots, position, count):
 
 
 @triton.jit
+def _padded_listed_slot(map_row, num_slots, position):
+    """(slot, row, live) of the token's `position`-th listed slot, its end found from the list's -1
+    padding instead of the count, so the first entries load while the count is still in flight (at large
+    S the count, the list and the per-slot rows lie in different cache lines). Past the list:
+    (-1, 0, False), and nothing is read. The combine walk gained 0-9% from it on the H200; the combine
+    backward lost 0-11% and keeps `_listed_slot` (same-GPU A/B, docs/performance.md)."""
+    slot = tl.load(map_row + num_slots + position, mask=position < num_slots, other=-1)
+    live = slot >= 0
+    return slot, tl.load(map_row + slot, mask=live, other=0).to(tl.int64), live
+
+
+@triton.jit
 def _aligned(value, ALIGN: tl.constexpr):
     """`value` rebuilt as a multiple of ALIGN, so that the compiler knows its divisibility (the plan sets
     ALIGN to a power of two dividing `value`). PyTorch's launcher tells Triton which integer arguments are
@@ -590,6 +602,15 @@ def _slot_weight(weight_row, slot, live, acc_dtype: tl.constexpr, HAS_WEIGHTS: t
 
 
 @triton.jit
+def _gather_prob(probs_bits, row, slot, live, slots, gathered, GATHER_PROBS: tl.constexpr):
+    """`gathered` [SLOTS_POW2] with permuted_probs[row] (raw bits) placed at `slot` when `live`."""
+    if GATHER_PROBS:
+        prob = tl.load(probs_bits + row, mask=live, other=0)
+        return tl.where(slots == slot, prob, gathered)
+    return gathered
+
+
+@triton.jit
 def _combine_kernel(
     inp_ptr,  # [N, H] expert outputs
     row_map_ptr,  # [T, 2S + 2] int32
@@ -616,7 +637,8 @@ def _combine_kernel(
     (w = 1 without weights) on columns [c*BLOCK_H, (c+1)*BLOCK_H), accumulated in fp32 (fp64 for fp64 input)
     and stored in the input dtype. No atomics: every output element has one owner and a fixed order.
     With GATHER_PROBS, program (t, 0) also gathers permuted_probs[row(t, s)] into out_probs[t, s] (0 where
-    the slot has no row): the probs gradient of dispatch.
+    the slot has no row), one scalar load per listed slot along the walk, and stores the [S] row once at
+    the end: the probs gradient of dispatch.
 
     The walk follows the row map's list of the token's slots (O(1) per step, whatever S) and is
     software-pipelined: a step issues the load of one row's values, then reads the next listed slot and its
@@ -635,27 +657,28 @@ def _combine_kernel(
     cmask = cols < hidden
     map_row = _map_row(row_map_ptr, token, num_slots)
     weight_row = weights_ptr + token.to(tl.int64) * num_slots
-    if GATHER_PROBS and chunk == 0:
-        slots = tl.arange(0, SLOTS_POW2)
-        smask = slots < num_slots
-        rows = tl.load(map_row + slots, mask=smask, other=-1)
-        gathered = tl.load(_as_bits(permuted_probs_ptr) + rows, mask=rows >= 0, other=0)
-        tl.store(_as_bits(out_probs_ptr) + token.to(tl.int64) * num_slots + slots, gathered, mask=smask)
-    count = tl.load(map_row + 2 * num_slots)
+    # With GATHER_PROBS, program (t, 0) collects the probs of the listed slots as the walk reaches them.
+    slots = tl.arange(0, SLOTS_POW2)
+    probs_bits = _as_bits(permuted_probs_ptr)
+    gathered = tl.zeros([SLOTS_POW2], dtype=probs_bits.dtype.element_ty)
+    first_chunk = chunk == 0
     acc = tl.zeros([BLOCK_H], dtype=acc_dtype)
-    # `position` is the list entry whose row the next load reads; (slot, row) are that entry's.
+    # `position` is the list entry whose row the next load reads; (slot, row, live) are that entry's.
     position = tl.full([], 0, tl.int32)
-    slot, row = _listed_slot(map_row, num_slots, position, count)
+    slot, row, live = _padded_listed_slot(map_row, num_slots, position)
+    count = tl.load(map_row + 2 * num_slots)
     if LOOKAHEAD == 2:
-        values = _slot_values(inp_ptr, row, position < count, inp_stride, cols, cmask, STREAMING)
-        weight = _slot_weight(weight_row, slot, position < count, acc_dtype, HAS_WEIGHTS)
+        values = _slot_values(inp_ptr, row, live, inp_stride, cols, cmask, STREAMING)
+        weight = _slot_weight(weight_row, slot, live, acc_dtype, HAS_WEIGHTS)
+        gathered = _gather_prob(probs_bits, row, slot, live & first_chunk, slots, gathered, GATHER_PROBS)
         position += 1
-        slot, row = _listed_slot(map_row, num_slots, position, count)
+        slot, row, live = _padded_listed_slot(map_row, num_slots, position)
     for _ in range(count):
-        next_values = _slot_values(inp_ptr, row, position < count, inp_stride, cols, cmask, STREAMING)
-        next_weight = _slot_weight(weight_row, slot, position < count, acc_dtype, HAS_WEIGHTS)
+        next_values = _slot_values(inp_ptr, row, live, inp_stride, cols, cmask, STREAMING)
+        next_weight = _slot_weight(weight_row, slot, live, acc_dtype, HAS_WEIGHTS)
+        gathered = _gather_prob(probs_bits, row, slot, live & first_chunk, slots, gathered, GATHER_PROBS)
         position += 1
-        slot, row = _listed_slot(map_row, num_slots, position, count)
+        slot, row, live = _padded_listed_slot(map_row, num_slots, position)
         if LOOKAHEAD == 2:
             if HAS_WEIGHTS:
                 acc += values.to(acc_dtype) * weight
@@ -672,6 +695,11 @@ def _combine_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=cmask, cache_modifier=".cs")
     else:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+    if GATHER_PROBS:
+        # The chunk flag is made a vector first (the interpreter rejects a vector mask & a scalar one).
+        here = (tl.zeros_like(slots) + first_chunk.to(tl.int32)) != 0
+        probs_out = _as_bits(out_probs_ptr) + token.to(tl.int64) * num_slots + slots
+        tl.store(probs_out, gathered, mask=(slots < num_slots) & here)
 
 
 @triton.jit
@@ -1105,13 +1133,15 @@ def combine_plan(
     Inputs: "inp" [N, H], "row_id_map", "weights" [T, S] or None, "permuted_probs" [N] or None.
     Results: output [T, H] and, with `gather_probs`, probs [T, S] (dtype `probs_dtype`).
     """
-    # Weighted (combine) and unweighted (dispatch backward) sums are tuned apart: their best configs differ.
+    # Weighted (combine) and unweighted (dispatch backward) sums, the latter with and without the probs
+    # gather, are tuned apart: their best configs differ (the gather adds a load and registers per step).
     features = dict(
         num_tokens=num_tokens,
         hidden=hidden,
         num_slots=num_slots,
         element_bytes=element_bytes,
         weighted=int(has_weights),
+        gather=int(gather_probs),
     )
     # Many slots per token make the per-slot search long: a deeper pipeline hides it (H100 / H200 runs).
     lookahead = 2 if num_slots > 8 else 1

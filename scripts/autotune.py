@@ -93,6 +93,7 @@ def _cases(shape: MoEShape, kind: str, device, tuned):
                 rows=rows,
                 grad=x,
                 weights=probs,
+                permuted_probs=torch.rand(N, device="cuda", generator=generator),
                 split_sizes=sizes,
                 sorted_indices=order,
             )
@@ -117,22 +118,29 @@ def _cases(shape: MoEShape, kind: str, device, tuned):
         lambda c: dispatch_plan(c, "dispatch"),
         sets,
     )
-    for weighted in (True, False):  # combine, and dispatch's backward (an unweighted combine)
+    # Combine, and dispatch's backward: an unweighted combine, which also gathers the probs' gradient when
+    # dispatch had probs.
+    for weighted, gather in ((True, False), (False, False), (False, True)):
         yield (
             "combine",
-            dict(data_features, weighted=int(weighted)),
-            lambda c, weighted=weighted: kernels.combine_plan(
+            dict(data_features, weighted=int(weighted), gather=int(gather)),
+            lambda c, weighted=weighted, gather=gather: kernels.combine_plan(
                 num_tokens=T,
                 hidden=H,
                 num_slots=S,
                 element_bytes=eb,
                 has_weights=weighted,
-                gather_probs=False,
+                gather_probs=gather,
                 device=info,
                 config=c,
             ),
             [
-                dict(s, inp=s["rows"], permuted_probs=None, weights=s["weights"] if weighted else None)
+                dict(
+                    s,
+                    inp=s["rows"],
+                    permuted_probs=s["permuted_probs"] if gather else None,
+                    weights=s["weights"] if weighted else None,
+                )
                 for s in sets
             ],
         )

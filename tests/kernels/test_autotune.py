@@ -37,7 +37,9 @@ def fake_cache(tmp_path, monkeypatch):
     device_dir.mkdir()
     entries = {}
     for num_tokens, block_h in ((1024, 512), (16384, 4096)):
-        features = dict(num_tokens=num_tokens, hidden=2048, num_slots=8, element_bytes=2, weighted=1)
+        features = dict(
+            num_tokens=num_tokens, hidden=2048, num_slots=8, element_bytes=2, weighted=1, gather=0
+        )
         entries[autotune.key_of(features)] = dict(
             features=features, best=dict(block_h=block_h, num_warps=8), ms=0.1, timings={"x": 0.1}
         )
@@ -58,7 +60,7 @@ def fake_cache(tmp_path, monkeypatch):
 
 
 def test_lookup_exact_nearest_and_none(fake_cache):
-    features = dict(num_tokens=16384, hidden=2048, num_slots=8, element_bytes=2, weighted=1)
+    features = dict(num_tokens=16384, hidden=2048, num_slots=8, element_bytes=2, weighted=1, gather=0)
     assert autotune.lookup("combine", features, TEST_GPU) == dict(block_h=4096, num_warps=8)
     assert autotune.lookup("combine", dict(features, num_tokens=2048), TEST_GPU)["block_h"] == 512
     assert autotune.lookup("combine", dict(features, num_tokens=8192), TEST_GPU)["block_h"] == 4096
@@ -78,7 +80,7 @@ def test_lookup_exact_nearest_and_none(fake_cache):
 
 
 def test_a_gpu_without_a_cache_borrows_the_closest_of_its_architecture(fake_cache):
-    features = dict(num_tokens=16384, hidden=2048, num_slots=8, element_bytes=2, weighted=1)
+    features = dict(num_tokens=16384, hidden=2048, num_slots=8, element_bytes=2, weighted=1, gather=0)
     sibling = kernels.DeviceInfo("Test GPU 141GB", 132, arch="sm_90")
     with pytest.warns(UserWarning, match="no autotune cache for Test GPU 141GB.*Test_GPU_80GB"):
         assert autotune.lookup("combine", features, sibling) == dict(block_h=4096, num_warps=8)
@@ -93,7 +95,7 @@ def test_stale_cache_is_reported_once_and_still_used(fake_cache):
     data = json.loads(fake_cache.read_text())
     data["triton"] = "0.0.0"
     fake_cache.write_text(json.dumps(data))
-    features = dict(num_tokens=1024, hidden=2048, num_slots=8, element_bytes=2, weighted=1)
+    features = dict(num_tokens=1024, hidden=2048, num_slots=8, element_bytes=2, weighted=1, gather=0)
     with pytest.warns(UserWarning, match="stale"):
         assert autotune.lookup("combine", features, TEST_GPU)["block_h"] == 512
     with warnings.catch_warnings():

@@ -77,20 +77,61 @@ def _layout(align_size):
     return row_map, rows, grad, weights
 
 
+@pytest.mark.parametrize("weighted", [True, False], ids=["combine", "dispatch_backward"])
 @pytest.mark.parametrize("config", _configs("combine"), ids=str)
-def test_every_combine_config(config):
+def test_every_combine_config(config, weighted):
+    """Weighted combine, and dispatch's backward: an unweighted combine that also gathers the probs."""
     row_map, rows, _, weights = _layout(None)
     plan = kernels.combine_plan(
         num_tokens=NUM_TOKENS,
         hidden=HIDDEN,
         num_slots=TOPK,
         element_bytes=2,
-        has_weights=True,
-        gather_probs=False,
+        has_weights=weighted,
+        gather_probs=not weighted,
         config=config,
     )
-    got = run_plan(plan, dict(inp=rows, row_id_map=row_map, weights=weights, permuted_probs=None), DEVICE)
-    assert_reduced(got[0], reference.combine(rows, row_map, weights), "combine")
+    permuted_probs = torch.rand(rows.shape[0], generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    inputs = dict(inp=rows, row_id_map=row_map, weights=weights, permuted_probs=permuted_probs)
+    if weighted:
+        inputs["permuted_probs"] = None
+        got = run_plan(plan, inputs, DEVICE)
+        assert_reduced(got[0], reference.combine(rows, row_map, weights), "combine")
+    else:
+        inputs["weights"] = None
+        got = run_plan(plan, inputs, DEVICE)
+        expected = reference.dispatch_backward(rows, permuted_probs, row_map)
+        assert_reduced(got[0], expected[0], "combine")
+        assert torch.equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("kind", ["mask", "indices"])
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_dispatch_backward_gathers_the_probs_once_over_column_chunks(kind, lookahead):
+    """Rows wider than a block: every column chunk of a token sums its rows, and only the first writes the
+    token's probs gradient (slots without a row get 0)."""
+    hidden = 1100  # three chunks of 512 columns
+    x, routing, probs = _problem(kind)
+    _, _, _, row_map, _, _ = reference.dispatch(
+        x, routing, probs, None, NUM_EXPERTS, kind == "mask", NUM_TOKENS * TOPK, 0
+    )
+    generator = torch.Generator().manual_seed(7)
+    rows = torch.randn(NUM_TOKENS * TOPK, hidden, generator=generator).to(DEVICE, torch.bfloat16)
+    grad_probs = torch.rand(NUM_TOKENS * TOPK, generator=generator).to(DEVICE)
+    plan = kernels.combine_plan(
+        num_tokens=NUM_TOKENS,
+        hidden=hidden,
+        num_slots=routing.shape[1],
+        element_bytes=2,
+        has_weights=False,
+        gather_probs=True,
+        config=dict(block_h=512, num_warps=4, lookahead=lookahead, streaming=0),
+    )
+    inputs = dict(inp=rows, row_id_map=row_map, weights=None, permuted_probs=grad_probs)
+    got = run_plan(plan, inputs, DEVICE)
+    expected = reference.dispatch_backward(rows, grad_probs, row_map)
+    assert_reduced(got[0], expected[0], "dispatch backward")
+    assert torch.equal(got[1], expected[1])
 
 
 @pytest.mark.parametrize("align_size", [None, 4])
