@@ -1143,7 +1143,7 @@ def combine_plan(
         weighted=int(has_weights),
         gather=int(gather_probs),
     )
-    # Many slots per token make the per-slot search long: a deeper pipeline hides it (H100 / H200 runs).
+    # Many slots per token: a deeper pipeline keeps more row loads in flight (H100 / H200 runs).
     lookahead = 2 if num_slots > 8 else 1
     heuristic = dict(block_h=4096, num_warps=4, lookahead=lookahead, streaming=0)
     cfg = autotune.resolve(COMBINE_SPACE, heuristic, config, features, device)

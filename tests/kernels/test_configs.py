@@ -92,14 +92,16 @@ def test_every_combine_config(config, weighted):
         config=config,
     )
     permuted_probs = torch.rand(rows.shape[0], generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    inputs = dict(inp=rows, row_id_map=row_map, weights=weights, permuted_probs=permuted_probs)
+    inputs = dict(
+        inp=rows,
+        row_id_map=row_map,
+        weights=weights if weighted else None,
+        permuted_probs=None if weighted else permuted_probs,
+    )
+    got = run_plan(plan, inputs, DEVICE)
     if weighted:
-        inputs["permuted_probs"] = None
-        got = run_plan(plan, inputs, DEVICE)
         assert_reduced(got[0], reference.combine(rows, row_map, weights), "combine")
     else:
-        inputs["weights"] = None
-        got = run_plan(plan, inputs, DEVICE)
         expected = reference.dispatch_backward(rows, permuted_probs, row_map)
         assert_reduced(got[0], expected[0], "combine")
         assert torch.equal(got[1], expected[1])
