@@ -73,6 +73,7 @@ from moetriton.jax import reference_router, sort_chunks_by_index, token_combine,
 from moetriton.jax.moe import (
     MoEConfig,
     _experts,
+    _resolve_exchange,
     _router,
     apply_activation,
     dropless_forward,
@@ -115,6 +116,7 @@ COLUMNS = (
     "impl",
     "shape",
     "ep",
+    "exchange",
     "tokens_per_gpu",
     "step_ms",
     "gpu_busy_ms",
@@ -136,6 +138,7 @@ class Case:
     ep: int
     align_size: int | None
     seq: int  # tokens per sequence: x is [EP * tokens / seq, seq, H]
+    exchange: str = "auto"  # the moetriton layer's `exchange` argument
 
     @property
     def batch(self) -> int:
@@ -201,6 +204,7 @@ def moetriton_layer(case: Case, mesh: Mesh | None):
             align_size=case.align_size,
             mesh=mesh,
             ep_axis="ep",
+            exchange=case.exchange,
             **_router_options(case.shape),
         )
 
@@ -265,7 +269,6 @@ def _baseline_experts(rows, group_sizes, gate_up, down):
 
 def _config(case: Case, mesh: Mesh | None) -> MoEConfig:
     shape = case.shape
-    on_gpu = mesh is not None and all(device.platform == "gpu" for device in mesh.devices.flat)
     return MoEConfig(
         topk=shape.topk,
         score_function=shape.score_function,
@@ -281,7 +284,7 @@ def _config(case: Case, mesh: Mesh | None) -> MoEConfig:
         mesh=mesh,
         ep_axis="ep" if mesh is not None else None,
         data_axes=(),
-        exchange="ragged" if on_gpu else "padded",
+        exchange=_resolve_exchange(case.exchange, mesh),
         num_shards=case.ep,
         ep_size=case.ep,
     )
@@ -463,7 +466,8 @@ def plain_all_to_all_ms(case: Case, mesh: Mesh, steps: int) -> float:
 
 def measure(impl: str, case: Case, steps: int) -> dict:
     shape = case.shape
-    row = dict(impl=impl, shape=shape.name, ep=case.ep, tokens_per_gpu=shape.num_tokens)
+    row = dict(impl=impl, shape=shape.name, ep=case.ep, exchange=case.exchange)
+    row["tokens_per_gpu"] = shape.num_tokens
     mesh = make_mesh(case.ep)
     arrays = make_inputs(case, mesh)
     layer = moetriton_layer(case, mesh) if impl == "moetriton" else baseline_layer(case, mesh)
@@ -511,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--align", type=int, default=0, help="align_size of the moetriton layer (0: none)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement (median)")
     parser.add_argument("--out", default="benchmark-results", help="folder for moe_jax.csv and moe_jax.log")
+    parser.add_argument("--exchange", default="auto", help="the moetriton layer's: auto, ragged or padded")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -532,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
             if ep > len(jax.devices()):
                 say(f"skipping {name} EP={ep}: {len(jax.devices())} device(s)")
                 continue
-            case = Case(shape, ep, args.align or None, seq=min(shape.num_tokens, 512))
+            case = Case(shape, ep, args.align or None, seq=min(shape.num_tokens, 512), exchange=args.exchange)
             for impl in args.impl.split(","):
                 try:
                     row = measure(impl, case, args.steps)

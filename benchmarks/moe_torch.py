@@ -25,9 +25,11 @@ of the kernels launched (CPU time on CPU), shares are of the profiled total ("ot
 accumulation); routing share = router + dispatch + chunk_sort + combine; grouped-GEMM TFLOP/s =
 3 x (2 rows H 2F + 2 rows F H) / grouped_gemm time, rows = T x K routed slots, against the 790 TFLOP/s
 bf16 peak; with EP > 1, all-to-all GB/s = bytes this rank sends in the 4 token exchanges of a step (4 x
-T K H x 2 bytes, padding not counted) / all_to_all stage time, against a plain all_to_all_single of
-[T K, H] with equal splits. A row that runs out of memory is printed and written as OOM, and the next row
-runs (under torchrun an OOM on one rank only would leave the other waiting for the collective timeout).
+T K H x 2 bytes, padding not counted) / all_to_all stage time (the row exchanges; the count exchange
+before them, with its host copy and its wait for the slower rank, is the exchange_sizes stage), against a
+plain all_to_all_single of [T K, H] with equal splits. A row that runs out of memory is printed and
+written as OOM, and the next row runs (under torchrun an OOM on one rank only would leave the other waiting
+for the collective timeout).
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ def megatron_moe(
         out = expert_mlp(permuted, counts, gate_up, down, "swiglu")
     else:
         ep, rank, local = dist.get_world_size(group), dist.get_rank(group), gate_up.shape[0]
-        with _stage("all_to_all"):
+        with _stage("exchange_sizes"):
             counts_all = counts.new_empty(ep * shape.num_experts)  # [EP E]: every rank's counts
             dist.all_gather_into_tensor(counts_all, counts, group=group)
             per_pair = counts_all.view(ep, ep, local)  # [source, destination, local expert]
@@ -131,6 +133,7 @@ def megatron_moe(
             send_sizes = on_host[rank].sum(-1).tolist()
             mine = on_host[:, rank]  # [source, local expert]
             recv_sizes = mine.sum(-1).tolist()
+        with _stage("all_to_all"):
             received = all_to_all_rows(permuted, send_sizes, recv_sizes, sum(recv_sizes), group)
         with _stage("chunk_sort"):
             chunks = received.split(mine.reshape(-1).tolist())

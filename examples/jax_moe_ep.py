@@ -3,11 +3,12 @@
     python examples/jax_moe_ep.py            # GPUs: EP over all of them; CPU: 8 host devices, data 2 x EP 4
     python examples/jax_moe_ep.py --small    # small shapes anywhere
 
-Without a GPU the script gives the CPU 8 host devices (XLA_FLAGS, set before JAX starts) and the layer
-exchanges tokens with a padded all_to_all (XLA:CPU has no ragged all-to-all); on GPUs it uses
-jax.lax.ragged_all_to_all. It runs the layer forward and backward under jax.jit with the dropless policy and
-with a capacity factor, compares the output, aux loss, dropped count and every gradient with
-moetriton.jax.reference_moe, runs the Flax MoEBlock once, and prints the errors and step times.
+Without a GPU the script gives the CPU 8 host devices (XLA_FLAGS, set before JAX starts). On one host the
+layer exchanges tokens with a padded all_to_all (XLA:CPU has no ragged all-to-all, and XLA's GPU one is
+slower on one host); across processes it uses jax.lax.ragged_all_to_all. It runs the layer forward and
+backward under jax.jit with the dropless policy and with a capacity factor, compares the output, aux loss,
+dropped count and every gradient with moetriton.jax.reference_moe, runs the Flax MoEBlock once, and prints
+the errors and step times.
 """
 
 from __future__ import annotations

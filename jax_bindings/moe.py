@@ -12,10 +12,11 @@ host sync). Tokens are sharded over (data axes..., EP axis) on their batch axis,
 The exchange sizes and static buffer sizes come from moetriton.kernels.expert_parallel (`ep_layout`,
 `dropless_exchange`, `dropped_slots`); nothing here re-derives them. Two exchanges move the same rows:
 
-* "ragged": `jax.lax.ragged_all_to_all` into the static receive buffer (GPU);
+* "ragged": `jax.lax.ragged_all_to_all` into the static receive buffer (GPU meshes spanning processes);
 * "padded": every (source, destination) pair's rows padded to the pair's worst case and moved with a
-  fixed-size `jax.lax.all_to_all`, then compacted into the same receive buffer layout. XLA:CPU has no
-  ragged all-to-all, so "auto" picks this on CPU meshes.
+  fixed-size `jax.lax.all_to_all`, then compacted into the same receive buffer layout, with the reverse
+  exchange as its transpose. "auto" picks this on one host: XLA:CPU has no ragged all-to-all, and XLA's
+  GPU one is slower than this between the GPUs of one host (`_resolve_exchange`).
 
 The capacity policy needs neither: every (source, expert) pair owns exactly C rows, so one fixed-size
 all_to_all moves [L, C] slabs. Gradients are our ops' custom_vjp rules plus JAX's transposes of the
@@ -121,16 +122,48 @@ def _move(buffer, rows: int, source, remote_offsets, destination, layout: EPLayo
     """One dropless exchange over the EP group. buffer [N, H]: this rank sends rank p the rows
     source = (offsets [EP], sizes [EP]) describe, which land at remote_offsets[p] in p's result; the result
     [rows, H] holds the rows from every rank p at destination = (offsets, sizes), zeros elsewhere. The
-    padded fallback moves every pair's rows in a block of the pair's worst case (recv_rows / EP)."""
+    padded exchange moves every pair's rows in a block of the pair's worst case (recv_rows / EP)."""
     (send_offsets, send_sizes), (recv_offsets, recv_sizes) = source, destination
     if config.exchange == "ragged":
         result = jnp.zeros((rows, buffer.shape[1]), buffer.dtype)
         return jax.lax.ragged_all_to_all(
             buffer, result, send_offsets, send_sizes, remote_offsets, recv_sizes, axis_name=config.ep_axis
         )
-    blocks = _block_rows(buffer, send_offsets, send_sizes, layout.recv_rows // layout.ep_size)
-    received = jax.lax.all_to_all(blocks, config.ep_axis, 0, 0)  # [EP, pair rows, H], block p from rank p
+    pair_rows = layout.recv_rows // layout.ep_size
+    shape = (buffer.shape[0], rows, pair_rows, config.ep_axis)
+    return _padded_move(shape, buffer, send_offsets, send_sizes, recv_offsets, recv_sizes)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _padded_move(shape, buffer, send_offsets, send_sizes, recv_offsets, recv_sizes):
+    """The padded exchange. shape = (buffer rows, result rows, rows per pair block, EP axis name)."""
+    _, rows, pair_rows, axis = shape
+    blocks = _block_rows(buffer, send_offsets, send_sizes, pair_rows)
+    received = jax.lax.all_to_all(blocks, axis, 0, 0)  # [EP, pair rows, H], block p from rank p
     return _compact_blocks(received, recv_offsets, recv_sizes, rows)
+
+
+def _padded_move_forward(shape, buffer, *offsets_and_sizes):
+    return _padded_move(shape, buffer, *offsets_and_sizes), offsets_and_sizes
+
+
+def _padded_move_backward(shape, offsets_and_sizes, cotangent):
+    # The exchange moves every row to at most one place (zeros elsewhere): its transpose is the same
+    # exchange run backwards. JAX's own transpose would turn both gathers into scatter-adds, several
+    # times slower on GPUs than the gathers themselves.
+    buffer_rows, rows, pair_rows, axis = shape
+    send_offsets, send_sizes, recv_offsets, recv_sizes = offsets_and_sizes
+    back = (rows, buffer_rows, pair_rows, axis)
+    return (
+        _padded_move(back, cotangent, recv_offsets, recv_sizes, send_offsets, send_sizes),
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+_padded_move.defvjp(_padded_move_forward, _padded_move_backward)
 
 
 def dropless_forward(send, sizes: dict, layout: EPLayout, config: MoEConfig):
@@ -273,9 +306,13 @@ def _resolve_exchange(exchange: str, mesh: Mesh | None) -> str:
         raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
     if exchange != "auto":
         return exchange
-    # XLA:CPU has no ragged-all-to-all: CPU meshes move padded fixed-size blocks instead.
-    devices = mesh.devices.flat if mesh is not None else jax.devices()[:1]
-    return "ragged" if all(device.platform == "gpu" for device in devices) else "padded"
+    # XLA:CPU has no ragged-all-to-all. Between the GPUs of one host XLA's ragged-all-to-all moved 5 GB/s
+    # on two NVLinked H200s (jaxlib 0.11.2; openxla/xla#33386 reports the same on B200s) where the padded
+    # exchange moved 160 GB/s (docs/moe.md): only EP groups spanning several processes (hosts) use it.
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    on_gpus = all(device.platform == "gpu" for device in devices)
+    several_processes = len({device.process_index for device in devices}) > 1
+    return "ragged" if on_gpus and several_processes else "padded"
 
 
 def _check_mesh(mesh: Mesh | None, ep_axis: str | None, data_axes: tuple[str, ...]) -> tuple[int, int]:
@@ -350,8 +387,10 @@ def moe(
         ep_axis: the mesh axis of expert parallelism (None: no EP, experts replicated); E must be a multiple
             of its size.
         data_axes: further mesh axes sharding the tokens (data / FSDP parallelism).
-        exchange: "auto" (ragged all-to-all on GPU meshes, padded fixed-size all-to-all elsewhere), "ragged"
-            or "padded". Both move the same rows and give the same results.
+        exchange: "auto", "ragged" (`jax.lax.ragged_all_to_all`) or "padded" (fixed-size all_to_all of
+            every pair's worst case). Both move the same rows and give the same results. "auto" picks
+            "ragged" when the mesh's GPUs span several processes and "padded" otherwise: XLA's ragged
+            all-to-all is 30 times slower than the padded exchange between the GPUs of one host.
 
     Returns:
         (out [B, S, H] in x.dtype, aux_loss fp32 scalar, dropped int32 scalar: routed slots the capacity

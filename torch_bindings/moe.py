@@ -61,8 +61,19 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 #: Stages of a layer call, each a torch.profiler.record_function range "moe.<stage>" (the benchmark
-#: attributes backward work to the stage whose forward ops it differentiates).
-STAGES = ("router", "dispatch", "all_to_all", "chunk_sort", "grouped_gemm", "activation", "combine")
+#: attributes backward work to the stage whose forward ops it differentiates). exchange_sizes: the
+#: dropless layer's per-expert count exchange and its copy to the host (kept apart from all_to_all, the
+#: row exchanges, whose bandwidth the benchmark reports).
+STAGES = (
+    "router",
+    "dispatch",
+    "exchange_sizes",
+    "all_to_all",
+    "chunk_sort",
+    "grouped_gemm",
+    "activation",
+    "combine",
+)
 
 
 def _stage(name: str) -> torch.profiler.record_function:
@@ -301,10 +312,11 @@ def _dropless_experts(send, send_counts, layout, ep_rank, group, gate_up, down, 
     """Dropless: send buffer [S, H] with send_counts [E] rows per expert -> expert outputs, same layout."""
     if layout.ep_size == 1:
         return expert_mlp(send, send_counts, gate_up, down, activation)
-    with _stage("all_to_all"):
+    with _stage("exchange_sizes"):
         counts_all = _gather_counts(send_counts, layout.ep_size, group)
         on_host = dropless_exchange(counts_all.cpu(), ep_rank, layout)  # the call's one host sync
         send_sizes, recv_sizes = on_host["send_sizes"].tolist(), on_host["recv_sizes"].tolist()
+    with _stage("all_to_all"):
         received = all_to_all_rows(
             send, send_sizes, recv_sizes, sum(recv_sizes), group
         )  # [R, H] source-major

@@ -6,7 +6,8 @@ before it starts, and never reaches this process's JAX. There the exchange is th
 checks of INTERPRETED; the interpreter serialises every shard's launches (about a second per shard and
 layer call), so the other CPU mesh checks run the ops' pure-JAX reference, the CPU fallback without the
 interpreter: they test the layer's exchange, sorts, GEMMs and gradients on up to 8 devices. On a machine with
-GPUs the same checks run compiled kernels on as many GPUs as they need, with the ragged all-to-all.
+GPUs the same checks run compiled kernels on as many GPUs as they need, with the exchange "auto" picks there
+(padded on one host), and the exchanges check compares the ragged all-to-all with the padded one.
 Single-device checks (no mesh) and argument errors run in this process.
 """
 
@@ -15,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import jax
@@ -23,7 +25,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 
-from moetriton.jax.moe import moe
+from moetriton.jax.moe import _resolve_exchange, moe
 from tests.jax.moe_checks import CHECKS, DEVICES, check_against_reference, fixed_problem
 from tests.strategies_moe import moe_problems
 
@@ -133,6 +135,22 @@ def _args(**change):
 def test_bad_arguments_raise_clear_errors(change, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         moe(**_args(**change))
+
+
+@pytest.mark.parametrize(
+    ("platforms", "processes", "expected"),
+    [
+        (("cpu", "cpu"), (0, 0), "padded"),
+        (("gpu", "gpu"), (0, 0), "padded"),  # one host: XLA's ragged all-to-all is the slower exchange
+        (("gpu", "gpu"), (0, 1), "ragged"),
+        (("gpu", "cpu"), (0, 1), "padded"),
+    ],
+)
+def test_auto_exchange_is_ragged_only_across_processes_of_gpus(platforms, processes, expected):
+    pairs = zip(platforms, processes, strict=True)
+    devices = np.array([types.SimpleNamespace(platform=p, process_index=i) for p, i in pairs])
+    assert _resolve_exchange("auto", types.SimpleNamespace(devices=devices)) == expected
+    assert _resolve_exchange("ragged", types.SimpleNamespace(devices=devices)) == "ragged"
 
 
 def test_importing_moetriton_jax_does_not_import_flax():
