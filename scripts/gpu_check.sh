@@ -4,8 +4,8 @@
 # Stages: setup (install only) smoke tests bench eager hostprof router gemm autotune usecache jaxprof plan ncu exchange moe1 moe2
 # (default: tests bench). ncu: Nsight Compute counters of the combine kernels beside TE's (scripts/profile_kernels.py,
 # NCU_SHAPES), report as $OUT/ncu.txt. gemm: the grouped-GEMM kernels beside torch._grouped_mm (GEMM_ARGS=--sweep to time configs).
-# exchange: the JAX layer's dropless exchanges alone beside plain all_to_all, under several XLA_FLAGS
-# (scripts/exchange_jax.py; needs 2 GPUs). moe1: the MoE layer examples and layer-step benchmarks on one GPU; moe2: the same with EP = 2 on two GPUs
+# exchange: the layers' dropless row exchanges alone beside plain all-to-alls (scripts/exchange_jax.py,
+# under several XLA_FLAGS unless EXCHANGE_ARGS=--one; scripts/exchange_torch.py under torchrun; 2 GPUs). moe1: the MoE layer examples and layer-step benchmarks on one GPU; moe2: the same with EP = 2 on two GPUs
 # (torchrun for PyTorch, one process for JAX); their logs and CSVs come back as $OUT/moe.tar.
 # usecache copies what autotune wrote into the installed package, so later stages of the same call run with
 # the new cache. Carry `.whl` (the jax-triton wheel) and, to benchmark TransformerEngine's Triton kernels
@@ -64,8 +64,10 @@ for stage in $stages; do
     router) (cd "$repo" && timeout ${ROUTER_TIMEOUT:-300} python3 -m benchmarks.router_cases 2>&1 | tee "$OUT/router.log") ;;
     autotune) (cd "$repo" && timeout ${AUTOTUNE_TIMEOUT:-500} python3 scripts/autotune.py --out /tmp/cache ${AUTOTUNE_ARGS:-} \
                  > "$OUT/autotune.log" 2>&1; tail -45 "$OUT/autotune.log"; tar -C /tmp/cache -cf "$OUT/autotune_cache.tar" .) ;;
-    exchange) (cd "$repo" && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${EXCHANGE_TIMEOUT:-300} \
-                 python3 scripts/exchange_jax.py ${EXCHANGE_ARGS:-} 2>&1 | tee "$OUT/exchange.log") ;;
+    exchange) (cd "$repo" && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${EXCHANGE_TIMEOUT:-300} \
+                 python3 scripts/exchange_jax.py ${EXCHANGE_ARGS:-}
+               timeout 150 python3 -m torch.distributed.run --nproc-per-node 2 scripts/exchange_torch.py; } 2>&1 \
+                 | grep -v -i warn | tee "$OUT/exchange.log") ;;
     moe1) (cd "$repo" && mkdir -p "$OUT/moe" && {
             timeout ${MOE_EXAMPLE_TIMEOUT:-120} python3 examples/torch_moe_ep.py
             timeout ${MOE_EXAMPLE_TIMEOUT:-120} python3 examples/jax_moe_ep.py
