@@ -14,9 +14,11 @@ The exchange sizes and static buffer sizes come from moetriton.kernels.expert_pa
 
 * "ragged": `jax.lax.ragged_all_to_all` into the static receive buffer (GPU meshes spanning processes);
 * "padded": every (source, destination) pair's rows padded to the pair's worst case and moved with a
-  fixed-size `jax.lax.all_to_all`, then compacted into the same receive buffer layout, with the reverse
-  exchange as its transpose. "auto" picks this on one host: XLA:CPU has no ragged all-to-all, and XLA's
-  GPU one is slower than this between the GPUs of one host (`_resolve_exchange`).
+  fixed-size `jax.lax.all_to_all`; the chunk sorts read and write those blocks directly (each block's
+  unused rows a last chunk, sorted after the experts' rows), and the sending side compacts what comes back.
+  Each direction's transpose is the other direction. "auto" picks this on one host: XLA:CPU has no
+  ragged all-to-all, and XLA's GPU one is slower than this between the GPUs of one host
+  (`_resolve_exchange`).
 
 The capacity policy needs neither: every (source, expert) pair owns exactly C rows, so one fixed-size
 all_to_all moves [L, C] slabs. Gradients are our ops' custom_vjp rules plus JAX's transposes of the
@@ -118,67 +120,77 @@ def _compact_blocks(blocks: jax.Array, offsets: jax.Array, sizes: jax.Array, row
     return jnp.where(valid[:, None], picked, jnp.zeros((), blocks.dtype))
 
 
-def _move(buffer, rows: int, source, remote_offsets, destination, layout: EPLayout, config: MoEConfig):
-    """One dropless exchange over the EP group. buffer [N, H]: this rank sends rank p the rows
-    source = (offsets [EP], sizes [EP]) describe, which land at remote_offsets[p] in p's result; the result
-    [rows, H] holds the rows from every rank p at destination = (offsets, sizes), zeros elsewhere. The
-    padded exchange moves every pair's rows in a block of the pair's worst case (recv_rows / EP)."""
-    (send_offsets, send_sizes), (recv_offsets, recv_sizes) = source, destination
-    if config.exchange == "ragged":
-        result = jnp.zeros((rows, buffer.shape[1]), buffer.dtype)
-        return jax.lax.ragged_all_to_all(
-            buffer, result, send_offsets, send_sizes, remote_offsets, recv_sizes, axis_name=config.ep_axis
-        )
-    pair_rows = layout.recv_rows // layout.ep_size
-    shape = (buffer.shape[0], rows, pair_rows, config.ep_axis)
-    return _padded_move(shape, buffer, send_offsets, send_sizes, recv_offsets, recv_sizes)
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _send_blocks(shape, buffer, offsets, sizes):
+    """Padded exchange out of a send buffer [N, H] of which rank p gets rows [offsets[p], +sizes[p]):
+    [EP * pair_rows, H], block p holding the rows rank p sent this rank, then zeros. shape = (N, pair_rows,
+    EP axis name)."""
+    _, pair_rows, axis = shape
+    blocks = _block_rows(buffer, offsets, sizes, pair_rows)
+    return jax.lax.all_to_all(blocks, axis, 0, 0).reshape(-1, buffer.shape[1])
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _padded_move(shape, buffer, send_offsets, send_sizes, recv_offsets, recv_sizes):
-    """The padded exchange. shape = (buffer rows, result rows, rows per pair block, EP axis name)."""
-    _, rows, pair_rows, axis = shape
-    blocks = _block_rows(buffer, send_offsets, send_sizes, pair_rows)
-    received = jax.lax.all_to_all(blocks, axis, 0, 0)  # [EP, pair rows, H], block p from rank p
-    return _compact_blocks(received, recv_offsets, recv_sizes, rows)
+def _return_blocks(shape, blocks, offsets, sizes):
+    """Inverse of `_send_blocks`: blocks [EP * pair_rows, H] go back to their ranks, which place the first
+    sizes[p] rows of the block they get from rank p at offsets[p]: [N, H], zeros elsewhere."""
+    rows, pair_rows, axis = shape
+    received = jax.lax.all_to_all(blocks.reshape(-1, pair_rows, blocks.shape[1]), axis, 0, 0)
+    return _compact_blocks(received, offsets, sizes, rows)
 
 
-def _padded_move_forward(shape, buffer, *offsets_and_sizes):
-    return _padded_move(shape, buffer, *offsets_and_sizes), offsets_and_sizes
-
-
-def _padded_move_backward(shape, offsets_and_sizes, cotangent):
-    # The exchange moves every row to at most one place (zeros elsewhere): its transpose is the same
-    # exchange run backwards. JAX's own transpose would turn both gathers into scatter-adds, several
-    # times slower on GPUs than the gathers themselves.
-    buffer_rows, rows, pair_rows, axis = shape
-    send_offsets, send_sizes, recv_offsets, recv_sizes = offsets_and_sizes
-    back = (rows, buffer_rows, pair_rows, axis)
-    return (
-        _padded_move(back, cotangent, recv_offsets, recv_sizes, send_offsets, send_sizes),
-        None,
-        None,
-        None,
-        None,
-    )
-
-
-_padded_move.defvjp(_padded_move_forward, _padded_move_backward)
+# Each exchange moves every row to at most one place (zeros elsewhere), so the transpose of one is the
+# other. JAX's own transposes would turn the gathers into scatter-adds, several times slower on GPUs.
+_send_blocks.defvjp(
+    lambda shape, buffer, offsets, sizes: (_send_blocks(shape, buffer, offsets, sizes), (offsets, sizes)),
+    lambda shape, saved, cotangent: (_return_blocks(shape, cotangent, *saved), None, None),
+)
+_return_blocks.defvjp(
+    lambda shape, blocks, offsets, sizes: (_return_blocks(shape, blocks, offsets, sizes), (offsets, sizes)),
+    lambda shape, saved, cotangent: (_send_blocks(shape, cotangent, *saved), None, None),
+)
 
 
 def dropless_forward(send, sizes: dict, layout: EPLayout, config: MoEConfig):
-    """Send buffer [send_rows, H] -> source-major receive buffer [recv_rows, H]; `sizes` from
-    dropless_exchange."""
-    source = (sizes["input_offsets"], sizes["send_sizes"])
-    destination = (sizes["recv_offsets"], sizes["recv_sizes"])
-    return _move(send, layout.recv_rows, source, sizes["output_offsets"], destination, layout, config)
+    """Send buffer [send_rows, H] -> source-major receive buffer [recv_rows, H] (rows from rank p at
+    recv_offsets[p], zeros after the received rows); `sizes` from dropless_exchange. The layer runs the padded
+    exchange without this compaction of the blocks (`_padded_experts`)."""
+    if config.exchange == "ragged":
+        result = jnp.zeros((layout.recv_rows, send.shape[1]), send.dtype)
+        return jax.lax.ragged_all_to_all(
+            send,
+            result,
+            sizes["input_offsets"],
+            sizes["send_sizes"],
+            sizes["output_offsets"],
+            sizes["recv_sizes"],
+            axis_name=config.ep_axis,
+        )
+    pair_rows = layout.recv_rows // layout.ep_size
+    shape = (send.shape[0], pair_rows, config.ep_axis)
+    blocks = _send_blocks(shape, send, sizes["input_offsets"], sizes["send_sizes"])
+    blocks = blocks.reshape(layout.ep_size, pair_rows, -1)
+    return _compact_blocks(blocks, sizes["recv_offsets"], sizes["recv_sizes"], layout.recv_rows)
 
 
 def dropless_reverse(recv, sizes: dict, layout: EPLayout, config: MoEConfig):
     """Receive buffer [recv_rows, H] -> every row back to its place in the send buffer [send_rows, H]."""
-    source = (sizes["recv_offsets"], sizes["recv_sizes"])
-    destination = (sizes["input_offsets"], sizes["send_sizes"])
-    return _move(recv, layout.send_rows, source, sizes["return_offsets"], destination, layout, config)
+    if config.exchange == "ragged":
+        result = jnp.zeros((layout.send_rows, recv.shape[1]), recv.dtype)
+        return jax.lax.ragged_all_to_all(
+            recv,
+            result,
+            sizes["recv_offsets"],
+            sizes["recv_sizes"],
+            sizes["return_offsets"],
+            sizes["send_sizes"],
+            axis_name=config.ep_axis,
+        )
+    pair_rows = layout.recv_rows // layout.ep_size
+    blocks = _block_rows(recv, sizes["recv_offsets"], sizes["recv_sizes"], pair_rows)
+    blocks = blocks.reshape(-1, recv.shape[1])
+    shape = (layout.send_rows, pair_rows, config.ep_axis)
+    return _return_blocks(shape, blocks, sizes["input_offsets"], sizes["send_sizes"])
 
 
 def _capacity_exchange(buffer: jax.Array, layout: EPLayout, config: MoEConfig) -> jax.Array:
@@ -277,6 +289,8 @@ def _exchanged_experts(send, counts, gate_up, down, layout: EPLayout, config: Mo
     if layout.dropless:
         counts_all = jax.lax.all_gather(counts, config.ep_axis)  # [EP, E]
         sizes = dropless_exchange(counts_all, jax.lax.axis_index(config.ep_axis), layout)
+        if config.exchange == "padded":
+            return _padded_experts(send, sizes, gate_up, down, layout, config)
         chunk_sizes, group_sizes = sizes["chunk_sizes"], sizes["group_sizes"]
         recv = dropless_forward(send, sizes, layout, config)
     else:
@@ -289,6 +303,25 @@ def _exchanged_experts(send, counts, gate_up, down, layout: EPLayout, config: Mo
     if layout.dropless:
         return dropless_reverse(source_rows, sizes, layout, config)
     return _capacity_exchange(source_rows, layout, config)
+
+
+def _padded_experts(send, sizes: dict, gate_up, down, layout: EPLayout, config: MoEConfig):
+    """Dropless over the padded exchange. The chunk sorts read and write the exchanged blocks directly
+    (block p: source p's chunks, then a gap of zeros up to recv_rows / EP rows, sorted after every expert's
+    rows), so the receiving side compacts nothing: the expert-major rows are those of the other path."""
+    ep, local = layout.ep_size, layout.local_experts
+    pair_rows = layout.recv_rows // ep
+    gaps = pair_rows - sizes["recv_sizes"]
+    chunks = sizes["chunk_sizes"].reshape(ep, local)
+    block_chunks = jnp.concatenate([chunks, gaps[:, None]], axis=1).reshape(-1)  # [EP * (L + 1)]
+    to_expert_major = jnp.asarray(layout.expert_major_order(gaps=True), jnp.int32)
+    to_source_major = jnp.asarray(layout.source_major_order(gaps=True), jnp.int32)
+    shape = (send.shape[0], pair_rows, config.ep_axis)
+    blocks = _send_blocks(shape, send, sizes["input_offsets"], sizes["send_sizes"])
+    expert_rows, _ = sort_chunks_by_index(blocks, block_chunks, to_expert_major)
+    expert_out = _experts(expert_rows, sizes["group_sizes"], gate_up, down, config)
+    back, _ = sort_chunks_by_index(expert_out, block_chunks[to_expert_major], to_source_major)
+    return _return_blocks(shape, back, sizes["input_offsets"], sizes["send_sizes"])
 
 
 # Public API ------------------------------------------------------------------------------------------------

@@ -93,14 +93,18 @@ class EPLayout:
             return self.ep_size * per_source
         return self.ep_size * local * self.capacity
 
-    def expert_major_order(self) -> list[int]:
+    def expert_major_order(self, gaps: bool = False) -> list[int]:
         """sorted_indices of the chunk sort from source-major chunks (p, j) = p * L + j to expert-major order
-        (j, p): position j * EP + p holds chunk p * L + j. Its inverse sorts back."""
-        return [p * self.local_experts + j for j in range(self.local_experts) for p in range(self.ep_size)]
+        (j, p): position j * EP + p holds chunk p * L + j. Its inverse sorts back. gaps: every source's
+        chunks end in one more, (p, L), its block's unused rows (the padded exchange's receive layout); the
+        gaps go last, after every expert's rows."""
+        chunks = self.local_experts + gaps
+        return [p * chunks + j for j in range(chunks) for p in range(self.ep_size)]
 
-    def source_major_order(self) -> list[int]:
+    def source_major_order(self, gaps: bool = False) -> list[int]:
         """sorted_indices of the inverse sort: expert-major chunks (j, p) = j * EP + p back to (p, j)."""
-        return [j * self.ep_size + p for p in range(self.ep_size) for j in range(self.local_experts)]
+        chunks = self.local_experts + gaps
+        return [j * self.ep_size + p for p in range(self.ep_size) for j in range(chunks)]
 
 
 def ep_layout(
