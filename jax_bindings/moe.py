@@ -151,21 +151,22 @@ _return_blocks.defvjp(
 )
 
 
+def _ragged(buffer, rows: int, offsets, sizes, remote_offsets, recv_sizes, config: MoEConfig) -> jax.Array:
+    """[rows, H] through jax.lax.ragged_all_to_all: rank p gets buffer[offsets[p], +sizes[p]) at its
+    remote_offsets[p]; recv_sizes[p] rows arrive from rank p; zeros elsewhere."""
+    result = jnp.zeros((rows, buffer.shape[1]), buffer.dtype)
+    return jax.lax.ragged_all_to_all(
+        buffer, result, offsets, sizes, remote_offsets, recv_sizes, axis_name=config.ep_axis
+    )
+
+
 def dropless_forward(send, sizes: dict, layout: EPLayout, config: MoEConfig):
     """Send buffer [send_rows, H] -> source-major receive buffer [recv_rows, H] (rows from rank p at
     recv_offsets[p], zeros after the received rows); `sizes` from dropless_exchange. The layer runs the padded
     exchange without this compaction of the blocks (`_padded_experts`)."""
     if config.exchange == "ragged":
-        result = jnp.zeros((layout.recv_rows, send.shape[1]), send.dtype)
-        return jax.lax.ragged_all_to_all(
-            send,
-            result,
-            sizes["input_offsets"],
-            sizes["send_sizes"],
-            sizes["output_offsets"],
-            sizes["recv_sizes"],
-            axis_name=config.ep_axis,
-        )
+        keys = ("input_offsets", "send_sizes", "output_offsets", "recv_sizes")
+        return _ragged(send, layout.recv_rows, *(sizes[key] for key in keys), config)
     pair_rows = layout.recv_rows // layout.ep_size
     shape = (send.shape[0], pair_rows, config.ep_axis)
     blocks = _send_blocks(shape, send, sizes["input_offsets"], sizes["send_sizes"])
@@ -176,16 +177,8 @@ def dropless_forward(send, sizes: dict, layout: EPLayout, config: MoEConfig):
 def dropless_reverse(recv, sizes: dict, layout: EPLayout, config: MoEConfig):
     """Receive buffer [recv_rows, H] -> every row back to its place in the send buffer [send_rows, H]."""
     if config.exchange == "ragged":
-        result = jnp.zeros((layout.send_rows, recv.shape[1]), recv.dtype)
-        return jax.lax.ragged_all_to_all(
-            recv,
-            result,
-            sizes["recv_offsets"],
-            sizes["recv_sizes"],
-            sizes["return_offsets"],
-            sizes["send_sizes"],
-            axis_name=config.ep_axis,
-        )
+        keys = ("recv_offsets", "recv_sizes", "return_offsets", "send_sizes")
+        return _ragged(recv, layout.send_rows, *(sizes[key] for key in keys), config)
     pair_rows = layout.recv_rows // layout.ep_size
     blocks = _block_rows(recv, sizes["recv_offsets"], sizes["recv_sizes"], pair_rows)
     blocks = blocks.reshape(-1, recv.shape[1])
