@@ -1,6 +1,7 @@
-"""The autotune cache: committed files parse and hold only search-space configs; lookups resolve exactly,
-by nearest bucket, or not at all; a stale cache is reported once and still used; a GPU without a cache of its
-own uses the closest same-architecture GPU's, and says so once."""
+"""The autotune cache: committed files parse and hold only search-space configs, keyed by the features the
+plan builders look up; lookups resolve exactly, by nearest bucket, or not at all; a stale cache is reported
+once and still used; a GPU without a cache of its own uses the closest same-architecture GPU's, and says so
+once."""
 
 import json
 import warnings
@@ -10,6 +11,7 @@ import triton
 
 from moetriton import kernels
 from moetriton.kernels import autotune
+from moetriton.kernels import router as router_plans
 
 TEST_GPU = kernels.DeviceInfo("Test GPU 80GB", 132, arch="sm_90")
 
@@ -29,6 +31,56 @@ def test_committed_cache_holds_only_search_space_configs(path):
         assert key == autotune.key_of(entry["features"])
         assert entry["best"] in configs, (key, entry["best"])
         assert entry["ms"] == min(entry["timings"].values())
+
+
+def _looked_up_features(monkeypatch) -> dict[str, set[tuple[str, ...]]]:
+    """kernel -> the feature-name sets its plan builders pass to the cache lookup, over every variant the
+    autotuner tunes apart (weighted / gathering combine, mask / index routing, forward / backward sorts)."""
+    seen: dict[str, set[tuple[str, ...]]] = {}
+
+    def record(kernel, features, device):
+        seen.setdefault(kernel, set()).add(tuple(sorted(features)))
+        return None
+
+    monkeypatch.setattr(autotune, "lookup", record)
+    device = kernels.DeviceInfo("Feature Probe GPU", 132, arch="sm_90")  # a fresh key for every @cached plan
+    for is_mask in (True, False):
+        kernels.dispatch_plan(
+            num_tokens=64, hidden=256, num_slots=8 if is_mask else 2, num_experts=8, is_mask=is_mask,
+            num_out_tokens=128, element_bytes=2, has_probs=True, scale_cols=None, device=device,
+        )  # fmt: skip
+    for has_weights, gather_probs in ((True, False), (False, False), (False, True)):
+        kernels.combine_plan(
+            num_tokens=64, hidden=256, num_slots=8, element_bytes=2, has_weights=has_weights,
+            gather_probs=gather_probs, device=device,
+        )  # fmt: skip
+    kernels.combine_backward_plan(
+        num_tokens=64, hidden=256, num_slots=8, num_rows=128, padded=False, element_bytes=2, device=device
+    )
+    for backward in (False, True):
+        kernels.sort_chunks_plan(
+            num_rows=128, hidden=256, num_splits=8, element_bytes=2, has_probs=True, backward=backward,
+            device=device,
+        )  # fmt: skip
+    router = dict(num_tokens=64, num_experts=16, topk=2, score_function="softmax", device=device)
+    router_plans.topk_plan(
+        **router, use_pre_softmax=False, num_groups=1, group_topk=1, scaling_factor=1.0, has_bias=False,
+        return_indices=True,
+    )  # fmt: skip
+    router_plans.topk_backward_plan(**router, use_pre_softmax=False, scaling_factor=1.0)
+    router_plans.aux_scores_plan(**router)
+    router.pop("topk")
+    router_plans.aux_scores_backward_plan(**router)
+    return seen
+
+
+def test_committed_cache_keys_carry_the_features_the_plans_look_up(monkeypatch):
+    looked_up = _looked_up_features(monkeypatch)
+    for path in _cache_files():
+        data = json.loads(path.read_text())
+        assert data["kernel"] in looked_up, f"{path}: no plan builder probed here looks this kernel up"
+        for key, entry in data["entries"].items():
+            assert tuple(sorted(entry["features"])) in looked_up[data["kernel"]], (path.name, key)
 
 
 @pytest.fixture
