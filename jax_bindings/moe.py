@@ -163,14 +163,13 @@ def _ragged(buffer, rows: int, offsets, sizes, remote_offsets, recv_sizes, confi
 def dropless_forward(send, sizes: dict, layout: EPLayout, config: MoEConfig):
     """Send buffer [send_rows, H] -> source-major receive buffer [recv_rows, H] (rows from rank p at
     recv_offsets[p], zeros after the received rows); `sizes` from dropless_exchange. The layer runs the padded
-    exchange without this compaction of the blocks (`_padded_experts`)."""
+    exchange without this compaction of the blocks (`_exchanged_experts`)."""
     if config.exchange == "ragged":
         keys = ("input_offsets", "send_sizes", "output_offsets", "recv_sizes")
         return _ragged(send, layout.recv_rows, *(sizes[key] for key in keys), config)
-    pair_rows = layout.recv_rows // layout.ep_size
-    shape = (send.shape[0], pair_rows, config.ep_axis)
+    shape = (send.shape[0], layout.pair_rows, config.ep_axis)
     blocks = _send_blocks(shape, send, sizes["input_offsets"], sizes["send_sizes"])
-    blocks = blocks.reshape(layout.ep_size, pair_rows, -1)
+    blocks = blocks.reshape(layout.ep_size, layout.pair_rows, -1)
     return _compact_blocks(blocks, sizes["recv_offsets"], sizes["recv_sizes"], layout.recv_rows)
 
 
@@ -179,10 +178,9 @@ def dropless_reverse(recv, sizes: dict, layout: EPLayout, config: MoEConfig):
     if config.exchange == "ragged":
         keys = ("recv_offsets", "recv_sizes", "return_offsets", "send_sizes")
         return _ragged(recv, layout.send_rows, *(sizes[key] for key in keys), config)
-    pair_rows = layout.recv_rows // layout.ep_size
-    blocks = _block_rows(recv, sizes["recv_offsets"], sizes["recv_sizes"], pair_rows)
+    blocks = _block_rows(recv, sizes["recv_offsets"], sizes["recv_sizes"], layout.pair_rows)
     blocks = blocks.reshape(-1, recv.shape[1])
-    shape = (layout.send_rows, pair_rows, config.ep_axis)
+    shape = (layout.send_rows, layout.pair_rows, config.ep_axis)
     return _return_blocks(shape, blocks, sizes["input_offsets"], sizes["send_sizes"])
 
 
@@ -275,46 +273,48 @@ def _shard(x, gate, gate_up, down, expert_bias, *, config: MoEConfig):
 
 
 def _exchanged_experts(send, counts, gate_up, down, layout: EPLayout, config: MoEConfig):
-    """Send buffer [send_rows, H] -> expert outputs in the same rows, through the EP group's experts."""
+    """Send buffer [send_rows, H] -> expert outputs in the same rows, through the EP group's experts.
+    With the padded dropless exchange the chunk sorts read and write the exchanged blocks directly (block p:
+    source p's chunks, then its unused rows, zeros, as one more chunk sorted after every expert's rows), so
+    the receiving side compacts nothing and the expert-major rows are those of the other exchanges."""
     ep, local = layout.ep_size, layout.local_experts
-    to_expert_major = jnp.asarray(layout.expert_major_order(), jnp.int32)
-    to_source_major = jnp.asarray(layout.source_major_order(), jnp.int32)
+    gaps = layout.dropless and config.exchange == "padded"
+    to_expert_major = jnp.asarray(layout.expert_major_order(gaps=gaps), jnp.int32)
+    to_source_major = jnp.asarray(layout.source_major_order(gaps=gaps), jnp.int32)
     if layout.dropless:
         counts_all = jax.lax.all_gather(counts, config.ep_axis)  # [EP, E]
         sizes = dropless_exchange(counts_all, jax.lax.axis_index(config.ep_axis), layout)
-        if config.exchange == "padded":
-            return _padded_experts(send, sizes, gate_up, down, layout, config)
-        chunk_sizes, group_sizes = sizes["chunk_sizes"], sizes["group_sizes"]
-        recv = dropless_forward(send, sizes, layout, config)
+        group_sizes = sizes["group_sizes"]
+        if gaps:
+            unused = layout.pair_rows - sizes["recv_sizes"]
+            chunk_sizes = jnp.concatenate([sizes["chunk_sizes"].reshape(ep, local), unused[:, None]], axis=1)
+            chunk_sizes = chunk_sizes.reshape(-1)  # [EP * (L + 1)]
+            block = (send.shape[0], layout.pair_rows, config.ep_axis)
+            sent = (sizes["input_offsets"], sizes["send_sizes"])
+            recv = _send_blocks(block, send, *sent)
+
+            def back(rows):
+                return _return_blocks(block, rows, *sent)
+
+        else:
+            chunk_sizes = sizes["chunk_sizes"]
+            recv = dropless_forward(send, sizes, layout, config)
+
+            def back(rows):
+                return dropless_reverse(rows, sizes, layout, config)
+
     else:
         chunk_sizes = jnp.full((ep * local,), layout.capacity, jnp.int32)
         group_sizes = jnp.full((local,), ep * layout.capacity, jnp.int32)
         recv = _capacity_exchange(send, layout, config)
+
+        def back(rows):
+            return _capacity_exchange(rows, layout, config)
+
     expert_rows, _ = sort_chunks_by_index(recv, chunk_sizes, to_expert_major)
     expert_out = _experts(expert_rows, group_sizes, gate_up, down, config)
     source_rows, _ = sort_chunks_by_index(expert_out, chunk_sizes[to_expert_major], to_source_major)
-    if layout.dropless:
-        return dropless_reverse(source_rows, sizes, layout, config)
-    return _capacity_exchange(source_rows, layout, config)
-
-
-def _padded_experts(send, sizes: dict, gate_up, down, layout: EPLayout, config: MoEConfig):
-    """Dropless over the padded exchange. The chunk sorts read and write the exchanged blocks directly
-    (block p: source p's chunks, then a gap of zeros up to recv_rows / EP rows, sorted after every expert's
-    rows), so the receiving side compacts nothing: the expert-major rows are those of the other path."""
-    ep, local = layout.ep_size, layout.local_experts
-    pair_rows = layout.recv_rows // ep
-    gaps = pair_rows - sizes["recv_sizes"]
-    chunks = sizes["chunk_sizes"].reshape(ep, local)
-    block_chunks = jnp.concatenate([chunks, gaps[:, None]], axis=1).reshape(-1)  # [EP * (L + 1)]
-    to_expert_major = jnp.asarray(layout.expert_major_order(gaps=True), jnp.int32)
-    to_source_major = jnp.asarray(layout.source_major_order(gaps=True), jnp.int32)
-    shape = (send.shape[0], pair_rows, config.ep_axis)
-    blocks = _send_blocks(shape, send, sizes["input_offsets"], sizes["send_sizes"])
-    expert_rows, _ = sort_chunks_by_index(blocks, block_chunks, to_expert_major)
-    expert_out = _experts(expert_rows, sizes["group_sizes"], gate_up, down, config)
-    back, _ = sort_chunks_by_index(expert_out, block_chunks[to_expert_major], to_source_major)
-    return _return_blocks(shape, back, sizes["input_offsets"], sizes["send_sizes"])
+    return back(source_rows)
 
 
 # Public API ------------------------------------------------------------------------------------------------

@@ -93,6 +93,11 @@ class EPLayout:
             return self.ep_size * per_source
         return self.ep_size * local * self.capacity
 
+    @property
+    def pair_rows(self) -> int:
+        """Rows of one (source, destination) block of the padded dropless exchange: a pair's worst case."""
+        return self.recv_rows // self.ep_size
+
     def expert_major_order(self, gaps: bool = False) -> list[int]:
         """sorted_indices of the chunk sort from source-major chunks (p, j) = p * L + j to expert-major order
         (j, p): position j * EP + p holds chunk p * L + j. Its inverse sorts back. gaps: every source's
