@@ -8,7 +8,11 @@ the three products of a training step: forward (rows @ W[g]), input gradient (gr
 gradient (rows[g]^T @ grad[g]). Our kernels run through the PyTorch executor (the same compiled kernels the
 JAX binding launches through jax-triton), timed in CUDA graphs (benchmarks.timing.time_graph); TFLOP/s =
 2 M K N / time, beside the 790 TFLOP/s bf16 peak and torch._grouped_mm (CUTLASS) on the same operands.
---sweep also times every config of a short candidate list and prints the best (heuristic input).
+"permuted" times our kernels again with rows read and written through a random row permutation, as the
+expert-parallel JAX layer runs them (gate_up reads its rows permuted, down writes them permuted; each
+gradient takes the forward's permutations as the layer's VJP does, the weight gradient after gathering the
+permuted operand with one copy, included in its time). --sweep also times every config of a
+short candidate list and prints the best (heuristic input).
 Writes DIR/grouped_gemm.csv. GPU only.
 """
 
@@ -61,18 +65,50 @@ def _group_sizes(rows: int, groups: int, device) -> torch.Tensor:
     return sizes.to(device)
 
 
-def _ours(kind: str, operands: dict, sizes: dict, config: dict | None, device) -> float:
+def _ours(
+    kind: str,
+    operands: dict,
+    sizes: dict,
+    config: dict | None,
+    device,
+    lhs_rows: torch.Tensor | None = None,
+    out_rows: torch.Tensor | None = None,
+) -> float:
+    """Time of one of our products; lhs_rows / out_rows: the forward's row permutations (None: rows in
+    order), which each gradient takes as the VJP of grouped_matmul does (the weight gradient gathers the
+    permuted operand with one copy, timed with it)."""
     if kind == "wgrad":
         plan = kernels.grouped_matmul_wgrad_plan(**sizes, device=device_info(device), config=config)
-        inputs = dict(lhs=operands["rows"], grad=operands["grad"], group_sizes=operands["group_sizes"])
-    else:
-        transpose = kind == "dgrad"
-        dims = dict(sizes, depth=sizes["num_cols"], num_cols=sizes["depth"]) if transpose else sizes
-        plan = kernels.grouped_matmul_plan(
-            **dims, transpose_rhs=transpose, device=device_info(device), config=config
-        )
-        lhs = operands["grad"] if transpose else operands["rows"]
-        inputs = dict(lhs=lhs, rhs=operands["weights"], group_sizes=operands["group_sizes"])
+        sides = dict(lhs=(operands["rows"], lhs_rows), grad=(operands["grad"], out_rows))
+
+        def wgrad():
+            inputs = {
+                name: rows if order is None else rows.index_select(0, order)
+                for name, (rows, order) in sides.items()
+            }
+            return run_plan(plan, dict(inputs, group_sizes=operands["group_sizes"]), device)
+
+        return time_graph([wgrad], replays=10)
+    transpose = kind == "dgrad"
+    dims = dict(sizes, depth=sizes["num_cols"], num_cols=sizes["depth"]) if transpose else sizes
+    if transpose:
+        lhs_rows, out_rows = out_rows, lhs_rows
+    plan = kernels.grouped_matmul_plan(
+        **dims,
+        transpose_rhs=transpose,
+        gather_lhs=lhs_rows is not None,
+        scatter_out=out_rows is not None,
+        device=device_info(device),
+        config=config,
+    )
+    lhs = operands["grad"] if transpose else operands["rows"]
+    inputs = dict(
+        lhs=lhs,
+        rhs=operands["weights"],
+        group_sizes=operands["group_sizes"],
+        lhs_rows=lhs_rows,
+        out_rows=out_rows,
+    )
     return time_graph([lambda: run_plan(plan, inputs, device)], replays=10)
 
 
@@ -104,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     print(
         f"{'shape':<8} {'gemm':<8} {'kind':<8} {'M':>6} {'K':>6} {'N':>6} {'E':>4}  ours ms  TFLOP/s  %peak"
-        "  cutlass ms  TFLOP/s  best sweep config"
+        "  permuted ms  TFLOP/s  cutlass ms  TFLOP/s  best sweep config"
     )
     for name in args.shapes.split(","):
         shape = MOE_LAYER_SHAPES[name]
@@ -121,12 +157,15 @@ def main(argv: list[str] | None = None) -> int:
                 grad=normal(rows, num_cols),
                 group_sizes=_group_sizes(rows, shape.num_experts, device),
             )
+            order = torch.randperm(rows, device=device, generator=generator).to(torch.int32)
+            permutation = dict(lhs_rows=order) if gemm == "gate_up" else dict(out_rows=order)
             sizes = dict(
                 num_rows=rows, depth=depth, num_cols=num_cols, num_groups=shape.num_experts, element_bytes=2
             )
             for kind in ("forward", "dgrad", "wgrad"):
                 flops = 2 * rows * depth * num_cols
                 ms = _ours(kind, operands, sizes, None, device)
+                permuted_ms = _ours(kind, operands, sizes, None, device, **permutation)
                 try:
                     cutlass_ms = _cutlass(kind, operands)
                 except (RuntimeError, AttributeError) as error:  # no _grouped_mm, or a layout it refuses
@@ -155,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                     ms=round(ms, 4),
                     tflops=round(tflops, 1),
                     peak_pct=round(100 * tflops / PEAK_TFLOPS, 1),
+                    permuted_ms=round(permuted_ms, 4),
+                    permuted_tflops=round(flops / permuted_ms / 1e9, 1),
                     cutlass_ms=round(cutlass_ms, 4),
                     cutlass_tflops=round(flops / cutlass_ms / 1e9, 1),
                     best_sweep=best,
@@ -162,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(row)
                 print(
                     f"{name:<8} {gemm:<8} {kind:<8} {rows:>6} {depth:>6} {num_cols:>6} {shape.num_experts:>4}"
-                    f"  {ms:7.3f}  {tflops:7.0f}  {row['peak_pct']:5.1f}  {cutlass_ms:10.3f}"
+                    f"  {ms:7.3f}  {tflops:7.0f}  {row['peak_pct']:5.1f}  {permuted_ms:11.3f}"
+                    f"  {row['permuted_tflops']:7.0f}  {cutlass_ms:10.3f}"
                     f"  {row['cutlass_tflops']:7.0f}  {best}",
                     flush=True,
                 )

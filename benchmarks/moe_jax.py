@@ -14,7 +14,9 @@ Rows (one per impl x shape x EP; printed and written to DIR/moe_jax.csv, the log
     torch.profiler: benchmarks.timing.gpu_activities_by_device), and every GPU activity of every device goes
     to a stage by its name. Our Triton kernels keep their Python names (KERNEL_STAGES lists every one):
     router (top-k, aux-loss scores and loss, forward and backward), dispatch (count, scan, dispatch),
-    chunk_sorts, grouped_gemm (forward, input and weight gradients), combine (combine and its backward).
+    chunk_sorts (none since the GEMMs read and write the received rows through the sort's row permutation;
+    kept so that a sort would show), grouped_gemm (forward, input and weight gradients), combine (combine
+    and its backward).
     all_to_all: NCCL kernels, XLA's own collective kernels (the one-shot ragged all-to-all) and peer copies,
     so besides both exchanges and their transposes it holds the count all-gather and the psums of the
     routed counts, the aux loss and the replicated gate's gradient (small next to the exchanges), and a
@@ -29,7 +31,8 @@ Rows (one per impl x shape x EP; printed and written to DIR/moe_jax.csv, the log
     count twice there).
   - on CPU (nothing to profile; --tiny), per-stage jitted forward + backward timings, NOT a profile:
     every stage (router incl. the gate matmul and aux loss; dispatch; all-to-all = count all-gather +
-    exchange + reverse exchange; chunk sorts = sort + inverse sort; grouped GEMMs; combine) runs as its own
+    exchange + reverse exchange; grouped GEMMs, on the received rows through their expert-major row
+    permutation; combine) runs as its own
     jitted value_and_grad on the inputs the layer gives it, and its share is its time over step_ms. They
     need not add up to 100% (XLA overlaps and fuses across stages inside the step) and inflate small stages
     (each also sums its outputs and builds their cotangents); no other_share or gpu_busy_ms.
@@ -69,9 +72,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moetriton.jax import reference_router, sort_chunks_by_index, token_combine, token_dispatch
+from moetriton.jax import reference_router, token_combine, token_dispatch
 from moetriton.jax.moe import (
     MoEConfig,
+    _expert_major_rows,
     _experts,
     _resolve_exchange,
     _router,
@@ -401,17 +405,14 @@ def stage_times(case: Case, mesh: Mesh | None, arrays, steps: int) -> dict[str, 
         recv = dropless_forward(send, sizes, layout, config)
         return recv, dropless_reverse(recv, sizes, layout, config)
 
-    order = jnp.asarray(layout.expert_major_order(), jnp.int32)
-    inverse = jnp.asarray(layout.source_major_order(), jnp.int32)
-
-    def sorts(recv, counts):
-        chunk_sizes = exchange_sizes(counts)["chunk_sizes"]
-        rows, _ = sort_chunks_by_index(recv, chunk_sizes, order)
-        back, _ = sort_chunks_by_index(rows, chunk_sizes[order], inverse)
-        return rows, back
+    to_expert_major = jnp.asarray(layout.expert_major_order(), jnp.int32)
 
     def gemm(rows, gate_up, down, counts):
-        return _experts(rows, exchange_sizes(counts)["group_sizes"], gate_up, down, config)
+        sizes = exchange_sizes(counts)
+        order = None
+        if case.ep > 1:  # received rows, source-major: read and written in expert-major order
+            order = _expert_major_rows(sizes["chunk_sizes"], to_expert_major, rows.shape[0])
+        return _experts(rows, sizes["group_sizes"], gate_up, down, config, order)
 
     def combine(rows, weights, row_id_map):
         return token_combine(rows, row_id_map, weights)
@@ -427,17 +428,14 @@ def stage_times(case: Case, mesh: Mesh | None, arrays, steps: int) -> dict[str, 
         "router": median_ms(_fwd_bwd(run_router, 2), x_flat, gate, steps=steps),
         "dispatch": median_ms(_fwd_bwd(run_dispatch, 1), x_flat, indices, steps=steps),
         "all_to_all": 0.0,  # one EP rank: the send buffer is the receive buffer, already expert-major
-        "chunk_sorts": 0.0,
+        "chunk_sorts": 0.0,  # none in the layer
         "combine": median_ms(_fwd_bwd(run_combine, 2), send, weights, row_id_map, steps=steps),
     }
     rows = send
     if case.ep > 1:
         run_a2a = shard(all_to_all, (tok, tok), (tok, tok))
-        recv, _ = jax.jit(run_a2a)(send, counts)
-        run_sorts = shard(sorts, (tok, tok), (tok, tok))
-        rows, _ = jax.jit(run_sorts)(recv, counts)
+        rows, _ = jax.jit(run_a2a)(send, counts)
         times["all_to_all"] = median_ms(_fwd_bwd(run_a2a, 1), send, counts, steps=steps)
-        times["chunk_sorts"] = median_ms(_fwd_bwd(run_sorts, 1), recv, counts, steps=steps)
     times["grouped_gemm"] = median_ms(_fwd_bwd(run_gemm, 3), rows, gate_up, down, counts, steps=steps)
     return times
 

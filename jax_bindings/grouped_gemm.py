@@ -31,42 +31,81 @@ def _sizes(lhs: jax.Array, rhs: jax.Array, transposed: bool = False) -> dict[str
     )
 
 
-def _forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, transpose_rhs: bool) -> jax.Array:
-    plan = kernels.grouped_matmul_plan(transpose_rhs=transpose_rhs, **_sizes(lhs, rhs, transpose_rhs))
-    (out,) = run_plan(plan, dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes))
+def _forward(lhs, rhs, group_sizes, lhs_rows, out_rows, transpose_rhs: bool) -> jax.Array:
+    plan = kernels.grouped_matmul_plan(
+        transpose_rhs=transpose_rhs,
+        gather_lhs=lhs_rows is not None,
+        scatter_out=out_rows is not None,
+        **_sizes(lhs, rhs, transpose_rhs),
+    )
+    inputs = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes, lhs_rows=lhs_rows, out_rows=out_rows)
+    (out,) = run_plan(plan, inputs)
     return out
 
 
 @jax.custom_vjp
-def _grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    return _forward(lhs, rhs, group_sizes, transpose_rhs=False)
+def _grouped_matmul(lhs, rhs, group_sizes, lhs_rows, out_rows) -> jax.Array:
+    return _forward(lhs, rhs, group_sizes, lhs_rows, out_rows, transpose_rhs=False)
 
 
-def _grouped_matmul_fwd(lhs, rhs, group_sizes):
-    return _grouped_matmul(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+def _grouped_matmul_fwd(lhs, rhs, group_sizes, lhs_rows, out_rows):
+    out = _grouped_matmul(lhs, rhs, group_sizes, lhs_rows, out_rows)
+    return out, (lhs, rhs, group_sizes, lhs_rows, out_rows)
 
 
 def _grouped_matmul_bwd(residuals, grad):
-    lhs, rhs, group_sizes = residuals
+    lhs, rhs, group_sizes, lhs_rows, out_rows = residuals
     grad = grad.astype(lhs.dtype)
-    grad_lhs = _forward(grad, rhs, group_sizes, transpose_rhs=True)
+    # Row i of the product came from lhs[lhs_rows[i]] and went to out[out_rows[i]]: its input gradient reads
+    # grad[out_rows[i]] and goes back to lhs_rows[i], the permutations swapped.
+    grad_lhs = _forward(grad, rhs, group_sizes, out_rows, lhs_rows, transpose_rhs=True)
+    # The weight-gradient kernel reads rows in order (moetriton.kernels.grouped_gemm: permuted reads in its
+    # row loop are slower than one gathering copy).
+    rows, grad_rows = (
+        side if order is None else jnp.take(side, order, axis=0, mode="clip")
+        for side, order in ((lhs, lhs_rows), (grad, out_rows))
+    )
     plan = kernels.grouped_matmul_wgrad_plan(**_sizes(lhs, rhs))
-    (grad_rhs,) = run_plan(plan, dict(lhs=lhs, grad=grad, group_sizes=group_sizes))
-    return grad_lhs, grad_rhs, None
+    (grad_rhs,) = run_plan(plan, dict(lhs=rows, grad=grad_rows, group_sizes=group_sizes))
+    return grad_lhs, grad_rhs, None, None, None
 
 
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def _permuted_ragged_dot(lhs, rhs, group_sizes, lhs_rows, out_rows) -> jax.Array:
+    """The same product from XLA's ragged_dot and row gathers, where the kernels do not run."""
+    if lhs_rows is not None:
+        lhs = lhs[lhs_rows]
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)
+    if out_rows is not None:
+        out = jnp.zeros_like(out).at[out_rows].set(out, unique_indices=True)
+    return out
+
+
+def grouped_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    lhs_rows: jax.Array | None = None,
+    out_rows: jax.Array | None = None,
+) -> jax.Array:
     """Grouped GEMM: the rows of `lhs`, split into consecutive groups of `group_sizes` rows, each times its
-    group's matrix (`jax.lax.ragged_dot(lhs, rhs, group_sizes)` with the result in the input dtype).
+    group's matrix (`jax.lax.ragged_dot(lhs, rhs, group_sizes)` with the result in the input dtype),
+    optionally reading and writing the rows through permutations (no copy of the rows before or after).
 
     Args:
         lhs: [M, K] bfloat16, float16 or float32.
         rhs: [E, K, N], same dtype as lhs.
         group_sizes: [E] integer rows per group (read on the device: any values work under jit; sizes are
             clipped to the rows present, so sum(group_sizes) > M never reads past lhs).
+        lhs_rows: None, or [M] integer, a permutation of [0, M): row i of the product is
+            lhs[lhs_rows[i]] @ rhs[group of i], i.e. the product of lhs[lhs_rows].
+        out_rows: None, or [M] integer, a permutation of [0, M): row i of the product is stored at
+            out[out_rows[i]]. With both, out[out_rows] = ragged_dot(lhs[lhs_rows], rhs, group_sizes).
+            Entries are clipped into [0, M); anything but a permutation gives unspecified rows (never an
+            access out of bounds). Neither gets a gradient.
 
     Returns:
         [M, N] in lhs's dtype, accumulated in fp32 (fp32 inputs are multiplied in IEEE fp32, not TF32).
@@ -81,9 +120,19 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> ja
         >>> weights = jnp.ones((2, 4, 3), jnp.bfloat16)
         >>> grouped_matmul(rows, weights, jnp.array([2, 3])).shape  # row 5 is past the groups: zeros
         (6, 3)
+        >>> order = jnp.array([5, 0, 4, 1, 3, 2])  # the groups take rows 5, 0 and then 4, 1, 3
+        >>> grouped_matmul(rows, weights, jnp.array([2, 3]), lhs_rows=order).shape
+        (6, 3)
     """
-    validation.check_grouped_matmul(lhs=describe(lhs), rhs=describe(rhs), group_sizes=describe(group_sizes))
+    validation.check_grouped_matmul(
+        lhs=describe(lhs),
+        rhs=describe(rhs),
+        group_sizes=describe(group_sizes),
+        lhs_rows=describe(lhs_rows),
+        out_rows=describe(out_rows),
+    )
     group_sizes = group_sizes.astype(jnp.int32)
+    lhs_rows, out_rows = (None if rows is None else rows.astype(jnp.int32) for rows in (lhs_rows, out_rows))
     if not uses_kernels():
-        return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)
-    return _grouped_matmul(lhs, rhs, group_sizes)
+        return _permuted_ragged_dot(lhs, rhs, group_sizes, lhs_rows, out_rows)
+    return _grouped_matmul(lhs, rhs, group_sizes, lhs_rows, out_rows)

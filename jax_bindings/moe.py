@@ -5,17 +5,22 @@ host sync). Tokens are sharded over (data axes..., EP axis) on their batch axis,
 (expert e lives on EP rank e // L, L = E / EP). Every token shard runs, inside one `jax.shard_map`:
 
     logits = x @ gate (fp32) -> fused top-k (indices) -> aux loss (global: counts psum-ed over all token
-    shards, partial losses psum-ed) -> token_dispatch (aligned, or capacity C) -> exchange -> chunk sort to
-    expert-major -> grouped_matmul(x, gate_up) -> activation -> grouped_matmul(., down) -> inverse chunk
-    sort -> reverse exchange -> token_combine with the merging probs.
+    shards, partial losses psum-ed) -> token_dispatch (aligned, or capacity C) -> exchange ->
+    grouped_matmul(x, gate_up) reading the received rows in expert-major order -> activation ->
+    grouped_matmul(., down) writing them back in the received order -> reverse exchange -> token_combine
+    with the merging probs.
+
+The received rows arrive grouped by source rank; the grouped GEMMs read and write them through the row
+permutation of the chunk sort to expert-major order (`_expert_major_rows`), so no chunk sort copies them
+before and after the GEMMs (nor back in the backward pass).
 
 The exchange sizes and static buffer sizes come from moetriton.kernels.expert_parallel (`ep_layout`,
 `dropless_exchange`, `dropped_slots`); nothing here re-derives them. Two exchanges move the same rows:
 
 * "ragged": `jax.lax.ragged_all_to_all` into the static receive buffer (GPU meshes spanning processes);
 * "padded": every (source, destination) pair's rows padded to the pair's worst case and moved with a
-  fixed-size `jax.lax.all_to_all`; the chunk sorts read and write those blocks directly (each block's
-  unused rows a last chunk, sorted after the experts' rows), and the sending side compacts what comes back.
+  fixed-size `jax.lax.all_to_all`; the GEMMs read and write those blocks directly (each block's unused rows
+  a last chunk, ordered after the experts' rows), and the sending side compacts what comes back.
   Each direction's transpose is the other direction. "auto" picks this on one host: XLA:CPU has no
   ragged all-to-all, and XLA's GPU one is slower than this between the GPUs of one host
   (`_resolve_exchange`).
@@ -45,7 +50,7 @@ from moetriton.kernels.expert_parallel import (
     ep_layout,
 )
 
-from .api import sort_chunks_by_index, token_combine, token_dispatch
+from .api import token_combine, token_dispatch
 from .grouped_gemm import grouped_matmul
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 
@@ -196,13 +201,30 @@ def _capacity_exchange(buffer: jax.Array, layout: EPLayout, config: MoEConfig) -
 # One token shard --------------------------------------------------------------------------------------------
 
 
-def _experts(rows: jax.Array, group_sizes: jax.Array, gate_up, down, config: MoEConfig) -> jax.Array:
-    """Grouped expert MLP on expert-major rows [N, H] with group_sizes [L]: rows past the groups are zero
-    and stay zero."""
+def _experts(
+    rows: jax.Array, group_sizes: jax.Array, gate_up, down, config: MoEConfig, order: jax.Array | None = None
+) -> jax.Array:
+    """Grouped expert MLP on rows [N, H] with group_sizes [L]: expert-major rows, or rows[order] expert-major
+    (order [N]: a row permutation), the result in the rows' order. Rows past the groups give zeros."""
     dtype = jnp.dtype(config.dtype)
-    hidden = grouped_matmul(rows.astype(dtype), gate_up.astype(dtype), group_sizes)
+    hidden = grouped_matmul(rows.astype(dtype), gate_up.astype(dtype), group_sizes, lhs_rows=order)
     act = apply_activation(hidden, config.activation)
-    return grouped_matmul(act, down.astype(dtype), group_sizes)
+    return grouped_matmul(act, down.astype(dtype), group_sizes, out_rows=order)
+
+
+def _expert_major_rows(chunk_sizes: jax.Array, to_expert_major: jax.Array, rows: int) -> jax.Array:
+    """[rows] int32 row permutation of sort_chunks_by_index(chunks of chunk_sizes, to_expert_major): row i
+    of the sorted buffer is row result[i] of the unsorted one; rows past the chunks stay in place."""
+    sizes = chunk_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes  # chunk c starts there in the unsorted buffer
+    sorted_sizes = sizes[to_expert_major]
+    sorted_ends = jnp.cumsum(sorted_sizes)
+    position = jnp.arange(rows, dtype=jnp.int32)
+    rank = jnp.searchsorted(sorted_ends, position, side="right")  # the sorted chunk holding each row
+    inside = rank < to_expert_major.shape[0]
+    rank = jnp.minimum(rank, to_expert_major.shape[0] - 1)
+    source = starts[to_expert_major[rank]] + position - (sorted_ends[rank] - sorted_sizes[rank])
+    return jnp.where(inside, source, position).astype(jnp.int32)
 
 
 def _router(x_flat, gate, expert_bias, config: MoEConfig, num_tokens_global: int):
@@ -274,13 +296,13 @@ def _shard(x, gate, gate_up, down, expert_bias, *, config: MoEConfig):
 
 def _exchanged_experts(send, counts, gate_up, down, layout: EPLayout, config: MoEConfig):
     """Send buffer [send_rows, H] -> expert outputs in the same rows, through the EP group's experts.
-    With the padded dropless exchange the chunk sorts read and write the exchanged blocks directly (block p:
-    source p's chunks, then its unused rows, zeros, as one more chunk sorted after every expert's rows), so
-    the receiving side compacts nothing and the expert-major rows are those of the other exchanges."""
+    The grouped GEMMs read the received rows in expert-major order and write the results back in the
+    received order. With the padded dropless exchange they read and write the exchanged blocks directly
+    (block p: source p's chunks, then its unused rows, zeros, as one more chunk ordered after every
+    expert's rows), so the receiving side compacts nothing."""
     ep, local = layout.ep_size, layout.local_experts
     gaps = layout.dropless and config.exchange == "padded"
     to_expert_major = jnp.asarray(layout.expert_major_order(gaps=gaps), jnp.int32)
-    to_source_major = jnp.asarray(layout.source_major_order(gaps=gaps), jnp.int32)
     if layout.dropless:
         counts_all = jax.lax.all_gather(counts, config.ep_axis)  # [EP, E]
         sizes = dropless_exchange(counts_all, jax.lax.axis_index(config.ep_axis), layout)
@@ -311,10 +333,8 @@ def _exchanged_experts(send, counts, gate_up, down, layout: EPLayout, config: Mo
         def back(rows):
             return _capacity_exchange(rows, layout, config)
 
-    expert_rows, _ = sort_chunks_by_index(recv, chunk_sizes, to_expert_major)
-    expert_out = _experts(expert_rows, group_sizes, gate_up, down, config)
-    source_rows, _ = sort_chunks_by_index(expert_out, chunk_sizes[to_expert_major], to_source_major)
-    return back(source_rows)
+    order = _expert_major_rows(chunk_sizes, to_expert_major, recv.shape[0])
+    return back(_experts(recv, group_sizes, gate_up, down, config, order))
 
 
 # Public API ------------------------------------------------------------------------------------------------

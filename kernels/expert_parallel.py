@@ -7,7 +7,8 @@ Dataflow of one rank (DESIGN.md, "Expert-parallel MoE layer"): its T tokens are 
 that is expert-major, so rank-major too (rank r's experts are contiguous). Each rank sends rank r the blocks
 of r's experts; the receive buffer holds, for every source rank p in order, p's blocks of the local experts
 ("source-major"); a chunk sort makes it expert-major for the grouped GEMMs and its inverse restores the
-source-major order; the reverse exchange returns every row to the rank and row it came from.
+source-major order (the PyTorch layer), or the GEMMs read and write the rows through that chunk sort's row
+permutation (the JAX layer); the reverse exchange returns every row to the rank and row it came from.
 
 Two capacity policies fix the static buffer sizes:
 
@@ -106,10 +107,9 @@ class EPLayout:
         chunks = self.local_experts + gaps
         return [p * chunks + j for j in range(chunks) for p in range(self.ep_size)]
 
-    def source_major_order(self, gaps: bool = False) -> list[int]:
+    def source_major_order(self) -> list[int]:
         """sorted_indices of the inverse sort: expert-major chunks (j, p) = j * EP + p back to (p, j)."""
-        chunks = self.local_experts + gaps
-        return [j * self.ep_size + p for p in range(self.ep_size) for j in range(chunks)]
+        return [j * self.ep_size + p for p in range(self.ep_size) for j in range(self.local_experts)]
 
 
 def ep_layout(

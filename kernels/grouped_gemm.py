@@ -7,6 +7,14 @@ partial tile) and every program locates its tile from the group sizes, O(E) vect
 [BLOCK_M, BLOCK_N] tile's K-deep product. Rows past sum(group_sizes) are written as zeros, as ragged_dot
 defines them; group sizes are clipped to the rows present, so a bad size can never read or write out of
 bounds. Both kernels accumulate in fp32 and store in the output dtype.
+
+Row permutations. Either side of the product kernel may go through a row permutation [M] instead of the
+rows in order: it reads row i of the product from lhs[lhs_rows[i]] and writes it to out[out_rows[i]]. The
+expert-parallel layer multiplies the exchanged rows, which arrive grouped by source rank, in expert-major
+order this way, with no chunk sort copying them before and after the GEMMs. Entries are clipped into
+[0, M), so a bad permutation gives wrong rows, never an access out of bounds. The weight-gradient kernel
+reads its rows in order: permuted row reads inside its row loop ran 15-45% slower on H200s (more address
+work per step than the loads hide), so the binding gathers the permuted operand first (one copy).
 """
 
 from __future__ import annotations
@@ -35,6 +43,15 @@ def _group_bounds(group_sizes_ptr, num_rows, NUM_GROUPS: tl.constexpr, GROUPS_PO
 
 
 @triton.jit
+def _permuted(rows_ptr, rows, mask, num_rows, PERMUTED: tl.constexpr):
+    """rows_ptr[rows] clipped into [0, num_rows) where PERMUTED, else the rows themselves."""
+    if PERMUTED:
+        rows = tl.load(rows_ptr + rows, mask=mask, other=0)
+        rows = tl.minimum(tl.maximum(rows, 0), num_rows - 1)
+    return rows
+
+
+@triton.jit
 def _pick(values, groups, group):
     """values[group] of a [GROUPS_POW2] vector, as a scalar."""
     return tl.sum(tl.where(groups == group, values, 0), axis=0)
@@ -45,6 +62,8 @@ def _grouped_matmul_kernel(
     lhs_ptr,  # [M, K]
     rhs_ptr,  # [E, K, N] through (RHS_K_STRIDE, RHS_N_STRIDE): [E, N, K] transposed reads serve the dgrad
     group_sizes_ptr,  # [E] integer
+    lhs_rows_ptr,  # [M] int32, read where GATHER_LHS
+    out_rows_ptr,  # [M] int32, read where SCATTER_OUT
     num_rows,  # M
     out_ptr,  # [M, N]
     NUM_COLS: tl.constexpr,  # N
@@ -53,13 +72,16 @@ def _grouped_matmul_kernel(
     GROUPS_POW2: tl.constexpr,
     RHS_K_STRIDE: tl.constexpr,
     RHS_N_STRIDE: tl.constexpr,
+    GATHER_LHS: tl.constexpr,
+    SCATTER_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWIZZLE: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
-    """out[rows of g] = lhs[rows of g] @ rhs[g]. Grid ((cdiv(M, BLOCK_M) + E) * cdiv(N, BLOCK_N),).
+    """out[rows of g] = lhs[rows of g] @ rhs[g], rows through lhs_rows / out_rows where GATHER_LHS /
+    SCATTER_OUT. Grid ((cdiv(M, BLOCK_M) + E) * cdiv(N, BLOCK_N),).
 
     Program p owns row tile m and column tile n (SWIZZLE row tiles walk the column tiles together, so
     their weight tiles are read from L2). Row tiles are numbered group by group, each group starting a new
@@ -84,17 +106,19 @@ def _grouped_matmul_kernel(
         first = tl.sum(sizes, axis=0) + (row_tile - tl.sum(tiles, axis=0)) * BLOCK_M
         if first < num_rows:
             rows = first + tl.arange(0, BLOCK_M)
+            out_rows = _permuted(out_rows_ptr, rows, rows < num_rows, num_rows, SCATTER_OUT)
             zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
             mask = (rows < num_rows)[:, None] & col_mask[None, :]
-            tl.store(out_ptr + rows.to(tl.int64)[:, None] * NUM_COLS + cols[None, :], zeros, mask=mask)
+            tl.store(out_ptr + out_rows.to(tl.int64)[:, None] * NUM_COLS + cols[None, :], zeros, mask=mask)
         return
     start = _pick(starts, groups, group)
     end = start + _pick(sizes, groups, group)
     first = start + (row_tile - _pick(tile_ends - tiles, groups, group)) * BLOCK_M
     rows = first + tl.arange(0, BLOCK_M)
     row_mask = rows < end
+    lhs_rows = _permuted(lhs_rows_ptr, rows, row_mask, num_rows, GATHER_LHS)
     depth = tl.arange(0, BLOCK_K)
-    lhs = lhs_ptr + rows.to(tl.int64)[:, None] * DEPTH + depth[None, :]
+    lhs = lhs_ptr + lhs_rows.to(tl.int64)[:, None] * DEPTH + depth[None, :]
     rhs = (
         rhs_ptr
         + group.to(tl.int64) * DEPTH * NUM_COLS
@@ -113,7 +137,8 @@ def _grouped_matmul_kernel(
         lhs += BLOCK_K
         rhs += BLOCK_K * RHS_K_STRIDE
     mask = row_mask[:, None] & col_mask[None, :]
-    out = out_ptr + rows.to(tl.int64)[:, None] * NUM_COLS + cols[None, :]
+    out_rows = _permuted(out_rows_ptr, rows, row_mask, num_rows, SCATTER_OUT)
+    out = out_ptr + out_rows.to(tl.int64)[:, None] * NUM_COLS + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -253,13 +278,17 @@ def grouped_matmul_plan(
     num_groups: int,
     element_bytes: int,
     transpose_rhs: bool = False,
+    gather_lhs: bool = False,
+    scatter_out: bool = False,
     device: DeviceInfo = DEFAULT_DEVICE,
     config: Mapping[str, int] | None = None,
 ) -> Plan:
     """out = ragged_dot(lhs, rhs, group_sizes): the forward GEMMs, and with `transpose_rhs` the input
-    gradient (rhs [E, N, K] read as its transpose [E, K, N]).
+    gradient (rhs [E, N, K] read as its transpose [E, K, N]). With `gather_lhs` row i of the product reads
+    lhs[lhs_rows[i]]; with `scatter_out` it is written to out[out_rows[i]] (permutations of [0, M)).
 
-    Inputs: "lhs" [M, K], "rhs" [E, K, N] (or [E, N, K] with `transpose_rhs`), "group_sizes" [E] int32.
+    Inputs: "lhs" [M, K], "rhs" [E, K, N] (or [E, N, K] with `transpose_rhs`), "group_sizes" [E] int32,
+    "lhs_rows" / "out_rows" [M] int32 where asked for (None otherwise).
     Result: "out" [M, N] in the dtype of lhs (element_bytes wide; 4 = fp32, multiplied in IEEE fp32).
     """
     _check(num_rows, depth, num_cols, num_groups, element_bytes)
@@ -285,11 +314,13 @@ def grouped_matmul_plan(
     launch = _launch(
         _grouped_matmul_kernel,
         row_tiles * cdiv(num_cols, cfg["block_n"]),
-        ("lhs", "rhs", "group_sizes", num_rows),
+        ("lhs", "rhs", "group_sizes", "lhs_rows", "out_rows", num_rows),
         dict(num_cols=num_cols, depth=depth, num_groups=num_groups, element_bytes=element_bytes),
         cfg,
         RHS_K_STRIDE=rhs_strides[0],
         RHS_N_STRIDE=rhs_strides[1],
+        GATHER_LHS=gather_lhs,
+        SCATTER_OUT=scatter_out,
     )
     return Plan(buffers, (launch,), ("out",))
 

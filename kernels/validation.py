@@ -181,9 +181,12 @@ def check_grouped_matmul(
     lhs: tuple[tuple[int, ...], str],
     rhs: tuple[tuple[int, ...], str],
     group_sizes: tuple[tuple[int, ...], str],
+    lhs_rows: tuple[tuple[int, ...], str] | None = None,
+    out_rows: tuple[tuple[int, ...], str] | None = None,
 ) -> None:
     """Validates grouped_matmul operands: lhs [M, K], rhs [E, K, N] of one float dtype, group_sizes [E]
-    integers, E >= 1. Shape errors raise ValueError, dtype errors TypeError."""
+    integers, E >= 1, the row permutations (None or [M] integers). Shape errors raise ValueError, dtype
+    errors TypeError."""
     (lhs_shape, lhs_dtype), (rhs_shape, rhs_dtype), (sizes_shape, sizes_dtype) = lhs, rhs, group_sizes
     if len(lhs_shape) != 2 or len(rhs_shape) != 3 or len(sizes_shape) != 1:
         raise ValueError(
@@ -204,3 +207,10 @@ def check_grouped_matmul(
         )
     if not sizes_dtype.startswith(("int", "uint")):
         raise TypeError(f"grouped_matmul: group_sizes must be integers, got {sizes_dtype}")
+    for name, rows in (("lhs_rows", lhs_rows), ("out_rows", out_rows)):
+        if rows is None:
+            continue
+        if rows[0] != (lhs_shape[0],):
+            raise ValueError(f"grouped_matmul: {name} must be [M] = ({lhs_shape[0]},), got {rows[0]}")
+        if not rows[1].startswith(("int", "uint")):
+            raise TypeError(f"grouped_matmul: {name} must be integers, got {rows[1]}")

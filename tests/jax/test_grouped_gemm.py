@@ -106,6 +106,58 @@ def test_narrow_integer_sizes_and_jit_determinism():
         _assert_close(got, want, name)
 
 
+def _permuted_reference(lhs, rhs, sizes, grad, lhs_rows, out_rows):
+    """(out, grad_lhs, grad_rhs) of out[out_rows] = product(lhs[lhs_rows]) from the plain reference, the
+    permutations applied to numpy copies (None: rows in order)."""
+    rows = np.arange(lhs.shape[0])
+    lhs_rows = rows if lhs_rows is None else np.asarray(lhs_rows)
+    out_rows = rows if out_rows is None else np.asarray(out_rows)
+    lhs64 = np.asarray(lhs, np.float64)[lhs_rows]
+    out, grad_lhs, grad_rhs = _reference(lhs64, rhs, sizes, np.asarray(grad, np.float64)[out_rows])
+    placed_out, placed_grad = np.empty_like(out), np.empty_like(grad_lhs)
+    placed_out[out_rows] = out
+    placed_grad[lhs_rows] = grad_lhs
+    return placed_out, placed_grad, grad_rhs
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("sides", ["lhs", "out", "both"])
+@pytest.mark.parametrize(
+    ("rows", "depth", "cols", "sizes"),
+    [
+        (50, 24, 40, [10, 0, 23, 7]),  # rows past the groups: zeros, written through out_rows
+        (130, 32, 24, [1, 64, 65]),  # groups straddling 64-row tiles
+        (20, 8, 8, [15, 30]),  # sizes past the rows present
+    ],
+)
+def test_row_permutations(rows, depth, cols, sizes, dtype, sides):
+    lhs, rhs, group_sizes, grad = _problem(rows, depth, cols, sizes, dtype, seed=11)
+    rng = np.random.default_rng(rows)
+    lhs_rows = jnp.asarray(rng.permutation(rows), jnp.int32) if sides in ("lhs", "both") else None
+    out_rows = jnp.asarray(rng.permutation(rows), jnp.int32) if sides in ("out", "both") else None
+
+    def product(a, b):
+        return grouped_matmul(a, b, group_sizes, lhs_rows=lhs_rows, out_rows=out_rows)
+
+    out, vjp = jax.jit(lambda a, b: jax.vjp(product, a, b))(lhs, rhs)
+    expected = _permuted_reference(lhs, rhs, group_sizes, grad, lhs_rows, out_rows)
+    for name, got, want in zip(("out", "grad_lhs", "grad_rhs"), (out, *vjp(grad)), expected, strict=True):
+        _assert_close(got, want, f"{name}, {sides}")
+
+
+def test_row_permutations_take_narrow_integers_and_stay_in_bounds():
+    """int16 permutations are accepted; out-of-range entries are clipped (wrong rows, never a fault)."""
+    lhs, rhs, sizes, grad = _problem(24, 8, 16, [10, 14], "float32", seed=12)
+    order = np.random.default_rng(3).permutation(24)
+    got = grouped_matmul(lhs, rhs, sizes, lhs_rows=jnp.asarray(order, jnp.int16))
+    _assert_close(got, _permuted_reference(lhs, rhs, sizes, grad, order, None)[0], "int16 lhs_rows")
+    wild = jnp.asarray(np.where(order == 0, 1000, order), jnp.int32)  # entry 1000 reads row 23
+    clipped = np.where(order == 0, 23, order)
+    if uses_kernels():
+        got = grouped_matmul(lhs, rhs, sizes, lhs_rows=wild)
+        _assert_close(got, _permuted_reference(lhs, rhs, sizes, grad, clipped, None)[0], "clipped")
+
+
 def _unique_tiles(space) -> list[dict]:
     """Configs that differ in tiles (warps and stages change no result under the interpreter)."""
     configs = space.configs()
@@ -135,7 +187,7 @@ def test_every_forward_config(config, transpose_rhs):
         transpose_rhs=transpose_rhs,
         config=config,
     )
-    (out,) = run_plan(plan, dict(lhs=lhs, rhs=rhs, group_sizes=sizes))
+    (out,) = run_plan(plan, dict(lhs=lhs, rhs=rhs, group_sizes=sizes, lhs_rows=None, out_rows=None))
     weights = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
     _assert_close(out, _reference(lhs, weights, sizes, jnp.zeros((150, 72)))[0], str(config))
 
@@ -179,3 +231,18 @@ def test_bad_arguments_raise(lhs_shape, rhs_shape, sizes_shape, dtypes, error, m
     )
     with pytest.raises(error, match=match):
         grouped_matmul(lhs, rhs, sizes)
+
+
+@pytest.mark.parametrize("side", ["lhs_rows", "out_rows"])
+@pytest.mark.parametrize(
+    ("rows", "error", "match"),
+    [
+        (jnp.arange(3, dtype=jnp.int32), ValueError, r"must be \[M\] = \(4,\)"),
+        (jnp.zeros((4, 1), jnp.int32), ValueError, r"must be \[M\]"),
+        (jnp.arange(4, dtype=jnp.float32), TypeError, "must be integers"),
+    ],
+)
+def test_bad_row_permutations_raise(side, rows, error, match):
+    lhs, rhs, sizes = jnp.zeros((4, 8)), jnp.zeros((2, 8, 3)), jnp.asarray([2, 2])
+    with pytest.raises(error, match=match):
+        grouped_matmul(lhs, rhs, sizes, **{side: rows})
