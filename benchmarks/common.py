@@ -8,7 +8,10 @@ device-to-device copy bandwidth for % of ceiling.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import argparse
+from dataclasses import asdict, dataclass, replace
+
+from moetriton.kernels.shapes import MOE_LAYER_SHAPES, MoELayerShape
 
 
 @dataclass(frozen=True)
@@ -32,3 +35,21 @@ class Result:
 
 def token_bytes(rows: int, hidden: int, element_bytes: int) -> int:
     return rows * hidden * element_bytes
+
+
+def exchange_parser(description: str) -> argparse.ArgumentParser:
+    """Options of the exchange scripts (scripts/exchange_jax.py, scripts/exchange_torch.py): --shapes,
+    --steps, --tokens."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", default="mixtral,dsv3")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--tokens", type=int, default=0, help="tokens per GPU (default: the shape's)")
+    return parser
+
+
+def layer_shape(name: str, num_tokens: int = 0) -> MoELayerShape:
+    """The named MoE layer shape, with `num_tokens` tokens per GPU where it is not 0."""
+    shape = MOE_LAYER_SHAPES[name]
+    return replace(shape, num_tokens=num_tokens) if num_tokens else shape

@@ -14,8 +14,8 @@ Rows (one per impl x shape x EP; printed and written to DIR/moe_jax.csv, the log
     torch.profiler: benchmarks.timing.gpu_activities_by_device), and every GPU activity of every device goes
     to a stage by its name. Our Triton kernels keep their Python names (KERNEL_STAGES lists every one):
     router (top-k, aux-loss scores and loss, forward and backward), dispatch (count, scan, dispatch),
-    chunk_sorts (none since the GEMMs read and write the received rows through the sort's row permutation;
-    kept so that a sort would show), grouped_gemm (forward, input and weight gradients), combine (combine
+    chunk_sorts (only the row map of the expert-major order now: the GEMMs read and write the received
+    rows through it), grouped_gemm (forward, input and weight gradients), combine (combine
     and its backward).
     all_to_all: NCCL kernels, XLA's own collective kernels (the one-shot ragged all-to-all) and peer copies,
     so besides both exchanges and their transposes it holds the count all-gather and the psums of the
@@ -405,13 +405,11 @@ def stage_times(case: Case, mesh: Mesh | None, arrays, steps: int) -> dict[str, 
         recv = dropless_forward(send, sizes, layout, config)
         return recv, dropless_reverse(recv, sizes, layout, config)
 
-    to_expert_major = jnp.asarray(layout.expert_major_order(), jnp.int32)
-
     def gemm(rows, gate_up, down, counts):
         sizes = exchange_sizes(counts)
         order = None
         if case.ep > 1:  # received rows, source-major: read and written in expert-major order
-            order = _expert_major_rows(sizes["chunk_sizes"], to_expert_major, rows.shape[0])
+            order = _expert_major_rows(sizes["chunk_sizes"], layout, False, rows.shape[0])
         return _experts(rows, sizes["group_sizes"], gate_up, down, config, order)
 
     def combine(rows, weights, row_id_map):

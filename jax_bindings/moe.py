@@ -11,8 +11,8 @@ host sync). Tokens are sharded over (data axes..., EP axis) on their batch axis,
     with the merging probs.
 
 The received rows arrive grouped by source rank; the grouped GEMMs read and write them through the row
-permutation of the chunk sort to expert-major order (`_expert_major_rows`), so no chunk sort copies them
-before and after the GEMMs (nor back in the backward pass).
+permutation of the chunk sort to expert-major order (`_expert_major_rows`: the chunk-sort kernel's row map
+of zero columns), so no chunk sort copies them before and after the GEMMs (nor back in the backward pass).
 
 The exchange sizes and static buffer sizes come from moetriton.kernels.expert_parallel (`ep_layout`,
 `dropless_exchange`, `dropped_slots`); nothing here re-derives them. Two exchanges move the same rows:
@@ -50,7 +50,7 @@ from moetriton.kernels.expert_parallel import (
     ep_layout,
 )
 
-from .api import token_combine, token_dispatch
+from .api import sort_chunks_by_index, token_combine, token_dispatch
 from .grouped_gemm import grouped_matmul
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 
@@ -212,19 +212,16 @@ def _experts(
     return grouped_matmul(act, down.astype(dtype), group_sizes, out_rows=order)
 
 
-def _expert_major_rows(chunk_sizes: jax.Array, to_expert_major: jax.Array, rows: int) -> jax.Array:
-    """[rows] int32 row permutation of sort_chunks_by_index(chunks of chunk_sizes, to_expert_major): row i
-    of the sorted buffer is row result[i] of the unsorted one; rows past the chunks stay in place."""
-    sizes = chunk_sizes.astype(jnp.int32)
-    starts = jnp.cumsum(sizes) - sizes  # chunk c starts there in the unsorted buffer
-    sorted_sizes = sizes[to_expert_major]
-    sorted_ends = jnp.cumsum(sorted_sizes)
-    position = jnp.arange(rows, dtype=jnp.int32)
-    rank = jnp.searchsorted(sorted_ends, position, side="right")  # the sorted chunk holding each row
-    inside = rank < to_expert_major.shape[0]
-    rank = jnp.minimum(rank, to_expert_major.shape[0] - 1)
-    source = starts[to_expert_major[rank]] + position - (sorted_ends[rank] - sorted_sizes[rank])
-    return jnp.where(inside, source, position).astype(jnp.int32)
+def _expert_major_rows(chunk_sizes: jax.Array, layout: EPLayout, gaps: bool, rows: int) -> jax.Array:
+    """[rows] int32 row permutation of the chunk sort to expert-major order (`EPLayout.expert_major_order`
+    of source-major chunks of chunk_sizes): row i of the sorted buffer is row result[i] of the unsorted one;
+    rows past the chunks stay in place. It is the row map of the inverse sort, which the chunk-sort kernel
+    writes; sorting zero columns moves nothing else."""
+    to_expert_major = jnp.asarray(layout.expert_major_order(gaps=gaps), jnp.int32)
+    to_source_major = jnp.asarray(layout.source_major_order(gaps=gaps), jnp.int32)
+    no_columns = jnp.zeros((rows, 0), jnp.float32)
+    _, source_rows = sort_chunks_by_index(no_columns, chunk_sizes[to_expert_major], to_source_major)
+    return source_rows
 
 
 def _router(x_flat, gate, expert_bias, config: MoEConfig, num_tokens_global: int):
@@ -302,7 +299,6 @@ def _exchanged_experts(send, counts, gate_up, down, layout: EPLayout, config: Mo
     expert's rows), so the receiving side compacts nothing."""
     ep, local = layout.ep_size, layout.local_experts
     gaps = layout.dropless and config.exchange == "padded"
-    to_expert_major = jnp.asarray(layout.expert_major_order(gaps=gaps), jnp.int32)
     if layout.dropless:
         counts_all = jax.lax.all_gather(counts, config.ep_axis)  # [EP, E]
         sizes = dropless_exchange(counts_all, jax.lax.axis_index(config.ep_axis), layout)
@@ -333,7 +329,7 @@ def _exchanged_experts(send, counts, gate_up, down, layout: EPLayout, config: Mo
         def back(rows):
             return _capacity_exchange(rows, layout, config)
 
-    order = _expert_major_rows(chunk_sizes, to_expert_major, recv.shape[0])
+    order = _expert_major_rows(chunk_sizes, layout, gaps, recv.shape[0])
     return back(_experts(recv, group_sizes, gate_up, down, config, order))
 
 

@@ -107,9 +107,10 @@ class EPLayout:
         chunks = self.local_experts + gaps
         return [p * chunks + j for j in range(chunks) for p in range(self.ep_size)]
 
-    def source_major_order(self) -> list[int]:
+    def source_major_order(self, gaps: bool = False) -> list[int]:
         """sorted_indices of the inverse sort: expert-major chunks (j, p) = j * EP + p back to (p, j)."""
-        return [j * self.ep_size + p for p in range(self.ep_size) for j in range(self.local_experts)]
+        chunks = self.local_experts + gaps
+        return [j * self.ep_size + p for p in range(self.ep_size) for j in range(chunks)]
 
 
 def ep_layout(

@@ -13,7 +13,6 @@ variant. One JSON line per measurement.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -22,6 +21,8 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `benchmarks`
+
+from benchmarks.common import exchange_parser, layer_shape  # imports no JAX: the flags are set per child
 
 FLAG_VARIANTS = (
     "",
@@ -36,14 +37,9 @@ def measure(shape_names: list[str], steps: int, num_tokens: int | None) -> None:
     import numpy as np
     from jax.sharding import Mesh
 
-    from moetriton.kernels.shapes import MOE_LAYER_SHAPES
-
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     for name in shape_names:
-        shape = MOE_LAYER_SHAPES[name]
-        if num_tokens:
-            shape = replace(shape, num_tokens=num_tokens)
-        measure_shape(shape, mesh, steps)
+        measure_shape(layer_shape(name, num_tokens), mesh, steps)
 
 
 def measure_shape(shape, mesh, steps: int) -> None:
@@ -118,12 +114,7 @@ def report(shape: str, exchange: str, ms: float | None, gigabytes: float, **extr
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--shapes", default="mixtral,dsv3")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--tokens", type=int, default=0, help="tokens per GPU (default: the shape's)")
+    parser = exchange_parser(__doc__)
     parser.add_argument("--one", action="store_true", help="measure with this process's XLA_FLAGS only")
     args = parser.parse_args()
     if args.one:

@@ -12,11 +12,9 @@ this rank sends in both exchanges over the median wall time. One JSON line per m
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `benchmarks`
@@ -24,15 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import exchange_parser, layer_shape
 from benchmarks.moe_torch import _median_ms
-from moetriton.kernels.shapes import MOE_LAYER_SHAPES
 from moetriton.torch.moe import all_to_all_rows
 
 
 def measure(name: str, steps: int, num_tokens: int, device: torch.device) -> None:
-    shape = MOE_LAYER_SHAPES[name]
-    if num_tokens:
-        shape = replace(shape, num_tokens=num_tokens)
+    shape = layer_shape(name, num_tokens)
     ep, rank = dist.get_world_size(), dist.get_rank()
     rows, hidden = shape.num_tokens * shape.topk, shape.hidden
     generator = torch.Generator(device).manual_seed(rank)
@@ -65,13 +61,7 @@ def measure(name: str, steps: int, num_tokens: int, device: torch.device) -> Non
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--shapes", default="mixtral,dsv3")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--tokens", type=int, default=0, help="tokens per GPU (default: the shape's)")
-    args = parser.parse_args()
+    args = exchange_parser(__doc__).parse_args()
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -79,10 +79,11 @@ def test_dropless_exchange_moves_every_row_to_its_expert_and_back(case):
         assert sorted(order) == list(range(ep * local))
         assert [order[i] for i in inverse] == list(range(ep * local))
         # With a gap chunk (p, L) after each source's chunks: the same expert-major order, then the gaps.
-        gapped = layout.expert_major_order(gaps=True)
+        gapped, gapped_inverse = layout.expert_major_order(gaps=True), layout.source_major_order(gaps=True)
         expected = [divmod(chunk, local) for chunk in order]
         assert [divmod(chunk, local + 1) for chunk in gapped[: ep * local]] == expected
         assert gapped[ep * local :] == [p * (local + 1) + local for p in range(ep)]
+        assert [gapped[i] for i in gapped_inverse] == list(range(ep * (local + 1)))
     # Reverse: each rank sends its received rows back; they land where they left the source.
     for rank in range(ep):
         plan = plans[rank]
