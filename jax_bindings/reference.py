@@ -81,14 +81,15 @@ def row_map(
     kept = jnp.minimum(jnp.maximum(num_rows - start, 0), aligned)
     rows = rows.reshape(num_tokens, num_slots)
     has_row = rows >= 0
-    # The slot list: slots with a row first (ascending), then -1.
+    # The lists: slots with a row first (ascending), then -1, and their rows in the same order.
     slot_ids = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), rows.shape)
     listed = jnp.sort(jnp.where(has_row, slot_ids, num_slots + slot_ids), axis=1)
-    listed = jnp.where(listed < num_slots, listed, -1)
+    is_listed = listed < num_slots
+    listed_rows = jnp.where(is_listed, jnp.take_along_axis(rows, listed % max(num_slots, 1), axis=1), -1)
     full_map = jnp.concatenate(
         [
-            rows,
-            listed,
+            listed_rows,
+            jnp.where(is_listed, listed, -1),
             has_row.sum(axis=1, keepdims=True, dtype=jnp.int32),
             jnp.full((num_tokens, 1), end, jnp.int32),
         ],
@@ -98,8 +99,14 @@ def row_map(
 
 
 def _rows(row_id_map: jax.Array) -> jax.Array:
-    """[T, S] destination rows of a row map's slots (-1: none)."""
-    return row_id_map[:, : row_map_slots(row_id_map.shape[1])]
+    """[T, S] destination rows of a row map's slots (-1: none), from its two lists."""
+    num_slots = row_map_slots(row_id_map.shape[1])
+    listed_rows = row_id_map[:, :num_slots]
+    listed = row_id_map[:, num_slots : 2 * num_slots]
+    tokens = jnp.broadcast_to(jnp.arange(row_id_map.shape[0], dtype=jnp.int32)[:, None], listed.shape)
+    # Padding entries (-1) point past the last slot, where the scatter drops them.
+    rows = jnp.full(listed.shape, -1, jnp.int32)
+    return rows.at[tokens, jnp.where(listed >= 0, listed, num_slots)].set(listed_rows, mode="drop")
 
 
 def _slot_rows(row_id_map: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:

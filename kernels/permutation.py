@@ -6,13 +6,15 @@ Slots. A routing input gives every token S slots: a mask [T, E] has one slot per
 an index map [T, K] has one slot per top-k position (slot k -> expert indices[t, k], -1 = none). Per-slot
 tensors (probs, merging probs, their gradients) have the routing input's layout: [T, E] or [T, K].
 
-Row map. `row_id_map` is int32 [T, 2S + 2] (`row_map_columns`). Column s < S holds the destination row of
-slot s (padding applied), or -1 when the slot has no row (not routed, or past the end of the buffer).
-Columns S .. 2S - 1 list the slots that have a row, ascending, then -1: the combine kernels walk this list,
-so a step costs two scalar loads, not a search over S slots (TE's map is compact the same way). Column 2S
-holds the number of listed slots; column 2S + 1 holds `end`, the number of leading buffer rows that carry
-tokens or padding (the same value on every token row, so each token shard can read it locally). Rows are
-expert-major and stable in (token, slot) order:
+Row map. `row_id_map` is int32 [T, 2S + 2] (`row_map_columns`), two lists and two counts per token.
+Columns 0 .. S - 1 list the destination rows (padding applied) of the token's slots that have a row, in
+ascending slot order, then -1; columns S .. 2S - 1 list those slots, in the same order, then -1. A slot has
+no row when it is not routed or falls past the end of the buffer. Column 2S holds the number of listed
+slots; column 2S + 1 holds `end`, the number of leading buffer rows that carry tokens or padding (the same
+value on every token row, so each token shard can read it locally). The combine kernels walk the lists: a
+step reads one row entry (and, independently, its slot where weights or probs need it), never a search over
+S slots and never a chain of two dependent loads (TE's map is compact the same way). Rows are expert-major
+and stable in (token, slot) order:
     row(t, s) = start[e] + #{(t', s') < (t, s) : expert(t', s') == e},    e = expert(t, s)
 where start[e] is the exclusive prefix sum of the per-expert counts, each rounded up to A when padding.
 
@@ -77,36 +79,41 @@ def _map_row(row_map_ptr, token, num_slots):
 
 
 @triton.jit
-def _write_slot_list(map_row, valid, slots, num_slots):
-    """Columns S .. 2S + 1 of one token's row map, but `end`: the `valid` slots ascending, then -1, and
-    their count. Every lane writes distinct addresses (a listed slot at its rank among the valid ones, a
-    -1 at a position past the count), so no store races another."""
+def _write_lists(map_row, rows, valid, slots, num_slots):
+    """Columns 0 .. 2S of one token's row map (all but `end`): the rows of the `valid` slots and those
+    slots, ascending, each list padded with -1, and their count. Every lane writes distinct addresses (a
+    listed entry at its rank among the valid slots, a -1 at a position past the count), so no store races
+    another."""
     flags = valid.to(tl.int32)
     count = tl.sum(flags, axis=0)
-    tl.store(map_row + num_slots + tl.cumsum(flags, axis=0) - flags, slots, mask=valid)
-    tl.store(map_row + num_slots + slots, -1, mask=(slots >= count) & (slots < num_slots))
+    rank = tl.cumsum(flags, axis=0) - flags
+    tl.store(map_row + rank, rows, mask=valid)
+    tl.store(map_row + num_slots + rank, slots, mask=valid)
+    padding = (slots >= count) & (slots < num_slots)
+    tl.store(map_row + slots, -1, mask=padding)
+    tl.store(map_row + num_slots + slots, -1, mask=padding)
     tl.store(map_row + 2 * num_slots, count)
 
 
 @triton.jit
-def _listed_slot(map_row, num_slots, position, count):
-    """(slot, row) of the token's `position`-th listed slot; (0, 0) at or past `count`, which are never
-    read (the loads they guard are masked)."""
-    live = position < count
-    slot = tl.load(map_row + num_slots + position, mask=live, other=0)
-    return slot, tl.load(map_row + slot, mask=live, other=0).to(tl.int64)
+def _listed_row(map_row, position, limit):
+    """(row, live) of the token's `position`-th listed slot; (-1, False) past the list, and nothing is read
+    at or past `limit`. With limit = S the end is found from the list's -1 padding, so the first entries
+    load while the count is still in flight (at large S the count and the lists lie in different cache
+    lines): the combine walk does this. The combine backward, which was 0-11% slower that way (same-GPU
+    A/B, docs/performance.md), bounds its loads by the count."""
+    row = tl.load(map_row + position, mask=position < limit, other=-1)
+    return row.to(tl.int64), row >= 0
 
 
 @triton.jit
-def _padded_listed_slot(map_row, num_slots, position):
-    """(slot, row, live) of the token's `position`-th listed slot, its end found from the list's -1
-    padding instead of the count, so the first entries load while the count is still in flight (at large
-    S the count, the list and the per-slot rows lie in different cache lines). Past the list:
-    (-1, 0, False), and nothing is read. The combine walk gained 0-9% from it on the H200; the combine
-    backward lost 0-11% and keeps `_listed_slot` (same-GPU A/B, docs/performance.md)."""
-    slot = tl.load(map_row + num_slots + position, mask=position < num_slots, other=-1)
-    live = slot >= 0
-    return slot, tl.load(map_row + slot, mask=live, other=0).to(tl.int64), live
+def _listed_slot(map_row, num_slots, position, limit, NEEDED: tl.constexpr = True):
+    """The slot of the token's `position`-th listed entry; -1 (which matches no slot) past the list, and
+    nothing is read at or past `limit` or when the caller does not NEED it. Bounded like the row and
+    never masked by it, so its load (and the weight load behind it) does not wait for the row's."""
+    if NEEDED:
+        return tl.load(map_row + num_slots + position, mask=position < limit, other=-1)
+    return tl.full([], -1, tl.int32)
 
 
 @triton.jit
@@ -465,8 +472,7 @@ def _dispatch_kernel(
         valid = rows >= 0
         if chunk == 0:
             map_row = _map_row(row_map_ptr, token, num_slots)
-            tl.store(map_row + slots, rows, mask=slots < num_slots)
-            _write_slot_list(map_row, valid, slots, num_slots)
+            _write_lists(map_row, rows, valid, slots, num_slots)
             tl.store(map_row + 2 * num_slots + 1, end)
             if HAS_PROBS:
                 probs = tl.load(_as_bits(probs_ptr) + token.to(tl.int64) * num_slots + slots, mask=valid)
@@ -562,7 +568,7 @@ def _scatter_kernel(
         map_row = _map_row(row_map_ptr, token, num_slots)
         count = tl.load(map_row + 2 * num_slots)
         for position in range(count):
-            _, row = _listed_slot(map_row, num_slots, position, count)
+            row, _ = _listed_row(map_row, position, count)
             out = _as_bits(out_ptr) + row * hidden + cols
             if STREAMING:
                 tl.store(out, values, mask=cmask, cache_modifier=".cs")
@@ -595,9 +601,10 @@ def _slot_values(inp_ptr, row, live, inp_stride, cols, cmask, STREAMING: tl.cons
 
 
 @triton.jit
-def _slot_weight(weight_row, slot, live, acc_dtype: tl.constexpr, HAS_WEIGHTS: tl.constexpr):
+def _slot_weight(weight_row, slot, acc_dtype: tl.constexpr, HAS_WEIGHTS: tl.constexpr):
+    """w[t, slot] (0 for slot -1, read from nothing), or 1 without weights."""
     if HAS_WEIGHTS:
-        return tl.load(weight_row + slot, mask=live, other=0).to(acc_dtype)
+        return tl.load(weight_row + slot, mask=slot >= 0, other=0).to(acc_dtype)
     return tl.full([], 1, acc_dtype)
 
 
@@ -640,9 +647,9 @@ def _combine_kernel(
     the slot has no row), one scalar load per listed slot along the walk, and stores the [S] row once at
     the end: the probs gradient of dispatch.
 
-    The walk follows the row map's list of the token's slots (O(1) per step, whatever S) and is
-    software-pipelined: a step issues the load of one row's values, then reads the next listed slot and its
-    row while that load is in flight; with LOOKAHEAD = 2 the values are loaded one step before they are
+    The walk follows the row map's lists (O(1) per step, whatever S) and is software-pipelined: a step
+    issues the load of one row's values, then reads the next listed row (and slot) while that load is in
+    flight; with LOOKAHEAD = 2 the values are loaded one step before they are
     added, so two row loads are in flight per program. The order of the additions never changes.
     STREAMING reads rows evict-first and stores the output streaming (a knob, as in `_dispatch_kernel`).
     """
@@ -662,23 +669,28 @@ def _combine_kernel(
     probs_bits = _as_bits(permuted_probs_ptr)
     gathered = tl.zeros([SLOTS_POW2], dtype=probs_bits.dtype.element_ty)
     first_chunk = chunk == 0
+    # Only weights and the probs gather need a listed entry's slot; a plain sum never reads the slot list.
+    NEEDS_SLOT: tl.constexpr = HAS_WEIGHTS or GATHER_PROBS
     acc = tl.zeros([BLOCK_H], dtype=acc_dtype)
-    # `position` is the list entry whose row the next load reads; (slot, row, live) are that entry's.
+    # `position` is the list entry whose row the next load reads; (row, live, slot) are that entry's.
     position = tl.full([], 0, tl.int32)
-    slot, row, live = _padded_listed_slot(map_row, num_slots, position)
+    row, live = _listed_row(map_row, position, num_slots)
+    slot = _listed_slot(map_row, num_slots, position, num_slots, NEEDS_SLOT)
     count = tl.load(map_row + 2 * num_slots)
     if LOOKAHEAD == 2:
         values = _slot_values(inp_ptr, row, live, inp_stride, cols, cmask, STREAMING)
-        weight = _slot_weight(weight_row, slot, live, acc_dtype, HAS_WEIGHTS)
+        weight = _slot_weight(weight_row, slot, acc_dtype, HAS_WEIGHTS)
         gathered = _gather_prob(probs_bits, row, slot, live & first_chunk, slots, gathered, GATHER_PROBS)
         position += 1
-        slot, row, live = _padded_listed_slot(map_row, num_slots, position)
+        row, live = _listed_row(map_row, position, num_slots)
+        slot = _listed_slot(map_row, num_slots, position, num_slots, NEEDS_SLOT)
     for _ in range(count):
         next_values = _slot_values(inp_ptr, row, live, inp_stride, cols, cmask, STREAMING)
-        next_weight = _slot_weight(weight_row, slot, live, acc_dtype, HAS_WEIGHTS)
+        next_weight = _slot_weight(weight_row, slot, acc_dtype, HAS_WEIGHTS)
         gathered = _gather_prob(probs_bits, row, slot, live & first_chunk, slots, gathered, GATHER_PROBS)
         position += 1
-        slot, row, live = _padded_listed_slot(map_row, num_slots, position)
+        row, live = _listed_row(map_row, position, num_slots)
+        slot = _listed_slot(map_row, num_slots, position, num_slots, NEEDS_SLOT)
         if LOOKAHEAD == 2:
             if HAS_WEIGHTS:
                 acc += values.to(acc_dtype) * weight
@@ -748,13 +760,14 @@ def _combine_backward_kernel(
         weight_grads = tl.zeros([SLOTS_POW2], dtype=acc_dtype)
         weight_row = weights_ptr + token.to(tl.int64) * num_slots
         count = tl.load(map_row + 2 * num_slots)
-        # The next listed slot, its row and weight are read while the current slot's rows move (their
-        # loads chain: list entry, then row and weight).
-        slot, row = _listed_slot(map_row, num_slots, 0, count)
-        weight = _slot_weight(weight_row, slot, count > 0, acc_dtype, True)
+        # The next listed entry's row, slot and weight are read while the current slot's rows move.
+        row, _ = _listed_row(map_row, 0, count)
+        slot = _listed_slot(map_row, num_slots, 0, count)
+        weight = _slot_weight(weight_row, slot, acc_dtype, True)
         for position in range(count):
-            next_slot, next_row = _listed_slot(map_row, num_slots, position + 1, count)
-            next_weight = _slot_weight(weight_row, next_slot, position + 1 < count, acc_dtype, True)
+            next_row, _ = _listed_row(map_row, position + 1, count)
+            next_slot = _listed_slot(map_row, num_slots, position + 1, count)
+            next_weight = _slot_weight(weight_row, next_slot, acc_dtype, True)
             dot = tl.zeros([BLOCK_H], dtype=acc_dtype)
             for h0 in range(0, hidden, BLOCK_H):
                 cols = h0 + tl.arange(0, BLOCK_H)
@@ -812,7 +825,8 @@ COMBINE_BACKWARD_SPACE = SearchSpace(
 
 
 def row_map_columns(num_slots: int) -> int:
-    """Columns of the row map of S slots per token: S rows, the list of S slots, its count and `end`."""
+    """Columns of the row map of S slots per token: the list of their rows, the list of the slots, the
+    count of listed slots and `end`."""
     return 2 * num_slots + 2
 
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One device-tool call: install what the GPU machine lacks, run the whole test suite on CUDA, run the
 # benchmarks, and leave logs under $OUT. Usage (device tool, repo root): bash scripts/gpu_check.sh [stage...]
-# Stages: setup (install only) smoke tests bench eager hostprof router gemm autotune usecache jaxprof plan ncu exchange moe1 moe2
+# Stages: setup (install only) smoke tests bench eager hostprof router gemm autotune usecache ab jaxprof plan ncu exchange moe1 moe2
 # (default: tests bench). ncu: Nsight Compute counters of the combine kernels beside TE's (scripts/profile_kernels.py,
 # NCU_SHAPES), report as $OUT/ncu.txt. gemm: the grouped-GEMM kernels beside torch._grouped_mm (GEMM_ARGS=--sweep to time configs).
 # exchange: the layers' dropless row exchanges alone beside plain all-to-alls (scripts/exchange_jax.py,
 # under several XLA_FLAGS unless EXCHANGE_ARGS=--one; scripts/exchange_torch.py under torchrun; 2 GPUs). moe1: the MoE layer examples and layer-step benchmarks on one GPU; moe2: the same with EP = 2 on two GPUs
 # (torchrun for PyTorch, one process for JAX); their logs and CSVs come back as $OUT/moe.tar.
+# ab: same-process A/B of the permutation kernels against another version of kernels/permutation.py
+# (AB_BASELINE, a carried file; AB_ARGS), table as $OUT/ab.csv.
 # usecache copies what autotune wrote into the installed package, so later stages of the same call run with
 # the new cache. Carry `.whl` (the jax-triton wheel) and, to benchmark TransformerEngine's Triton kernels
 # beside ours, `.te` (a folder holding an importable `transformer_engine.pytorch.triton.permutation`; never
@@ -56,6 +58,8 @@ for stage in $stages; do
           rm -f "$OUT/ncu.ncu-rep"  # too large to bring back; the two text pages hold what it says
           grep -E "^  [_a-z]|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" "$OUT/ncu.txt" | head -120) ;;
     usecache) cp -r /tmp/cache/. /tmp/site/moetriton/autotune_cache/ ;;
+    ab) (cd "$repo" && timeout ${AB_TIMEOUT:-300} python3 scripts/ab_permutation.py "$AB_BASELINE" ${AB_ARGS:-} 2>&1 \
+           | grep -v -i "warn\|chosen =" | tee "$OUT/ab.csv" | grep "best\|^#") ;;
     jaxprof) (cd "$repo" && timeout ${JAXPROF_TIMEOUT:-150} python3 scripts/profile_jax.py --hlo "$OUT/hlo.txt" \
                 ${JAXPROF_ARGS:-} > "$OUT/jaxprof.log" 2>&1; tail -80 "$OUT/jaxprof.log") ;;
     plan) (cd "$repo" && timeout ${PLAN_TIMEOUT:-150} python3 scripts/profile_plan.py ${PLAN_ARGS:-} 2>&1 | tee "$OUT/plan.log") ;;

@@ -63,17 +63,26 @@ def row_map(
     kept = (num_rows - start).clamp(min=0).minimum(aligned)
     rows = rows.view(num_tokens, num_slots)
     has_row = rows >= 0
-    # The slot list: slots with a row first (ascending), then -1.
+    # The lists: slots with a row first (ascending), then -1, and their rows in the same order.
     slot_ids = torch.arange(num_slots, device=device).expand(num_tokens, num_slots)
     listed = torch.sort(torch.where(has_row, slot_ids, num_slots + slot_ids), dim=1).values
+    listed_rows = torch.gather(rows, 1, listed % num_slots) if num_slots else rows
+    listed_rows = torch.where(listed < num_slots, listed_rows, -1)
     listed = torch.where(listed < num_slots, listed, -1)
-    full_map = torch.cat([rows, listed, has_row.sum(1, keepdim=True), end.expand(num_tokens, 1)], dim=1).int()
+    counts = has_row.sum(1, keepdim=True)
+    full_map = torch.cat([listed_rows, listed, counts, end.expand(num_tokens, 1)], dim=1).int()
     return full_map, kept.int(), (start - plain_start).int()
 
 
 def _rows(row_id_map: torch.Tensor) -> torch.Tensor:
-    """[T, S] destination rows of a row map's slots (-1: none), int64."""
-    return row_id_map[:, : row_map_slots(row_id_map.shape[1])].long()
+    """[T, S] destination rows of a row map's slots (-1: none), int64, from its two lists."""
+    num_slots = row_map_slots(row_id_map.shape[1])
+    listed_rows = row_id_map[:, :num_slots].long()
+    listed = row_id_map[:, num_slots : 2 * num_slots].long()
+    # Padding entries (-1) land in an extra column that is cut off.
+    rows = listed_rows.new_full((row_id_map.shape[0], num_slots + 1), -1)
+    rows.scatter_(1, torch.where(listed >= 0, listed, num_slots), listed_rows)
+    return rows[:, :num_slots]
 
 
 def _slots(row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -84,17 +84,19 @@ def _contract_rows(problem, capacity: int | None = None) -> np.ndarray:
 
 
 def _contract_map(problem, capacity: int | None = None) -> np.ndarray:
-    """The row map but its `end` column, built with loops from `_contract_rows`: the rows, each token's
-    slots that have a row (ascending, then -1) and their count."""
+    """The row map but its `end` column, built with loops from `_contract_rows`: the rows of each token's
+    slots that have a row and those slots (both in ascending slot order, then -1), and their count."""
     rows = _contract_rows(problem, capacity)
+    listed_rows = np.full(rows.shape, -1, dtype=np.int64)
     listed = np.full(rows.shape, -1, dtype=np.int64)
     counts = np.zeros((rows.shape[0], 1), dtype=np.int64)
     for t in range(rows.shape[0]):
         for s in range(rows.shape[1]):
             if rows[t, s] >= 0:
+                listed_rows[t, counts[t, 0]] = rows[t, s]
                 listed[t, counts[t, 0]] = s
                 counts[t, 0] += 1
-    return np.concatenate([rows, listed, counts], axis=1)
+    return np.concatenate([listed_rows, listed, counts], axis=1)
 
 
 @given(routing_problems(dtypes=("float32",)))
