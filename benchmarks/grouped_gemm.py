@@ -75,20 +75,24 @@ def _ours(
     out_rows: torch.Tensor | None = None,
 ) -> float:
     """Time of one of our products; lhs_rows / out_rows: the forward's row permutations (None: rows in
-    order), which each gradient takes as the VJP of grouped_matmul does (the weight gradient gathers the
-    permuted operand with one copy, timed with it)."""
+    order), which each gradient takes as the VJP of grouped_matmul does (the weight gradient's plan gathers
+    the permuted operand with one copy, timed with it)."""
     if kind == "wgrad":
-        plan = kernels.grouped_matmul_wgrad_plan(**sizes, device=device_info(device), config=config)
-        sides = dict(lhs=(operands["rows"], lhs_rows), grad=(operands["grad"], out_rows))
-
-        def wgrad():
-            inputs = {
-                name: rows if order is None else rows.index_select(0, order)
-                for name, (rows, order) in sides.items()
-            }
-            return run_plan(plan, dict(inputs, group_sizes=operands["group_sizes"]), device)
-
-        return time_graph([wgrad], replays=10)
+        plan = kernels.grouped_matmul_wgrad_plan(
+            **sizes,
+            gather_lhs=lhs_rows is not None,
+            gather_grad=out_rows is not None,
+            device=device_info(device),
+            config=config,
+        )
+        inputs = dict(
+            lhs=operands["rows"],
+            grad=operands["grad"],
+            group_sizes=operands["group_sizes"],
+            lhs_rows=lhs_rows,
+            out_rows=out_rows,
+        )
+        return time_graph([lambda: run_plan(plan, inputs, device)], replays=10)
     transpose = kind == "dgrad"
     dims = dict(sizes, depth=sizes["num_cols"], num_cols=sizes["depth"]) if transpose else sizes
     if transpose:

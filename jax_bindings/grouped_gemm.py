@@ -59,14 +59,11 @@ def _grouped_matmul_bwd(residuals, grad):
     # Row i of the product came from lhs[lhs_rows[i]] and went to out[out_rows[i]]: its input gradient reads
     # grad[out_rows[i]] and goes back to lhs_rows[i], the permutations swapped.
     grad_lhs = _forward(grad, rhs, group_sizes, out_rows, lhs_rows, transpose_rhs=True)
-    # The weight-gradient kernel reads rows in order (moetriton.kernels.grouped_gemm: permuted reads in its
-    # row loop are slower than one gathering copy).
-    rows, grad_rows = (
-        side if order is None else jnp.take(side, order, axis=0, mode="clip")
-        for side, order in ((lhs, lhs_rows), (grad, out_rows))
+    plan = kernels.grouped_matmul_wgrad_plan(
+        gather_lhs=lhs_rows is not None, gather_grad=out_rows is not None, **_sizes(lhs, rhs)
     )
-    plan = kernels.grouped_matmul_wgrad_plan(**_sizes(lhs, rhs))
-    (grad_rhs,) = run_plan(plan, dict(lhs=rows, grad=grad_rows, group_sizes=group_sizes))
+    inputs = dict(lhs=lhs, grad=grad, group_sizes=group_sizes, lhs_rows=lhs_rows, out_rows=out_rows)
+    (grad_rhs,) = run_plan(plan, inputs)
     return grad_lhs, grad_rhs, None, None, None
 
 

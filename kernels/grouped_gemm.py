@@ -14,7 +14,9 @@ expert-parallel layer multiplies the exchanged rows, which arrive grouped by sou
 order this way, with no chunk sort copying them before and after the GEMMs. Entries are clipped into
 [0, M), so a bad permutation gives wrong rows, never an access out of bounds. The weight-gradient kernel
 reads its rows in order: permuted row reads inside its row loop ran 15-45% slower on H200s (more address
-work per step than the loads hide), so the binding gathers the permuted operand first (one copy).
+work per step than the loads hide), so its plan gathers each permuted operand first, one copy by a
+row-gather kernel (`_gather_rows_kernel`; XLA's gather of the same rows ran at about half the copy
+bandwidth).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import triton.language as tl
 from . import autotune
 from ._interpreter import INTERPRETER
 from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, SearchSpace, cached, cdiv, next_pow2
+from .permutation import _as_bits
 
 
 @triton.jit
@@ -55,6 +58,27 @@ def _permuted(rows_ptr, rows, mask, num_rows, PERMUTED: tl.constexpr):
 def _pick(values, groups, group):
     """values[group] of a [GROUPS_POW2] vector, as a scalar."""
     return tl.sum(tl.where(groups == group, values, 0), axis=0)
+
+
+@triton.jit
+def _gather_rows_kernel(
+    inp_ptr,  # [M, W] rows, moved as raw bits
+    rows_ptr,  # [M] integer: row i of the output is inp[rows[i]], clipped into [0, M)
+    num_rows,
+    out_ptr,  # [M, W]
+    WIDTH: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    """out[i] = inp[clip(rows[i], 0, M - 1)]. Grid (cdiv(M, BLOCK_ROWS), cdiv(W, BLOCK_COLS)): program
+    (b, c) copies columns [c*BLOCK_COLS, (c+1)*BLOCK_COLS) of output rows [b*BLOCK_ROWS, (b+1)*BLOCK_ROWS)."""
+    out_rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rmask = out_rows < num_rows
+    src_rows = _permuted(rows_ptr, out_rows, rmask, num_rows, True).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = rmask[:, None] & (cols[None, :] < WIDTH)
+    values = tl.load(_as_bits(inp_ptr) + src_rows[:, None] * WIDTH + cols[None, :], mask=mask)
+    tl.store(_as_bits(out_ptr) + out_rows.to(tl.int64)[:, None] * WIDTH + cols[None, :], values, mask=mask)
 
 
 @triton.jit
@@ -325,6 +349,20 @@ def grouped_matmul_plan(
     return Plan(buffers, (launch,), ("out",))
 
 
+def _gather_launch(source: str, rows: str, gathered: str, num_rows: int, width: int, element_bytes: int):
+    """The copy gathered[i] = source[rows[i]] of [M, W] rows: 16 KiB of columns by 4 rows per program
+    (a plain streaming copy; the chunk sort's tuned configs for these widths are in the same range)."""
+    block_cols = max(16, min(next_pow2(width), 16384 // element_bytes))
+    return Launch(
+        kernel=_gather_rows_kernel,
+        grid=(cdiv(num_rows, 4), cdiv(width, block_cols)),
+        args=(source, rows, num_rows),
+        outputs=(gathered,),
+        constexprs=dict(WIDTH=width, BLOCK_ROWS=4, BLOCK_COLS=block_cols),
+        num_warps=4,
+    )
+
+
 @cached
 def grouped_matmul_wgrad_plan(
     *,
@@ -333,13 +371,18 @@ def grouped_matmul_wgrad_plan(
     num_cols: int,
     num_groups: int,
     element_bytes: int,
+    gather_lhs: bool = False,
+    gather_grad: bool = False,
     device: DeviceInfo = DEFAULT_DEVICE,
     config: Mapping[str, int] | None = None,
 ) -> Plan:
-    """The weight gradient of ragged_dot: out[g] = lhs[rows of g]^T @ grad[rows of g].
+    """The weight gradient of ragged_dot: out[g] = lhs[rows of g]^T @ grad[rows of g]. With `gather_lhs`
+    (`gather_grad`) row i of the product reads lhs[lhs_rows[i]] (grad[out_rows[i]]): the gradient of
+    grouped_matmul_plan's product with those permutations, each operand gathered by one copy first.
 
-    Inputs: "lhs" [M, K], "grad" [M, N], "group_sizes" [E] int32. Result: "out" [E, K, N] in the dtype of
-    lhs (element_bytes wide); empty groups get zeros.
+    Inputs: "lhs" [M, K], "grad" [M, N], "group_sizes" [E] int32, "lhs_rows" / "out_rows" [M] int32 where
+    asked for (None otherwise). Result: "out" [E, K, N] in the dtype of lhs (element_bytes wide); empty
+    groups get zeros.
     """
     _check(num_rows, depth, num_cols, num_groups, element_bytes)
     features = dict(rows_per_group=cdiv(num_rows, num_groups), depth=depth, num_cols=num_cols)
@@ -350,11 +393,20 @@ def grouped_matmul_wgrad_plan(
     buffers = {"out": Buffer((num_groups, depth, num_cols), "like:lhs")}
     if depth == 0 or num_cols == 0:
         return Plan(buffers, (), ("out",))
+    gathers = []
+    operands = ["lhs", "grad"]
+    for index, (wanted, source, rows, width) in enumerate(
+        ((gather_lhs, "lhs", "lhs_rows", depth), (gather_grad, "grad", "out_rows", num_cols))
+    ):
+        if wanted and num_rows:
+            operands[index] = f"gathered_{source}"
+            buffers[operands[index]] = Buffer((num_rows, width), f"like:{source}")
+            gathers.append(_gather_launch(source, rows, operands[index], num_rows, width, element_bytes))
     launch = _launch(
         _grouped_matmul_wgrad_kernel,
         num_groups * cdiv(depth, cfg["block_k"]) * cdiv(num_cols, cfg["block_n"]),
-        ("lhs", "grad", "group_sizes", num_rows),
+        (*operands, "group_sizes", num_rows),
         dict(num_cols=num_cols, depth=depth, num_groups=num_groups, element_bytes=element_bytes),
         cfg,
     )
-    return Plan(buffers, (launch,), ("out",))
+    return Plan(buffers, (*gathers, launch), ("out",))

@@ -146,7 +146,8 @@ def test_row_permutations(rows, depth, cols, sizes, dtype, sides):
 
 
 def test_row_permutations_take_narrow_integers_and_stay_in_bounds():
-    """int16 permutations are accepted; out-of-range entries are clipped (wrong rows, never a fault)."""
+    """int16 permutations are accepted; out-of-range entries are clipped (wrong rows, never a fault), in
+    the product and in the weight gradient's gathers."""
     lhs, rhs, sizes, grad = _problem(24, 8, 16, [10, 14], "float32", seed=12)
     order = np.random.default_rng(3).permutation(24)
     got = grouped_matmul(lhs, rhs, sizes, lhs_rows=jnp.asarray(order, jnp.int16))
@@ -156,6 +157,11 @@ def test_row_permutations_take_narrow_integers_and_stay_in_bounds():
     if uses_kernels():
         got = grouped_matmul(lhs, rhs, sizes, lhs_rows=wild)
         _assert_close(got, _permuted_reference(lhs, rhs, sizes, grad, clipped, None)[0], "clipped")
+        # The weight gradient's gathers of the permuted operands clip the same way.
+        for side, rows in (("lhs_rows", (clipped, None)), ("out_rows", (None, clipped))):
+            _, vjp = jax.vjp(lambda b, side=side: grouped_matmul(lhs, b, sizes, **{side: wild}), rhs)
+            want = _permuted_reference(lhs, rhs, sizes, grad, *rows)[2]
+            _assert_close(vjp(grad)[0], want, f"clipped {side}: weight gradient")
 
 
 def _unique_tiles(space) -> list[dict]:
