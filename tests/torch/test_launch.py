@@ -1,7 +1,8 @@
-"""The plan executor's fast launches (moetriton.torch._launch): on CUDA, after a specialization's first call,
-each launch goes through a function generated for it. Here, on any machine, that function is checked
+"""The plan executor (moetriton.torch._launch). Its fast launches: on CUDA, after a specialization's first
+call, each launch goes through a function generated for it; here, on any machine, that function is checked
 against the JIT-style launch of the same specialization: the same launcher call, with every tensor argument
-replaced by its device address and scratch buffers by their workspace addresses."""
+replaced by its device address and scratch buffers by their workspace addresses. And a multi-launch plan
+whose scratch buffers take an input's dtype (the grouped GEMM's weight gradient with its gathers)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 
 from moetriton import kernels
 from moetriton.torch import _launch
+
+from ._helpers import DEVICE
 
 
 class _RecordingKernel:
@@ -85,3 +88,36 @@ def test_fast_launch_passes_what_the_jit_style_launch_passes():
         assert all(not isinstance(value, torch.Tensor) for value in generated)
     strides = [arg for arg in executable.launchers[-1].template if arg[0] == 1]
     assert strides, "the permute launch reads the tokens through their row stride"
+
+
+def test_weight_gradient_plan_gathers_its_permuted_operands_through_this_executor():
+    """grouped_matmul_wgrad_plan with gather_lhs / gather_grad (run so by benchmarks.grouped_gemm): its
+    row-gather launches write scratch buffers of the operands' dtype that the weight-gradient launch reads.
+    out[g] = lhs[lhs_rows][rows of g]^T @ grad[out_rows][rows of g] in fp32, entries clipped into [0, M)."""
+    generator = torch.Generator().manual_seed(0)
+    num_rows, depth, num_cols, sizes = 40, 24, 16, [15, 0, 25]
+    lhs = torch.randn(num_rows, depth, generator=generator).to(DEVICE)
+    grad = torch.randn(num_rows, num_cols, generator=generator).to(DEVICE)
+    lhs_rows = torch.randperm(num_rows, generator=generator).int()
+    out_rows = torch.randperm(num_rows, generator=generator).int()
+    lhs_rows[3] = 1000  # clipped: reads row M - 1
+    group_sizes = torch.tensor(sizes, dtype=torch.int32)
+    plan = kernels.grouped_matmul_wgrad_plan(
+        num_rows=num_rows,
+        depth=depth,
+        num_cols=num_cols,
+        num_groups=len(sizes),
+        element_bytes=4,
+        gather_lhs=True,
+        gather_grad=True,
+    )
+    inputs = dict(lhs=lhs, grad=grad, group_sizes=group_sizes.to(DEVICE))
+    inputs.update(lhs_rows=lhs_rows.to(DEVICE), out_rows=out_rows.to(DEVICE))
+    (out,) = _launch.run_plan(plan, inputs, DEVICE)
+    gathered_lhs = lhs.cpu().double()[lhs_rows.clamp(max=num_rows - 1).long()]
+    gathered_grad = grad.cpu().double()[out_rows.long()]
+    starts = [0, 15, 15]
+    expected = torch.stack(
+        [gathered_lhs[s : s + n].T @ gathered_grad[s : s + n] for s, n in zip(starts, sizes, strict=True)]
+    )
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=1e-5, atol=1e-5)
