@@ -17,14 +17,18 @@ and reported once.
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import importlib
 import importlib.resources
 import inspect
+import io
 import json
 import math
 import re
+import textwrap
+import tokenize
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -61,8 +65,46 @@ def key_of(features: Mapping[str, int]) -> str:
     return ",".join(f"{name}={int(value)}" for name, value in sorted(features.items()))
 
 
+def _code(source: str) -> str:
+    """A function's code as the compiler sees it: its tokens without the docstring, comments and blank or
+    continuation lines (statement ends and indentation kept), so that editing prose leaves the hash, and
+    the cache tuned for the code, as they were."""
+    source = textwrap.dedent(source)
+    body = ast.parse(source).body[0].body
+    docstring = None  # where the docstring token starts (indentation only before it: ASCII columns)
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        docstring = (body[0].lineno, body[0].col_offset)
+    line_starts = [0]
+    for line in source.splitlines(keepends=True):
+        line_starts.append(line_starts[-1] + len(line))
+
+    def offset(position: tuple[int, int]) -> int:
+        return line_starts[position[0] - 1] + position[1]
+
+    kept, fstring = [], []  # fstring: start positions of the f-strings being read (Python >= 3.12)
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        name = tokenize.tok_name[token.type]
+        # Python 3.12 splits an f-string into parts; older versions read it as one STRING token: keep one.
+        if name == "FSTRING_START":
+            fstring.append(token.start)
+        if fstring:
+            if name == "FSTRING_END":
+                start = fstring.pop()
+                if not fstring:
+                    kept.append(f"STRING:{source[offset(start) : offset(token.end)]}")
+            continue
+        if token.type in (tokenize.COMMENT, tokenize.NL):
+            continue
+        if token.type == tokenize.STRING and token.start == docstring:
+            continue
+        text = token.string if token.type not in (tokenize.INDENT, tokenize.NEWLINE) else ""
+        kept.append(f"{name}:{text}")
+    return " ".join(kept)
+
+
 def source_hash(kernel: str) -> str:
-    """Hash of a kernel's source and of the @triton.jit helpers it calls, transitively."""
+    """Hash of a kernel's code and of the @triton.jit helpers it calls, transitively (docstrings and
+    comments excluded, see `_code`)."""
     module_name, entries = KERNEL_SOURCES[kernel]
     module = importlib.import_module(f"moetriton.kernels.{module_name}")
     digest, seen, pending = hashlib.sha256(), set(), list(entries)
@@ -72,9 +114,9 @@ def source_hash(kernel: str) -> str:
         if name in seen or not hasattr(function, "fn"):  # only jit functions count
             continue
         seen.add(name)
-        source = inspect.getsource(function.fn)
-        digest.update(source.encode())
-        pending.extend(re.findall(r"\b(_[A-Za-z0-9_]+)\(", source))
+        code = _code(inspect.getsource(function.fn))
+        digest.update(code.encode())
+        pending.extend(re.findall(r"NAME:(_[A-Za-z0-9_]+) OP:\(", code))
     return digest.hexdigest()[:16]
 
 

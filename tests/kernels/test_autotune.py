@@ -196,3 +196,40 @@ def test_dispatch_plan_consults_the_cache_for_both_of_its_kernels(tmp_path, monk
     # The ranks inside dispatch use the same token blocks as the counts.
     assert dispatch.constexprs["BLOCK_T"] == 32
     assert dispatch.constexprs["BLOCK_H"] == 1024 and dispatch.num_warps == 16
+
+
+_KERNEL = '''@triton.jit
+def _scale_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    """Grid (cdiv(n, BLOCK),): doubles x."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # one tile
+    for _ in range(2):
+        tl.store(x_ptr + offsets, tl.load(x_ptr + offsets) * 2, mask=offsets < n, cache_modifier=".cs")
+    tl.debug_barrier()
+'''
+
+
+@pytest.mark.parametrize(
+    ("edit", "same"),
+    [
+        (('"""Grid (cdiv(n, BLOCK),): doubles x."""', '"""Another docstring,\n    two lines."""'), True),
+        (("# one tile", "# the program's tile, explained at length"), True),
+        (("    offsets =", "\n    offsets ="), True),  # a blank line
+        (("x_ptr + offsets) * 2", "x_ptr + offsets) * 3"), False),
+        (('".cs"', '".cg"'), False),  # a string that is code, not a docstring
+        (("    tl.debug_barrier()", "        tl.debug_barrier()"), False),  # moved into the loop
+    ],
+)
+def test_the_cache_hash_follows_code_not_prose(edit, same):
+    """Editing a kernel's docstring or comments leaves the hash (and the cache tuned for the code) fresh;
+    any change of code, indentation included, makes it stale."""
+    edited = _KERNEL.replace(*edit)
+    assert edited != _KERNEL
+    assert (autotune._code(edited) == autotune._code(_KERNEL)) is same
+
+
+def test_the_cache_hash_reads_f_strings_alike_on_every_python():
+    """Python 3.12 tokenizes an f-string in parts: they are joined back into the one string token older
+    versions give, so the hash of a function does not depend on the interpreter that computed it."""
+    code = autotune._code('def _f(x):\n    return f"{x}-{x!r:>4}" + f"{f\'{x}\'}"\n')
+    assert 'STRING:f"{x}-{x!r:>4}" OP:+' in code
+    assert code.count("STRING:") == 2
