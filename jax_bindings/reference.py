@@ -98,11 +98,17 @@ def row_map(
     return full_map.astype(jnp.int32), kept.astype(jnp.int32), (start - plain_start).astype(jnp.int32)
 
 
-def _rows(row_id_map: jax.Array) -> jax.Array:
-    """[T, S] destination rows of a row map's slots (-1: none), from its two lists."""
+def _lists(row_id_map: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A row map's two lists, [T, S] each: the rows of each token's slots that have one and those slots,
+    in ascending slot order, then -1."""
     num_slots = row_map_slots(row_id_map.shape[1])
-    listed_rows = row_id_map[:, :num_slots]
-    listed = row_id_map[:, num_slots : 2 * num_slots]
+    return row_id_map[:, :num_slots], row_id_map[:, num_slots : 2 * num_slots]
+
+
+def _rows(row_id_map: jax.Array) -> jax.Array:
+    """[T, S] destination rows of a row map's slots (-1: none)."""
+    listed_rows, listed = _lists(row_id_map)
+    num_slots = listed.shape[1]
     tokens = jnp.broadcast_to(jnp.arange(row_id_map.shape[0], dtype=jnp.int32)[:, None], listed.shape)
     # Padding entries (-1) point past the last slot, where the scatter drops them.
     rows = jnp.full(listed.shape, -1, jnp.int32)
@@ -145,20 +151,26 @@ def combine(inp: jax.Array, row_id_map: jax.Array, weights: jax.Array | None = N
     """One shard of token_combine: per token, the sum over its slots in ascending order of w * inp[row]
     (w = 1 without weights), in fp32 (fp64 for fp64 input), cast to inp.dtype."""
     acc_dtype = _acc_dtype(inp.dtype)
-    rows = _rows(row_id_map)
-    num_tokens = rows.shape[0]
+    listed_rows, listed = _lists(row_id_map)
+    num_tokens = listed.shape[0]
     acc = jnp.zeros((num_tokens, inp.shape[1]), acc_dtype)
     if inp.shape[0] == 0 or num_tokens == 0:
         return acc.astype(inp.dtype)
+    # The weight of every listed slot (0 past the list), so the scan walks positions of the lists: the
+    # slots in ascending order.
+    listed_weights = None
+    if weights is not None:
+        listed_weights = jnp.take_along_axis(weights, jnp.maximum(listed, 0), axis=1)
 
-    def add_slot(acc, slot):
-        slot_rows, slot_weights = slot
-        term = inp[jnp.maximum(slot_rows, 0)].astype(acc_dtype)
-        if slot_weights is not None:
-            term = term * slot_weights.astype(acc_dtype)[:, None]
-        return jnp.where((slot_rows >= 0)[:, None], acc + term, acc), None
+    def add_slot(acc, position):
+        position_rows, position_weights = position
+        term = inp[jnp.maximum(position_rows, 0)].astype(acc_dtype)
+        if position_weights is not None:
+            term = term * position_weights.astype(acc_dtype)[:, None]
+        return jnp.where((position_rows >= 0)[:, None], acc + term, acc), None
 
-    acc, _ = jax.lax.scan(add_slot, acc, (rows.T, None if weights is None else weights.T))
+    scanned = (listed_rows.T, None if listed_weights is None else listed_weights.T)
+    acc, _ = jax.lax.scan(add_slot, acc, scanned)
     return acc.astype(inp.dtype)
 
 

@@ -394,18 +394,22 @@ def grouped_matmul_wgrad_plan(
     if depth == 0 or num_cols == 0:
         return Plan(buffers, (), ("out",))
     gathers = []
-    operands = ["lhs", "grad"]
-    for index, (wanted, source, rows, width) in enumerate(
-        ((gather_lhs, "lhs", "lhs_rows", depth), (gather_grad, "grad", "out_rows", num_cols))
-    ):
-        if wanted and num_rows:
-            operands[index] = f"gathered_{source}"
-            buffers[operands[index]] = Buffer((num_rows, width), f"like:{source}")
-            gathers.append(_gather_launch(source, rows, operands[index], num_rows, width, element_bytes))
+
+    def operand(gather: bool, source: str, rows: str, width: int) -> str:
+        """The buffer the weight-gradient kernel reads for `source`: itself, or its gathered copy."""
+        if not (gather and num_rows):
+            return source
+        gathered = f"gathered_{source}"
+        buffers[gathered] = Buffer((num_rows, width), f"like:{source}")
+        gathers.append(_gather_launch(source, rows, gathered, num_rows, width, element_bytes))
+        return gathered
+
+    lhs = operand(gather_lhs, "lhs", "lhs_rows", depth)
+    grad = operand(gather_grad, "grad", "out_rows", num_cols)
     launch = _launch(
         _grouped_matmul_wgrad_kernel,
         num_groups * cdiv(depth, cfg["block_k"]) * cdiv(num_cols, cfg["block_n"]),
-        (*operands, "group_sizes", num_rows),
+        (lhs, grad, "group_sizes", num_rows),
         dict(num_cols=num_cols, depth=depth, num_groups=num_groups, element_bytes=element_bytes),
         cfg,
     )

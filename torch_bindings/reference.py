@@ -74,22 +74,28 @@ def row_map(
     return full_map, kept.int(), (start - plain_start).int()
 
 
-def _rows(row_id_map: torch.Tensor) -> torch.Tensor:
-    """[T, S] destination rows of a row map's slots (-1: none), int64, from its two lists."""
+def _lists(row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row map's two lists, int64 [T, S] each: the rows of each token's slots that have one and those
+    slots, in ascending slot order, then -1."""
     num_slots = row_map_slots(row_id_map.shape[1])
-    listed_rows = row_id_map[:, :num_slots].long()
-    listed = row_id_map[:, num_slots : 2 * num_slots].long()
+    return row_id_map[:, :num_slots].long(), row_id_map[:, num_slots : 2 * num_slots].long()
+
+
+def _rows(row_id_map: torch.Tensor) -> torch.Tensor:
+    """[T, S] destination rows of a row map's slots (-1: none), int64."""
+    listed_rows, listed = _lists(row_id_map)
+    num_slots = listed.shape[1]
     # Padding entries (-1) land in an extra column that is cut off.
-    rows = listed_rows.new_full((row_id_map.shape[0], num_slots + 1), -1)
+    rows = listed_rows.new_full((listed.shape[0], num_slots + 1), -1)
     rows.scatter_(1, torch.where(listed >= 0, listed, num_slots), listed_rows)
     return rows[:, :num_slots]
 
 
 def _slots(row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token, slot, row) of every slot that has a row, in (token, slot) order."""
-    rows = _rows(row_id_map)
-    tokens, slots = torch.nonzero(rows >= 0, as_tuple=True)
-    return tokens, slots, rows[tokens, slots]
+    """(token, slot, row) of every slot that has a row, in (token, slot) order: the lists' order."""
+    listed_rows, listed = _lists(row_id_map)
+    tokens, positions = torch.nonzero(listed >= 0, as_tuple=True)
+    return tokens, listed[tokens, positions], listed_rows[tokens, positions]
 
 
 def dispatch(
@@ -127,21 +133,17 @@ def combine(inp: torch.Tensor, row_id_map: torch.Tensor, weights: torch.Tensor |
     """moetriton::combine: per token, the sum over its slots in ascending order of w * inp[row], in fp32
     (fp64 for fp64 input), cast to inp.dtype."""
     acc_dtype = torch.float64 if inp.dtype == torch.float64 else torch.float32
-    rows = _rows(row_id_map)
-    num_tokens, num_slots = rows.shape
-    valid = rows >= 0
-    # Compact each token's slots to the front, keeping ascending slot order.
-    keys = torch.where(valid, 0, num_slots) + torch.arange(num_slots, device=rows.device)
-    order = torch.sort(keys, dim=1, stable=True).indices
-    width = int(valid.sum(1).max()) if num_tokens and num_slots else 0
+    listed_rows, listed = _lists(row_id_map)
+    num_tokens = listed.shape[0]
+    width = int((listed_rows >= 0).sum(1).max()) if num_tokens else 0
     acc = torch.zeros((num_tokens, inp.shape[1]), dtype=acc_dtype, device=inp.device)
+    # Position k of every token's lists at once: the slots are listed in ascending order.
     for k in range(width):
-        slot = order[:, k]
-        row = rows.gather(1, slot[:, None])[:, 0]
+        row, slot = listed_rows[:, k], listed[:, k]
         has_row = row >= 0
         term = inp[row.clamp(min=0)].to(acc_dtype)
         if weights is not None:
-            term = term * weights.gather(1, slot[:, None]).to(acc_dtype)
+            term = term * weights.gather(1, slot.clamp(min=0)[:, None]).to(acc_dtype)
         acc = torch.where(has_row[:, None], acc + term, acc)
     return acc.to(inp.dtype)
 
