@@ -30,11 +30,15 @@ class Buffer:
 
     `dtype` is a numpy-style name ("int32", "float32") or "like:<input>" for the dtype of a named input.
     `zero` asks for zero-initialised memory; plans use it only where a kernel does not write every element.
+    `placeholder` marks a result the op does not produce under the plan's options (probs without probs,
+    indices nobody asked for): a size-0 stand-in that no kernel touches, there only because an op's
+    signature has a fixed number of results. Executors that can return None for it skip the allocation.
     """
 
     shape: tuple[int, ...]
     dtype: str
     zero: bool = False
+    placeholder: bool = False
 
 
 @dataclass(frozen=True)

@@ -131,9 +131,9 @@ def sort_chunks_plan(
     )
     buffers = {
         "output": Buffer((num_rows, hidden), "like:inp"),
-        "row_id_map": Buffer((0,) if backward else (num_rows,), "int32"),
-        "permuted_probs": Buffer(
-            (num_rows,) if has_probs else (0,), "like:probs" if has_probs else "float32"
+        "row_id_map": Buffer((0,), "int32", placeholder=True) if backward else Buffer((num_rows,), "int32"),
+        "permuted_probs": (
+            Buffer((num_rows,), "like:probs") if has_probs else Buffer((0,), "float32", placeholder=True)
         ),
     }
     results = ("output", "row_id_map", "permuted_probs")

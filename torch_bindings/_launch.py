@@ -9,8 +9,11 @@ fully expanded), is made contiguous first. Results are always dense.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import inspect
+import math
+import threading
 
 import torch
 
@@ -87,11 +90,6 @@ def allocate(
     return buffers
 
 
-def _rows_unit_stride(tensor: torch.Tensor) -> bool:
-    """Whether a kernel can read `tensor` row by row through its row stride: 2-D with unit column stride."""
-    return tensor.dim() == 2 and (tensor.stride(1) == 1 or tensor.shape[1] <= 1)
-
-
 class _Launcher:
     """One launch of a plan, bound to its kernel. The first call of each specialization (the dtypes and
     16-byte alignment of the inputs, and the class of each row stride: what Triton specialises a kernel
@@ -135,7 +133,8 @@ class _Launcher:
             else:
                 args.append(value)
         for name in self.launch.outputs:
-            args.append(env[name])
+            tensor = env[name]
+            args.append(dummy if tensor is None else tensor)
         runner = self.runners.get(key)
         if runner is not None:
             compiled, constexpr_values = runner
@@ -176,7 +175,6 @@ class _Launcher:
             compiled.run,
             compiled.function,
             compiled.packed_metadata,
-            _triton_knobs().runtime,
         ]
         args = []
 
@@ -199,26 +197,44 @@ class _Launcher:
                 args.append(constant(value))
         args += [pointer(name) for name in self.launch.outputs]
         args += [constant(value) for value in constexpr_values]
+        # No launch metadata and no hooks: fast launches run only while no profiler hooks Triton.
         source = (
             "def launch(env, stream):\n"
-            "    runtime = c[6]\n"
-            "    c[3](c[0], c[1], c[2], stream, c[4], c[5], None, runtime.launch_enter_hook,\n"
-            f"         runtime.launch_exit_hook, {', '.join(args)})\n"
+            f"    c[3](c[0], c[1], c[2], stream, c[4], c[5], None, None, None, {', '.join(args)})\n"
         )
         namespace = {"c": constants}
         exec(compile(source, f"<moetriton launch {self.launch.kernel.__name__}>", "exec"), namespace)
         return namespace["launch"]
 
 
-def _hooked(enter) -> bool:
-    """Whether a launch-enter hook is registered (Triton >= 3.5 keeps an always-present chain of hooks)."""
-    return enter is not None and bool(getattr(enter, "calls", True))
+def _hooked(chain) -> bool:
+    """Whether a launch hook is registered in `chain` (Triton >= 3.5 keeps always-present chains)."""
+    return chain is not None and bool(getattr(chain, "calls", True))
+
+
+class _Fill(threading.local):
+    active = False
+
+
+_FILL = _Fill()
+
+
+@contextlib.contextmanager
+def filling_placeholders():
+    """Within: executables return placeholder results as size-0 tensors instead of None (what a
+    torch.library custom op, whose schema fixes its results as tensors, must return)."""
+    previous, _FILL.active = _FILL.active, True
+    try:
+        yield
+    finally:
+        _FILL.active = previous
 
 
 class Executable:
     """A plan bound to a device: buffer specs resolved once, the scratch buffers (those the op does not
     return) carved from a single allocation, and one `_Launcher` per launch. Calling it with the inputs
-    arranges them (layouts, see the module docstring), allocates, launches and returns the results.
+    arranges them (layouts, see the module docstring), allocates, launches and returns the results
+    (None for placeholders, see `filling_placeholders`), through a per-call path generated for the plan.
     Once every launch of a specialization has its fast launch, scratch buffers are passed as addresses
     into the workspace (no tensor views built per call)."""
 
@@ -229,8 +245,9 @@ class Executable:
         self.strided = strided_inputs(plan)
         results = set(plan.results)
         # Own allocations: (name, shape, fixed dtype or None, the input whose dtype it takes, zeroed,
-        # returned): the results, in order, then scratch buffers whose dtype follows an input's or that
-        # start zeroed.
+        # returned, placeholder): the results, in order, then scratch buffers whose dtype follows an
+        # input's or that start zeroed. Placeholders are never allocated for kernels (they get the dummy
+        # pointer): None is returned in their place, or a size-0 tensor while `filling_placeholders`.
         self.allocations = []
 
         def in_workspace(name: str, spec) -> bool:
@@ -246,7 +263,9 @@ class Executable:
             spec = plan.buffers[name]
             like = spec.dtype.removeprefix("like:") if spec.dtype.startswith("like:") else None
             dtype = None if like else _DTYPES[spec.dtype]
-            self.allocations.append((name, spec.shape, dtype, like, spec.zero, name in results))
+            self.allocations.append(
+                (name, spec.shape, dtype, like, spec.zero, name in results, spec.placeholder)
+            )
         # Scratch: fixed dtypes, each at a 128-byte offset of one uint8 workspace.
         self.scratch, self.scratch_bytes, self.scratch_offsets = [], [], []
         for name, spec in plan.buffers.items():
@@ -261,46 +280,112 @@ class Executable:
         self.launchers = [_Launcher(launch, scratch_names) for launch in plan.launches]
         # Fast launches of every launcher, per specialization key, once all exist.
         self.fast: dict[tuple, list] = {}
+        # The inputs the launches read or take a dtype from, in order of first use.
+        used = [
+            arg.name if isinstance(arg, RowStride) else arg
+            for launch in plan.launches
+            for arg in launch.args
+            if isinstance(arg, str | RowStride)
+        ]
+        used += [like for _, _, _, like, _, _, _ in self.allocations if like]
+        self.input_names = tuple(dict.fromkeys(name for name in used if name not in plan.buffers))
+        self.run = self._generate_run()
 
-    def __call__(self, inputs: dict[str, torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
-        device = self.device
-        env = {}
-        key = []
-        for name, tensor in inputs.items():
-            if tensor is not None:
-                if name in self.strided:
-                    if not _rows_unit_stride(tensor):
-                        tensor = tensor.contiguous()
-                    # What Triton specialises on beyond the plan's fixed sizes: dtype, 16-byte alignment,
-                    # and the row stride's divisibility (its alignment constexpr, and whether it is 1).
-                    key.append((tensor.dtype, tensor.data_ptr() % 16 == 0, _stride_class(tensor)))
-                else:
-                    if not tensor.is_contiguous():
-                        tensor = tensor.contiguous()
-                    key.append((tensor.dtype, tensor.data_ptr() % 16 == 0))
+    def __call__(self, inputs: dict[str, torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+        """The results of the plan run on `inputs` (name -> tensor or None)."""
+        return self.run(inputs)
+
+    def _generate_run(self):
+        """The per-call path, generated for this executable (`self.run(inputs)`): what a loop over the
+        plan's inputs and buffers would do, unrolled, with the plan's shapes and dtypes inline, because
+        every interpreted step of it is paid on every eager call. Per input: the layout rule of the module
+        docstring, then its part of the specialization key (what Triton specialises a kernel on beyond
+        the plan's fixed sizes: dtype, 16-byte alignment and, for inputs read through a row stride, the
+        stride's divisibility and whether it is 1). Then the allocations, and the fast launches of the
+        key if every launch has one and no profiler hooks Triton; else `_launch_first`."""
+        constants = [self.device, self, self.fast, _FILL, _triton_knobs().runtime]
+        lines = ["def run(inputs):", "    env = {}"]
+
+        def constant(value) -> str:
+            constants.append(value)
+            return f"c[{len(constants) - 1}]"
+
+        keys = []
+        for name in self.input_names:
+            index = len(keys)
+            keys.append(f"k{index}")
+            lines += [
+                f"    t = inputs.get({name!r})",
+                "    if t is None:",
+                f"        k{index} = None",
+                "    else:",
+            ]
+            if name in self.strided:
+                lines += [
+                    "        if t.dim() != 2 or (t.stride(1) != 1 and t.shape[1] > 1):",
+                    "            t = t.contiguous()",
+                    "        s = t.stride(0)",
+                    f"        k{index} = (t.dtype, t.data_ptr() % 16 == 0, gcd(s, 16), s == 1 or s >= 2**31)",
+                ]
             else:
-                key.append(None)
-            env[name] = tensor
+                lines += [
+                    "        if not t.is_contiguous():",
+                    "            t = t.contiguous()",
+                    f"        k{index} = (t.dtype, t.data_ptr() % 16 == 0)",
+                ]
+            lines.append(f"    env[{name!r}] = t")
         results = []
-        for name, shape, dtype, like, zero, returned in self.allocations:
-            dtype = dtype or inputs[like].dtype
-            buffer = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
-            env[name] = buffer
+        for name, shape, dtype, like, zero, returned, placeholder in self.allocations:
+            variable = f"b{len(results)}" if returned else "b"
+            alloc = "zeros" if zero else "empty"
+            dtype_code = f"env[{like!r}].dtype" if like else constant(dtype)
+            if placeholder:
+                lines += [
+                    f"    {variable} = empty({constant(shape)}, dtype={dtype_code}, device=c[0])"
+                    " if c[3].active else None",
+                    f"    env[{name!r}] = None",
+                ]
+            else:
+                lines += [
+                    f"    {variable} = {alloc}({constant(shape)}, dtype={dtype_code}, device=c[0])",
+                    f"    env[{name!r}] = {variable}",
+                ]
             if returned:
-                results.append(buffer)
-        if not self.launchers:
-            return tuple(results)
-        key = tuple(key)
-        hooked = _hooked(_triton_knobs().runtime.launch_enter_hook)
-        fast = self.fast.get(key) if self.cuda and not hooked else None
-        if fast is not None:
-            if self.scratch:  # kept alive (referenced) until the launches are queued
-                workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
-                base = workspace.data_ptr()
-                for name, offset in self.scratch_offsets:
-                    env[name] = base + offset
-            self._launch_on_device(fast, env)
-            return tuple(results)
+                results.append(variable)
+        returned = f"({', '.join(results)},)" if results else "()"
+        if self.launchers:
+            lines += [
+                f"    key = ({', '.join(keys)},)",
+                "    fast = c[2].get(key)",
+                "    hooks = c[4]",
+                "    if fast is None or hooked(hooks.launch_enter_hook) or hooked(hooks.launch_exit_hook):",
+                f"        return c[1]._launch_first(env, key, {returned})",
+            ]
+            if self.scratch:  # the workspace stays referenced until the launches are queued
+                uint8 = constant(torch.uint8)
+                lines += [
+                    f"    workspace = empty({self.workspace_bytes}, dtype={uint8}, device=c[0])",
+                    "    base = workspace.data_ptr()",
+                ]
+                lines += [f"    env[{name!r}] = base + {offset}" for name, offset in self.scratch_offsets]
+            lines.append("    c[1]._launch_on_device(fast, env)")
+        lines.append(f"    return {returned}")
+        namespace = {
+            "c": constants,
+            "empty": torch.empty,
+            "zeros": torch.zeros,
+            "gcd": math.gcd,
+            "hooked": _hooked,
+        }
+        source = "\n".join(lines) + "\n"
+        exec(compile(source, f"<moetriton run {'/'.join(self.plan.results)}>", "exec"), namespace)
+        return namespace["run"]
+
+    def _launch_first(self, env: dict, key: tuple, results: tuple) -> tuple:
+        """Launches through Triton's JIT (a specialization's first call, the interpreter, a hooked
+        profiler), with scratch buffers as tensor views of one workspace; records the key's fast launches
+        once every launch has one."""
+        device = self.device
         if INTERPRETER:
             problem = interpreter_problem()
             if problem:
@@ -320,24 +405,20 @@ class Executable:
         else:
             for launcher in self.launchers:
                 launcher(env, dummy, key, None)
-        return tuple(results)
+        return results
 
     def _launch_on_device(self, launches: list, *arguments) -> None:
         """Calls every launch with `arguments` and the current stream of this executable's CUDA device,
         that device made current for the calls."""
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        if index != torch.cuda.current_device():
+        index = self.device.index
+        current = torch.cuda.current_device()
+        if index is not None and index != current:
             with torch.cuda.device(index):
                 self._launch_on_device(launches, *arguments)
             return
-        stream = _driver().active.get_current_stream(index)
+        stream = _driver().active.get_current_stream(current)
         for launch in launches:
             launch(*arguments, stream)
-
-
-def _stride_class(tensor: torch.Tensor) -> tuple[int, bool]:
-    stride = tensor.stride(0)
-    return alignment(stride), stride == 1 or stride >= 2**31
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -12,15 +12,20 @@ Calling an `Op` picks one: plain tensors in eager mode (the common case of a tra
 implementation directly, through the autograd.Function when a gradient is needed, so the call pays none of
 the dispatcher's and the custom-op wrapper's host cost (several times the kernels' own launch cost for
 small shapes); anything else goes through the custom op. Both ways run the same code and give the same
-results.
+results, but for results a plan marks as placeholders (probs an op was not given; never returned by the
+public functions): None on the direct path, which saves their allocations, size-0 tensors from the custom
+op, whose schema fixes its results.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from ._launch import filling_placeholders
 
 # Types whose instances take the direct path; subclasses (FakeTensor, DTensor, quantized wrappers) do not.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -39,7 +44,12 @@ class Op:
         backward: Callable[..., tuple] | None = None,
     ) -> None:
         self.impl = impl
-        self.custom = torch.library.custom_op(f"moetriton::{name}", impl, mutates_args=())
+        self.custom = torch.library.custom_op(
+            f"moetriton::{name}",
+            _with_placeholders(impl),
+            mutates_args=(),
+            schema=torch.library.infer_schema(impl, mutates_args=()),
+        )
         self.custom.register_fake(fake)
         self.function = None
         if backward is not None:
@@ -58,6 +68,18 @@ class Op:
         if needs_grad and self.function is not None and torch.is_grad_enabled():
             return self.function.apply(*args)
         return self.impl(*args)
+
+
+def _with_placeholders(impl: Callable[..., Any]) -> Callable[..., Any]:
+    """`impl` as the custom op runs it: results a plan marks as placeholders come back as size-0 tensors
+    (the schema's fixed results) where the direct eager path gets None."""
+
+    @functools.wraps(impl)
+    def run(*args, **kwargs):
+        with filling_placeholders():
+            return impl(*args, **kwargs)
+
+    return run
 
 
 def _autograd_function(

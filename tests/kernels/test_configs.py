@@ -177,4 +177,7 @@ def test_every_sort_chunks_config(backward, config):
     got = run_plan(plan, dict(inp=rows, split_sizes=sizes, sorted_indices=order, probs=probs), DEVICE)
     expected = reference.sort_chunks(rows, sizes, order, probs, backward)
     for index, name in enumerate(("output", "row_id_map", "permuted_probs")):
+        if plan.buffers[name].placeholder:  # the backward's map: not produced, None from the executor
+            assert got[index] is None, name
+            continue
         assert_same(got[index], expected[index], name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from moetriton import kernels
-from moetriton.torch import _launch
+from moetriton.torch import _launch, ops
 
 from ._helpers import DEVICE
 
@@ -57,8 +57,9 @@ def test_fast_launch_passes_what_the_jit_style_launch_passes():
         "scales": None,
     }
     env = dict(inputs)
-    for name, shape, dtype, like, _, _ in executable.allocations:
-        env[name] = torch.empty(shape, dtype=dtype or inputs[like].dtype)
+    for name, shape, dtype, like, _, _, placeholder in executable.allocations:
+        # Placeholders (the absent probs and scales) reach kernels as the dummy, like absent inputs.
+        env[name] = None if placeholder else torch.empty(shape, dtype=dtype or inputs[like].dtype)
     workspace = torch.empty(executable.workspace_bytes, dtype=torch.uint8)
     addresses = dict(env)
     for (name, dtype), part, (_, offset) in zip(
@@ -82,8 +83,10 @@ def test_fast_launch_passes_what_the_jit_style_launch_passes():
         fast = launcher._fast_launch(kernel, constexpr_values, env, dummy)
         fast(addresses, stream)
         jit_style, generated = kernel.calls
-        # Grid, stream, kernel function and metadata, launch metadata, enter and exit hooks, then arguments.
-        assert generated[:9] == jit_style[:9]
+        # Grid, stream, kernel function and metadata, then launch metadata and the enter and exit hooks
+        # (none for fast launches, which run only while no hook is registered), then the arguments.
+        assert generated[:6] == jit_style[:6]
+        assert generated[6:9] == (None, None, None)
         assert list(generated[9:]) == [_address(value) for value in jit_style[9:]]
         assert all(not isinstance(value, torch.Tensor) for value in generated)
     strides = [arg for arg in executable.launchers[-1].template if arg[0] == 1]
@@ -121,3 +124,102 @@ def test_weight_gradient_plan_gathers_its_permuted_operands_through_this_executo
         [gathered_lhs[s : s + n].T @ gathered_grad[s : s + n] for s, n in zip(starts, sizes, strict=True)]
     )
     torch.testing.assert_close(out.cpu().double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def _dispatch_inputs(num_tokens: int = 6, hidden: int = 32, num_experts: int = 4):
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randn(num_tokens, hidden, generator=generator).to(torch.bfloat16).to(DEVICE)
+    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, scores.topk(2, dim=1).indices, True)
+    return tokens, mask.to(DEVICE)
+
+
+def test_placeholder_results_are_none_directly_and_size0_tensors_from_the_custom_ops():
+    """Results a plan marks as placeholders (probs and scales an op was not given, the backward chunk
+    sort's map) are never allocated on the direct eager path; the custom ops return them as the size-0
+    tensors their fakes promise (opcheck compares fake and real results), and every real result is equal
+    either way."""
+    tokens, mask = _dispatch_inputs()
+    dispatch_args = (tokens, mask, None, None, 4, True, 12, 0, 0)
+    direct = ops.DISPATCH(*dispatch_args)
+    custom = torch.ops.moetriton.dispatch(*dispatch_args)
+    assert direct[1] is None and direct[2] is None
+    assert [(tuple(t.shape), t.dtype) for t in custom[1:3]] == [((0,), torch.float32)] * 2
+    for mine, theirs in zip(direct, custom, strict=True):
+        if mine is not None:
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    torch.library.opcheck(torch.ops.moetriton.dispatch, dispatch_args)
+    rows = direct[0]
+    sizes = torch.tensor([5, 0, 7], dtype=torch.int32, device=DEVICE)
+    order = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE)
+    for backward in (False, True):
+        sort_args = (rows, sizes, order, None, backward)
+        _, row_map, probs = ops.SORT_CHUNKS(*sort_args)
+        assert probs is None and (row_map is None) == backward
+        torch.library.opcheck(torch.ops.moetriton.sort_chunks, sort_args)
+    grad_args = (rows, None, direct[3])
+    assert ops.DISPATCH_BACKWARD(*grad_args)[1] is None
+    torch.library.opcheck(torch.ops.moetriton.dispatch_backward, grad_args)
+
+
+class _RecordingLaunch:
+    """Stands in for a fast launch: records the environment it is called with."""
+
+    def __init__(self) -> None:
+        self.environments: list[dict] = []
+
+    def __call__(self, env: dict, stream: int) -> None:
+        self.environments.append(dict(env))
+
+
+def test_generated_run_takes_fast_launches_with_scratch_addresses_in_one_workspace(monkeypatch):
+    """The per-call path once a specialization has fast launches (CUDA only in real use; here the fast
+    launches are recorders): inputs arranged by the layout rule, results allocated, placeholders None,
+    every scratch buffer an address at its 128-byte-aligned offset inside one workspace allocation, and a
+    new specialization (an input 16-byte misaligned) falling back to the first-call path."""
+    tokens, mask = _dispatch_inputs()
+    plan = kernels.dispatch_plan(
+        num_tokens=6,
+        hidden=32,
+        num_experts=4,
+        num_slots=4,
+        is_mask=True,
+        num_out_tokens=12,
+        element_bytes=2,
+        has_probs=False,
+        scale_cols=None,
+    )
+    executable = _launch.Executable(plan, torch.device(DEVICE))
+    keys = []
+
+    def first(env, key, results):
+        keys.append(key)
+        return results
+
+    monkeypatch.setattr(executable, "_launch_first", first)
+    monkeypatch.setattr(executable, "_launch_on_device", lambda launches, env: [f(env, 0) for f in launches])
+    transposed = mask.T.contiguous().T  # column-major: made contiguous before the kernels see it
+    inputs = dict(inp=tokens, routing=transposed, probs=None, scales=None)
+    assert executable(inputs)[1] is None and len(keys) == 1
+    recorders = [_RecordingLaunch() for _ in executable.launchers]
+    executable.fast[keys[0]] = recorders
+    allocated = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: allocated.append(a) or real_empty(*a, **k))
+    executable.run = executable._generate_run()  # picks up the patched allocator
+    output, probs, scales, row_map, pad_offsets, counts = executable(inputs)
+    assert len(keys) == 1, "the known specialization took the fast launches"
+    assert probs is None and scales is None
+    shapes = [tuple(t.shape) for t in (output, row_map, pad_offsets, counts)]
+    assert shapes == [(12, 32), (6, 10), (4,), (4,)]
+    assert len(allocated) == 5, "four results plus one workspace: no placeholders"
+    (env,) = recorders[0].environments
+    assert env["routing"].is_contiguous() and torch.equal(env["routing"], mask)
+    assert env["inp"] is tokens, "row-major tokens are passed as they are"
+    offsets = [env[name] - env[executable.scratch[0][0]] for name, _ in executable.scratch]
+    assert offsets == [offset for _, offset in executable.scratch_offsets]
+    assert all(offset % 128 == 0 for offset in offsets)
+    assert all(recorder.environments == [env] for recorder in recorders)
+    misaligned = torch.empty(6 * 32 + 1, dtype=torch.bfloat16, device=DEVICE)[1:].view(6, 32)
+    executable(dict(inputs, inp=misaligned))
+    assert len(keys) == 2 and keys[1] != keys[0]
