@@ -192,7 +192,9 @@ def time_host_and_eager(
 ) -> EagerTiming:
     """What an eager user sees: the host cost of issuing one call, and the wall time per call when calls
     follow each other with a single sync at the end (max of host and device time, plus what does not
-    overlap). `sync(result)` waits for the device (torch.cuda.synchronize, jax.block_until_ready)."""
+    overlap), the median of three such bursts so that one stray pause of the host (another process, a
+    garbage collection) does not decide the figure. `sync(result)` waits for the device
+    (torch.cuda.synchronize, jax.block_until_ready)."""
     for _ in range(3):  # compile, autotune and warm the caches outside the timing
         sync(call())
     issue = []
@@ -202,9 +204,13 @@ def time_host_and_eager(
             result = call()
             issue.append(time.perf_counter() - start)
         sync(result)
-    start = time.perf_counter()
-    for _ in range(calls):
-        result = call()
-    sync(result)
-    wall = time.perf_counter() - start
-    return EagerTiming(host_ms=statistics.median(issue) * 1e3, eager_ms=wall * 1e3 / calls)
+    walls = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            result = call()
+        sync(result)
+        walls.append(time.perf_counter() - start)
+    return EagerTiming(
+        host_ms=statistics.median(issue) * 1e3, eager_ms=statistics.median(walls) * 1e3 / calls
+    )

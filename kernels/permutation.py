@@ -961,7 +961,8 @@ def dispatch_plan(
 
     Inputs: "inp" [T, H], "routing" [T, S], "probs" [T, S] or None, "scales" [T, C] or None.
     Results: output [N, H], permuted_probs [N], permuted_scales [N, C], row_id_map [T, 2S + 2],
-    pad_offsets [E], tokens_per_expert [E] (rows per expert in the buffer, padding included).
+    pad_offsets [E], tokens_per_expert [E] (rows per expert in the buffer, padding included); probs,
+    scales and pad offsets are placeholders (Buffer.placeholder) without probs, scales and padding.
     `config` maps "row_map" (the token blocks of the counts and ranks) / "dispatch" to configs from their
     search spaces (defaults: the autotune cache, else heuristics).
     """
@@ -989,6 +990,10 @@ def dispatch_plan(
     )
     has_scales = scale_cols is not None
     buffers.update(outputs)
+    # Unpadded, the pad offsets (all zero) are not a result: the kernel writes them to scratch.
+    offsets = "pad_offsets" if padded else "unpadded_offsets"
+    if not padded:
+        buffers[offsets] = Buffer((num_experts,), "int32")
     cfg, block_h = _data_config(hidden, num_slots, element_bytes, num_tokens, device, config.get("dispatch"))
     slots_pow2 = next_pow2(num_slots)
     num_fill = _num_fill(device, padded, num_experts)
@@ -1020,7 +1025,7 @@ def dispatch_plan(
                 "permuted_scales",
                 "row_id_map",
                 "tokens_per_expert",
-                "pad_offsets",
+                offsets,
             ),
             constexprs=dict(
                 IS_MASK=is_mask,
@@ -1069,7 +1074,11 @@ def dispatch_outputs(
         permuted_probs=Buffer((num_rows,), "like:probs") if has_probs else _ABSENT_FLOAT,
         permuted_scales=Buffer((num_rows, scale_cols), "like:scales") if has_scales else _ABSENT_FLOAT,
         row_id_map=Buffer((num_tokens, row_map_columns(num_slots)), "int32"),
-        pad_offsets=Buffer((num_experts,), "int32"),
+        pad_offsets=(
+            Buffer((num_experts,), "int32")
+            if align_size is not None or capacity is not None
+            else Buffer((0,), "int32", placeholder=True)
+        ),
         tokens_per_expert=Buffer((num_experts,), "int32"),
     )
 

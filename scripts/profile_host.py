@@ -2,9 +2,10 @@
 
     python scripts/profile_host.py [--shapes tiny,mixtral] [--calls 500] [--top 14]
 
-For each op (dispatch with probs, combine forward + backward, chunk sort, router top-k), runs `calls` calls
-under cProfile after a warm-up and prints the functions with the most own time, in microseconds per call,
-beside the measured host time per call without the profiler. Needs a CUDA GPU.
+For each op (dispatch with probs, combine forward + backward, chunk sort, router top-k), times `calls`
+calls without the profiler in bursts of 10, each burst followed by a sync (host time per call: the best
+burst, which a noisy host disturbs least, and the median), then runs them under cProfile and prints the
+functions with the most own time, in microseconds per call (`--top 0`: timing only). Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -62,18 +63,25 @@ def main() -> None:
             for _ in range(20):
                 call()
             torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(args.calls):
-                call()
-            host_us = (time.perf_counter() - start) / args.calls * 1e6
-            torch.cuda.synchronize()
+            bursts = []
+            for _ in range(args.calls // 10):  # bursts short enough that the launch queue never fills
+                start = time.perf_counter()
+                for _ in range(10):
+                    call()
+                bursts.append((time.perf_counter() - start) / 10 * 1e6)
+                torch.cuda.synchronize()
+            bursts.sort()
+            host_us, median_us = bursts[0], bursts[len(bursts) // 2]
+            print(f"\n== {shape_name} {name}: {host_us:.1f} us per call without the profiler", end="")
+            print(f" (best burst of 10; median {median_us:.1f})")
+            if args.top == 0:
+                continue
             profile = cProfile.Profile()
             profile.enable()
             for _ in range(args.calls):
                 call()
             profile.disable()
             torch.cuda.synchronize()
-            print(f"\n== {shape_name} {name}: {host_us:.1f} us per call without the profiler")
             stats = pstats.Stats(profile).sort_stats("tottime")
             rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[: args.top]
             for (path, line, function), (_, calls, own, cumulative, _) in rows:

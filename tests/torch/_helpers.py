@@ -83,6 +83,16 @@ def assert_same(got, expected, what: str) -> None:
     assert torch.equal(bits(got), bits(expected)), f"{what} differs"
 
 
+def assert_plan_results(plan, got, expected) -> None:
+    """A plan's results from the PyTorch executor against the reference's: placeholders
+    (Buffer.placeholder: not produced) come back as None, every other result equal bit for bit."""
+    for name, mine, theirs in zip(plan.results, got, expected, strict=True):
+        if plan.buffers[name].placeholder:
+            assert mine is None, name
+        else:
+            assert_same(mine, theirs, name)
+
+
 def assert_reduced(got, expected, what: str) -> None:
     """Results of fp32 reductions: bit for bit, except that under the Triton interpreter (CPU) a final
     fp32 -> bf16 cast truncates where GPUs round to nearest even, so one bf16 ulp is allowed there."""

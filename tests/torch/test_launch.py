@@ -143,7 +143,7 @@ def test_placeholder_results_are_none_directly_and_size0_tensors_from_the_custom
     dispatch_args = (tokens, mask, None, None, 4, True, 12, 0, 0)
     direct = ops.DISPATCH(*dispatch_args)
     custom = torch.ops.moetriton.dispatch(*dispatch_args)
-    assert direct[1] is None and direct[2] is None
+    assert direct[1] is None and direct[2] is None and direct[4] is None  # probs, scales, pad offsets
     assert [(tuple(t.shape), t.dtype) for t in custom[1:3]] == [((0,), torch.float32)] * 2
     for mine, theirs in zip(direct, custom, strict=True):
         if mine is not None:
@@ -174,7 +174,8 @@ class _RecordingLaunch:
 
 def test_generated_run_takes_fast_launches_with_scratch_addresses_in_one_workspace(monkeypatch):
     """The per-call path once a specialization has fast launches (CUDA only in real use; here the fast
-    launches are recorders): inputs arranged by the layout rule, results allocated, placeholders None,
+    launches are recorders): inputs arranged by the layout rule, results allocated, placeholders None
+    (the absent probs and scales, and the pad offsets of an unpadded dispatch, which go to scratch),
     every scratch buffer an address at its 128-byte-aligned offset inside one workspace allocation, and a
     new specialization (an input 16-byte misaligned) falling back to the first-call path."""
     tokens, mask = _dispatch_inputs()
@@ -209,10 +210,9 @@ def test_generated_run_takes_fast_launches_with_scratch_addresses_in_one_workspa
     executable.run = executable._generate_run()  # picks up the patched allocator
     output, probs, scales, row_map, pad_offsets, counts = executable(inputs)
     assert len(keys) == 1, "the known specialization took the fast launches"
-    assert probs is None and scales is None
-    shapes = [tuple(t.shape) for t in (output, row_map, pad_offsets, counts)]
-    assert shapes == [(12, 32), (6, 10), (4,), (4,)]
-    assert len(allocated) == 5, "four results plus one workspace: no placeholders"
+    assert probs is None and scales is None and pad_offsets is None, "unpadded: no pad offsets"
+    assert [tuple(t.shape) for t in (output, row_map, counts)] == [(12, 32), (6, 10), (4,)]
+    assert len(allocated) == 4, "three results plus one workspace: no placeholders"
     (env,) = recorders[0].environments
     assert env["routing"].is_contiguous() and torch.equal(env["routing"], mask)
     assert env["inp"] is tokens, "row-major tokens are passed as they are"
