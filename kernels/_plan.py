@@ -40,6 +40,11 @@ class Buffer:
     zero: bool = False
     placeholder: bool = False
 
+    @classmethod
+    def absent(cls, dtype: str, shape: tuple[int, ...] = (0,)) -> Buffer:
+        """The placeholder of a result the plan's options leave out (see `placeholder`)."""
+        return cls(shape, dtype, placeholder=True)
+
 
 @dataclass(frozen=True)
 class RowStride:

@@ -131,10 +131,8 @@ def sort_chunks_plan(
     )
     buffers = {
         "output": Buffer((num_rows, hidden), "like:inp"),
-        "row_id_map": Buffer((0,), "int32", placeholder=True) if backward else Buffer((num_rows,), "int32"),
-        "permuted_probs": (
-            Buffer((num_rows,), "like:probs") if has_probs else Buffer((0,), "float32", placeholder=True)
-        ),
+        "row_id_map": Buffer.absent("int32") if backward else Buffer((num_rows,), "int32"),
+        "permuted_probs": Buffer((num_rows,), "like:probs") if has_probs else Buffer.absent("float32"),
     }
     results = ("output", "row_id_map", "permuted_probs")
     if num_rows == 0:

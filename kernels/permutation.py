@@ -54,8 +54,6 @@ from ._plan import (
 
 # Largest number of elements one program holds in a tile; keeps register use bounded for any E, K and H.
 _TILE_ELEMENTS = 4096
-# The stand-in for probs or scales an op was not given (see Buffer.placeholder).
-_ABSENT_FLOAT = Buffer((0,), "float32", placeholder=True)
 
 
 @triton.jit
@@ -1071,13 +1069,15 @@ def dispatch_outputs(
     has_scales = scale_cols is not None
     return dict(
         output=Buffer((num_rows, hidden), "like:inp"),
-        permuted_probs=Buffer((num_rows,), "like:probs") if has_probs else _ABSENT_FLOAT,
-        permuted_scales=Buffer((num_rows, scale_cols), "like:scales") if has_scales else _ABSENT_FLOAT,
+        permuted_probs=Buffer((num_rows,), "like:probs") if has_probs else Buffer.absent("float32"),
+        permuted_scales=(
+            Buffer((num_rows, scale_cols), "like:scales") if has_scales else Buffer.absent("float32")
+        ),
         row_id_map=Buffer((num_tokens, row_map_columns(num_slots)), "int32"),
         pad_offsets=(
             Buffer((num_experts,), "int32")
             if align_size is not None or capacity is not None
-            else Buffer((0,), "int32", placeholder=True)
+            else Buffer.absent("int32")
         ),
         tokens_per_expert=Buffer((num_experts,), "int32"),
     )
@@ -1172,7 +1172,7 @@ def combine_plan(
     cfg = autotune.resolve(COMBINE_SPACE, heuristic, config, features, device)
     buffers = {
         "output": Buffer((num_tokens, hidden), "like:inp"),
-        "probs": Buffer((num_tokens, num_slots), probs_dtype) if gather_probs else _ABSENT_FLOAT,
+        "probs": Buffer((num_tokens, num_slots), probs_dtype) if gather_probs else Buffer.absent(probs_dtype),
     }
     if num_tokens == 0:
         return Plan(buffers, (), ("output", "probs"))

@@ -537,9 +537,7 @@ def topk_outputs(num_tokens, num_experts, topk, return_indices: bool) -> dict[st
         "probs": Buffer((num_tokens, num_experts), "like:logits"),
         "routing_map": Buffer((num_tokens, num_experts), "bool"),
         "indices": (
-            Buffer((num_tokens, topk), "int32")
-            if return_indices
-            else Buffer((num_tokens, 0), "int32", placeholder=True)
+            Buffer((num_tokens, topk), "int32") if return_indices else Buffer.absent("int32", (num_tokens, 0))
         ),
     }
 

@@ -34,20 +34,26 @@ def _address(value):
     return value.data_ptr() if isinstance(value, torch.Tensor) else value
 
 
-def test_fast_launch_passes_what_the_jit_style_launch_passes():
-    num_tokens, hidden, num_experts, topk = 6, 32, 4, 2
-    plan = kernels.dispatch_plan(
-        num_tokens=num_tokens,
-        hidden=hidden,
-        num_slots=num_experts,
-        num_experts=num_experts,
+def _dispatch_plan(align_size: int | None) -> kernels.Plan:
+    """Dispatch of 6 bf16 tokens of 32 columns by a [6, 4] mask into 12 rows, without probs (an absent
+    input: passed as the dummy's address) or scales."""
+    return kernels.dispatch_plan(
+        num_tokens=6,
+        hidden=32,
+        num_slots=4,
+        num_experts=4,
         is_mask=True,
-        num_out_tokens=num_tokens * topk,
+        num_out_tokens=12,
         element_bytes=2,
-        has_probs=False,  # an absent input: passed as the dummy's address
+        has_probs=False,
         scale_cols=None,
-        align_size=8,
+        align_size=align_size,
     )
+
+
+def test_fast_launch_passes_what_the_jit_style_launch_passes():
+    num_tokens, hidden, num_experts = 6, 32, 4
+    plan = _dispatch_plan(align_size=8)
     executable = _launch.Executable(plan, torch.device("cpu"))
     inputs = {
         # A row-sliced view: read through its row stride (64), not copied.
@@ -179,18 +185,7 @@ def test_generated_run_takes_fast_launches_with_scratch_addresses_in_one_workspa
     every scratch buffer an address at its 128-byte-aligned offset inside one workspace allocation, and a
     new specialization (an input 16-byte misaligned) falling back to the first-call path."""
     tokens, mask = _dispatch_inputs()
-    plan = kernels.dispatch_plan(
-        num_tokens=6,
-        hidden=32,
-        num_experts=4,
-        num_slots=4,
-        is_mask=True,
-        num_out_tokens=12,
-        element_bytes=2,
-        has_probs=False,
-        scale_cols=None,
-    )
-    executable = _launch.Executable(plan, torch.device(DEVICE))
+    executable = _launch.Executable(_dispatch_plan(align_size=None), torch.device(DEVICE))
     keys = []
 
     def first(env, key, results):
