@@ -43,6 +43,9 @@ Rows (one per impl x shape x EP; printed and written to DIR/moe_jax.csv, the log
 * a2a_gbps (EP > 1): routed-slot bytes of the four exchanges of a step (forward, reverse, and their
   transposes: 4 * T * K * H * 2 bytes per GPU) over the all-to-all stage time per GPU and step, beside
   plain_a2a_gbps: the same bytes through four plain jax.lax.all_to_all calls (median wall time).
+  a2a_moved_ratio (padded exchange): rows the exchange moves per GPU and direction (EP blocks of the size
+  the step's largest (source, destination) pair picks, EPLayout.exchange_block_rows) over the routed rows
+  T * K: what the padding costs on this routing.
 
 Each row catches its own failure (out of memory included), prints it and goes on. On CPU the exchange is the
 padded all_to_all fallback (XLA:CPU has no ragged all-to-all) and the ops run the pure-JAX reference unless
@@ -132,6 +135,7 @@ COLUMNS = (
     "gemm_peak_pct",
     "a2a_gbps",
     "plain_a2a_gbps",
+    "a2a_moved_ratio",
     "error",
 )
 
@@ -438,6 +442,35 @@ def stage_times(case: Case, mesh: Mesh | None, arrays, steps: int) -> dict[str, 
     return times
 
 
+def moved_rows_ratio(case: Case, mesh: Mesh, arrays) -> float:
+    """The padded exchange's rows moved per GPU and direction over the routed rows T * K, on the routing of
+    `arrays` (module doc: a2a_moved_ratio)."""
+    config = _config(case, mesh)
+    shape = case.shape
+    layout = ep_layout(
+        num_tokens=shape.num_tokens,
+        num_experts=shape.num_experts,
+        topk=shape.topk,
+        ep_size=case.ep,
+        align_size=case.align_size,
+    )
+    x, gate, _, _ = arrays
+
+    def block_index(x_flat, gate):
+        _, indices, _, _ = _router(x_flat, gate, None, config, shape.num_tokens * case.ep)
+        *_, counts = token_dispatch(
+            x_flat, indices=indices, num_experts=shape.num_experts, align_size=layout.align_size
+        )
+        sizes = dropless_exchange(jax.lax.all_gather(counts, "ep"), jax.lax.axis_index("ep"), layout)
+        return sizes["block_index"][None]
+
+    run = jax.jit(
+        _shard_mapped(mesh, block_index, (PartitionSpec("ep"), PartitionSpec()), PartitionSpec("ep"))
+    )
+    index = int(run(x.reshape(-1, shape.hidden), gate)[0])
+    return case.ep * layout.exchange_block_rows[index] / (shape.num_tokens * shape.topk)
+
+
 def plain_all_to_all_ms(case: Case, mesh: Mesh, steps: int) -> float:
     """Four chained jax.lax.all_to_all calls moving T * K rows of H bf16 per GPU each."""
     shape = case.shape
@@ -494,6 +527,8 @@ def measure(impl: str, case: Case, steps: int) -> dict:
             row["a2a_gbps"] = _significant(a2a_bytes / (stages["all_to_all"] * 1e-3) / 1e9)
             plain_ms = plain_all_to_all_ms(case, mesh, steps)
             row["plain_a2a_gbps"] = _significant(a2a_bytes / (plain_ms * 1e-3) / 1e9)
+            if _config(case, mesh).exchange == "padded":
+                row["a2a_moved_ratio"] = _significant(moved_rows_ratio(case, mesh, arrays))
     tflops = flops / (gemm_ms * 1e-3) / 1e12
     row["gemm_tflops"] = _significant(tflops)
     row["gemm_peak_pct"] = _significant(100 * tflops / PEAK_TFLOPS)

@@ -18,9 +18,11 @@ The exchange sizes and static buffer sizes come from moetriton.kernels.expert_pa
 `dropless_exchange`, `dropped_slots`); nothing here re-derives them. Two exchanges move the same rows:
 
 * "ragged": `jax.lax.ragged_all_to_all` into the static receive buffer (GPU meshes spanning processes);
-* "padded": every (source, destination) pair's rows padded to the pair's worst case and moved with a
-  fixed-size `jax.lax.all_to_all`; the GEMMs read and write those blocks directly (each block's unused rows
-  a last chunk, ordered after the experts' rows), and the sending side compacts what comes back.
+* "padded": every (source, destination) pair's rows padded to one block size and moved with a fixed-size
+  `jax.lax.all_to_all`: the smallest of `EPLayout.exchange_block_rows` that holds the step's largest pair
+  (one `lax.switch` branch per size; every rank picks the same one from the all-gathered counts), padded
+  on arrival to the pair's worst case. The GEMMs read and write those blocks directly (each block's unused
+  rows a last chunk, ordered after the experts' rows), and the sending side compacts what comes back.
   Each direction's transpose is the other direction. "auto" picks this on one host: XLA:CPU has no
   ragged all-to-all, and XLA's GPU one is slower than this between the GPUs of one host
   (`_resolve_exchange`).
@@ -125,35 +127,66 @@ def _compact_blocks(blocks: jax.Array, offsets: jax.Array, sizes: jax.Array, row
     return jnp.where(valid[:, None], picked, jnp.zeros((), blocks.dtype))
 
 
+def _choose_block(block_rows: tuple[int, ...], block_index, branch: Callable[[int], Callable]):
+    """Run `branch(rows)` for the block size block_rows[block_index] (a traced index, the same on every
+    rank): one lax.switch branch per size, each with its own static shapes."""
+    if len(block_rows) == 1:
+        return branch(block_rows[0])
+    return lambda *operands: jax.lax.switch(block_index, [branch(rows) for rows in block_rows], *operands)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _send_blocks(shape, buffer, offsets, sizes):
+def _send_blocks(shape, buffer, offsets, sizes, block_index):
     """Padded exchange out of a send buffer [N, H] of which rank p gets rows [offsets[p], +sizes[p]):
-    [EP * pair_rows, H], block p holding the rows rank p sent this rank, then zeros. shape = (N, pair_rows,
-    EP axis name)."""
-    _, pair_rows, axis = shape
-    blocks = _block_rows(buffer, offsets, sizes, pair_rows)
-    return jax.lax.all_to_all(blocks, axis, 0, 0).reshape(-1, buffer.shape[1])
+    [EP * pair_rows, H], block p holding the rows rank p sent this rank, then zeros. shape = (N, block
+    sizes, EP axis name): the all_to_all moves blocks of block_sizes[block_index] rows (at least every
+    pair's rows), which the receiver pads to the worst case, the last size."""
+    _, block_rows, axis = shape
+
+    def branch(rows):
+        def send(buffer, offsets, sizes):
+            blocks = jax.lax.all_to_all(_block_rows(buffer, offsets, sizes, rows), axis, 0, 0)
+            blocks = jnp.pad(blocks, ((0, 0), (0, block_rows[-1] - rows), (0, 0)))
+            return blocks.reshape(-1, buffer.shape[1])
+
+        return send
+
+    return _choose_block(block_rows, block_index, branch)(buffer, offsets, sizes)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _return_blocks(shape, blocks, offsets, sizes):
-    """Inverse of `_send_blocks`: blocks [EP * pair_rows, H] go back to their ranks, which place the first
-    sizes[p] rows of the block they get from rank p at offsets[p]: [N, H], zeros elsewhere."""
-    rows, pair_rows, axis = shape
-    received = jax.lax.all_to_all(blocks.reshape(-1, pair_rows, blocks.shape[1]), axis, 0, 0)
-    return _compact_blocks(received, offsets, sizes, rows)
+def _return_blocks(shape, blocks, offsets, sizes, block_index):
+    """Inverse of `_send_blocks`: the first block_sizes[block_index] rows of every block of [EP * pair_rows,
+    H] go back to their ranks, which place the first sizes[p] rows of the block they get from rank p at
+    offsets[p]: [N, H], zeros elsewhere."""
+    num_rows, block_rows, axis = shape
+
+    def branch(rows):
+        def send_back(blocks, offsets, sizes):
+            blocks = blocks.reshape(-1, block_rows[-1], blocks.shape[1])[:, :rows]
+            received = jax.lax.all_to_all(blocks, axis, 0, 0)
+            return _compact_blocks(received, offsets, sizes, num_rows)
+
+        return send_back
+
+    return _choose_block(block_rows, block_index, branch)(blocks, offsets, sizes)
 
 
 # Each exchange moves every row to at most one place (zeros elsewhere), so the transpose of one is the
 # other. JAX's own transposes would turn the gathers into scatter-adds, several times slower on GPUs.
 _send_blocks.defvjp(
-    lambda shape, buffer, offsets, sizes: (_send_blocks(shape, buffer, offsets, sizes), (offsets, sizes)),
-    lambda shape, saved, cotangent: (_return_blocks(shape, cotangent, *saved), None, None),
+    lambda shape, buffer, *sizes: (_send_blocks(shape, buffer, *sizes), sizes),
+    lambda shape, saved, cotangent: (_return_blocks(shape, cotangent, *saved), None, None, None),
 )
 _return_blocks.defvjp(
-    lambda shape, blocks, offsets, sizes: (_return_blocks(shape, blocks, offsets, sizes), (offsets, sizes)),
-    lambda shape, saved, cotangent: (_send_blocks(shape, cotangent, *saved), None, None),
+    lambda shape, blocks, *sizes: (_return_blocks(shape, blocks, *sizes), sizes),
+    lambda shape, saved, cotangent: (_send_blocks(shape, cotangent, *saved), None, None, None),
 )
+
+
+def _padded_exchange_args(sizes: dict) -> tuple:
+    """(offsets, sizes, block index) of this rank's send buffer for _send_blocks / _return_blocks."""
+    return sizes["input_offsets"], sizes["send_sizes"], sizes["block_index"]
 
 
 def _ragged(buffer, rows: int, offsets, sizes, remote_offsets, recv_sizes, config: MoEConfig) -> jax.Array:
@@ -172,8 +205,8 @@ def dropless_forward(send, sizes: dict, layout: EPLayout, config: MoEConfig):
     if config.exchange == "ragged":
         keys = ("input_offsets", "send_sizes", "output_offsets", "recv_sizes")
         return _ragged(send, layout.recv_rows, *(sizes[key] for key in keys), config)
-    shape = (send.shape[0], layout.pair_rows, config.ep_axis)
-    blocks = _send_blocks(shape, send, sizes["input_offsets"], sizes["send_sizes"])
+    shape = (send.shape[0], layout.exchange_block_rows, config.ep_axis)
+    blocks = _send_blocks(shape, send, *_padded_exchange_args(sizes))
     blocks = blocks.reshape(layout.ep_size, layout.pair_rows, -1)
     return _compact_blocks(blocks, sizes["recv_offsets"], sizes["recv_sizes"], layout.recv_rows)
 
@@ -185,8 +218,8 @@ def dropless_reverse(recv, sizes: dict, layout: EPLayout, config: MoEConfig):
         return _ragged(recv, layout.send_rows, *(sizes[key] for key in keys), config)
     blocks = _block_rows(recv, sizes["recv_offsets"], sizes["recv_sizes"], layout.pair_rows)
     blocks = blocks.reshape(-1, recv.shape[1])
-    shape = (layout.send_rows, layout.pair_rows, config.ep_axis)
-    return _return_blocks(shape, blocks, sizes["input_offsets"], sizes["send_sizes"])
+    shape = (layout.send_rows, layout.exchange_block_rows, config.ep_axis)
+    return _return_blocks(shape, blocks, *_padded_exchange_args(sizes))
 
 
 def _capacity_exchange(buffer: jax.Array, layout: EPLayout, config: MoEConfig) -> jax.Array:
@@ -307,8 +340,8 @@ def _exchanged_experts(send, counts, gate_up, down, layout: EPLayout, config: Mo
             unused = layout.pair_rows - sizes["recv_sizes"]
             chunk_sizes = jnp.concatenate([sizes["chunk_sizes"].reshape(ep, local), unused[:, None]], axis=1)
             chunk_sizes = chunk_sizes.reshape(-1)  # [EP * (L + 1)]
-            block = (send.shape[0], layout.pair_rows, config.ep_axis)
-            sent = (sizes["input_offsets"], sizes["send_sizes"])
+            block = (send.shape[0], layout.exchange_block_rows, config.ep_axis)
+            sent = _padded_exchange_args(sizes)
             recv = _send_blocks(block, send, *sent)
 
             def back(rows):
@@ -430,9 +463,10 @@ def moe(
             of its size.
         data_axes: further mesh axes sharding the tokens (data / FSDP parallelism).
         exchange: "auto", "ragged" (`jax.lax.ragged_all_to_all`) or "padded" (fixed-size all_to_all of
-            every pair's worst case). Both move the same rows and give the same results. "auto" picks
-            "ragged" when the mesh's GPUs span several processes and "padded" otherwise: XLA's ragged
-            all-to-all is 30 times slower than the padded exchange between the GPUs of one host.
+            every pair's rows padded to the step's largest pair, rounded up to one of a few sizes). Both
+            move the same rows and give the same results. "auto" picks "ragged" when the mesh's GPUs span
+            several processes and "padded" otherwise: XLA's ragged all-to-all is 30 times slower than the
+            padded exchange between the GPUs of one host.
 
     Returns:
         (out [B, S, H] in x.dtype, aux_loss fp32 scalar, dropped int32 scalar: routed slots the capacity

@@ -99,6 +99,25 @@ class EPLayout:
         """Rows of one (source, destination) block of the padded dropless exchange: a pair's worst case."""
         return self.recv_rows // self.ep_size
 
+    @property
+    def exchange_block_rows(self) -> tuple[int, ...]:
+        """Block sizes, ascending, that the padded dropless exchange chooses from: each step every (source,
+        destination) block is padded to the smallest of them that holds the step's largest pair
+        (`dropless_exchange`'s "block_index"), not to the worst case `pair_rows`, which the last one is.
+
+        A source's pairs average T * K / EP rows (more with alignment), so the largest pair is never below
+        that: the sizes start there and step by 1/16 of it up to 1.5 times it (balanced routing moves at
+        most 1/16 more than its largest pair), then grow by a quarter each up to the worst case (skewed
+        routing, as many choices as the range needs: 11 at EP = 2, 17 at EP = 8 with K >= L)."""
+        worst = self.pair_rows
+        mean = min(worst, -(-self.num_tokens * self.topk // self.ep_size))
+        if mean == 0:
+            return (worst,)
+        sizes = [-(-mean * (16 + step) // 16) for step in range(9)]
+        while sizes[-1] < worst:
+            sizes.append(-(-sizes[-1] * 5 // 4))
+        return tuple(sorted({min(size, worst) for size in sizes}))
+
     def expert_major_order(self, gaps: bool = False) -> list[int]:
         """sorted_indices of the chunk sort from source-major chunks (p, j) = p * L + j to expert-major order
         (j, p): position j * EP + p holds chunk p * L + j. Its inverse sorts back. gaps: every source's
@@ -166,7 +185,10 @@ def dropless_exchange(counts_all: Any, rank: Any, layout: EPLayout) -> dict[str,
     * chunk_sizes [EP * L]: the (source rank, local expert) chunks of the receive buffer, source-major (the
       split sizes of the chunk sort); group_sizes [L]: rows per local expert over all sources;
     * return_offsets [EP]: for the reverse exchange (same sizes, swapped), where this rank's rows land in
-      each source rank's send buffer.
+      each source rank's send buffer;
+    * block_index (scalar): the padded exchange's block size, an index into `layout.exchange_block_rows`:
+      the smallest block that holds the largest (source, destination) pair of the step. Every rank computes
+      the same value from the same counts, so every rank takes the same branch.
     """
     ep, local = layout.ep_size, layout.local_experts
     per_dest = counts_all.reshape(ep, ep, local).sum(2)  # [source, destination]
@@ -182,7 +204,14 @@ def dropless_exchange(counts_all: Any, rank: Any, layout: EPLayout) -> dict[str,
         chunk_sizes=mine.reshape(ep * local),
         group_sizes=mine.sum(0),
         return_offsets=_exclusive_cumsum(per_dest, 1)[:, rank],
+        block_index=_smallest_block(per_dest.max(), layout.exchange_block_rows),
     )
+
+
+def _smallest_block(largest_pair: Any, block_rows: tuple[int, ...]) -> Any:
+    """Index of the first of `block_rows` (ascending, the last the worst case) >= largest_pair: the number
+    of sizes below it, as a sum of comparisons so that numpy, JAX and PyTorch scalars all work."""
+    return sum(((largest_pair > size) * 1 for size in block_rows[:-1]), largest_pair * 0)
 
 
 def dropped_slots(routed_per_expert: Any, layout: EPLayout) -> Any:

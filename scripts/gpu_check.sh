@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One device-tool call: install what the GPU machine lacks, run the whole test suite on CUDA, run the
 # benchmarks, and leave logs under $OUT. Usage (device tool, repo root): bash scripts/gpu_check.sh [stage...]
-# Stages: setup (install only) smoke tests bench eager hostprof router gemm autotune usecache ab jaxprof plan ncu exchange moe1 moe2
+# Stages: setup (install only) smoke tests bench eager hostprof router gemm autotune usecache ab jaxprof plan ncu exchange moe1 moe2 moeab
 # (default: tests bench). ncu: Nsight Compute counters of the combine kernels beside TE's (scripts/profile_kernels.py,
 # NCU_SHAPES), report as $OUT/ncu.txt. gemm: the grouped-GEMM kernels beside torch._grouped_mm (GEMM_ARGS=--sweep to time configs).
 # exchange: the layers' dropless row exchanges alone beside plain all-to-alls (scripts/exchange_jax.py,
 # under several XLA_FLAGS unless EXCHANGE_ARGS=--one; scripts/exchange_torch.py under torchrun; 2 GPUs). moe1: the MoE layer examples and layer-step benchmarks on one GPU; moe2: the same with EP = 2 on two GPUs
 # (torchrun for PyTorch, one process for JAX); their logs and CSVs come back as $OUT/moe.tar.
+# moeab: the JAX layer's EP = 2 step (benchmarks.moe_jax) of this package and of another one (MOE_AB_BASELINE, a
+# carried package folder), alternated MOE_AB_ROUNDS times (2 GPUs); lines in $OUT/moeab.log, CSVs in $OUT/moeab/.
 # ab: same-process A/B of the permutation kernels against another version of kernels/permutation.py
 # (AB_BASELINE, a carried file; AB_ARGS), table as $OUT/ab.csv.
 # usecache copies what autotune wrote into the installed package, so later stages of the same call run with
@@ -89,5 +91,12 @@ for stage in $stages; do
               --ep ${MOE_JAX_EP:-1,2} --out "$OUT/moe" ${MOE_JAX_ARGS:-}
           } > "$OUT/moe/moe2.log" 2>&1; grep -v -i warn "$OUT/moe/moe2.log" | tail -40
           tar -C "$OUT" -cf "$OUT/moe.tar" moe && rm -r "$OUT/moe") ;;
+    moeab) (cd "$repo" && python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade \
+              --target /tmp/site_base "$MOE_AB_BASELINE" > "$OUT/moeab_setup.log" 2>&1
+            for round in $(seq ${MOE_AB_ROUNDS:-2}); do for site in /tmp/site /tmp/site_base; do
+              PYTHONPATH=$site:/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOE_AB_TIMEOUT:-150} \
+                python3 -m benchmarks.moe_jax --ep 2 --impl moetriton --out "$OUT/moeab/${site#/tmp/}_$round" \
+                ${MOE_AB_ARGS:-} 2>&1 | grep "^impl=\|Error" | sed "s|^|${site#/tmp/} $round: |"
+            done; done | tee "$OUT/moeab.log") ;;
   esac
 done

@@ -11,6 +11,8 @@ the dense single-device reference `moetriton.jax.reference_moe`, on a mesh of (d
   buffer is sized for, alignment included), and whole EP ranks without tokens;
 * determinism: two runs of the jitted layer and its gradient are bitwise equal;
 * exchanges (GPUs only): exchange="ragged" and "padded" against the reference and each other, bitwise;
+* exchange-blocks: the padded exchange with each block size it picks (balanced to skewed routing) against a
+  numpy simulation, with the gradient of its round trip;
 * flax: the Flax MoEBlock on a mesh with logical-axis rules equals the functional layer;
 * errors: mesh-dependent argument errors;
 * benchmark: benchmarks/moe_jax.py's baseline against the layer, and one step of its command line.
@@ -253,6 +255,126 @@ def check_exchanges() -> None:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _routed_counts(rng, layout, skew: int) -> np.ndarray:
+    """[EP, E] padded rows per expert of every rank's send buffer, from top-K routing of random scores where
+    the first `skew` tokens of every rank prefer the experts of EP rank 0; skew -1 (K = 2): token t prefers
+    an expert of rank t % EP and one of rank (t + EP / 2) % EP (balanced ranks)."""
+    counts = []
+    for _ in range(layout.ep_size):
+        scores = rng.random((layout.num_tokens, layout.num_experts))
+        scores[: max(skew, 0), : layout.local_experts] += 2
+        if skew < 0:
+            ep, local, tokens = layout.ep_size, layout.local_experts, np.arange(layout.num_tokens)
+            scores[tokens, tokens % ep * local] += 2
+            scores[tokens, (tokens + ep // 2) % ep * local + local - 1] += 2
+        chosen = np.argsort(-scores, axis=1)[:, : layout.topk]
+        routed = np.bincount(chosen.reshape(-1), minlength=layout.num_experts)
+        counts.append(-(-routed // layout.align) * layout.align)
+    return np.stack(counts).astype(np.int32)
+
+
+def check_exchange_blocks() -> None:
+    """The padded dropless exchange with each block size it chooses, from balanced routing to every token
+    on one rank's experts: the received buffer and the round trip against a numpy simulation of the
+    exchange, the chosen size against the largest pair, and the gradient of the round trip (the custom
+    VJPs: each direction's transpose is the other)."""
+    ep, hidden = min(4, len(jax.devices())), 2  # 4 CPU devices; 2 GPUs suffice
+    mesh = make_mesh(1, ep)
+    for align_size in (None, 2):
+        # 11 tokens: all on rank 0's two experts fill the worst case with alignment 2 (11 + 1 rows each).
+        layout = ep_layout(num_tokens=11, num_experts=2 * ep, topk=2, ep_size=ep, align_size=align_size)
+        chosen = _exchange_blocks_round_trips(mesh, layout, hidden)
+        last = len(layout.exchange_block_rows) - 1
+        assert last in chosen and len(chosen) >= 3, (chosen, layout.exchange_block_rows)
+        assert align_size or 0 in chosen, (chosen, layout.exchange_block_rows)
+
+
+def _exchange_blocks_round_trips(mesh: Mesh, layout, hidden: int) -> set[int]:
+    """Round trips of `check_exchange_blocks` over routings from balanced to skewed; the block indices
+    chosen."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from moetriton.jax.moe import MoEConfig, dropless_forward, dropless_reverse
+    from moetriton.kernels.expert_parallel import dropless_exchange
+
+    ep = layout.ep_size
+    block_rows = layout.exchange_block_rows
+    config = MoEConfig(
+        **dict.fromkeys(("num_groups", "group_topk", "scaling_factor", "align_size", "capacity_factor")),
+        topk=2,
+        score_function="softmax",
+        use_pre_softmax=False,
+        aux_loss_coeff=0.0,
+        activation="swiglu",
+        dtype="float32",
+        mesh=mesh,
+        ep_axis="ep",
+        data_axes=(),
+        exchange="padded",
+        num_shards=ep,
+        ep_size=ep,
+    )
+
+    def round_trip(send, weights, counts_all):
+        sizes = dropless_exchange(counts_all, jax.lax.axis_index("ep"), layout)
+
+        def loss(send):
+            recv = dropless_forward(send, sizes, layout, config)
+            back = dropless_reverse(recv, sizes, layout, config)
+            return jnp.sum(back * weights), (recv, back)
+
+        grad, (recv, back) = jax.grad(loss, has_aux=True)(send)
+        return recv, back, grad, sizes["block_index"][None]
+
+    tokens, replicated = PartitionSpec("ep"), PartitionSpec()
+    run = jax.jit(
+        jax.shard_map(
+            round_trip,
+            mesh=mesh,
+            in_specs=(tokens, tokens, replicated),
+            out_specs=(tokens,) * 4,
+            check_vma=False,
+        )
+    )
+    rng = np.random.default_rng(3)
+    send_rows = layout.send_rows
+    rows = np.arange(ep * send_rows, dtype=np.float32).reshape(ep, send_rows, 1)
+    send = np.concatenate([rows + 1, -rows - 1], axis=2)  # [EP, S, H]: every row tells where it left
+    weights = rng.normal(size=send.shape).astype(np.float32)
+    sharded = NamedSharding(mesh, tokens)
+    chosen = set()
+    for skew in range(-1, layout.num_tokens + 1):
+        counts_all = _routed_counts(rng, layout, skew)
+        per_pair = counts_all.reshape(ep, ep, -1).sum(2)  # [source, destination]
+        recv, back, grad, index = run(
+            jax.device_put(send.reshape(-1, hidden), sharded),
+            jax.device_put(weights.reshape(-1, hidden), sharded),
+            jnp.asarray(counts_all),
+        )
+        index = np.asarray(index)
+        expected_index = int(np.searchsorted(block_rows, per_pair.max()))
+        assert (index == expected_index).all(), (index, expected_index, per_pair.max(), block_rows)
+        chosen.add(expected_index)
+        recv = np.asarray(recv).reshape(ep, layout.recv_rows, hidden)
+        back = np.asarray(back).reshape(ep, send_rows, hidden)
+        grad = np.asarray(grad).reshape(ep, send_rows, hidden)
+        starts = np.cumsum(per_pair, axis=1) - per_pair  # where each pair starts in its source's buffer
+        for dst in range(ep):
+            arrived = np.concatenate(
+                [send[src, starts[src, dst] : starts[src, dst] + per_pair[src, dst]] for src in range(ep)]
+            )
+            expected = np.zeros((layout.recv_rows, hidden), np.float32)
+            expected[: len(arrived)] = arrived
+            np.testing.assert_array_equal(recv[dst], expected)
+        for src in range(ep):
+            sent = counts_all[src].sum()
+            np.testing.assert_array_equal(back[src, :sent], send[src, :sent])
+            np.testing.assert_array_equal(back[src, sent:], 0)
+            np.testing.assert_array_equal(grad[src, :sent], weights[src, :sent])
+            np.testing.assert_array_equal(grad[src, sent:], 0)
+    return chosen
+
+
 def check_flax() -> None:
     from flax import linen as nn
 
@@ -352,6 +474,7 @@ CHECKS = {
     "routing-extremes": check_routing_extremes,
     "determinism": check_determinism,
     "exchanges": check_exchanges,
+    "exchange-blocks": check_exchange_blocks,
     "flax": check_flax,
     "errors": check_errors,
     "benchmark": check_benchmark,
@@ -367,6 +490,7 @@ DEVICES.update(
         "routing-extremes": 4,
         "determinism": 4,
         "exchanges": 2,
+        "exchange-blocks": 2,
         "flax": 4,
         "errors": 2,
         "benchmark": 2,

@@ -2,6 +2,8 @@
 between EP ranks with numpy: every row reaches the right rank, chunk and expert, fits the static buffers
 (adversarial routing included), and the reverse exchange returns it to the row it left."""
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -59,6 +61,13 @@ def test_dropless_exchange_moves_every_row_to_its_expert_and_back(case):
             )
             assert land + size <= layout.recv_rows
             recv[dst][land : land + size] = send[src][start : start + size]
+    # The padded exchange's block: the smallest size that holds the largest pair, the same on every rank.
+    block_rows = layout.exchange_block_rows
+    assert list(block_rows) == sorted(set(block_rows)) and block_rows[-1] == layout.pair_rows
+    largest = max(plan["send_sizes"].max() for plan in plans)
+    for plan in plans:
+        index = int(plan["block_index"])
+        assert block_rows[index] >= largest and (index == 0 or block_rows[index - 1] < largest)
     for rank in range(ep):
         plan = plans[rank]
         assert plan["recv_sizes"].sum() == plan["chunk_sizes"].sum() == plan["group_sizes"].sum()
@@ -130,3 +139,43 @@ def test_bad_layouts_name_the_argument(kwargs, name):
     arguments = dict(num_tokens=4, num_experts=8, topk=2, ep_size=2) | kwargs
     with pytest.raises(ValueError, match=name):
         ep_layout(**arguments)
+
+
+@pytest.mark.parametrize(
+    ("shape", "choices"),
+    [
+        ((16384, 8, 2, 2, None), 11),
+        ((8192, 256, 8, 2, None), 11),
+        ((16384, 8, 2, 8, None), 14),
+        ((8192, 256, 8, 8, 128), 17),
+        ((0, 8, 2, 2, 4), 1),
+    ],
+)
+def test_exchange_block_sizes_step_from_the_mean_pair_to_the_worst_case(shape, choices):
+    num_tokens, num_experts, topk, ep, align = shape
+    layout = ep_layout(
+        num_tokens=num_tokens, num_experts=num_experts, topk=topk, ep_size=ep, align_size=align
+    )
+    block_rows = layout.exchange_block_rows
+    assert len(block_rows) == choices and block_rows[-1] == layout.pair_rows
+    mean = -(-num_tokens * topk // ep)
+    if mean:
+        assert block_rows[0] == mean  # no source's largest pair is below its mean pair
+        # Up to 1.5 times the mean pair, each size is at most 1/16 of it above the one before; then 1/4.
+        fine = [rows for rows in block_rows if rows <= 1.5 * mean]
+        assert len(fine) == 9
+        assert all(b - a <= -(-mean // 16) for a, b in itertools.pairwise(fine))
+        assert all(b <= 1.25 * a + 1 for a, b in itertools.pairwise(block_rows))
+
+
+def test_block_index_is_the_same_in_numpy_torch_and_jax():
+    torch = pytest.importorskip("torch")
+    jnp = pytest.importorskip("jax.numpy")
+    layout = ep_layout(num_tokens=64, num_experts=8, topk=2, ep_size=2)
+    block_rows = layout.exchange_block_rows
+    for largest in (1, block_rows[0], block_rows[0] + 1, block_rows[3], block_rows[-2] + 1, layout.pair_rows):
+        counts = np.zeros((2, 8), np.int64)
+        counts[0, :4] = [largest // 4 + (i < largest % 4) for i in range(4)]
+        expected = int(np.searchsorted(block_rows, largest))
+        for array in (np.asarray, torch.as_tensor, jnp.asarray):
+            assert int(dropless_exchange(array(counts), 1, layout)["block_index"]) == expected
