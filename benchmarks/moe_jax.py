@@ -43,6 +43,9 @@ Rows (one per impl x shape x EP; printed and written to DIR/moe_jax.csv, the log
 * a2a_gbps (EP > 1): routed-slot bytes of the four exchanges of a step (forward, reverse, and their
   transposes: 4 * T * K * H * 2 bytes per GPU) over the all-to-all stage time per GPU and step, beside
   plain_a2a_gbps: the same bytes through four plain jax.lax.all_to_all calls (median wall time).
+  a2a_gbps_least_waiting (GPU profiles): the same bytes over the all-to-all time of the GPU with the least
+  of it, the one that waited least for its peers (a collective's time includes that wait: every GPU waits
+  for the one with the most expert rows), so closer to the transfer rate.
   a2a_moved_ratio (padded exchange): rows the exchange moves per GPU and direction (EP blocks of the size
   the step's largest (source, destination) pair picks, EPLayout.exchange_block_rows) over the routed rows
   T * K: what the padding costs on this routing.
@@ -135,6 +138,7 @@ COLUMNS = (
     "gemm_peak_pct",
     "a2a_gbps",
     "plain_a2a_gbps",
+    "a2a_gbps_least_waiting",
     "a2a_moved_ratio",
     "error",
 )
@@ -350,9 +354,10 @@ def activity_stage(name: str) -> str:
     return "all_to_all" if COLLECTIVE_ACTIVITY.search(name) else "other"
 
 
-def profiled_stage_ms(step, arrays, ep: int) -> dict[str, float]:
-    """ms per GPU and step of every stage and "other": the summed durations of their GPU activities over
-    PROFILED_STEPS runs of the compiled `step` on `ep` GPUs (module doc)."""
+def profiled_stage_ms(step, arrays, ep: int) -> tuple[dict[str, float], float]:
+    """(ms per GPU and step of every stage and "other": the summed durations of their GPU activities over
+    PROFILED_STEPS runs of the compiled `step` on `ep` GPUs (module doc); the all-to-all ms per step of the
+    GPU with the least)."""
     from .timing import gpu_activities_by_device  # imports torch: only where CUDA profiles
 
     def runs() -> None:
@@ -366,10 +371,14 @@ def profiled_stage_ms(step, arrays, ep: int) -> dict[str, float]:
             " records them through a CUDA build of torch)"
         )
     totals = dict.fromkeys((*STAGES, "other"), 0.0)
+    all_to_all = []
     for activities in by_device.values():
+        device_all_to_all = totals["all_to_all"]
         for name, start, end in activities:
             totals[activity_stage(name)] += end - start
-    return {stage: micros * 1e-3 / (ep * PROFILED_STEPS) for stage, micros in totals.items()}
+        all_to_all.append(totals["all_to_all"] - device_all_to_all)
+    stages = {stage: micros * 1e-3 / (ep * PROFILED_STEPS) for stage, micros in totals.items()}
+    return stages, min(all_to_all) * 1e-3 / PROFILED_STEPS
 
 
 def stage_times(case: Case, mesh: Mesh | None, arrays, steps: int) -> dict[str, float]:
@@ -508,12 +517,12 @@ def measure(impl: str, case: Case, steps: int) -> dict:
     gemm_ms = step_ms
     if impl == "moetriton":
         if jax.default_backend() == "gpu":
-            stages = profiled_stage_ms(step, arrays, case.ep)
+            stages, least_all_to_all_ms = profiled_stage_ms(step, arrays, case.ep)
             share_denominator_ms = sum(stages.values())
             row["gpu_busy_ms"] = _significant(share_denominator_ms)
             row["stage_method"] = f"CUPTI profile of {PROFILED_STEPS} steps"
         else:
-            stages = stage_times(case, mesh, arrays, steps)
+            stages, least_all_to_all_ms = stage_times(case, mesh, arrays, steps), None
             share_denominator_ms = step_ms
             row["stage_method"] = "per-stage jitted fwd+bwd timings"
         for stage, ms in stages.items():
@@ -527,6 +536,8 @@ def measure(impl: str, case: Case, steps: int) -> dict:
             row["a2a_gbps"] = _significant(a2a_bytes / (stages["all_to_all"] * 1e-3) / 1e9)
             plain_ms = plain_all_to_all_ms(case, mesh, steps)
             row["plain_a2a_gbps"] = _significant(a2a_bytes / (plain_ms * 1e-3) / 1e9)
+            if least_all_to_all_ms:
+                row["a2a_gbps_least_waiting"] = _significant(a2a_bytes / (least_all_to_all_ms * 1e-3) / 1e9)
             if _config(case, mesh).exchange == "padded":
                 row["a2a_moved_ratio"] = _significant(moved_rows_ratio(case, mesh, arrays))
     tflops = flops / (gemm_ms * 1e-3) / 1e12

@@ -18,18 +18,18 @@ on (coefficient 1e-2). Implementations:
   grouped GEMMs (`moetriton.torch.moe.expert_mlp`: torch._grouped_mm where supported) and SwiGLU.
 
 Each row (impl x shape x EP) reports: step_ms (median wall time of `--steps` synchronised steps, slowest
-rank); the stage breakdown from a torch.profiler trace of two steps: every stage is a record_function range
-"moe.<stage>" in the forward, and backward work (autograd::engine::evaluate_function events) is attributed
-to the stage whose forward op created the autograd node (matched by sequence number); times are GPU time
-of the kernels launched (CPU time on CPU), shares are of the profiled total ("other": the loss and gradient
-accumulation); routing share = router + dispatch + chunk_sort + combine; grouped-GEMM TFLOP/s =
-3 x (2 rows H 2F + 2 rows F H) / grouped_gemm time, rows = T x K routed slots, against the 790 TFLOP/s
-bf16 peak; with EP > 1, all-to-all GB/s = bytes this rank sends in the 4 token exchanges of a step (4 x
-T K H x 2 bytes, padding not counted) / all_to_all stage time (the row exchanges; the count exchange
-before them, with its host copy and its wait for the slower rank, is the exchange_sizes stage), against a
-plain all_to_all_single of [T K, H] with equal splits. A row that runs out of memory is printed and
-written as OOM, and the next row runs (under torchrun an OOM on one rank only would leave the other waiting
-for the collective timeout).
+rank); the stage breakdown from a torch.profiler trace of two steps, each started together on every rank:
+every stage is a record_function range "moe.<stage>" in the forward, and backward work
+(autograd::engine::evaluate_function events) is attributed to the stage whose forward op created the autograd
+node (matched by sequence number); times are GPU time of the kernels launched (CPU time on CPU), shares are of
+the profiled total ("other": the loss and gradient accumulation); routing share = router + dispatch +
+chunk_sort + combine; grouped-GEMM TFLOP/s = 3 x (2 rows H 2F + 2 rows F H) / grouped_gemm time, rows = T x K
+routed slots, against the 790 TFLOP/s bf16 peak; with EP > 1, all-to-all GB/s = bytes this rank sends in the 4
+token exchanges of a step (4 x T K H x 2 bytes, padding not counted) / all_to_all stage time (the row
+exchanges; the count exchange before them, with its host copy and its wait for the slower rank, is the
+exchange_sizes stage), against a plain all_to_all_single of [T K, H] with equal splits. A row that runs out of
+memory is printed and written as OOM, and the next row runs (under torchrun an OOM on one rank only would
+leave the other waiting for the collective timeout).
 """
 
 from __future__ import annotations
@@ -297,6 +297,11 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
     profiled_steps = 1 if args.tiny else 2
     with torch.profiler.profile(activities=activities) as profile:
         for _ in range(profiled_steps):
+            # Every rank starts the step together: otherwise a rank that starts the profiler later (CUPTI
+            # initialises on first use) makes the other wait in the router's all-reduce (router stage).
+            _sync(device)
+            if group is not None:
+                dist.barrier(group=group)
             step()
         _sync(device)
     stages = stage_ms(profile.events(), profiled_steps, device.type == "cuda")
