@@ -88,9 +88,10 @@ from moetriton.jax.moe import (
     apply_activation,
     dropless_forward,
     dropless_reverse,
+    exchange_sizes,
     moe,
 )
-from moetriton.kernels.expert_parallel import dropless_exchange, ep_layout
+from moetriton.kernels.expert_parallel import ep_layout
 from moetriton.kernels.shapes import MOE_LAYER_SHAPES, MoELayerShape
 
 PEAK_TFLOPS = 790.0  # H100 SXM dense bf16
@@ -253,7 +254,7 @@ def _baseline_shard(x, gate, gate_up, down, *, case: Case, config: MoEConfig):
         expert_out = _baseline_experts(send, counts, gate_up, down)
     else:
         layout = ep_layout(num_tokens=num_tokens, num_experts=experts, topk=topk, ep_size=case.ep)
-        sizes = dropless_exchange(jax.lax.all_gather(counts, "ep"), jax.lax.axis_index("ep"), layout)
+        sizes = exchange_sizes(jax.lax.all_gather(counts, "ep"), jax.lax.axis_index("ep"), layout)
         recv = dropless_forward(send, sizes, layout, config)
         # Local expert of every received row (source-major chunks), then a second argsort to expert-major.
         chunk_ends = jnp.cumsum(sizes["chunk_sizes"])
@@ -408,18 +409,18 @@ def stage_times(case: Case, mesh: Mesh | None, arrays, steps: int) -> dict[str, 
         )
         return send, row_id_map, counts
 
-    def exchange_sizes(counts):
+    def sizes_of(counts):
         if mesh is None:
-            return dropless_exchange(counts[None], 0, layout)
-        return dropless_exchange(jax.lax.all_gather(counts, "ep"), jax.lax.axis_index("ep"), layout)
+            return exchange_sizes(counts[None], 0, layout)
+        return exchange_sizes(jax.lax.all_gather(counts, "ep"), jax.lax.axis_index("ep"), layout)
 
     def all_to_all(send, counts):
-        sizes = exchange_sizes(counts)
+        sizes = sizes_of(counts)
         recv = dropless_forward(send, sizes, layout, config)
         return recv, dropless_reverse(recv, sizes, layout, config)
 
     def gemm(rows, gate_up, down, counts):
-        sizes = exchange_sizes(counts)
+        sizes = sizes_of(counts)
         order = None
         if case.ep > 1:  # received rows, source-major: read and written in expert-major order
             order = _expert_major_rows(sizes["chunk_sizes"], layout, False, rows.shape[0])
@@ -470,7 +471,7 @@ def moved_rows_ratio(case: Case, mesh: Mesh, arrays) -> float:
         *_, counts = token_dispatch(
             x_flat, indices=indices, num_experts=shape.num_experts, align_size=layout.align_size
         )
-        sizes = dropless_exchange(jax.lax.all_gather(counts, "ep"), jax.lax.axis_index("ep"), layout)
+        sizes = exchange_sizes(jax.lax.all_gather(counts, "ep"), jax.lax.axis_index("ep"), layout)
         return sizes["block_index"][None]
 
     run = jax.jit(

@@ -50,6 +50,7 @@ from moetriton.kernels.expert_parallel import (
     dropless_exchange,
     dropped_slots,
     ep_layout,
+    exchange_block_index,
 )
 
 from .api import sort_chunks_by_index, token_combine, token_dispatch
@@ -184,6 +185,15 @@ _return_blocks.defvjp(
 )
 
 
+def exchange_sizes(counts_all: jax.Array, rank, layout: EPLayout) -> dict:
+    """`dropless_exchange`'s sizes and offsets of this rank's dropless exchange, with "block_index" (the
+    padded exchange's block size, `exchange_block_index`): what `dropless_forward` / `dropless_reverse`
+    take. counts_all [EP, E]: token_dispatch's counts all-gathered over the EP axis."""
+    return dropless_exchange(counts_all, rank, layout) | dict(
+        block_index=exchange_block_index(counts_all, layout)
+    )
+
+
 def _padded_exchange_args(sizes: dict) -> tuple:
     """(offsets, sizes, block index) of this rank's send buffer for _send_blocks / _return_blocks."""
     return sizes["input_offsets"], sizes["send_sizes"], sizes["block_index"]
@@ -200,7 +210,7 @@ def _ragged(buffer, rows: int, offsets, sizes, remote_offsets, recv_sizes, confi
 
 def dropless_forward(send, sizes: dict, layout: EPLayout, config: MoEConfig):
     """Send buffer [send_rows, H] -> source-major receive buffer [recv_rows, H] (rows from rank p at
-    recv_offsets[p], zeros after the received rows); `sizes` from dropless_exchange. The layer runs the padded
+    recv_offsets[p], zeros after the received rows); `sizes` from exchange_sizes. The layer runs the padded
     exchange without this compaction of the blocks (`_exchanged_experts`)."""
     if config.exchange == "ragged":
         keys = ("input_offsets", "send_sizes", "output_offsets", "recv_sizes")
@@ -334,7 +344,7 @@ def _exchanged_experts(send, counts, gate_up, down, layout: EPLayout, config: Mo
     gaps = layout.dropless and config.exchange == "padded"
     if layout.dropless:
         counts_all = jax.lax.all_gather(counts, config.ep_axis)  # [EP, E]
-        sizes = dropless_exchange(counts_all, jax.lax.axis_index(config.ep_axis), layout)
+        sizes = exchange_sizes(counts_all, jax.lax.axis_index(config.ep_axis), layout)
         group_sizes = sizes["group_sizes"]
         if gaps:
             unused = layout.pair_rows - sizes["recv_sizes"]

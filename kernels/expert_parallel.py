@@ -103,7 +103,7 @@ class EPLayout:
     def exchange_block_rows(self) -> tuple[int, ...]:
         """Block sizes, ascending, that the padded dropless exchange chooses from: each step every (source,
         destination) block is padded to the smallest of them that holds the step's largest pair
-        (`dropless_exchange`'s "block_index"), not to the worst case `pair_rows`, which the last one is.
+        (`exchange_block_index`), not to the worst case `pair_rows`, which the last one is.
 
         A source's pairs average T * K / EP rows (more with alignment), so the largest pair is never below
         that: the sizes start there and step by 1/16 of it up to 1.5 times it (balanced routing moves at
@@ -185,10 +185,7 @@ def dropless_exchange(counts_all: Any, rank: Any, layout: EPLayout) -> dict[str,
     * chunk_sizes [EP * L]: the (source rank, local expert) chunks of the receive buffer, source-major (the
       split sizes of the chunk sort); group_sizes [L]: rows per local expert over all sources;
     * return_offsets [EP]: for the reverse exchange (same sizes, swapped), where this rank's rows land in
-      each source rank's send buffer;
-    * block_index (scalar): the padded exchange's block size, an index into `layout.exchange_block_rows`:
-      the smallest block that holds the largest (source, destination) pair of the step. Every rank computes
-      the same value from the same counts, so every rank takes the same branch.
+      each source rank's send buffer.
     """
     ep, local = layout.ep_size, layout.local_experts
     per_dest = counts_all.reshape(ep, ep, local).sum(2)  # [source, destination]
@@ -204,14 +201,17 @@ def dropless_exchange(counts_all: Any, rank: Any, layout: EPLayout) -> dict[str,
         chunk_sizes=mine.reshape(ep * local),
         group_sizes=mine.sum(0),
         return_offsets=_exclusive_cumsum(per_dest, 1)[:, rank],
-        block_index=_smallest_block(per_dest.max(), layout.exchange_block_rows),
     )
 
 
-def _smallest_block(largest_pair: Any, block_rows: tuple[int, ...]) -> Any:
-    """Index of the first of `block_rows` (ascending, the last the worst case) >= largest_pair: the number
-    of sizes below it, as a sum of comparisons so that numpy, JAX and PyTorch scalars all work."""
-    return sum(((largest_pair > size) * 1 for size in block_rows[:-1]), largest_pair * 0)
+def exchange_block_index(counts_all: Any, layout: EPLayout) -> Any:
+    """The padded exchange's block size for `counts_all` [EP, E] (as in `dropless_exchange`): the index into
+    `layout.exchange_block_rows` of the smallest block that holds the largest (source, destination) pair.
+    Every rank computes the same value from the same gathered counts, so every rank takes the same branch.
+    A sum of comparisons with the sizes below the worst case, so that numpy, JAX and PyTorch all run it."""
+    ep = layout.ep_size
+    largest_pair = counts_all.reshape(ep, ep, layout.local_experts).sum(2).max()
+    return sum(((largest_pair > size) * 1 for size in layout.exchange_block_rows[:-1]), largest_pair * 0)
 
 
 def dropped_slots(routed_per_expert: Any, layout: EPLayout) -> Any:

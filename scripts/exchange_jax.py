@@ -50,8 +50,8 @@ def measure_shape(shape, mesh, steps: int) -> None:
 
     from benchmarks.moe_jax import Case, _config, _shard_mapped, median_ms
     from moetriton.jax import token_dispatch
-    from moetriton.jax.moe import dropless_forward, dropless_reverse
-    from moetriton.kernels.expert_parallel import dropless_exchange, ep_layout
+    from moetriton.jax.moe import dropless_forward, dropless_reverse, exchange_sizes
+    from moetriton.kernels.expert_parallel import ep_layout
 
     ep, tok = mesh.shape["ep"], PartitionSpec("ep")
     rows, hidden, num_experts = shape.num_tokens * shape.topk, shape.hidden, shape.num_experts
@@ -84,7 +84,7 @@ def measure_shape(shape, mesh, steps: int) -> None:
         config = replace(base, exchange=exchange)
 
         def both(send, counts, config=config):
-            sizes = dropless_exchange(jax.lax.all_gather(counts, "ep"), jax.lax.axis_index("ep"), layout)
+            sizes = exchange_sizes(jax.lax.all_gather(counts, "ep"), jax.lax.axis_index("ep"), layout)
             recv = dropless_forward(send, sizes, layout, config)
             return dropless_reverse(recv, sizes, layout, config)
 

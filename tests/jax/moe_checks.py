@@ -294,8 +294,7 @@ def _exchange_blocks_round_trips(mesh: Mesh, layout, hidden: int) -> set[int]:
     chosen."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from moetriton.jax.moe import MoEConfig, dropless_forward, dropless_reverse
-    from moetriton.kernels.expert_parallel import dropless_exchange
+    from moetriton.jax.moe import MoEConfig, dropless_forward, dropless_reverse, exchange_sizes
 
     ep = layout.ep_size
     block_rows = layout.exchange_block_rows
@@ -316,7 +315,7 @@ def _exchange_blocks_round_trips(mesh: Mesh, layout, hidden: int) -> set[int]:
     )
 
     def round_trip(send, weights, counts_all):
-        sizes = dropless_exchange(counts_all, jax.lax.axis_index("ep"), layout)
+        sizes = exchange_sizes(counts_all, jax.lax.axis_index("ep"), layout)
 
         def loss(send):
             recv = dropless_forward(send, sizes, layout, config)
