@@ -100,6 +100,30 @@ def test_two_runs_are_bitwise_equal(capacity_factor):
         assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+@pytest.mark.parametrize("layout", ["every_other_row", "transposed"])
+def test_strided_tokens_and_an_expanded_cotangent(layout, capacity_factor):
+    """x a strided view (every other row of a buffer, or [B, S, H] transposed from [S, B, H]) and the loss
+    out.sum(), whose cotangent has stride 0: the dense reference's output and gradients."""
+
+    def view(tokens: torch.Tensor) -> torch.Tensor:
+        return tokens[::2] if layout == "every_other_row" else tokens[:12].reshape(4, 3, H).transpose(0, 1)
+
+    base = _tokens(24)
+    options = dict(topk=2, capacity_factor=capacity_factor, aux_loss_coeff=0.01)
+    losses = {}
+    for name, layer in (("moetriton", mt.moe), ("reference", moe_reference)):
+        leaves = [base.clone().requires_grad_(), *(w.clone().requires_grad_() for w in _weights())]
+        x = view(leaves[0])
+        assert not x.is_contiguous()
+        out, aux_loss, _ = layer(x, *leaves[1:], **options)
+        (out.sum() + aux_loss).backward()
+        losses[name] = (out.detach(), aux_loss.detach(), *(leaf.grad for leaf in leaves))
+    assert losses["moetriton"][0].shape == view(base).shape
+    for got, expected in zip(losses["moetriton"], losses["reference"], strict=True):
+        torch.testing.assert_close(got, expected, **TOLERANCE)
+
+
 def test_all_tokens_on_one_expert_leave_the_others_empty():
     """Dropless: expert 0 takes every token; the empty experts get no rows and exactly zero gradients."""
     x = _tokens(7).abs()
