@@ -5,7 +5,8 @@
 
 Per shape (MOE_LAYER_SHAPES, tokens per GPU as there, EP = every local GPU): the forward exchange then the
 reverse one (dropless_forward + dropless_reverse of moetriton.jax.moe, inside shard_map) for each exchange
-("ragged": jax.lax.ragged_all_to_all; "padded": all_to_all of worst-case blocks), and two chained plain
+("ragged": jax.lax.ragged_all_to_all; "padded": all_to_all of blocks sized to the largest pair, with the
+receiving side's compaction, which the layer skips), and two chained plain
 jax.lax.all_to_all calls of T * K rows per GPU. GB/s = 2 * T * K * H * 2 bytes per GPU over the median
 wall time. XLA reads its flags once per process, and an unknown flag aborts it, hence one subprocess per
 variant. One JSON line per measurement.
