@@ -139,8 +139,8 @@ def _choose_block(block_rows: tuple[int, ...], block_index, branch: Callable[[in
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _send_blocks(shape, buffer, offsets, sizes, block_index):
     """Padded exchange out of a send buffer [N, H] of which rank p gets rows [offsets[p], +sizes[p]):
-    [EP * pair_rows, H], block p holding the rows rank p sent this rank, then zeros. shape = (N, block
-    sizes, EP axis name): the all_to_all moves blocks of block_sizes[block_index] rows (at least every
+    [EP * pair_rows, H], block p holding the rows rank p sent this rank, then zeros. shape = (N,
+    block_rows, EP axis name): the all_to_all moves blocks of block_rows[block_index] rows (at least every
     pair's rows), which the receiver pads to the worst case, the last size."""
     _, block_rows, axis = shape
 
@@ -157,7 +157,7 @@ def _send_blocks(shape, buffer, offsets, sizes, block_index):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _return_blocks(shape, blocks, offsets, sizes, block_index):
-    """Inverse of `_send_blocks`: the first block_sizes[block_index] rows of every block of [EP * pair_rows,
+    """Inverse of `_send_blocks`: the first block_rows[block_index] rows of every block of [EP * pair_rows,
     H] go back to their ranks, which place the first sizes[p] rows of the block they get from rank p at
     offsets[p]: [N, H], zeros elsewhere."""
     num_rows, block_rows, axis = shape

@@ -108,7 +108,7 @@ class EPLayout:
         A source's pairs average T * K / EP rows (more with alignment), so the largest pair is never below
         that: the sizes start there and step by 1/16 of it up to 1.5 times it (balanced routing moves at
         most 1/16 more than its largest pair), then grow by a quarter each up to the worst case (skewed
-        routing, as many choices as the range needs: 11 at EP = 2, 17 at EP = 8 with K >= L)."""
+        routing, as many choices as the range needs: 11 at EP = 2, 14-17 at EP = 8)."""
         worst = self.pair_rows
         mean = min(worst, -(-self.num_tokens * self.topk // self.ep_size))
         if mean == 0:
