@@ -91,7 +91,7 @@ from moetriton.jax.moe import (
     exchange_sizes,
     moe,
 )
-from moetriton.kernels.expert_parallel import ep_layout
+from moetriton.kernels.expert_parallel import EPLayout, ep_layout
 from moetriton.kernels.shapes import MOE_LAYER_SHAPES, MoELayerShape
 
 PEAK_TFLOPS = 790.0  # H100 SXM dense bf16
@@ -382,19 +382,25 @@ def profiled_stage_ms(step, arrays, ep: int) -> tuple[dict[str, float], float]:
     return stages, min(all_to_all) * 1e-3 / PROFILED_STEPS
 
 
+def _layout(case: Case) -> EPLayout:
+    """The moetriton layer's EP layout of one token shard of `case` (dropless)."""
+    shape = case.shape
+    return ep_layout(
+        num_tokens=shape.num_tokens,
+        num_experts=shape.num_experts,
+        topk=shape.topk,
+        ep_size=case.ep,
+        align_size=case.align_size,
+    )
+
+
 def stage_times(case: Case, mesh: Mesh | None, arrays, steps: int) -> dict[str, float]:
     """ms of every stage of the moetriton layer, forward + backward, each jitted on its own (module doc: the
     method where the step cannot be profiled)."""
     config = _config(case, mesh)
     shape = case.shape
     tokens_per_shard = shape.num_tokens
-    layout = ep_layout(
-        num_tokens=tokens_per_shard,
-        num_experts=shape.num_experts,
-        topk=shape.topk,
-        ep_size=case.ep,
-        align_size=case.align_size,
-    )
+    layout = _layout(case)
     tok, rep = PartitionSpec("ep"), PartitionSpec()
     x, gate, gate_up, down = arrays
     x_flat = x.reshape(-1, shape.hidden)
@@ -457,13 +463,7 @@ def moved_rows_ratio(case: Case, mesh: Mesh, arrays) -> float:
     `arrays` (module doc: a2a_moved_ratio)."""
     config = _config(case, mesh)
     shape = case.shape
-    layout = ep_layout(
-        num_tokens=shape.num_tokens,
-        num_experts=shape.num_experts,
-        topk=shape.topk,
-        ep_size=case.ep,
-        align_size=case.align_size,
-    )
+    layout = _layout(case)
     x, gate, _, _ = arrays
 
     def block_index(x_flat, gate):

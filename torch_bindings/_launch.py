@@ -12,7 +12,6 @@ import collections
 import contextlib
 import functools
 import inspect
-import math
 import threading
 
 import torch
@@ -325,7 +324,8 @@ class Executable:
                     "        if t.dim() != 2 or (t.stride(1) != 1 and t.shape[1] > 1):",
                     "            t = t.contiguous()",
                     "        s = t.stride(0)",
-                    f"        k{index} = (t.dtype, t.data_ptr() % 16 == 0, gcd(s, 16), s == 1 or s >= 2**31)",
+                    f"        k{index} = (t.dtype, t.data_ptr() % 16 == 0, alignment(s),"
+                    " s == 1 or s >= 2**31)",
                 ]
             else:
                 lines += [
@@ -374,7 +374,7 @@ class Executable:
             "c": constants,
             "empty": torch.empty,
             "zeros": torch.zeros,
-            "gcd": math.gcd,
+            "alignment": alignment,
             "hooked": _hooked,
         }
         source = "\n".join(lines) + "\n"
