@@ -21,8 +21,9 @@ Rows (one per impl x shape x EP; printed and written to DIR/moe_jax.csv, the log
     so besides both exchanges and their transposes it holds the count all-gather and the psums of the
     routed counts, the aux loss and the replicated gate's gradient (small next to the exchanges), and a
     collective's time includes waiting for its peers. other: everything else, XLA's kernels (the gate
-    matmul x @ gate and its gradients, the activation, casts, the loss, gradient sums), memsets and local
-    copies. `_combine_kernel` serves token_combine's forward and, unweighted, the backward of
+    matmul x @ gate and its gradients, the activation (our `_activate*` kernels), casts, the loss,
+    gradient sums), memsets and local copies; other_top names its OTHER_TOP longest kernels with their ms
+    per GPU and step. `_combine_kernel` serves token_combine's forward and, unweighted, the backward of
     token_dispatch: its name cannot tell the two apart, nor can their order (the loss is linear in the
     output, so XLA may run the forward combine after the backward), so both count as combine and dispatch
     holds its forward kernels only; dispatch + combine, and so routing_share, are exact. A share is the
@@ -79,13 +80,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moetriton.jax import reference_router, token_combine, token_dispatch
+from moetriton.jax.activation import apply_activation
 from moetriton.jax.moe import (
     MoEConfig,
     _expert_major_rows,
     _experts,
     _resolve_exchange,
     _router,
-    apply_activation,
     dropless_forward,
     dropless_reverse,
     exchange_sizes,
@@ -102,6 +103,7 @@ TINY_SHAPES = {
 STAGES = ("router", "dispatch", "all_to_all", "chunk_sorts", "grouped_gemm", "combine")
 ROUTING_STAGES = ("router", "dispatch", "chunk_sorts", "combine")
 PROFILED_STEPS = 3
+OTHER_TOP = 6
 #: Stage of every Triton kernel of moetriton.kernels, by the name it runs under on the GPU (its Python name).
 KERNEL_STAGES = {
     "_topk_forward_kernel": "router",
@@ -141,6 +143,7 @@ COLUMNS = (
     "plain_a2a_gbps",
     "a2a_gbps_least_waiting",
     "a2a_moved_ratio",
+    "other_top",
     "error",
 )
 
@@ -355,10 +358,10 @@ def activity_stage(name: str) -> str:
     return "all_to_all" if COLLECTIVE_ACTIVITY.search(name) else "other"
 
 
-def profiled_stage_ms(step, arrays, ep: int) -> tuple[dict[str, float], float]:
+def profiled_stage_ms(step, arrays, ep: int) -> tuple[dict[str, float], float, str]:
     """(ms per GPU and step of every stage and "other": the summed durations of their GPU activities over
     PROFILED_STEPS runs of the compiled `step` on `ep` GPUs (module doc); the all-to-all ms per step of the
-    GPU with the least)."""
+    GPU with the least; the OTHER_TOP longest kernels of "other" as "name:ms ...", ms per GPU and step)."""
     from .timing import gpu_activities_by_device  # imports torch: only where CUDA profiles
 
     def runs() -> None:
@@ -372,14 +375,21 @@ def profiled_stage_ms(step, arrays, ep: int) -> tuple[dict[str, float], float]:
             " records them through a CUDA build of torch)"
         )
     totals = dict.fromkeys((*STAGES, "other"), 0.0)
+    other: dict[str, float] = {}
     all_to_all = []
     for activities in by_device.values():
         device_all_to_all = totals["all_to_all"]
         for name, start, end in activities:
-            totals[activity_stage(name)] += end - start
+            stage = activity_stage(name)
+            totals[stage] += end - start
+            if stage == "other":
+                other[name] = other.get(name, 0.0) + end - start
         all_to_all.append(totals["all_to_all"] - device_all_to_all)
-    stages = {stage: micros * 1e-3 / (ep * PROFILED_STEPS) for stage, micros in totals.items()}
-    return stages, min(all_to_all) * 1e-3 / PROFILED_STEPS
+    per_step = 1e-3 / (ep * PROFILED_STEPS)
+    stages = {stage: micros * per_step for stage, micros in totals.items()}
+    longest = sorted(other.items(), key=lambda item: -item[1])[:OTHER_TOP]
+    other_top = " ".join(f"{name[:48].replace(' ', '_')}:{micros * per_step:.3f}" for name, micros in longest)
+    return stages, min(all_to_all) * 1e-3 / PROFILED_STEPS, other_top
 
 
 def _layout(case: Case) -> EPLayout:
@@ -518,7 +528,7 @@ def measure(impl: str, case: Case, steps: int) -> dict:
     gemm_ms = step_ms
     if impl == "moetriton":
         if jax.default_backend() == "gpu":
-            stages, least_all_to_all_ms = profiled_stage_ms(step, arrays, case.ep)
+            stages, least_all_to_all_ms, row["other_top"] = profiled_stage_ms(step, arrays, case.ep)
             share_denominator_ms = sum(stages.values())
             row["gpu_busy_ms"] = _significant(share_denominator_ms)
             row["stage_method"] = f"CUPTI profile of {PROFILED_STEPS} steps"

@@ -10,6 +10,7 @@ module lives in `moetriton.jax.flax`, the only module that imports flax. Never i
 """
 
 from . import reference, reference_router
+from .activation import grouped_activation
 from .api import sort_chunks_by_index, token_combine, token_dispatch
 from .grouped_gemm import grouped_matmul
 from .moe import moe
@@ -19,6 +20,7 @@ __all__ = [
     "fused_compute_score_for_moe_aux_loss",
     "fused_moe_aux_loss",
     "fused_topk_with_score_function",
+    "grouped_activation",
     "grouped_matmul",
     "moe",
     "reference",

@@ -20,7 +20,8 @@ from jax.sharding import Mesh
 
 from moetriton.kernels.expert_parallel import gate_up_width
 
-from .moe import ACTIVATIONS, moe
+from .activation import ACTIVATIONS
+from .moe import moe
 
 #: Logical axis -> mesh axis for the default layout (experts over "ep", everything else replicated).
 DEFAULT_LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (

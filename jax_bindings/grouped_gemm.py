@@ -8,6 +8,8 @@ TRITON_INTERPRET=1) and falls back to ragged_dot where neither runs. Never impor
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -31,11 +33,12 @@ def _sizes(lhs: jax.Array, rhs: jax.Array, transposed: bool = False) -> dict[str
     )
 
 
-def _forward(lhs, rhs, group_sizes, lhs_rows, out_rows, transpose_rhs: bool) -> jax.Array:
+def _forward(lhs, rhs, group_sizes, lhs_rows, out_rows, transpose_rhs: bool, zero_tail: bool) -> jax.Array:
     plan = kernels.grouped_matmul_plan(
         transpose_rhs=transpose_rhs,
         gather_lhs=lhs_rows is not None,
         scatter_out=out_rows is not None,
+        zero_tail=zero_tail,
         **_sizes(lhs, rhs, transpose_rhs),
     )
     inputs = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes, lhs_rows=lhs_rows, out_rows=out_rows)
@@ -43,22 +46,24 @@ def _forward(lhs, rhs, group_sizes, lhs_rows, out_rows, transpose_rhs: bool) -> 
     return out
 
 
-@jax.custom_vjp
-def _grouped_matmul(lhs, rhs, group_sizes, lhs_rows, out_rows) -> jax.Array:
-    return _forward(lhs, rhs, group_sizes, lhs_rows, out_rows, transpose_rhs=False)
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _grouped_matmul(lhs, rhs, group_sizes, lhs_rows, out_rows, zero_tail: bool) -> jax.Array:
+    return _forward(lhs, rhs, group_sizes, lhs_rows, out_rows, transpose_rhs=False, zero_tail=zero_tail)
 
 
-def _grouped_matmul_fwd(lhs, rhs, group_sizes, lhs_rows, out_rows):
-    out = _grouped_matmul(lhs, rhs, group_sizes, lhs_rows, out_rows)
+def _grouped_matmul_fwd(lhs, rhs, group_sizes, lhs_rows, out_rows, zero_tail):
+    out = _grouped_matmul(lhs, rhs, group_sizes, lhs_rows, out_rows, zero_tail)
     return out, (lhs, rhs, group_sizes, lhs_rows, out_rows)
 
 
-def _grouped_matmul_bwd(residuals, grad):
+def _grouped_matmul_bwd(zero_tail, residuals, grad):
     lhs, rhs, group_sizes, lhs_rows, out_rows = residuals
     grad = grad.astype(lhs.dtype)
     # Row i of the product came from lhs[lhs_rows[i]] and went to out[out_rows[i]]: its input gradient reads
-    # grad[out_rows[i]] and goes back to lhs_rows[i], the permutations swapped.
-    grad_lhs = _forward(grad, rhs, group_sizes, out_rows, lhs_rows, transpose_rhs=True)
+    # grad[out_rows[i]] and goes back to lhs_rows[i], the permutations swapped. The rows of lhs outside the
+    # groups get zeros, or nothing without zero_tail (a caller that never reads those rows of the product
+    # never reads their gradient either).
+    grad_lhs = _forward(grad, rhs, group_sizes, out_rows, lhs_rows, transpose_rhs=True, zero_tail=zero_tail)
     plan = kernels.grouped_matmul_wgrad_plan(
         gather_lhs=lhs_rows is not None, gather_grad=out_rows is not None, **_sizes(lhs, rhs)
     )
@@ -87,6 +92,7 @@ def grouped_matmul(
     *,
     lhs_rows: jax.Array | None = None,
     out_rows: jax.Array | None = None,
+    zero_tail: bool = True,
 ) -> jax.Array:
     """Grouped GEMM: the rows of `lhs`, split into consecutive groups of `group_sizes` rows, each times its
     group's matrix (`jax.lax.ragged_dot(lhs, rhs, group_sizes)` with the result in the input dtype),
@@ -103,11 +109,15 @@ def grouped_matmul(
             out[out_rows[i]]. With both, out[out_rows] = ragged_dot(lhs[lhs_rows], rhs, group_sizes).
             Entries are clipped into [0, M); anything but a permutation gives unspecified rows (never an
             access out of bounds). Neither gets a gradient.
+        zero_tail: False leaves the rows of the product past sum(group_sizes) (and in the gradient, the
+            rows of lhs they read) unwritten where the kernels run: unspecified values, for callers that
+            never read them (the MoE layer's worst-case buffers), which saves their writes. The reference
+            (ragged_dot) path writes zeros either way.
 
     Returns:
         [M, N] in lhs's dtype, accumulated in fp32 (fp32 inputs are multiplied in IEEE fp32, not TF32).
-        Rows past sum(group_sizes) are zero. Differentiable in lhs and rhs (the weight gradient of an empty
-        group is zero); group_sizes gets no gradient.
+        Rows past sum(group_sizes) are zero (see zero_tail). Differentiable in lhs and rhs (the weight
+        gradient of an empty group is zero); group_sizes gets no gradient.
 
     On a GPU the Triton kernels run through jax-triton, one device's operands per call (inside `shard_map`
     for sharded operands); under TRITON_INTERPRET=1 they are interpreted; elsewhere ragged_dot runs.
@@ -132,4 +142,4 @@ def grouped_matmul(
     lhs_rows, out_rows = (None if rows is None else rows.astype(jnp.int32) for rows in (lhs_rows, out_rows))
     if not uses_kernels():
         return _permuted_ragged_dot(lhs, rhs, group_sizes, lhs_rows, out_rows)
-    return _grouped_matmul(lhs, rhs, group_sizes, lhs_rows, out_rows)
+    return _grouped_matmul(lhs, rhs, group_sizes, lhs_rows, out_rows, bool(zero_tail))

@@ -53,30 +53,13 @@ from moetriton.kernels.expert_parallel import (
     exchange_block_index,
 )
 
+from .activation import ACTIVATIONS, grouped_activation
 from .api import sort_chunks_by_index, token_combine, token_dispatch
 from .grouped_gemm import grouped_matmul
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 
-#: activation name -> its function (applied to the gate half when the activation is gated: GATED_ACTIVATIONS).
-ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "swiglu": jax.nn.silu,
-    "geglu": partial(jax.nn.gelu, approximate=False),
-    "gelu": partial(jax.nn.gelu, approximate=False),
-    "relu": jax.nn.relu,
-}
 EXCHANGES = ("auto", "ragged", "padded")
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
-
-
-def apply_activation(h: jax.Array, activation: str) -> jax.Array:
-    """The expert MLP's activation on the first GEMM's output h [N, 2F] (gated) or [N, F]; math in fp32,
-    result in h.dtype. Zero rows give zero rows (padding stays inert)."""
-    function = ACTIVATIONS[activation]
-    h32 = h.astype(jnp.float32)
-    if GATED_ACTIVATIONS[activation]:
-        ffn = h.shape[-1] // 2
-        return (function(h32[..., :ffn]) * h32[..., ffn:]).astype(h.dtype)
-    return function(h32).astype(h.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,11 +231,15 @@ def _experts(
     rows: jax.Array, group_sizes: jax.Array, gate_up, down, config: MoEConfig, order: jax.Array | None = None
 ) -> jax.Array:
     """Grouped expert MLP on rows [N, H] with group_sizes [L]: expert-major rows, or rows[order] expert-major
-    (order [N]: a row permutation), the result in the rows' order. Rows past the groups give zeros."""
+    (order [N]: a row permutation), the result in the rows' order. Rows past the groups are left
+    unspecified, forward and backward: every caller's buffer is sized for a worst case (up to EP times the
+    routed rows) and reads back only the groups' rows, so no kernel streams the tail."""
     dtype = jnp.dtype(config.dtype)
-    hidden = grouped_matmul(rows.astype(dtype), gate_up.astype(dtype), group_sizes, lhs_rows=order)
-    act = apply_activation(hidden, config.activation)
-    return grouped_matmul(act, down.astype(dtype), group_sizes, out_rows=order)
+    hidden = grouped_matmul(
+        rows.astype(dtype), gate_up.astype(dtype), group_sizes, lhs_rows=order, zero_tail=False
+    )
+    act = grouped_activation(hidden, group_sizes, config.activation)
+    return grouped_matmul(act, down.astype(dtype), group_sizes, out_rows=order, zero_tail=False)
 
 
 def _expert_major_rows(chunk_sizes: jax.Array, layout: EPLayout, gaps: bool, rows: int) -> jax.Array:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from moetriton.kernels.expert_parallel import ep_layout
 
 from . import reference_router
-from .moe import apply_activation
+from .activation import apply_activation
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -64,16 +64,26 @@ def _pick(values, groups, group):
 def _gather_rows_kernel(
     inp_ptr,  # [M, W] rows, moved as raw bits
     rows_ptr,  # [M] integer: row i of the output is inp[rows[i]], clipped into [0, M)
+    group_sizes_ptr,  # [E] integer: only rows below sum(group_sizes) are copied
     num_rows,
     out_ptr,  # [M, W]
     WIDTH: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUPS_POW2: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
-    """out[i] = inp[clip(rows[i], 0, M - 1)]. Grid (cdiv(M, BLOCK_ROWS), cdiv(W, BLOCK_COLS)): program
-    (b, c) copies columns [c*BLOCK_COLS, (c+1)*BLOCK_COLS) of output rows [b*BLOCK_ROWS, (b+1)*BLOCK_ROWS)."""
-    out_rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    rmask = out_rows < num_rows
+    """out[i] = inp[clip(rows[i], 0, M - 1)] for i < sum(group_sizes) (clipped to M), the only rows the
+    weight-gradient kernel reads; later rows are not written. Grid (cdiv(M, BLOCK_ROWS), cdiv(W,
+    BLOCK_COLS)): program (b, c) copies columns [c*BLOCK_COLS, (c+1)*BLOCK_COLS) of output rows
+    [b*BLOCK_ROWS, (b+1)*BLOCK_ROWS); a block wholly past the groups exits."""
+    _, _, sizes = _group_bounds(group_sizes_ptr, num_rows, NUM_GROUPS, GROUPS_POW2)
+    group_rows = tl.sum(sizes, axis=0)
+    first = tl.program_id(0) * BLOCK_ROWS
+    if first >= group_rows:
+        return
+    out_rows = first + tl.arange(0, BLOCK_ROWS)
+    rmask = out_rows < group_rows
     src_rows = _permuted(rows_ptr, out_rows, rmask, num_rows, True).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     mask = rmask[:, None] & (cols[None, :] < WIDTH)
@@ -103,6 +113,7 @@ def _grouped_matmul_kernel(
     BLOCK_K: tl.constexpr,
     SWIZZLE: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    ZERO_TAIL: tl.constexpr,
 ):
     """out[rows of g] = lhs[rows of g] @ rhs[g], rows through lhs_rows / out_rows where GATHER_LHS /
     SCATTER_OUT. Grid ((cdiv(M, BLOCK_M) + E) * cdiv(N, BLOCK_N),).
@@ -110,7 +121,8 @@ def _grouped_matmul_kernel(
     Program p owns row tile m and column tile n (SWIZZLE row tiles walk the column tiles together, so
     their weight tiles are read from L2). Row tiles are numbered group by group, each group starting a new
     tile; tile m of group g covers rows [start_g + i * BLOCK_M, min(.. + BLOCK_M, end_g)). Tiles past the
-    groups' tiles zero the rows past sum(group_sizes); programs past those exit.
+    groups' tiles zero the rows past sum(group_sizes) where ZERO_TAIL (else leave them unwritten); programs
+    past those exit.
     """
     pid = tl.program_id(0)
     col_tiles: tl.constexpr = (NUM_COLS + BLOCK_N - 1) // BLOCK_N
@@ -128,12 +140,14 @@ def _grouped_matmul_kernel(
     col_mask = cols < NUM_COLS
     if group >= NUM_GROUPS:
         first = tl.sum(sizes, axis=0) + (row_tile - tl.sum(tiles, axis=0)) * BLOCK_M
-        if first < num_rows:
-            rows = first + tl.arange(0, BLOCK_M)
-            out_rows = _permuted(out_rows_ptr, rows, rows < num_rows, num_rows, SCATTER_OUT)
-            zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
-            mask = (rows < num_rows)[:, None] & col_mask[None, :]
-            tl.store(out_ptr + out_rows.to(tl.int64)[:, None] * NUM_COLS + cols[None, :], zeros, mask=mask)
+        if ZERO_TAIL:
+            if first < num_rows:
+                rows = first + tl.arange(0, BLOCK_M)
+                out_rows = _permuted(out_rows_ptr, rows, rows < num_rows, num_rows, SCATTER_OUT)
+                zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
+                mask = (rows < num_rows)[:, None] & col_mask[None, :]
+                out = out_ptr + out_rows.to(tl.int64)[:, None] * NUM_COLS + cols[None, :]
+                tl.store(out, zeros, mask=mask)
         return
     start = _pick(starts, groups, group)
     end = start + _pick(sizes, groups, group)
@@ -304,12 +318,16 @@ def grouped_matmul_plan(
     transpose_rhs: bool = False,
     gather_lhs: bool = False,
     scatter_out: bool = False,
+    zero_tail: bool = True,
     device: DeviceInfo = DEFAULT_DEVICE,
     config: Mapping[str, int] | None = None,
 ) -> Plan:
     """out = ragged_dot(lhs, rhs, group_sizes): the forward GEMMs, and with `transpose_rhs` the input
     gradient (rhs [E, N, K] read as its transpose [E, K, N]). With `gather_lhs` row i of the product reads
     lhs[lhs_rows[i]]; with `scatter_out` it is written to out[out_rows[i]] (permutations of [0, M)).
+    Rows of the product past sum(group_sizes) are zeros, or left unwritten (unspecified) without
+    `zero_tail`: callers that never read them (the MoE layers' worst-case receive buffers, about half
+    tail at EP = 2) skip those writes.
 
     Inputs: "lhs" [M, K], "rhs" [E, K, N] (or [E, N, K] with `transpose_rhs`), "group_sizes" [E] int32,
     "lhs_rows" / "out_rows" [M] int32 where asked for (None otherwise).
@@ -345,20 +363,29 @@ def grouped_matmul_plan(
         RHS_N_STRIDE=rhs_strides[1],
         GATHER_LHS=gather_lhs,
         SCATTER_OUT=scatter_out,
+        ZERO_TAIL=zero_tail,
     )
     return Plan(buffers, (launch,), ("out",))
 
 
-def _gather_launch(source: str, rows: str, gathered: str, num_rows: int, width: int, element_bytes: int):
-    """The copy gathered[i] = source[rows[i]] of [M, W] rows: 16 KiB of columns by 4 rows per program
-    (a plain streaming copy; the chunk sort's tuned configs for these widths are in the same range)."""
+def _gather_launch(source: str, rows: str, gathered: str, sizes: dict, width: int):
+    """The copy gathered[i] = source[rows[i]] of the groups' rows of [M, W]: 16 KiB of columns by 4 rows
+    per program (a plain streaming copy; the chunk sort's tuned configs for these widths are in the same
+    range)."""
+    num_rows, num_groups, element_bytes = sizes["num_rows"], sizes["num_groups"], sizes["element_bytes"]
     block_cols = max(16, min(next_pow2(width), 16384 // element_bytes))
     return Launch(
         kernel=_gather_rows_kernel,
         grid=(cdiv(num_rows, 4), cdiv(width, block_cols)),
-        args=(source, rows, num_rows),
+        args=(source, rows, "group_sizes", num_rows),
         outputs=(gathered,),
-        constexprs=dict(WIDTH=width, BLOCK_ROWS=4, BLOCK_COLS=block_cols),
+        constexprs=dict(
+            WIDTH=width,
+            NUM_GROUPS=num_groups,
+            GROUPS_POW2=next_pow2(num_groups),
+            BLOCK_ROWS=4,
+            BLOCK_COLS=block_cols,
+        ),
         num_warps=4,
     )
 
@@ -378,13 +405,17 @@ def grouped_matmul_wgrad_plan(
 ) -> Plan:
     """The weight gradient of ragged_dot: out[g] = lhs[rows of g]^T @ grad[rows of g]. With `gather_lhs`
     (`gather_grad`) row i of the product reads lhs[lhs_rows[i]] (grad[out_rows[i]]): the gradient of
-    grouped_matmul_plan's product with those permutations, each operand gathered by one copy first.
+    grouped_matmul_plan's product with those permutations, each operand gathered by one copy first (the
+    groups' rows only: the kernel reads nothing else).
 
     Inputs: "lhs" [M, K], "grad" [M, N], "group_sizes" [E] int32, "lhs_rows" / "out_rows" [M] int32 where
     asked for (None otherwise). Result: "out" [E, K, N] in the dtype of lhs (element_bytes wide); empty
     groups get zeros.
     """
     _check(num_rows, depth, num_cols, num_groups, element_bytes)
+    sizes = dict(
+        num_rows=num_rows, depth=depth, num_cols=num_cols, num_groups=num_groups, element_bytes=element_bytes
+    )
     features = dict(rows_per_group=cdiv(num_rows, num_groups), depth=depth, num_cols=num_cols)
     heuristic = dict(block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=3)  # H100 sweep's best
     cfg = autotune.resolve(GROUPED_MATMUL_WGRAD_SPACE, heuristic, config, features, device)
@@ -401,7 +432,7 @@ def grouped_matmul_wgrad_plan(
             return source
         gathered = f"gathered_{source}"
         buffers[gathered] = Buffer((num_rows, width), f"like:{source}")
-        gathers.append(_gather_launch(source, rows, gathered, num_rows, width, element_bytes))
+        gathers.append(_gather_launch(source, rows, gathered, sizes, width))
         return gathered
 
     lhs = operand(gather_lhs, "lhs", "lhs_rows", depth)
@@ -410,7 +441,7 @@ def grouped_matmul_wgrad_plan(
         _grouped_matmul_wgrad_kernel,
         num_groups * cdiv(depth, cfg["block_k"]) * cdiv(num_cols, cfg["block_n"]),
         (lhs, grad, "group_sizes", num_rows),
-        dict(num_cols=num_cols, depth=depth, num_groups=num_groups, element_bytes=element_bytes),
+        sizes,
         cfg,
     )
     return Plan(buffers, (*gathers, launch), ("out",))

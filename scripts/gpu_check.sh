@@ -7,8 +7,9 @@
 # exchange: the layers' dropless row exchanges alone beside plain all-to-alls (scripts/exchange_jax.py,
 # under several XLA_FLAGS unless EXCHANGE_ARGS=--one; scripts/exchange_torch.py under torchrun; 2 GPUs). moe1: the MoE layer examples and layer-step benchmarks on one GPU; moe2: the same with EP = 2 on two GPUs
 # (torchrun for PyTorch, one process for JAX); their logs and CSVs come back as $OUT/moe.tar.
-# moeab: the JAX layer's EP = 2 step (benchmarks.moe_jax) of this package and of another one (MOE_AB_BASELINE, a
-# carried package folder), alternated MOE_AB_ROUNDS times (2 GPUs); lines in $OUT/moeab.log, CSVs in $OUT/moeab/.
+# moeab: the JAX layer's step (benchmarks.moe_jax, EP = MOE_AB_EP, default 2 on 2 GPUs) of this package and of
+# another one (MOE_AB_BASELINE, a carried package folder), alternated MOE_AB_ROUNDS times; lines in $OUT/moeab.log,
+# CSVs in $OUT/moeab/.
 # ab: same-process A/B of the permutation kernels against another version of kernels/permutation.py
 # (AB_BASELINE, a carried file; AB_ARGS), table as $OUT/ab.csv.
 # usecache copies what autotune wrote into the installed package, so later stages of the same call run with
@@ -95,7 +96,7 @@ for stage in $stages; do
               --target /tmp/site_base "$MOE_AB_BASELINE" > "$OUT/moeab_setup.log" 2>&1
             for round in $(seq ${MOE_AB_ROUNDS:-2}); do for site in /tmp/site /tmp/site_base; do
               PYTHONPATH=$site:/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOE_AB_TIMEOUT:-150} \
-                python3 -m benchmarks.moe_jax --ep 2 --impl moetriton --out "$OUT/moeab/${site#/tmp/}_$round" \
+                python3 -m benchmarks.moe_jax --ep ${MOE_AB_EP:-2} --impl moetriton --out "$OUT/moeab/${site#/tmp/}_$round" \
                 ${MOE_AB_ARGS:-} 2>&1 | grep "^impl=\|Error" | sed "s|^|${site#/tmp/} $round: |"
             done; done | tee "$OUT/moeab.log") ;;
   esac

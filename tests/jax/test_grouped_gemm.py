@@ -145,6 +145,33 @@ def test_row_permutations(rows, depth, cols, sizes, dtype, sides):
         _assert_close(got, want, f"{name}, {sides}")
 
 
+@pytest.mark.parametrize("sides", ["none", "lhs", "out", "both"])
+def test_zero_tail_off_keeps_every_row_of_the_groups(sides):
+    """zero_tail=False (the MoE layer's): the product's rows of the groups, the input gradient of the lhs
+    rows they read and the weight gradient are those of the default; rows past the groups are
+    unspecified, so they are not compared."""
+    rows, sizes = 90, [20, 0, 33]
+    lhs, rhs, group_sizes, grad = _problem(rows, 24, 40, sizes, "bfloat16", seed=13)
+    rng = np.random.default_rng(5)
+    lhs_rows = jnp.asarray(rng.permutation(rows), jnp.int32) if sides in ("lhs", "both") else None
+    out_rows = jnp.asarray(rng.permutation(rows), jnp.int32) if sides in ("out", "both") else None
+
+    def product(a, b):
+        return grouped_matmul(a, b, group_sizes, lhs_rows=lhs_rows, out_rows=out_rows, zero_tail=False)
+
+    out, vjp = jax.jit(lambda a, b: jax.vjp(product, a, b))(lhs, rhs)
+    grad_lhs, grad_rhs = vjp(grad)
+    expected_out, expected_grad_lhs, expected_grad_rhs = _permuted_reference(
+        lhs, rhs, group_sizes, grad, lhs_rows, out_rows
+    )
+    in_groups = np.arange(sum(sizes))
+    written = in_groups if out_rows is None else np.asarray(out_rows)[in_groups]
+    read = in_groups if lhs_rows is None else np.asarray(lhs_rows)[in_groups]
+    _assert_close(np.asarray(out)[written], expected_out[written], "out")
+    _assert_close(np.asarray(grad_lhs)[read], expected_grad_lhs[read], "grad_lhs")
+    _assert_close(grad_rhs, expected_grad_rhs, "grad_rhs")
+
+
 def test_row_permutations_take_narrow_integers_and_stay_in_bounds():
     """int16 permutations are accepted; out-of-range entries are clipped (wrong rows, never a fault), in
     the product and in the weight gradient's gathers."""

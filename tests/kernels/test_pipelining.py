@@ -13,18 +13,17 @@ in the loop leaves in flight). The kernel is compiled in a child process without
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-_POINTERS = ("lhs_ptr", "rhs_ptr", "group_sizes_ptr", "lhs_rows_ptr", "out_rows_ptr", "out_ptr")
+from ._compile import compile_sm90, in_child
+
+_POINTERS = {"lhs_ptr": "*bf16", "rhs_ptr": "*bf16", "out_ptr": "*bf16"}
+_POINTERS.update(group_sizes_ptr="*i32", lhs_rows_ptr="*i32", out_rows_ptr="*i32")
 _PRODUCT = dict(
     NUM_GROUPS=8, GROUPS_POW2=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, SWIZZLE=8, FP32_DOT=False,
-    NUM_COLS=4096, DEPTH=7168, RHS_K_STRIDE=4096, RHS_N_STRIDE=1,
+    NUM_COLS=4096, DEPTH=7168, RHS_K_STRIDE=4096, RHS_N_STRIDE=1, ZERO_TAIL=True,
 )  # fmt: skip
 _PAIRS = [(False, False), (True, False), (False, True), (True, True)]
 
@@ -32,26 +31,7 @@ _PAIRS = [(False, False), (True, False), (False, True), (True, True)]
 def _pipeline(kernel, constexprs: dict, num_stages: int) -> list[list[int]]:
     """[buffers of each bf16 tile in shared memory, copies left in flight by each wait inside the loop] in
     the TTGIR of `kernel` compiled for sm_90."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = kernel.arg_names
-    signature = {}
-    for name in names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in _POINTERS:
-            signature[name] = "*i32" if name.endswith("rows_ptr") or name == "group_sizes_ptr" else "*bf16"
-        else:
-            signature[name] = "i32"
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name in _POINTERS}
-    compiled = triton.compile(
-        ASTSource(kernel, signature, constexprs, aligned),
-        target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=8, num_stages=num_stages),
-    )
-    ttgir = compiled.asm["ttgir"]
+    ttgir = compile_sm90(kernel, constexprs, _POINTERS, num_warps=8, num_stages=num_stages).asm["ttgir"]
     loop = ttgir[ttgir.index("scf.for") : ttgir.index("scf.yield")]
     return [
         [int(n) for n in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+xbf16", ttgir)],
@@ -72,20 +52,7 @@ def _compile_all() -> None:
 
 @pytest.fixture(scope="module")
 def pipelines() -> dict:
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    child = subprocess.run(
-        [sys.executable, "-c", "from tests.kernels.test_pipelining import _compile_all; _compile_all()"],
-        cwd=Path(__file__).resolve().parents[2],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if child.returncode != 0:
-        if "GPUTarget" in child.stderr or "backend" in child.stderr.lower():
-            pytest.skip(f"cannot compile for sm_90 here: {child.stderr.strip().splitlines()[-1]}"[:200])
-        raise AssertionError(child.stderr[-3000:])
-    results = json.loads(child.stdout.strip().splitlines()[-1])
+    results = in_child("tests.kernels.test_pipelining:_compile_all")
     return dict(zip(_PAIRS, results, strict=True))
 
 

@@ -1,0 +1,106 @@
+"""The expert MLP's activation for JAX: `apply_activation` (XLA, every row) and `grouped_activation` (the
+rows of the groups only, on moetriton.kernels.activation's Triton kernels). Never imports torch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from moetriton.kernels.activation import activation_backward_plan, activation_plan
+from moetriton.kernels.expert_parallel import GATED_ACTIVATIONS
+
+from ._launch import device_info, run_plan, uses_kernels
+
+#: activation name -> its function (applied to the gate half when the activation is gated: GATED_ACTIVATIONS).
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "swiglu": jax.nn.silu,
+    "geglu": partial(jax.nn.gelu, approximate=False),
+    "gelu": partial(jax.nn.gelu, approximate=False),
+    "relu": jax.nn.relu,
+}
+
+
+def apply_activation(h: jax.Array, activation: str) -> jax.Array:
+    """The expert MLP's activation on the first GEMM's output h [N, 2F] (gated) or [N, F]; math in fp32,
+    result in h.dtype. Zero rows give zero rows (padding stays inert)."""
+    function = ACTIVATIONS[activation]
+    h32 = h.astype(jnp.float32)
+    if GATED_ACTIVATIONS[activation]:
+        ffn = h.shape[-1] // 2
+        return (function(h32[..., :ffn]) * h32[..., ffn:]).astype(h.dtype)
+    return function(h32).astype(h.dtype)
+
+
+def _sizes(hidden: jax.Array, group_sizes: jax.Array, activation: str) -> dict:
+    return dict(
+        activation=activation,
+        num_rows=hidden.shape[0],
+        width=hidden.shape[1],
+        num_groups=group_sizes.shape[0],
+        element_bytes=jnp.dtype(hidden.dtype).itemsize,
+        device=device_info(),
+    )
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _grouped_activation(hidden, group_sizes, activation: str) -> jax.Array:
+    plan = activation_plan(**_sizes(hidden, group_sizes, activation))
+    (out,) = run_plan(plan, dict(hidden=hidden, group_sizes=group_sizes))
+    return out
+
+
+def _grouped_activation_fwd(hidden, group_sizes, activation):
+    return _grouped_activation(hidden, group_sizes, activation), (hidden, group_sizes)
+
+
+def _grouped_activation_bwd(activation, residuals, grad):
+    hidden, group_sizes = residuals
+    plan = activation_backward_plan(**_sizes(hidden, group_sizes, activation))
+    inputs = dict(hidden=hidden, grad=grad.astype(hidden.dtype), group_sizes=group_sizes)
+    (grad_hidden,) = run_plan(plan, inputs)
+    return grad_hidden, None
+
+
+_grouped_activation.defvjp(_grouped_activation_fwd, _grouped_activation_bwd)
+
+
+def grouped_activation(hidden: jax.Array, group_sizes: jax.Array, activation: str) -> jax.Array:
+    """`apply_activation` on the rows below sum(group_sizes) only, for buffers sized for a worst case whose
+    tail nobody reads (the MoE layer's; pair it with `grouped_matmul(..., zero_tail=False)`).
+
+    Args:
+        hidden: [M, 2F] ([gate | up]) for "swiglu" / "geglu", [M, F] for "gelu" / "relu"; bfloat16, float16
+            or float32.
+        group_sizes: [E] integer, read on the device: rows [0, sum(group_sizes)) (clipped to M) are the
+            groups' rows.
+        activation: "swiglu", "geglu", "gelu" (exact, erf) or "relu".
+
+    Returns:
+        [M, F] in hidden's dtype, math in fp32. Where the kernels run (GPU, TRITON_INTERPRET=1) the rows at
+        and past sum(group_sizes) are not written (unspecified), in the output and in the gradient; the
+        XLA path elsewhere computes every row. Differentiable in hidden.
+
+    Example:
+        >>> hidden = jnp.ones((6, 8), jnp.bfloat16)
+        >>> grouped_activation(hidden, jnp.array([2, 3]), "swiglu").shape  # rows 0-4 computed
+        (6, 4)
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {tuple(ACTIVATIONS)}, got {activation!r}")
+    if hidden.ndim != 2 or group_sizes.ndim != 1:
+        raise ValueError(
+            "grouped_activation: expected hidden [M, W] and group_sizes [E], got shapes"
+            f" {tuple(hidden.shape)} and {tuple(group_sizes.shape)}"
+        )
+    if hidden.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise ValueError(f"hidden: expected bfloat16, float16 or float32, got {hidden.dtype}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes: expected an integer dtype, got {group_sizes.dtype}")
+    if GATED_ACTIVATIONS[activation] and hidden.shape[1] % 2:
+        raise ValueError(f"hidden: expected an even width 2F for {activation!r}, got {hidden.shape[1]}")
+    if not uses_kernels() or group_sizes.shape[0] == 0:
+        return apply_activation(hidden, activation)
+    return _grouped_activation(hidden, group_sizes.astype(jnp.int32), activation)

@@ -1,0 +1,225 @@
+"""The expert MLP's activation between the two grouped GEMMs, on the rows of the groups only.
+
+The expert-parallel layers size their receive buffers for the worst case (every routed slot of every peer on
+one rank: twice the routed rows at EP = 2), so the first GEMM's output [M, 2F] holds sum(group_sizes) rows
+of data and a tail nobody reads. An elementwise XLA or PyTorch activation streams all M rows, forward and
+backward; these kernels read `group_sizes` on the device and touch the groups' rows only. Rows at and past
+sum(group_sizes) (clipped to M) are not written: their values are unspecified, which is what the grouped
+GEMMs' callers that skip the tail (`zero_tail=False`) can use, since those GEMMs never read them.
+
+Activations (kernels/expert_parallel.py's GATED_ACTIVATIONS decides which are gated): "swiglu" silu(gate) * up
+and "geglu" gelu(gate) * up on [M, 2F] = [gate | up], "gelu" and "relu" on [M, F]; gelu is the exact (erf)
+one. Math in fp32, results rounded once to the input dtype, as the frameworks' fp32 references do.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, cached, cdiv, next_pow2
+from .expert_parallel import GATED_ACTIVATIONS
+
+#: The function of every activation (the gated ones' on their gate half), as the kernels' FUNCTION constexpr.
+_FUNCTIONS = {"swiglu": 0, "geglu": 1, "gelu": 1, "relu": 2}
+_SQRT_HALF = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+
+
+@triton.jit
+def _function(x, FUNCTION: tl.constexpr):
+    """(f(x), f'(x)) in fp32 of FUNCTION: 0 silu, 1 exact gelu, 2 relu."""
+    if FUNCTION == 0:
+        sigmoid = tl.sigmoid(x)
+        return x * sigmoid, sigmoid * (1.0 + x * (1.0 - sigmoid))
+    elif FUNCTION == 1:
+        cdf = 0.5 * (1.0 + tl.math.erf(x * _SQRT_HALF))
+        return x * cdf, cdf + x * _INV_SQRT_2PI * tl.exp(-0.5 * x * x)
+    else:
+        return tl.maximum(x, 0.0), (x > 0.0).to(tl.float32)
+
+
+@triton.jit
+def _block(
+    group_sizes_ptr,
+    num_rows,
+    FFN: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUPS_POW2: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    """This program's rows [BLOCK_ROWS] (int64) and columns [BLOCK_COLS] of [M, F], the mask of those inside
+    the groups' rows (sum(group_sizes), sizes taken as >= 0, clipped to M) and F, and whether any row is."""
+    groups = tl.arange(0, GROUPS_POW2)
+    sizes = tl.load(group_sizes_ptr + groups, mask=groups < NUM_GROUPS, other=0).to(tl.int32)
+    valid_rows = tl.minimum(tl.sum(tl.maximum(sizes, 0), axis=0), num_rows)
+    first = tl.program_id(0) * BLOCK_ROWS
+    rows = (first + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (rows < valid_rows)[:, None] & (cols < FFN)[None, :]
+    return rows, cols, mask, first < valid_rows
+
+
+@triton.jit
+def _activate_kernel(
+    hidden_ptr,  # [M, W]: W = 2F ([gate | up]) where GATED, else F
+    group_sizes_ptr,  # [E] integer
+    num_rows,  # M
+    out_ptr,  # [M, F]
+    FFN: tl.constexpr,  # F
+    GATED: tl.constexpr,
+    FUNCTION: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUPS_POW2: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    """out = f(gate) * up (GATED) or f(hidden) on the groups' rows. Grid (cdiv(M, BLOCK_ROWS), cdiv(F,
+    BLOCK_COLS)): program (b, c) computes columns [c*BLOCK_COLS, +BLOCK_COLS) of rows [b*BLOCK_ROWS,
+    +BLOCK_ROWS) below sum(group_sizes); a block wholly past them exits."""
+    rows, cols, mask, live = _block(
+        group_sizes_ptr, num_rows, FFN, NUM_GROUPS, GROUPS_POW2, BLOCK_ROWS, BLOCK_COLS
+    )
+    if not live:
+        return
+    width: tl.constexpr = 2 * FFN if GATED else FFN
+    hidden = hidden_ptr + rows[:, None] * width + cols[None, :]
+    value, _ = _function(tl.load(hidden, mask=mask, other=0.0).to(tl.float32), FUNCTION)
+    if GATED:
+        value *= tl.load(hidden + FFN, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * FFN + cols[None, :], value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _activate_backward_kernel(
+    hidden_ptr,  # [M, W]
+    grad_ptr,  # [M, F]: the cotangent of the activation's output
+    group_sizes_ptr,  # [E] integer
+    num_rows,  # M
+    grad_hidden_ptr,  # [M, W]
+    FFN: tl.constexpr,
+    GATED: tl.constexpr,
+    FUNCTION: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUPS_POW2: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    """grad_hidden = [grad * up * f'(gate) | grad * f(gate)] (GATED) or grad * f'(hidden) on the groups'
+    rows. Grid and programs as `_activate_kernel`'s."""
+    rows, cols, mask, live = _block(
+        group_sizes_ptr, num_rows, FFN, NUM_GROUPS, GROUPS_POW2, BLOCK_ROWS, BLOCK_COLS
+    )
+    if not live:
+        return
+    width: tl.constexpr = 2 * FFN if GATED else FFN
+    offsets = rows[:, None] * width + cols[None, :]
+    grad = tl.load(grad_ptr + rows[:, None] * FFN + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    value, slope = _function(tl.load(hidden_ptr + offsets, mask=mask, other=0.0).to(tl.float32), FUNCTION)
+    out_dtype = grad_hidden_ptr.dtype.element_ty
+    if GATED:
+        up = tl.load(hidden_ptr + offsets + FFN, mask=mask, other=0.0).to(tl.float32)
+        tl.store(grad_hidden_ptr + offsets, (grad * up * slope).to(out_dtype), mask=mask)
+        tl.store(grad_hidden_ptr + offsets + FFN, (grad * value).to(out_dtype), mask=mask)
+    else:
+        tl.store(grad_hidden_ptr + offsets, (grad * slope).to(out_dtype), mask=mask)
+
+
+def _check(activation: str, num_rows: int, width: int, num_groups: int, element_bytes: int) -> int:
+    """F of a valid problem, else ValueError."""
+    if activation not in _FUNCTIONS:
+        raise ValueError(
+            f"grouped_activation: activation must be one of {tuple(_FUNCTIONS)}, got {activation!r}"
+        )
+    gated = GATED_ACTIVATIONS[activation]
+    if num_rows < 0 or width < 0 or num_groups < 1 or (gated and width % 2):
+        raise ValueError(
+            f"grouped_activation: expected M >= 0 rows of width W >= 0 (even for {activation!r}) and at least"
+            f" one group, got M={num_rows}, W={width}, E={num_groups}"
+        )
+    if element_bytes not in (2, 4):
+        raise ValueError(f"grouped_activation: element size {element_bytes} bytes (bf16, fp16 or fp32 only)")
+    return width // 2 if gated else width
+
+
+def _plan(kernel, args: tuple, result: str, backward: bool, sizes: dict) -> Plan:
+    """The plan of either kernel: `result` [M, F] (forward) or [M, W] (backward) in hidden's dtype, one
+    launch of 2 rows by up to 8 KiB of each operand's columns per program (a streaming kernel: enough bytes
+    in flight per program, and a grid that fills the GPU at any M)."""
+    activation, num_rows, width = sizes["activation"], sizes["num_rows"], sizes["width"]
+    num_groups, element_bytes = sizes["num_groups"], sizes["element_bytes"]
+    ffn = _check(activation, num_rows, width, num_groups, element_bytes)
+    buffers = {result: Buffer((num_rows, width if backward else ffn), "like:hidden")}
+    if num_rows == 0 or ffn == 0:
+        return Plan(buffers, (), (result,))
+    block_cols = max(16, min(next_pow2(ffn), 8192 // element_bytes))
+    block_rows = 2
+    launch = Launch(
+        kernel=kernel,
+        grid=(cdiv(num_rows, block_rows), cdiv(ffn, block_cols)),
+        args=(*args, num_rows),
+        outputs=(result,),
+        constexprs=dict(
+            FFN=ffn,
+            GATED=GATED_ACTIVATIONS[activation],
+            FUNCTION=_FUNCTIONS[activation],
+            NUM_GROUPS=num_groups,
+            GROUPS_POW2=next_pow2(num_groups),
+            BLOCK_ROWS=block_rows,
+            BLOCK_COLS=block_cols,
+        ),
+        num_warps=4,
+    )
+    return Plan(buffers, (launch,), (result,))
+
+
+@cached
+def activation_plan(
+    *,
+    activation: str,
+    num_rows: int,
+    width: int,
+    num_groups: int,
+    element_bytes: int,
+    device: DeviceInfo = DEFAULT_DEVICE,
+) -> Plan:
+    """The activation of the rows of the groups of hidden [M, W] (module doc).
+
+    Inputs: "hidden" [M, W] (W = 2F for a gated activation, else F), "group_sizes" [E] integer.
+    Result: "out" [M, F] in the dtype of hidden (element_bytes wide); rows at and past sum(group_sizes)
+    are not written.
+    """
+    sizes = dict(
+        activation=activation,
+        num_rows=num_rows,
+        width=width,
+        num_groups=num_groups,
+        element_bytes=element_bytes,
+    )
+    return _plan(_activate_kernel, ("hidden", "group_sizes"), "out", False, sizes)
+
+
+@cached
+def activation_backward_plan(
+    *,
+    activation: str,
+    num_rows: int,
+    width: int,
+    num_groups: int,
+    element_bytes: int,
+    device: DeviceInfo = DEFAULT_DEVICE,
+) -> Plan:
+    """The input gradient of `activation_plan`'s activation on the groups' rows.
+
+    Inputs: "hidden" [M, W], "grad" [M, F] (the output's cotangent, hidden's dtype), "group_sizes" [E].
+    Result: "grad_hidden" [M, W] in hidden's dtype; rows at and past sum(group_sizes) are not written.
+    """
+    sizes = dict(
+        activation=activation,
+        num_rows=num_rows,
+        width=width,
+        num_groups=num_groups,
+        element_bytes=element_bytes,
+    )
+    return _plan(_activate_backward_kernel, ("hidden", "grad", "group_sizes"), "grad_hidden", True, sizes)
