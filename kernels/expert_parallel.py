@@ -106,14 +106,15 @@ class EPLayout:
         (`exchange_block_index`), not to the worst case `pair_rows`, which the last one is.
 
         A source's pairs average T * K / EP rows (more with alignment), so the largest pair is never below
-        that: the sizes start there and step by 1/16 of it up to 1.5 times it (balanced routing moves at
-        most 1/16 more than its largest pair), then grow by a quarter each up to the worst case (skewed
-        routing, as many choices as the range needs: 11 at EP = 2, 14-17 at EP = 8)."""
+        that: the sizes start there and step by 1/64 of it up to 1.125 times it (balanced routing moves at
+        most 1/64 more than its largest pair), by 1/16 up to 1.5 times, then grow by a quarter each up to
+        the worst case (skewed routing): 17 sizes at EP = 2, 20-23 at EP = 8."""
         worst = self.pair_rows
         mean = min(worst, -(-self.num_tokens * self.topk // self.ep_size))
         if mean == 0:
             return (worst,)
-        sizes = [-(-mean * (16 + step) // 16) for step in range(9)]
+        sizes = [-(-mean * (64 + step) // 64) for step in range(9)]
+        sizes += [-(-mean * (16 + step) // 16) for step in range(3, 9)]
         while sizes[-1] < worst:
             sizes.append(-(-sizes[-1] * 5 // 4))
         return tuple(sorted({min(size, worst) for size in sizes}))

@@ -148,10 +148,10 @@ def test_bad_layouts_name_the_argument(kwargs, name):
 @pytest.mark.parametrize(
     ("shape", "choices"),
     [
-        ((16384, 8, 2, 2, None), 11),
-        ((8192, 256, 8, 2, None), 11),
-        ((16384, 8, 2, 8, None), 14),
-        ((8192, 256, 8, 8, 128), 17),
+        ((16384, 8, 2, 2, None), 17),
+        ((8192, 256, 8, 2, None), 17),
+        ((16384, 8, 2, 8, None), 20),
+        ((8192, 256, 8, 8, 128), 23),
         ((0, 8, 2, 2, 4), 1),
     ],
 )
@@ -165,10 +165,12 @@ def test_exchange_block_sizes_step_from_the_mean_pair_to_the_worst_case(shape, c
     mean = -(-num_tokens * topk // ep)
     if mean:
         assert block_rows[0] == mean  # no source's largest pair is below its mean pair
-        # Up to 1.5 times the mean pair, each size is at most 1/16 of it above the one before; then 1/4.
-        fine = [rows for rows in block_rows if rows <= 1.5 * mean]
-        assert len(fine) == 9
-        assert all(b - a <= -(-mean // 16) for a, b in itertools.pairwise(fine))
+        # Each size at most 1/64 of the mean pair above the one before up to 1.125 times it, 1/16 up to 1.5
+        # times, then a quarter of itself.
+        for limit, step in ((1.125, 64), (1.5, 16)):
+            sizes = [rows for rows in block_rows if rows <= limit * mean]
+            assert all(b - a <= -(-mean // step) for a, b in itertools.pairwise(sizes))
+        assert len([rows for rows in block_rows if rows <= 1.125 * mean]) == 9
         assert all(b <= 1.25 * a + 1 for a, b in itertools.pairwise(block_rows))
 
 
