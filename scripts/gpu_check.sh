@@ -94,10 +94,13 @@ for stage in $stages; do
           tar -C "$OUT" -cf "$OUT/moe.tar" moe && rm -r "$OUT/moe") ;;
     moeab) (cd "$repo" && python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade \
               --target /tmp/site_base "$MOE_AB_BASELINE" > "$OUT/moeab_setup.log" 2>&1
+            base=$(realpath "$MOE_AB_BASELINE")
             for round in $(seq ${MOE_AB_ROUNDS:-2}); do for site in /tmp/site /tmp/site_base; do
-              PYTHONPATH=$site:/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOE_AB_TIMEOUT:-150} \
+              # The baseline runs its own benchmarks/ where the folder has one (it may predate this one's imports).
+              bench=$repo; [ $site = /tmp/site_base ] && [ -d "$base/benchmarks" ] && bench=$base
+              (cd "$bench" && PYTHONPATH=$site:/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOE_AB_TIMEOUT:-150} \
                 python3 -m benchmarks.moe_jax --ep ${MOE_AB_EP:-2} --impl moetriton --out "$OUT/moeab/${site#/tmp/}_$round" \
-                ${MOE_AB_ARGS:-} 2>&1 | grep "^impl=\|Error" | sed "s|^|${site#/tmp/} $round: |"
+                ${MOE_AB_ARGS:-} 2>&1 | grep "^impl=\|Error" | sed "s|^|${site#/tmp/} $round: |")
             done; done | tee "$OUT/moeab.log") ;;
   esac
 done
