@@ -18,6 +18,7 @@ from ._plan import (
     next_pow2,
     strided_inputs,
 )
+from .activation import activation_backward_plan, activation_plan
 from .chunk_sort import SORT_CHUNKS_SPACE, sort_chunks_plan
 from .grouped_gemm import (
     GROUPED_MATMUL_SPACE,
@@ -65,6 +66,8 @@ __all__ = [
     "Plan",
     "RowStride",
     "SearchSpace",
+    "activation_backward_plan",
+    "activation_plan",
     "alignment",
     "buffer_rows",
     "cdiv",

@@ -5,7 +5,9 @@ one rank: twice the routed rows at EP = 2), so the first GEMM's output [M, 2F] h
 of data and a tail nobody reads. An elementwise XLA or PyTorch activation streams all M rows, forward and
 backward; these kernels read `group_sizes` on the device and touch the groups' rows only. Rows at and past
 sum(group_sizes) (clipped to M) are not written: their values are unspecified, which is what the grouped
-GEMMs' callers that skip the tail (`zero_tail=False`) can use, since those GEMMs never read them.
+GEMMs' callers that skip the tail (`zero_tail=False`) can use, since those GEMMs never read them. Without
+group sizes (num_groups None) every row is computed: the PyTorch layer's buffers hold exactly the
+received rows, and one fused kernel per direction replaces eager PyTorch's several elementwise ones.
 
 Activations (kernels/expert_parallel.py's GATED_ACTIVATIONS decides which are gated): "swiglu" silu(gate) * up
 and "geglu" gelu(gate) * up on [M, 2F] = [gate | up], "gelu" and "relu" on [M, F]; gelu is the exact (erf)
@@ -50,10 +52,14 @@ def _block(
     BLOCK_COLS: tl.constexpr,
 ):
     """This program's rows [BLOCK_ROWS] (int64) and columns [BLOCK_COLS] of [M, F], the mask of those inside
-    the groups' rows (sum(group_sizes), sizes taken as >= 0, clipped to M) and F, and whether any row is."""
-    groups = tl.arange(0, GROUPS_POW2)
-    sizes = tl.load(group_sizes_ptr + groups, mask=groups < NUM_GROUPS, other=0).to(tl.int32)
-    valid_rows = tl.minimum(tl.sum(tl.maximum(sizes, 0), axis=0), num_rows)
+    the groups' rows (sum(group_sizes), sizes taken as >= 0, clipped to M; every row for NUM_GROUPS 0) and
+    F, and whether any row is."""
+    if NUM_GROUPS > 0:
+        groups = tl.arange(0, GROUPS_POW2)
+        sizes = tl.load(group_sizes_ptr + groups, mask=groups < NUM_GROUPS, other=0).to(tl.int32)
+        valid_rows = tl.minimum(tl.sum(tl.maximum(sizes, 0), axis=0), num_rows)
+    else:
+        valid_rows = num_rows
     first = tl.program_id(0) * BLOCK_ROWS
     rows = (first + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
@@ -64,7 +70,7 @@ def _block(
 @triton.jit
 def _activate_kernel(
     hidden_ptr,  # [M, W]: W = 2F ([gate | up]) where GATED, else F
-    group_sizes_ptr,  # [E] integer
+    group_sizes_ptr,  # [E] integer (unused for NUM_GROUPS 0: every row)
     num_rows,  # M
     out_ptr,  # [M, F]
     FFN: tl.constexpr,  # F
@@ -95,7 +101,7 @@ def _activate_kernel(
 def _activate_backward_kernel(
     hidden_ptr,  # [M, W]
     grad_ptr,  # [M, F]: the cotangent of the activation's output
-    group_sizes_ptr,  # [E] integer
+    group_sizes_ptr,  # [E] integer (unused for NUM_GROUPS 0: every row)
     num_rows,  # M
     grad_hidden_ptr,  # [M, W]
     FFN: tl.constexpr,
@@ -126,17 +132,17 @@ def _activate_backward_kernel(
         tl.store(grad_hidden_ptr + offsets, (grad * slope).to(out_dtype), mask=mask)
 
 
-def _check(activation: str, num_rows: int, width: int, num_groups: int, element_bytes: int) -> int:
+def _check(activation: str, num_rows: int, width: int, num_groups: int | None, element_bytes: int) -> int:
     """F of a valid problem, else ValueError."""
     if activation not in _FUNCTIONS:
         raise ValueError(
             f"grouped_activation: activation must be one of {tuple(_FUNCTIONS)}, got {activation!r}"
         )
     gated = GATED_ACTIVATIONS[activation]
-    if num_rows < 0 or width < 0 or num_groups < 1 or (gated and width % 2):
+    if num_rows < 0 or width < 0 or (num_groups is not None and num_groups < 1) or (gated and width % 2):
         raise ValueError(
             f"grouped_activation: expected M >= 0 rows of width W >= 0 (even for {activation!r}) and at least"
-            f" one group, got M={num_rows}, W={width}, E={num_groups}"
+            f" one group or None, got M={num_rows}, W={width}, E={num_groups}"
         )
     if element_bytes not in (2, 4):
         raise ValueError(f"grouped_activation: element size {element_bytes} bytes (bf16, fp16 or fp32 only)")
@@ -164,8 +170,8 @@ def _plan(kernel, args: tuple, result: str, backward: bool, sizes: dict) -> Plan
             FFN=ffn,
             GATED=GATED_ACTIVATIONS[activation],
             FUNCTION=_FUNCTIONS[activation],
-            NUM_GROUPS=num_groups,
-            GROUPS_POW2=next_pow2(num_groups),
+            NUM_GROUPS=num_groups or 0,
+            GROUPS_POW2=next_pow2(num_groups or 1),
             BLOCK_ROWS=block_rows,
             BLOCK_COLS=block_cols,
         ),
@@ -180,15 +186,15 @@ def activation_plan(
     activation: str,
     num_rows: int,
     width: int,
-    num_groups: int,
+    num_groups: int | None,
     element_bytes: int,
     device: DeviceInfo = DEFAULT_DEVICE,
 ) -> Plan:
     """The activation of the rows of the groups of hidden [M, W] (module doc).
 
-    Inputs: "hidden" [M, W] (W = 2F for a gated activation, else F), "group_sizes" [E] integer.
-    Result: "out" [M, F] in the dtype of hidden (element_bytes wide); rows at and past sum(group_sizes)
-    are not written.
+    Inputs: "hidden" [M, W] (W = 2F for a gated activation, else F), "group_sizes" [E] integer (None
+    with num_groups None: every row). Result: "out" [M, F] in the dtype of hidden (element_bytes wide);
+    rows at and past sum(group_sizes) are not written.
     """
     sizes = dict(
         activation=activation,
@@ -206,14 +212,15 @@ def activation_backward_plan(
     activation: str,
     num_rows: int,
     width: int,
-    num_groups: int,
+    num_groups: int | None,
     element_bytes: int,
     device: DeviceInfo = DEFAULT_DEVICE,
 ) -> Plan:
     """The input gradient of `activation_plan`'s activation on the groups' rows.
 
-    Inputs: "hidden" [M, W], "grad" [M, F] (the output's cotangent, hidden's dtype), "group_sizes" [E].
-    Result: "grad_hidden" [M, W] in hidden's dtype; rows at and past sum(group_sizes) are not written.
+    Inputs: "hidden" [M, W], "grad" [M, F] (the output's cotangent, hidden's dtype), "group_sizes" [E]
+    (None with num_groups None). Result: "grad_hidden" [M, W] in hidden's dtype; rows at and past
+    sum(group_sizes) are not written.
     """
     sizes = dict(
         activation=activation,

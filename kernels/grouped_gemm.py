@@ -140,7 +140,8 @@ def _grouped_matmul_kernel(
     col_mask = cols < NUM_COLS
     if group >= NUM_GROUPS:
         first = tl.sum(sizes, axis=0) + (row_tile - tl.sum(tiles, axis=0)) * BLOCK_M
-        if ZERO_TAIL:
+        # Two ifs: Triton cannot `and` a constexpr with a tensor.
+        if ZERO_TAIL:  # noqa: SIM102
             if first < num_rows:
                 rows = first + tl.arange(0, BLOCK_M)
                 out_rows = _permuted(out_rows_ptr, rows, rows < num_rows, num_rows, SCATTER_OUT)

@@ -52,6 +52,7 @@ from moetriton.kernels.expert_parallel import (
 
 from ._checks import Signature, memoised, same_device, signature
 from .api import sort_chunks_by_index, token_combine, token_dispatch
+from .ops import ACTIVATE
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 
 #: Expert activations: "swiglu" takes gate_up [L, H, 2F] (first F columns gate, last F up); the non-gated
@@ -215,11 +216,11 @@ def _gather_counts(counts: Tensor, ep_size: int, group) -> Tensor:
 
 
 def _activate(hidden: Tensor, activation: str) -> Tensor:
-    """[N, 2F] -> [N, F] (SwiGLU) or [N, F] -> [N, F]; zero rows stay zero."""
-    if activation == "swiglu":
-        gate, up = hidden.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return F.gelu(hidden) if activation == "gelu" else F.relu(hidden)
+    """[..., 2F] -> [..., F] (SwiGLU) or [..., F] -> [..., F]; zero rows stay zero. One moetriton kernel per
+    direction (math in fp32), where eager PyTorch ran several elementwise kernels over the halves and
+    their copies (docs/moe.md, "Numbers")."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return ACTIVATE(flat, activation).view(*hidden.shape[:-1], -1)
 
 
 def grouped_mm_supported(rows: Tensor, gate_up: Tensor, down: Tensor) -> bool:

@@ -302,3 +302,61 @@ def _sort_backward(ctx, grad_output, grad_map, grad_probs):
 
 
 SORT_CHUNKS = Op("sort_chunks", _sort_chunks, _sort_chunks_fake, setup=_sort_setup, backward=_sort_backward)
+
+
+# expert activation ---------------------------------------------------------------------------------------
+
+
+def _activation_sizes(hidden: Tensor, activation: str) -> dict:
+    return dict(
+        activation=activation,
+        num_rows=hidden.shape[0],
+        width=hidden.shape[1],
+        num_groups=None,
+        element_bytes=hidden.element_size(),
+    )
+
+
+def _activate(hidden: Tensor, activation: str) -> Tensor:
+    """[M, F]: the expert activation of every row of hidden [M, 2F] (gated) or [M, F], in one kernel."""
+    if not uses_kernels(hidden.device):
+        return reference.activate(hidden, activation)
+    executable = bound(kernels.activation_plan, hidden.device, **_activation_sizes(hidden, activation))
+    return executable(dict(hidden=hidden, group_sizes=None))[0]
+
+
+def _activate_fake(hidden, activation):
+    plan = kernels.activation_plan(**_activation_sizes(hidden, activation), device=device_info(hidden.device))
+    return _fake(plan, dict(hidden=hidden, group_sizes=None), hidden.device)[0]
+
+
+def _activate_setup(ctx, inputs, output):
+    hidden, ctx.activation = inputs
+    ctx.save_for_backward(hidden)
+
+
+def _activate_backward(ctx, grad):
+    if grad is None:
+        return None, None
+    (hidden,) = ctx.saved_tensors
+    return ACTIVATE_BACKWARD(grad, hidden, ctx.activation), None
+
+
+def _activate_backward_op(grad: Tensor, hidden: Tensor, activation: str) -> Tensor:
+    """[M, W]: the gradient of `_activate` with respect to hidden, in one kernel."""
+    if not uses_kernels(hidden.device):
+        return reference.activate_backward(grad, hidden, activation)
+    executable = bound(
+        kernels.activation_backward_plan, hidden.device, **_activation_sizes(hidden, activation)
+    )
+    return executable(dict(hidden=hidden, grad=grad.to(hidden.dtype), group_sizes=None))[0]
+
+
+def _activate_backward_fake(grad, hidden, activation):
+    sizes = _activation_sizes(hidden, activation)
+    plan = kernels.activation_backward_plan(**sizes, device=device_info(hidden.device))
+    return _fake(plan, dict(hidden=hidden, grad=grad, group_sizes=None), hidden.device)[0]
+
+
+ACTIVATE_BACKWARD = Op("activate_backward", _activate_backward_op, _activate_backward_fake)
+ACTIVATE = Op("activate", _activate, _activate_fake, setup=_activate_setup, backward=_activate_backward)

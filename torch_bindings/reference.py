@@ -273,3 +273,28 @@ def sort_chunks_by_index(
     """Reference of moetriton.torch.sort_chunks_by_index."""
     output, dst, permuted = sort_chunks(inp, split_sizes, sorted_indices, probs, backward=False)
     return (output, dst) if probs is None else (output, dst, permuted)
+
+
+_GATED = {"swiglu": torch.nn.functional.silu, "geglu": torch.nn.functional.gelu}
+_PLAIN = {"gelu": torch.nn.functional.gelu, "relu": torch.relu}
+
+
+def activate(hidden: torch.Tensor, activation: str) -> torch.Tensor:
+    """The expert activation of hidden [M, 2F] ([gate | up], "swiglu" / "geglu") or [M, F] ("gelu" (exact) /
+    "relu"), math in fp32, one rounding to hidden's dtype (the kernels' contract)."""
+    h32 = hidden.float()
+    if activation in _GATED:
+        gate, up = h32.chunk(2, dim=-1)
+        return (_GATED[activation](gate) * up).to(hidden.dtype)
+    return _PLAIN[activation](h32).to(hidden.dtype)
+
+
+def activate_backward(grad: torch.Tensor, hidden: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gradient of `activate` with respect to hidden, in fp32 by autograd, rounded to hidden's dtype."""
+    with torch.enable_grad():
+        h32 = hidden.detach().float().requires_grad_(True)
+        gate, up = h32.chunk(2, dim=-1) if activation in _GATED else (h32, None)
+        function = _GATED.get(activation) or _PLAIN[activation]
+        out = function(gate) * up if up is not None else function(gate)
+        (grad_hidden,) = torch.autograd.grad(out, h32, grad.float())
+    return grad_hidden.to(hidden.dtype)
