@@ -101,3 +101,16 @@ def assert_reduced(got, expected, what: str) -> None:
         torch.testing.assert_close(got, expected, rtol=2**-7, atol=0, msg=what)
     else:
         assert_same(got, expected, what)
+
+
+# One rounding to the dtype from fp32 math: ~3 significant digits for bf16, relative to the largest value.
+ROUNDED_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+
+
+def assert_rounded(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """A result computed in fp32 and rounded once to got.dtype against a float64 reference: absolute error
+    within the dtype's rounding of the largest reference magnitude (at least 1)."""
+    scale = max(float(expected.abs().max()) if expected.numel() else 0.0, 1.0)
+    torch.testing.assert_close(
+        got.cpu().double(), expected.cpu(), rtol=0, atol=ROUNDED_TOLERANCE[got.dtype] * scale, msg=what
+    )

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from moetriton.torch.ops import ACTIVATE
-from tests.torch._helpers import DEVICE
+from tests.torch._helpers import DEVICE, ROUNDED_TOLERANCE, assert_rounded
 
-_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
 _FUNCTIONS = {
     "swiglu": torch.nn.functional.silu,
     "gelu": torch.nn.functional.gelu,
@@ -30,25 +29,18 @@ def _reference(hidden: torch.Tensor, grad: torch.Tensor, activation: str):
     return out.detach(), grad_hidden
 
 
-def _assert_close(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    scale = max(float(expected.abs().max()) if expected.numel() else 0.0, 1.0)
-    torch.testing.assert_close(
-        got.cpu().double(), expected.cpu(), rtol=0, atol=_TOLERANCE[got.dtype] * scale, msg=what
-    )
-
-
 def _check(hidden: torch.Tensor, grad: torch.Tensor, activation: str) -> None:
     leaf = hidden.detach().requires_grad_(True)
     out = ACTIVATE(leaf, activation)
     out.backward(grad)
     expected_out, expected_grad = _reference(hidden, grad, activation)
     assert out.shape == expected_out.shape and out.dtype == hidden.dtype and leaf.grad.dtype == hidden.dtype
-    _assert_close(out, expected_out, "out")
-    _assert_close(leaf.grad, expected_grad, "grad")
+    assert_rounded(out, expected_out, "out")
+    assert_rounded(leaf.grad, expected_grad, "grad")
 
 
 @pytest.mark.parametrize("activation", sorted(_FUNCTIONS))
-@pytest.mark.parametrize("dtype", list(_TOLERANCE), ids=str)
+@pytest.mark.parametrize("dtype", list(ROUNDED_TOLERANCE), ids=str)
 @pytest.mark.parametrize("rows", [1, 37])
 def test_matches_the_reference(activation, dtype, rows):
     ffn = 24
@@ -70,8 +62,8 @@ def test_strided_hidden_and_the_stride_zero_cotangent_of_a_sum(activation):
     leaf = hidden.detach().requires_grad_(True)
     ACTIVATE(leaf, activation).sum().backward()
     expected_out, expected_grad = _reference(hidden, torch.ones(9, ffn, device=DEVICE), activation)
-    _assert_close(ACTIVATE(hidden, activation), expected_out, "out")
-    _assert_close(leaf.grad, expected_grad, "grad")
+    assert_rounded(ACTIVATE(hidden, activation), expected_out, "out")
+    assert_rounded(leaf.grad, expected_grad, "grad")
     assert leaf.grad.shape == hidden.shape
 
 
