@@ -20,8 +20,9 @@ The exchange sizes and static buffer sizes come from moetriton.kernels.expert_pa
 * "ragged": `jax.lax.ragged_all_to_all` into the static receive buffer (GPU meshes spanning processes);
 * "padded": every (source, destination) pair's rows padded to one block size and moved with a fixed-size
   `jax.lax.all_to_all`: the smallest of `EPLayout.exchange_block_rows` that holds the step's largest pair
-  (one `lax.switch` branch per size; every rank picks the same one from the all-gathered counts), padded
-  on arrival to the pair's worst case. The GEMMs read and write those blocks directly (each block's unused
+  (one `lax.switch` branch per size; every rank picks the same one from the all-gathered counts), placed
+  on arrival into blocks of the pair's worst case (moetriton.kernels.exchange: the rows sent, nothing
+  else written). The GEMMs read and write those blocks directly (each block's unused
   rows a last chunk, ordered after the experts' rows), and the sending side compacts what comes back.
   Each direction's transpose is the other direction. "auto" picks this on one host: XLA:CPU has no
   ragged all-to-all, and XLA's GPU one is slower than this between the GPUs of one host
@@ -44,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from moetriton import kernels
 from moetriton.kernels.expert_parallel import (
     GATED_ACTIVATIONS,
     EPLayout,
@@ -53,6 +55,7 @@ from moetriton.kernels.expert_parallel import (
     exchange_block_index,
 )
 
+from ._launch import run_plan, uses_kernels
 from .activation import ACTIVATIONS, grouped_activation
 from .api import sort_chunks_by_index, token_combine, token_dispatch
 from .grouped_gemm import grouped_matmul
@@ -119,30 +122,44 @@ def _choose_block(block_rows: tuple[int, ...], block_index, branch: Callable[[in
     return lambda *operands: jax.lax.switch(block_index, [branch(rows) for rows in block_rows], *operands)
 
 
+def _place_blocks(blocks: jax.Array, recv_sizes: jax.Array, out_rows: int) -> jax.Array:
+    """[EP, rows, H] arriving blocks -> [EP * out_rows, H]: block p's first recv_sizes[p] rows at p *
+    out_rows. The kernel writes those rows only (the rest unspecified: nothing reads them); XLA's pad, where
+    the kernels do not run, writes zeros."""
+    ep, rows, hidden = blocks.shape
+    if not uses_kernels():
+        return jnp.pad(blocks, ((0, 0), (0, out_rows - rows), (0, 0))).reshape(-1, hidden)
+    plan = kernels.place_blocks_plan(
+        num_blocks=ep, rows=rows, out_rows=out_rows, width=hidden, element_bytes=blocks.dtype.itemsize
+    )
+    (out,) = run_plan(plan, dict(blocks=blocks.reshape(-1, hidden), sizes=recv_sizes.astype(jnp.int32)))
+    return out
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _send_blocks(shape, buffer, offsets, sizes, block_index):
+def _send_blocks(shape, buffer, offsets, sizes, recv_sizes, block_index):
     """Padded exchange out of a send buffer [N, H] of which rank p gets rows [offsets[p], +sizes[p]):
-    [EP * pair_rows, H], block p holding the rows rank p sent this rank, then zeros. shape = (N,
-    block_rows, EP axis name): the all_to_all moves blocks of block_rows[block_index] rows (at least every
-    pair's rows), which the receiver pads to the worst case, the last size."""
+    [EP * pair_rows, H], block p holding the recv_sizes[p] rows rank p sent this rank (the rest
+    unspecified where the kernels run, zeros otherwise). shape = (N, block_rows, EP axis name): the
+    all_to_all moves blocks of block_rows[block_index] rows (at least every pair's rows), which the
+    receiver places into blocks of the worst case, the last size."""
     _, block_rows, axis = shape
 
     def branch(rows):
-        def send(buffer, offsets, sizes):
+        def send(buffer, offsets, sizes, recv_sizes):
             blocks = jax.lax.all_to_all(_block_rows(buffer, offsets, sizes, rows), axis, 0, 0)
-            blocks = jnp.pad(blocks, ((0, 0), (0, block_rows[-1] - rows), (0, 0)))
-            return blocks.reshape(-1, buffer.shape[1])
+            return _place_blocks(blocks, recv_sizes, block_rows[-1])
 
         return send
 
-    return _choose_block(block_rows, block_index, branch)(buffer, offsets, sizes)
+    return _choose_block(block_rows, block_index, branch)(buffer, offsets, sizes, recv_sizes)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _return_blocks(shape, blocks, offsets, sizes, block_index):
+def _return_blocks(shape, blocks, offsets, sizes, recv_sizes, block_index):
     """Inverse of `_send_blocks`: the first block_rows[block_index] rows of every block of [EP * pair_rows,
     H] go back to their ranks, which place the first sizes[p] rows of the block they get from rank p at
-    offsets[p]: [N, H], zeros elsewhere."""
+    offsets[p]: [N, H], zeros elsewhere. recv_sizes: what `_send_blocks` received (its transpose's)."""
     num_rows, block_rows, axis = shape
 
     def branch(rows):
@@ -156,15 +173,16 @@ def _return_blocks(shape, blocks, offsets, sizes, block_index):
     return _choose_block(block_rows, block_index, branch)(blocks, offsets, sizes)
 
 
-# Each exchange moves every row to at most one place (zeros elsewhere), so the transpose of one is the
-# other. JAX's own transposes would turn the gathers into scatter-adds, several times slower on GPUs.
+# Each exchange moves every row to at most one place (nothing elsewhere that any reader uses: zeros, or
+# the placed blocks' unspecified rows), so the transpose of one is the other. JAX's own transposes would
+# turn the gathers into scatter-adds, several times slower on GPUs.
 _send_blocks.defvjp(
     lambda shape, buffer, *sizes: (_send_blocks(shape, buffer, *sizes), sizes),
-    lambda shape, saved, cotangent: (_return_blocks(shape, cotangent, *saved), None, None, None),
+    lambda shape, saved, cotangent: (_return_blocks(shape, cotangent, *saved), None, None, None, None),
 )
 _return_blocks.defvjp(
     lambda shape, blocks, *sizes: (_return_blocks(shape, blocks, *sizes), sizes),
-    lambda shape, saved, cotangent: (_send_blocks(shape, cotangent, *saved), None, None, None),
+    lambda shape, saved, cotangent: (_send_blocks(shape, cotangent, *saved), None, None, None, None),
 )
 
 
@@ -178,8 +196,9 @@ def exchange_sizes(counts_all: jax.Array, rank, layout: EPLayout) -> dict:
 
 
 def _padded_exchange_args(sizes: dict) -> tuple:
-    """(offsets, sizes, block index) of this rank's send buffer for _send_blocks / _return_blocks."""
-    return sizes["input_offsets"], sizes["send_sizes"], sizes["block_index"]
+    """(offsets, sizes of this rank's send buffer, rows it receives from every rank, block index) for
+    _send_blocks / _return_blocks."""
+    return sizes["input_offsets"], sizes["send_sizes"], sizes["recv_sizes"], sizes["block_index"]
 
 
 def _ragged(buffer, rows: int, offsets, sizes, remote_offsets, recv_sizes, config: MoEConfig) -> jax.Array:

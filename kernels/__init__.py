@@ -20,6 +20,7 @@ from ._plan import (
 )
 from .activation import activation_backward_plan, activation_plan
 from .chunk_sort import SORT_CHUNKS_SPACE, sort_chunks_plan
+from .exchange import place_blocks_plan
 from .grouped_gemm import (
     GROUPED_MATMUL_SPACE,
     GROUPED_MATMUL_WGRAD_SPACE,
@@ -80,6 +81,7 @@ __all__ = [
     "grouped_matmul_wgrad_plan",
     "interpreter_problem",
     "next_pow2",
+    "place_blocks_plan",
     "router",
     "row_map_columns",
     "row_map_slots",
