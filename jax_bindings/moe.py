@@ -10,9 +10,11 @@ host sync). Tokens are sharded over (data axes..., EP axis) on their batch axis,
     grouped_matmul(., down) writing them back in the received order -> reverse exchange -> token_combine
     with the merging probs.
 
-The received rows arrive grouped by source rank; the grouped GEMMs read and write them through the row
-permutation of the chunk sort to expert-major order (`_expert_major_rows`: the chunk-sort kernel's row map
-of zero columns), so no chunk sort copies them before and after the GEMMs (nor back in the backward pass).
+The received rows arrive grouped by source rank. The padded exchange places them straight in expert-major
+order (and takes the results back out of it) by the chunk sort's row map (`_expert_major_rows`: the
+chunk-sort kernel's map of zero columns); after the ragged or capacity exchange the grouped GEMMs read and
+write them through that permutation instead. Either way no chunk sort copies them before and after the
+GEMMs (nor back in the backward pass).
 
 The exchange sizes and static buffer sizes come from moetriton.kernels.expert_parallel (`ep_layout`,
 `dropless_exchange`, `dropped_slots`); nothing here re-derives them. Two exchanges move the same rows:
@@ -20,10 +22,11 @@ The exchange sizes and static buffer sizes come from moetriton.kernels.expert_pa
 * "ragged": `jax.lax.ragged_all_to_all` into the static receive buffer (GPU meshes spanning processes);
 * "padded": every (source, destination) pair's rows padded to one block size and moved with a fixed-size
   `jax.lax.all_to_all`: the smallest of `EPLayout.exchange_block_rows` that holds the step's largest pair
-  (one `lax.switch` branch per size; every rank picks the same one from the all-gathered counts), placed
-  on arrival into blocks of the pair's worst case (moetriton.kernels.exchange: the rows sent, nothing
-  else written). The GEMMs read and write those blocks directly (each block's unused
-  rows a last chunk, ordered after the experts' rows), and the sending side compacts what comes back.
+  (one `lax.switch` branch per size; every rank picks the same one from the all-gathered counts). The
+  receiver places the rows each source sent into the static worst-case layout, in expert-major order
+  (moetriton.kernels.exchange: those rows copied, nothing else written; each block's unused rows a last
+  chunk, ordered after the experts' rows), takes the results back out the same way, and the sending side
+  compacts what comes back.
   Each direction's transpose is the other direction. "auto" picks this on one host: XLA:CPU has no
   ragged all-to-all, and XLA's GPU one is slower than this between the GPUs of one host
   (`_resolve_exchange`).
@@ -122,55 +125,84 @@ def _choose_block(block_rows: tuple[int, ...], block_index, branch: Callable[[in
     return lambda *operands: jax.lax.switch(block_index, [branch(rows) for rows in block_rows], *operands)
 
 
-def _place_blocks(blocks: jax.Array, recv_sizes: jax.Array, out_rows: int) -> jax.Array:
+def _place_blocks(blocks: jax.Array, recv_sizes: jax.Array, out_rows: int, dest_rows) -> jax.Array:
     """[EP, rows, H] arriving blocks -> [EP * out_rows, H]: block p's first recv_sizes[p] rows at p *
-    out_rows. The kernel writes those rows only (the rest unspecified: nothing reads them); XLA's pad, where
-    the kernels do not run, writes zeros."""
+    out_rows + j, or at dest_rows[p * out_rows + j] ([EP * out_rows] permutation, or None). The kernel
+    writes those rows only (the rest unspecified: nothing reads them); XLA's pad and scatter, where the
+    kernels do not run, write zeros."""
     ep, rows, hidden = blocks.shape
     if not uses_kernels():
-        return jnp.pad(blocks, ((0, 0), (0, out_rows - rows), (0, 0))).reshape(-1, hidden)
+        out = jnp.pad(blocks, ((0, 0), (0, out_rows - rows), (0, 0))).reshape(-1, hidden)
+        return out if dest_rows is None else jnp.zeros_like(out).at[dest_rows].set(out, unique_indices=True)
     plan = kernels.place_blocks_plan(
-        num_blocks=ep, rows=rows, out_rows=out_rows, width=hidden, element_bytes=blocks.dtype.itemsize
+        num_blocks=ep,
+        rows=rows,
+        out_rows=out_rows,
+        width=hidden,
+        element_bytes=blocks.dtype.itemsize,
+        permuted=dest_rows is not None,
     )
-    (out,) = run_plan(plan, dict(blocks=blocks.reshape(-1, hidden), sizes=recv_sizes.astype(jnp.int32)))
+    inputs = dict(blocks=blocks.reshape(-1, hidden), sizes=recv_sizes.astype(jnp.int32), dest_rows=dest_rows)
+    (out,) = run_plan(plan, inputs)
     return out
 
 
+def _take_blocks(layout: jax.Array, recv_sizes: jax.Array, rows: int, dest_rows) -> jax.Array:
+    """The inverse of `_place_blocks`: [EP * out_rows, H] -> departing blocks [EP, rows, H], block p's first
+    recv_sizes[p] rows from p * out_rows + j (or dest_rows of it); its other rows unspecified (the
+    receiving side keeps only the rows it sent)."""
+    hidden = layout.shape[1]
+    ep = recv_sizes.shape[0]
+    if not uses_kernels():
+        ordered = layout if dest_rows is None else layout[dest_rows]
+        return ordered.reshape(ep, -1, hidden)[:, :rows]
+    plan = kernels.take_blocks_plan(
+        num_blocks=ep,
+        rows=rows,
+        out_rows=layout.shape[0] // ep,
+        width=hidden,
+        element_bytes=layout.dtype.itemsize,
+        permuted=dest_rows is not None,
+    )
+    (blocks,) = run_plan(plan, dict(layout=layout, sizes=recv_sizes.astype(jnp.int32), dest_rows=dest_rows))
+    return blocks.reshape(ep, rows, hidden)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _send_blocks(shape, buffer, offsets, sizes, recv_sizes, block_index):
+def _send_blocks(shape, buffer, offsets, sizes, recv_sizes, block_index, dest_rows):
     """Padded exchange out of a send buffer [N, H] of which rank p gets rows [offsets[p], +sizes[p]):
-    [EP * pair_rows, H], block p holding the recv_sizes[p] rows rank p sent this rank (the rest
-    unspecified where the kernels run, zeros otherwise). shape = (N, block_rows, EP axis name): the
-    all_to_all moves blocks of block_rows[block_index] rows (at least every pair's rows), which the
-    receiver places into blocks of the worst case, the last size."""
+    [EP * pair_rows, H], block p holding the recv_sizes[p] rows rank p sent this rank, each block's row j at
+    p * pair_rows + j, or at dest_rows of that ([EP * pair_rows] permutation: the layer's expert-major
+    order); every other row unspecified where the kernels run, zeros otherwise. shape = (N, block_rows,
+    EP axis name): the all_to_all moves blocks of block_rows[block_index] rows (at least every pair's rows),
+    which the receiver places into blocks of the worst case, the last size."""
     _, block_rows, axis = shape
 
     def branch(rows):
-        def send(buffer, offsets, sizes, recv_sizes):
+        def send(buffer, offsets, sizes, recv_sizes, dest_rows):
             blocks = jax.lax.all_to_all(_block_rows(buffer, offsets, sizes, rows), axis, 0, 0)
-            return _place_blocks(blocks, recv_sizes, block_rows[-1])
+            return _place_blocks(blocks, recv_sizes, block_rows[-1], dest_rows)
 
         return send
 
-    return _choose_block(block_rows, block_index, branch)(buffer, offsets, sizes, recv_sizes)
+    return _choose_block(block_rows, block_index, branch)(buffer, offsets, sizes, recv_sizes, dest_rows)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _return_blocks(shape, blocks, offsets, sizes, recv_sizes, block_index):
-    """Inverse of `_send_blocks`: the first block_rows[block_index] rows of every block of [EP * pair_rows,
-    H] go back to their ranks, which place the first sizes[p] rows of the block they get from rank p at
-    offsets[p]: [N, H], zeros elsewhere. recv_sizes: what `_send_blocks` received (its transpose's)."""
+def _return_blocks(shape, layout, offsets, sizes, recv_sizes, block_index, dest_rows):
+    """Inverse of `_send_blocks`: the rows of [EP * pair_rows, H] that `_send_blocks` placed (the same
+    recv_sizes, block index and dest_rows) go back to their ranks, which place the first sizes[p] rows of
+    the block they get from rank p at offsets[p]: [N, H], zeros elsewhere."""
     num_rows, block_rows, axis = shape
 
     def branch(rows):
-        def send_back(blocks, offsets, sizes):
-            blocks = blocks.reshape(-1, block_rows[-1], blocks.shape[1])[:, :rows]
-            received = jax.lax.all_to_all(blocks, axis, 0, 0)
+        def send_back(layout, offsets, sizes, recv_sizes, dest_rows):
+            received = jax.lax.all_to_all(_take_blocks(layout, recv_sizes, rows, dest_rows), axis, 0, 0)
             return _compact_blocks(received, offsets, sizes, num_rows)
 
         return send_back
 
-    return _choose_block(block_rows, block_index, branch)(blocks, offsets, sizes)
+    return _choose_block(block_rows, block_index, branch)(layout, offsets, sizes, recv_sizes, dest_rows)
 
 
 # Each exchange moves every row to at most one place (nothing elsewhere that any reader uses: zeros, or
@@ -178,11 +210,11 @@ def _return_blocks(shape, blocks, offsets, sizes, recv_sizes, block_index):
 # turn the gathers into scatter-adds, several times slower on GPUs.
 _send_blocks.defvjp(
     lambda shape, buffer, *sizes: (_send_blocks(shape, buffer, *sizes), sizes),
-    lambda shape, saved, cotangent: (_return_blocks(shape, cotangent, *saved), None, None, None, None),
+    lambda shape, saved, cotangent: (_return_blocks(shape, cotangent, *saved), *(None,) * len(saved)),
 )
 _return_blocks.defvjp(
-    lambda shape, blocks, *sizes: (_return_blocks(shape, blocks, *sizes), sizes),
-    lambda shape, saved, cotangent: (_send_blocks(shape, cotangent, *saved), None, None, None, None),
+    lambda shape, layout, *sizes: (_return_blocks(shape, layout, *sizes), sizes),
+    lambda shape, saved, cotangent: (_send_blocks(shape, cotangent, *saved), *(None,) * len(saved)),
 )
 
 
@@ -218,7 +250,7 @@ def dropless_forward(send, sizes: dict, layout: EPLayout, config: MoEConfig):
         keys = ("input_offsets", "send_sizes", "output_offsets", "recv_sizes")
         return _ragged(send, layout.recv_rows, *(sizes[key] for key in keys), config)
     shape = (send.shape[0], layout.exchange_block_rows, config.ep_axis)
-    blocks = _send_blocks(shape, send, *_padded_exchange_args(sizes))
+    blocks = _send_blocks(shape, send, *_padded_exchange_args(sizes), None)
     blocks = blocks.reshape(layout.ep_size, layout.pair_rows, -1)
     return _compact_blocks(blocks, sizes["recv_offsets"], sizes["recv_sizes"], layout.recv_rows)
 
@@ -231,7 +263,7 @@ def dropless_reverse(recv, sizes: dict, layout: EPLayout, config: MoEConfig):
     blocks = _block_rows(recv, sizes["recv_offsets"], sizes["recv_sizes"], layout.pair_rows)
     blocks = blocks.reshape(-1, recv.shape[1])
     shape = (layout.send_rows, layout.exchange_block_rows, config.ep_axis)
-    return _return_blocks(shape, blocks, *_padded_exchange_args(sizes))
+    return _return_blocks(shape, blocks, *_padded_exchange_args(sizes), None)
 
 
 def _capacity_exchange(buffer: jax.Array, layout: EPLayout, config: MoEConfig) -> jax.Array:
@@ -261,16 +293,20 @@ def _experts(
     return grouped_matmul(act, down.astype(dtype), group_sizes, out_rows=order, zero_tail=False)
 
 
-def _expert_major_rows(chunk_sizes: jax.Array, layout: EPLayout, gaps: bool, rows: int) -> jax.Array:
+def _expert_major_rows(
+    chunk_sizes: jax.Array, layout: EPLayout, gaps: bool, rows: int, destinations: bool = False
+) -> jax.Array:
     """[rows] int32 row permutation of the chunk sort to expert-major order (`EPLayout.expert_major_order`
-    of source-major chunks of chunk_sizes): row i of the sorted buffer is row result[i] of the unsorted one;
-    rows past the chunks stay in place. It is the row map of the inverse sort, which the chunk-sort kernel
-    writes; sorting zero columns moves nothing else."""
+    of source-major chunks of chunk_sizes): row i of the sorted buffer is row result[i] of the unsorted one
+    (the row map of the inverse sort), or with `destinations` source-major row r goes to row result[r]
+    (the sort's own row map); rows past the chunks stay in place. The chunk-sort kernel writes the map;
+    sorting zero columns moves nothing else."""
     to_expert_major = jnp.asarray(layout.expert_major_order(gaps=gaps), jnp.int32)
-    to_source_major = jnp.asarray(layout.source_major_order(gaps=gaps), jnp.int32)
     no_columns = jnp.zeros((rows, 0), jnp.float32)
-    _, source_rows = sort_chunks_by_index(no_columns, chunk_sizes[to_expert_major], to_source_major)
-    return source_rows
+    if destinations:
+        return sort_chunks_by_index(no_columns, chunk_sizes, to_expert_major)[1]
+    to_source_major = jnp.asarray(layout.source_major_order(gaps=gaps), jnp.int32)
+    return sort_chunks_by_index(no_columns, chunk_sizes[to_expert_major], to_source_major)[1]
 
 
 def _router(x_flat, gate, expert_bias, config: MoEConfig, num_tokens_global: int):
@@ -343,32 +379,30 @@ def _shard(x, gate, gate_up, down, expert_bias, *, config: MoEConfig):
 def _exchanged_experts(send, counts, gate_up, down, layout: EPLayout, config: MoEConfig):
     """Send buffer [send_rows, H] -> expert outputs in the same rows, through the EP group's experts.
     The grouped GEMMs read the received rows in expert-major order and write the results back in the
-    received order. With the padded dropless exchange they read and write the exchanged blocks directly
-    (block p: source p's chunks, then its unused rows, zeros, as one more chunk ordered after every
-    expert's rows), so the receiving side compacts nothing."""
+    received order. With the padded dropless exchange the receiver places the arriving blocks straight in
+    expert-major order (block p: source p's chunks, then its unused rows as one more chunk, ordered after
+    every expert's rows) and takes the departing blocks out of it, so the GEMMs read and write their rows
+    in order and nothing else copies them."""
     ep, local = layout.ep_size, layout.local_experts
-    gaps = layout.dropless and config.exchange == "padded"
     if layout.dropless:
         counts_all = jax.lax.all_gather(counts, config.ep_axis)  # [EP, E]
         sizes = exchange_sizes(counts_all, jax.lax.axis_index(config.ep_axis), layout)
         group_sizes = sizes["group_sizes"]
-        if gaps:
+        if config.exchange == "padded":
             unused = layout.pair_rows - sizes["recv_sizes"]
             chunk_sizes = jnp.concatenate([sizes["chunk_sizes"].reshape(ep, local), unused[:, None]], axis=1)
             chunk_sizes = chunk_sizes.reshape(-1)  # [EP * (L + 1)]
+            rows = ep * layout.pair_rows
+            destinations = _expert_major_rows(chunk_sizes, layout, True, rows, destinations=True)
             block = (send.shape[0], layout.exchange_block_rows, config.ep_axis)
-            sent = _padded_exchange_args(sizes)
-            recv = _send_blocks(block, send, *sent)
+            sent = (*_padded_exchange_args(sizes), destinations)
+            expert_major = _send_blocks(block, send, *sent)
+            return _return_blocks(block, _experts(expert_major, group_sizes, gate_up, down, config), *sent)
+        chunk_sizes = sizes["chunk_sizes"]
+        recv = dropless_forward(send, sizes, layout, config)
 
-            def back(rows):
-                return _return_blocks(block, rows, *sent)
-
-        else:
-            chunk_sizes = sizes["chunk_sizes"]
-            recv = dropless_forward(send, sizes, layout, config)
-
-            def back(rows):
-                return dropless_reverse(rows, sizes, layout, config)
+        def back(rows):
+            return dropless_reverse(rows, sizes, layout, config)
 
     else:
         chunk_sizes = jnp.full((ep * local,), layout.capacity, jnp.int32)
@@ -378,7 +412,7 @@ def _exchanged_experts(send, counts, gate_up, down, layout: EPLayout, config: Mo
         def back(rows):
             return _capacity_exchange(rows, layout, config)
 
-    order = _expert_major_rows(chunk_sizes, layout, gaps, recv.shape[0])
+    order = _expert_major_rows(chunk_sizes, layout, False, recv.shape[0])
     return back(_experts(recv, group_sizes, gate_up, down, config, order))
 
 

@@ -20,7 +20,7 @@ from ._plan import (
 )
 from .activation import activation_backward_plan, activation_plan
 from .chunk_sort import SORT_CHUNKS_SPACE, sort_chunks_plan
-from .exchange import place_blocks_plan
+from .exchange import place_blocks_plan, take_blocks_plan
 from .grouped_gemm import (
     GROUPED_MATMUL_SPACE,
     GROUPED_MATMUL_WGRAD_SPACE,
@@ -88,4 +88,5 @@ __all__ = [
     "scatter_plan",
     "sort_chunks_plan",
     "strided_inputs",
+    "take_blocks_plan",
 ]

@@ -1,11 +1,13 @@
 """The JAX layer's padded exchange: received blocks into the worst-case layout the grouped GEMMs read.
 
 The padded exchange moves every (source, destination) pair's rows as one block of the step's block size
-(EPLayout.exchange_block_rows[index], a static size per lax.switch branch), and the layer's GEMMs read the
-rows through a permutation of the worst-case layout (every block EPLayout.pair_rows rows), so each
-arriving [EP, rows, H] buffer is placed into [EP, pair_rows, H]. Only the rows a source actually sent
-(sizes[p] <= rows) carry data and only those are read: this kernel copies them and writes nothing else,
-where a pad would stream the whole worst-case buffer (EP times the routed rows; half of it empty at EP = 2).
+(EPLayout.exchange_block_rows[index], a static size per lax.switch branch), while the buffers around it
+have the static worst-case layout (every block EPLayout.pair_rows rows). Placing an arriving [EP, rows, H]
+buffer into that layout, and taking departing blocks out of it, moves only the rows a source actually sent
+(sizes[p] <= rows): these kernels copy those and write nothing else, where a pad would stream the whole
+worst-case buffer (EP times the routed rows; half of it empty at EP = 2). With `permuted` the layout rows
+are themselves permuted (the layer's expert-major order: the rows land where the grouped GEMMs read them in
+order, so neither GEMM reads through a permutation and the weight gradients gather nothing).
 """
 
 from __future__ import annotations
@@ -18,58 +20,133 @@ from .permutation import _as_bits
 
 
 @triton.jit
-def _place_blocks_kernel(
-    blocks_ptr,  # [P * rows, W] the arriving blocks, moved as raw bits
-    sizes_ptr,  # [P] integer: rows of block p that carry data (clipped to [0, rows])
-    rows,  # rows of an arriving block
-    out_rows,  # rows of a placed block (>= rows)
-    out_ptr,  # [P * out_rows, W]
-    WIDTH: tl.constexpr,
-    TILE_ROWS: tl.constexpr,
-    TILE_COLS: tl.constexpr,
-):
-    """out[p * out_rows + j] = blocks[p * rows + j] for j < sizes[p]; nothing else written. Grid (P *
-    cdiv(rows, TILE_ROWS), cdiv(W, TILE_COLS)): program (t, c) copies columns [c*TILE_COLS, +TILE_COLS) of
-    tile t % cdiv(rows, TILE_ROWS) of block t // cdiv(rows, TILE_ROWS); a tile past the block's size exits."""
+def _block_tile(sizes_ptr, rows, WIDTH: tl.constexpr, TILE_ROWS: tl.constexpr, TILE_COLS: tl.constexpr):
+    """This program's block p, rows `within` [TILE_ROWS] of it, columns [TILE_COLS], the mask of the rows
+    below sizes[p] (clipped to [0, rows]), that mask with the columns below W, and whether any row is."""
     tiles = tl.cdiv(rows, TILE_ROWS)
     block = tl.program_id(0) // tiles
     first = (tl.program_id(0) % tiles) * TILE_ROWS
     size = tl.minimum(tl.maximum(tl.load(sizes_ptr + block).to(tl.int32), 0), rows)
-    if first >= size:
-        return
     within = first + tl.arange(0, TILE_ROWS)
     cols = tl.program_id(1) * TILE_COLS + tl.arange(0, TILE_COLS)
-    mask = (within < size)[:, None] & (cols < WIDTH)[None, :]
-    source = (block.to(tl.int64) * rows + within)[:, None] * WIDTH + cols[None, :]
-    target = (block.to(tl.int64) * out_rows + within)[:, None] * WIDTH + cols[None, :]
-    values = tl.load(_as_bits(blocks_ptr) + source, mask=mask)
-    tl.store(_as_bits(out_ptr) + target, values, mask=mask)
+    row_mask = within < size
+    mask = row_mask[:, None] & (cols < WIDTH)[None, :]
+    return block.to(tl.int64), within, cols, row_mask, mask, first < size
 
 
-@cached
-def place_blocks_plan(*, num_blocks: int, rows: int, out_rows: int, width: int, element_bytes: int) -> Plan:
-    """Place P = num_blocks arriving blocks of `rows` rows into blocks of `out_rows` rows (module doc).
+@triton.jit
+def _layout_rows(dest_rows_ptr, block, within, row_mask, out_rows, num_blocks, PERMUTED: tl.constexpr):
+    """Rows of the placed layout of block rows `within`: p * out_rows + j, or dest_rows[that] clipped into
+    [0, P * out_rows) where PERMUTED."""
+    rows = block * out_rows + within
+    if PERMUTED:
+        rows = tl.load(dest_rows_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        rows = tl.minimum(tl.maximum(rows, 0), num_blocks * out_rows - 1)
+    return rows
 
-    Inputs: "blocks" [P * rows, W] of any dtype element_bytes wide, "sizes" [P] integer.
-    Result: "out" [P * out_rows, W] in the dtype of blocks; row j of block p is written for j < sizes[p]
-    only (sizes clipped to [0, rows]), every other row is unspecified.
-    """
+
+@triton.jit
+def _place_blocks_kernel(
+    blocks_ptr,  # [P * rows, W] the arriving blocks, moved as raw bits
+    sizes_ptr,  # [P] integer: rows of block p that carry data (clipped to [0, rows])
+    dest_rows_ptr,  # [P * out_rows] integer, read where PERMUTED: where layout row p * out_rows + j goes
+    rows,  # rows of an arriving block
+    out_rows,  # rows of a block in the layout (>= rows)
+    num_blocks,  # P
+    out_ptr,  # [P * out_rows, W]
+    WIDTH: tl.constexpr,
+    PERMUTED: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr,
+):
+    """out[p * out_rows + j] (or out[dest_rows[p * out_rows + j]] where PERMUTED) = blocks[p * rows + j]
+    for j < sizes[p]; nothing else written. Grid (P * cdiv(rows, TILE_ROWS), cdiv(W, TILE_COLS)): program
+    (t, c) copies columns [c*TILE_COLS, +TILE_COLS) of tile t % cdiv(rows, TILE_ROWS) of block
+    t // cdiv(rows, TILE_ROWS); a tile past the block's size exits."""
+    block, within, cols, row_mask, mask, live = _block_tile(sizes_ptr, rows, WIDTH, TILE_ROWS, TILE_COLS)
+    if not live:
+        return
+    target = _layout_rows(dest_rows_ptr, block, within, row_mask, out_rows, num_blocks, PERMUTED)
+    source = block * rows + within
+    values = tl.load(_as_bits(blocks_ptr) + source[:, None] * WIDTH + cols[None, :], mask=mask)
+    tl.store(_as_bits(out_ptr) + target[:, None] * WIDTH + cols[None, :], values, mask=mask)
+
+
+@triton.jit
+def _take_blocks_kernel(
+    layout_ptr,  # [P * out_rows, W] rows in the placed layout, moved as raw bits
+    sizes_ptr,  # [P] integer
+    dest_rows_ptr,  # [P * out_rows] integer, read where PERMUTED
+    rows,
+    out_rows,
+    num_blocks,
+    blocks_ptr,  # [P * rows, W] the departing blocks
+    WIDTH: tl.constexpr,
+    PERMUTED: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr,
+):
+    """The inverse of `_place_blocks_kernel`: blocks[p * rows + j] = layout[p * out_rows + j] (or
+    layout[dest_rows[p * out_rows + j]]) for j < sizes[p]; nothing else written. Grid and programs as
+    `_place_blocks_kernel`'s."""
+    block, within, cols, row_mask, mask, live = _block_tile(sizes_ptr, rows, WIDTH, TILE_ROWS, TILE_COLS)
+    if not live:
+        return
+    source = _layout_rows(dest_rows_ptr, block, within, row_mask, out_rows, num_blocks, PERMUTED)
+    target = block * rows + within
+    values = tl.load(_as_bits(layout_ptr) + source[:, None] * WIDTH + cols[None, :], mask=mask)
+    tl.store(_as_bits(blocks_ptr) + target[:, None] * WIDTH + cols[None, :], values, mask=mask)
+
+
+def _blocks_plan(
+    take: bool, num_blocks: int, rows: int, out_rows: int, width: int, element_bytes: int, permuted
+):
     if min(num_blocks, rows, width) < 0 or out_rows < rows:
         raise ValueError(
-            f"place_blocks: expected sizes >= 0 and out_rows >= rows, got P={num_blocks}, rows={rows},"
-            f" out_rows={out_rows}, W={width}"
+            f"{'take' if take else 'place'}_blocks: expected sizes >= 0 and out_rows >= rows, got"
+            f" P={num_blocks}, rows={rows}, out_rows={out_rows}, W={width}"
         )
-    buffers = {"out": Buffer((num_blocks * out_rows, width), "like:blocks")}
+    source, result = ("layout", "blocks") if take else ("blocks", "out")
+    shape = (num_blocks * rows, width) if take else (num_blocks * out_rows, width)
+    buffers = {result: Buffer(shape, f"like:{source}")}
     if num_blocks * rows == 0 or width == 0:
-        return Plan(buffers, (), ("out",))
+        return Plan(buffers, (), (result,))
     tile_rows = 4
     tile_cols = max(16, min(next_pow2(width), 16384 // element_bytes))  # a 16 KiB streaming copy per row
     launch = Launch(
-        kernel=_place_blocks_kernel,
+        kernel=_take_blocks_kernel if take else _place_blocks_kernel,
         grid=(num_blocks * cdiv(rows, tile_rows), cdiv(width, tile_cols)),
-        args=("blocks", "sizes", rows, out_rows),
-        outputs=("out",),
-        constexprs=dict(WIDTH=width, TILE_ROWS=tile_rows, TILE_COLS=tile_cols),
+        args=(source, "sizes", "dest_rows", rows, out_rows, num_blocks),
+        outputs=(result,),
+        constexprs=dict(WIDTH=width, PERMUTED=permuted, TILE_ROWS=tile_rows, TILE_COLS=tile_cols),
         num_warps=4,
     )
-    return Plan(buffers, (launch,), ("out",))
+    return Plan(buffers, (launch,), (result,))
+
+
+@cached
+def place_blocks_plan(
+    *, num_blocks: int, rows: int, out_rows: int, width: int, element_bytes: int, permuted: bool = False
+) -> Plan:
+    """Place P = num_blocks arriving blocks of `rows` rows into the layout of blocks of `out_rows` rows
+    (module doc), or with `permuted` at dest_rows of those layout rows (the layer's expert-major order).
+
+    Inputs: "blocks" [P * rows, W] of any dtype element_bytes wide, "sizes" [P] integer, "dest_rows"
+    [P * out_rows] integer with `permuted` (None otherwise; a permutation, entries clipped into range).
+    Result: "out" [P * out_rows, W] in the dtype of blocks; row j of block p lands for j < sizes[p] only
+    (sizes clipped to [0, rows]), every other row is unspecified.
+    """
+    return _blocks_plan(False, num_blocks, rows, out_rows, width, element_bytes, permuted)
+
+
+@cached
+def take_blocks_plan(
+    *, num_blocks: int, rows: int, out_rows: int, width: int, element_bytes: int, permuted: bool = False
+) -> Plan:
+    """The inverse of `place_blocks_plan`: departing blocks of `rows` rows out of the layout.
+
+    Inputs: "layout" [P * out_rows, W], "sizes" [P] integer, "dest_rows" [P * out_rows] with `permuted`.
+    Result: "blocks" [P * rows, W] in the dtype of layout; row j of block p is written for j < sizes[p]
+    only, every other row is unspecified.
+    """
+    return _blocks_plan(True, num_blocks, rows, out_rows, width, element_bytes, permuted)
