@@ -20,16 +20,16 @@ Rows (one per impl x shape x EP; printed and written to DIR/moe_jax.csv, the log
     all_to_all: NCCL kernels, XLA's own collective kernels (the one-shot ragged all-to-all) and peer copies,
     so besides both exchanges and their transposes it holds the count all-gather and the psums of the
     routed counts, the aux loss and the replicated gate's gradient (small next to the exchanges), and a
-    collective's time includes waiting for its peers. other: everything else, XLA's kernels (the gate
-    matmul x @ gate and its gradients, the activation (our `_activate*` kernels), casts, the loss,
-    gradient sums), memsets and local copies; other_top names its OTHER_TOP longest kernels with their ms
-    per GPU and step. `_combine_kernel` serves token_combine's forward and, unweighted, the backward of
-    token_dispatch: its name cannot tell the two apart, nor can their order (the loss is linear in the
-    output, so XLA may run the forward combine after the backward), so both count as combine and dispatch
-    holds its forward kernels only; dispatch + combine, and so routing_share, are exact. A share is the
-    stage's activity time over the time of all activities (the stages and other add up to 1); gpu_busy_ms
-    is the latter per GPU and step, beside step_ms (activities that overlap, a collective beside compute,
-    count twice there).
+    collective's time includes waiting for its peers. other: everything else, XLA's kernels (the gate matmul
+    x @ gate and its gradients, the activation (our `_activate*` kernels), the exchange's block building,
+    compaction and placement (XLA's, our `_place_blocks` / `_take_blocks` kernels), casts, the loss, gradient
+    sums), memsets and local copies; other_top names its OTHER_TOP longest kernels with their ms per GPU and
+    step. `_combine_kernel` serves token_combine's forward and, unweighted, the backward of token_dispatch:
+    its name cannot tell the two apart, nor can their order (the loss is linear in the output, so XLA may run
+    the forward combine after the backward), so both count as combine and dispatch holds its forward kernels
+    only; dispatch + combine, and so routing_share, are exact. A share is the stage's activity time over the
+    time of all activities (the stages and other add up to 1); gpu_busy_ms is the latter per GPU and step,
+    beside step_ms (activities that overlap, a collective beside compute, count twice there).
   - on CPU (nothing to profile; --tiny), per-stage jitted forward + backward timings, NOT a profile:
     every stage (router incl. the gate matmul and aux loss; dispatch; all-to-all = count all-gather +
     exchange + reverse exchange; grouped GEMMs, on the received rows through their expert-major row
