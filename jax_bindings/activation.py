@@ -9,10 +9,11 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from moetriton.kernels import validation
 from moetriton.kernels.activation import activation_backward_plan, activation_plan
 from moetriton.kernels.expert_parallel import GATED_ACTIVATIONS
 
-from ._launch import device_info, run_plan, uses_kernels
+from ._launch import describe, device_info, run_plan, uses_kernels
 
 #: activation name -> its function (applied to the gate half when the activation is gated: GATED_ACTIVATIONS).
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -88,19 +89,9 @@ def grouped_activation(hidden: jax.Array, group_sizes: jax.Array, activation: st
         >>> grouped_activation(hidden, jnp.array([2, 3]), "swiglu").shape  # rows 0-4 computed
         (6, 4)
     """
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {tuple(ACTIVATIONS)}, got {activation!r}")
-    if hidden.ndim != 2 or group_sizes.ndim != 1:
-        raise ValueError(
-            "grouped_activation: expected hidden [M, W] and group_sizes [E], got shapes"
-            f" {tuple(hidden.shape)} and {tuple(group_sizes.shape)}"
-        )
-    if hidden.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        raise ValueError(f"hidden: expected bfloat16, float16 or float32, got {hidden.dtype}")
-    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise ValueError(f"group_sizes: expected an integer dtype, got {group_sizes.dtype}")
-    if GATED_ACTIVATIONS[activation] and hidden.shape[1] % 2:
-        raise ValueError(f"hidden: expected an even width 2F for {activation!r}, got {hidden.shape[1]}")
+    validation.check_grouped_activation(
+        hidden=describe(hidden), group_sizes=describe(group_sizes), activation=activation
+    )
     if not uses_kernels() or group_sizes.shape[0] == 0:
         return apply_activation(hidden, activation)
     return _grouped_activation(hidden, group_sizes.astype(jnp.int32), activation)

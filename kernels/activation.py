@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, cached, cdiv, next_pow2
 from .expert_parallel import GATED_ACTIVATIONS
+from .permutation import _columns
 
 #: The function of every activation (the gated ones' on their gate half), as the kernels' FUNCTION constexpr.
 _FUNCTIONS = {"swiglu": 0, "geglu": 1, "gelu": 1, "relu": 2}
@@ -149,17 +150,25 @@ def _check(activation: str, num_rows: int, width: int, num_groups: int | None, e
     return width // 2 if gated else width
 
 
-def _plan(kernel, args: tuple, result: str, backward: bool, sizes: dict) -> Plan:
+def _plan(
+    kernel,
+    args: tuple,
+    result: str,
+    backward: bool,
+    activation: str,
+    num_rows: int,
+    width: int,
+    num_groups: int | None,
+    element_bytes: int,
+) -> Plan:
     """The plan of either kernel: `result` [M, F] (forward) or [M, W] (backward) in hidden's dtype, one
     launch of 2 rows by up to 8 KiB of each operand's columns per program (a streaming kernel: enough bytes
     in flight per program, and a grid that fills the GPU at any M)."""
-    activation, num_rows, width = sizes["activation"], sizes["num_rows"], sizes["width"]
-    num_groups, element_bytes = sizes["num_groups"], sizes["element_bytes"]
     ffn = _check(activation, num_rows, width, num_groups, element_bytes)
     buffers = {result: Buffer((num_rows, width if backward else ffn), "like:hidden")}
     if num_rows == 0 or ffn == 0:
         return Plan(buffers, (), (result,))
-    block_cols = max(16, min(next_pow2(ffn), 8192 // element_bytes))
+    block_cols = _columns(ffn, 8192 // element_bytes)
     block_rows = 2
     launch = Launch(
         kernel=kernel,
@@ -196,14 +205,8 @@ def activation_plan(
     with num_groups None: every row). Result: "out" [M, F] in the dtype of hidden (element_bytes wide);
     rows at and past sum(group_sizes) are not written.
     """
-    sizes = dict(
-        activation=activation,
-        num_rows=num_rows,
-        width=width,
-        num_groups=num_groups,
-        element_bytes=element_bytes,
-    )
-    return _plan(_activate_kernel, ("hidden", "group_sizes"), "out", False, sizes)
+    sizes = (activation, num_rows, width, num_groups, element_bytes)
+    return _plan(_activate_kernel, ("hidden", "group_sizes"), "out", False, *sizes)
 
 
 @cached
@@ -222,11 +225,5 @@ def activation_backward_plan(
     (None with num_groups None). Result: "grad_hidden" [M, W] in hidden's dtype; rows at and past
     sum(group_sizes) are not written.
     """
-    sizes = dict(
-        activation=activation,
-        num_rows=num_rows,
-        width=width,
-        num_groups=num_groups,
-        element_bytes=element_bytes,
-    )
-    return _plan(_activate_backward_kernel, ("hidden", "grad", "group_sizes"), "grad_hidden", True, sizes)
+    sizes = (activation, num_rows, width, num_groups, element_bytes)
+    return _plan(_activate_backward_kernel, ("hidden", "grad", "group_sizes"), "grad_hidden", True, *sizes)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._plan import Buffer, Launch, Plan, cached, cdiv, next_pow2
-from .permutation import _as_bits
+from ._plan import Buffer, Launch, Plan, cached, cdiv
+from .permutation import _as_bits, _columns
 
 
 @triton.jit
@@ -99,8 +99,9 @@ def _take_blocks_kernel(
 
 
 def _blocks_plan(
-    take: bool, num_blocks: int, rows: int, out_rows: int, width: int, element_bytes: int, permuted
-):
+    take: bool, num_blocks: int, rows: int, out_rows: int, width: int, element_bytes: int, permuted: bool
+) -> Plan:
+    """The plan of `_take_blocks_kernel` (take) or `_place_blocks_kernel`: their builders' docs."""
     if min(num_blocks, rows, width) < 0 or out_rows < rows:
         raise ValueError(
             f"{'take' if take else 'place'}_blocks: expected sizes >= 0 and out_rows >= rows, got"
@@ -112,7 +113,7 @@ def _blocks_plan(
     if num_blocks * rows == 0 or width == 0:
         return Plan(buffers, (), (result,))
     tile_rows = 4
-    tile_cols = max(16, min(next_pow2(width), 16384 // element_bytes))  # a 16 KiB streaming copy per row
+    tile_cols = _columns(width, 16384 // element_bytes)  # a 16 KiB streaming copy per row
     launch = Launch(
         kernel=_take_blocks_kernel if take else _place_blocks_kernel,
         grid=(num_blocks * cdiv(rows, tile_rows), cdiv(width, tile_cols)),

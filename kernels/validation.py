@@ -8,6 +8,7 @@ only they know whether reading values is free (CPU) or a device sync (GPU).
 
 from __future__ import annotations
 
+from .expert_parallel import GATED_ACTIVATIONS
 from .permutation import row_map_slots
 
 FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
@@ -214,3 +215,24 @@ def check_grouped_matmul(
             raise ValueError(f"grouped_matmul: {name} must be [M] = ({lhs_shape[0]},), got {rows[0]}")
         if not rows[1].startswith(("int", "uint")):
             raise TypeError(f"grouped_matmul: {name} must be integers, got {rows[1]}")
+
+
+def check_grouped_activation(
+    *, hidden: tuple[tuple[int, ...], str], group_sizes: tuple[tuple[int, ...], str], activation: str
+) -> None:
+    """Validates grouped_activation's arguments: an activation of GATED_ACTIVATIONS, hidden [M, W] in
+    bfloat16 / float16 / float32 (W even for a gated activation), group_sizes [E] integers. ValueError."""
+    if activation not in GATED_ACTIVATIONS:
+        _fail("activation", f"expected one of {tuple(GATED_ACTIVATIONS)}, got {activation!r}")
+    (hidden_shape, hidden_dtype), (sizes_shape, sizes_dtype) = hidden, group_sizes
+    if len(hidden_shape) != 2 or len(sizes_shape) != 1:
+        raise ValueError(
+            "grouped_activation: expected hidden [M, W] and group_sizes [E], got shapes"
+            f" {tuple(hidden_shape)} and {tuple(sizes_shape)}"
+        )
+    if hidden_dtype not in GROUPED_MATMUL_DTYPES:
+        _fail("hidden", f"expected bfloat16, float16 or float32, got {hidden_dtype}")
+    if not sizes_dtype.startswith(("int", "uint")):
+        _fail("group_sizes", f"expected an integer dtype, got {sizes_dtype}")
+    if GATED_ACTIVATIONS[activation] and hidden_shape[1] % 2:
+        _fail("hidden", f"expected an even width 2F for {activation!r}, got {hidden_shape[1]}")
