@@ -112,8 +112,10 @@ def _listed_slot(map_row, num_slots, position, limit, NEEDED: tl.constexpr = Tru
     nothing is read at or past `limit` or when the caller does not NEED it. Bounded like the row and
     never masked by it, so its load (and the weight load behind it) does not wait for the row's."""
     if NEEDED:
-        return tl.load(map_row + num_slots + position, mask=position < limit, other=-1)
-    return tl.full([], -1, tl.int32)
+        slot = tl.load(map_row + num_slots + position, mask=position < limit, other=-1)
+    else:
+        slot = tl.full([], -1, tl.int32)
+    return slot
 
 
 @triton.jit
@@ -604,8 +606,10 @@ def _slot_values(inp_ptr, row, live, inp_stride, cols, cmask, STREAMING: tl.cons
 def _slot_weight(weight_row, slot, acc_dtype: tl.constexpr, HAS_WEIGHTS: tl.constexpr):
     """w[t, slot] (0 for slot -1, read from nothing), or 1 without weights."""
     if HAS_WEIGHTS:
-        return tl.load(weight_row + slot, mask=slot >= 0, other=0).to(acc_dtype)
-    return tl.full([], 1, acc_dtype)
+        weight = tl.load(weight_row + slot, mask=slot >= 0, other=0).to(acc_dtype)
+    else:
+        weight = tl.full([], 1, acc_dtype)
+    return weight
 
 
 @triton.jit
@@ -736,15 +740,17 @@ def _combine_backward_kernel(
     GRAD_STRIDE_ALIGN: tl.constexpr,
     INP_STRIDE_ALIGN: tl.constexpr,
     STREAMING: tl.constexpr,
+    STEP: tl.constexpr,
 ):
     """Backward of weighted combine. Grid (T + NUM_FILL,).
 
-    Token program t walks its listed slots (ascending) and, for each, the whole hidden dimension:
-    grad_inp[row] = g[t] * w[t, s] (computed in fp32, stored in the input dtype) and
+    Token program t walks its listed slots (ascending), STEP of them at a time, and for each the whole hidden
+    dimension: grad_inp[row] = g[t] * w[t, s] (computed in fp32, stored in the input dtype) and
     grad_weights[t, s] = sum_h inp[row, h] * g[t, h] (fp32); slots without a row get weight gradient 0.
     Fill programs zero the tail rows [end, N); with padding the plan pre-zeroes grad_inp instead.
-    STREAMING reads the forward input evict-first and stores grad_inp streaming (each touched once); the
-    gradient row g[t], read once per slot, stays cacheable (a tuning knob, as in `_dispatch_kernel`).
+    STEP > 1 keeps that many rows' loads in flight per program and reads each chunk of g[t] once for them
+    (a tuning knob). STREAMING reads the forward input evict-first and stores grad_inp streaming (each
+    touched once); the gradient row g[t] stays cacheable (a tuning knob, as in `_dispatch_kernel`).
     """
     pid = tl.program_id(0)
     hidden = _aligned(hidden, HIDDEN_ALIGN)
@@ -756,35 +762,40 @@ def _combine_backward_kernel(
         map_row = _map_row(row_map_ptr, token, num_slots)
         slots = tl.arange(0, SLOTS_POW2)
         smask = slots < num_slots
+        steps = tl.arange(0, STEP)
         grad_row = grad_ptr + token.to(tl.int64) * grad_stride
         weight_grads = tl.zeros([SLOTS_POW2], dtype=acc_dtype)
         weight_row = weights_ptr + token.to(tl.int64) * num_slots
         count = tl.load(map_row + 2 * num_slots)
-        # The next listed entry's row, slot and weight are read while the current slot's rows move.
-        row, _ = _listed_row(map_row, 0, count)
-        slot = _listed_slot(map_row, num_slots, 0, count)
-        weight = _slot_weight(weight_row, slot, acc_dtype, True)
-        for position in range(count):
-            next_row, _ = _listed_row(map_row, position + 1, count)
-            next_slot = _listed_slot(map_row, num_slots, position + 1, count)
-            next_weight = _slot_weight(weight_row, next_slot, acc_dtype, True)
-            dot = tl.zeros([BLOCK_H], dtype=acc_dtype)
+        # The next STEP listed entries' rows, slots and weights are read while the current ones' rows move.
+        rows, live = _listed_row(map_row, steps, count)  # [STEP]
+        slot_ids = _listed_slot(map_row, num_slots, steps, count)
+        weights = _slot_weight(weight_row, slot_ids, acc_dtype, True)
+        for position in range(0, count, STEP):
+            next_rows, next_live = _listed_row(map_row, position + STEP + steps, count)
+            next_slot_ids = _listed_slot(map_row, num_slots, position + STEP + steps, count)
+            next_weights = _slot_weight(weight_row, next_slot_ids, acc_dtype, True)
+            dot = tl.zeros([STEP, BLOCK_H], dtype=acc_dtype)
             for h0 in range(0, hidden, BLOCK_H):
                 cols = h0 + tl.arange(0, BLOCK_H)
                 cmask = cols < hidden
-                grad = tl.load(grad_row + cols, mask=cmask, other=0).to(acc_dtype)
-                scaled = (grad * weight).to(grad_inp_ptr.dtype.element_ty)
+                tile_mask = live[:, None] & cmask[None, :]  # [STEP, BLOCK_H]
+                grad = tl.load(grad_row + cols, mask=cmask, other=0).to(acc_dtype)[None, :]
+                scaled = (grad * weights[:, None]).to(grad_inp_ptr.dtype.element_ty)
+                inp_tile = inp_ptr + rows[:, None] * inp_stride + cols[None, :]
+                out_tile = grad_inp_ptr + rows[:, None] * hidden + cols[None, :]
                 if STREAMING:
-                    values = tl.load(
-                        inp_ptr + row * inp_stride + cols, mask=cmask, other=0, eviction_policy="evict_first"
-                    ).to(acc_dtype)
-                    tl.store(grad_inp_ptr + row * hidden + cols, scaled, mask=cmask, cache_modifier=".cs")
+                    values = tl.load(inp_tile, mask=tile_mask, other=0, eviction_policy="evict_first")
+                    tl.store(out_tile, scaled, mask=tile_mask, cache_modifier=".cs")
                 else:
-                    values = tl.load(inp_ptr + row * inp_stride + cols, mask=cmask, other=0).to(acc_dtype)
-                    tl.store(grad_inp_ptr + row * hidden + cols, scaled, mask=cmask)
-                dot += values * grad
-            weight_grads = tl.where(slots == slot, tl.sum(dot, axis=0), weight_grads)
-            slot, row, weight = next_slot, next_row, next_weight
+                    values = tl.load(inp_tile, mask=tile_mask, other=0)
+                    tl.store(out_tile, scaled, mask=tile_mask)
+                dot += values.to(acc_dtype) * grad
+            sums = tl.sum(dot, axis=1)  # [STEP]
+            # Listed slots are distinct and an unlisted entry's slot (-1) matches none.
+            hits = slots[None, :] == slot_ids[:, None]  # [STEP, SLOTS_POW2]
+            weight_grads += tl.sum(tl.where(hits, sums[:, None], 0), axis=0)
+            rows, live, slot_ids, weights = next_rows, next_live, next_slot_ids, next_weights
         tl.store(
             grad_weights_ptr + token.to(tl.int64) * num_slots + slots,
             weight_grads.to(grad_weights_ptr.dtype.element_ty),
@@ -820,7 +831,8 @@ COMBINE_SPACE = SearchSpace(
     {"block_h": (512, 1024, 2048, 4096), "num_warps": (2, 4, 8), "lookahead": (1, 2), "streaming": (0, 1)},
 )
 COMBINE_BACKWARD_SPACE = SearchSpace(
-    "combine_backward", {"block_h": (512, 1024, 2048, 4096), "num_warps": (4, 8, 16), "streaming": (0, 1)}
+    "combine_backward",
+    {"block_h": (512, 1024, 2048, 4096), "num_warps": (2, 4, 8), "streaming": (0, 1), "step": (1, 2, 4)},
 )
 
 
@@ -1224,7 +1236,9 @@ def combine_backward_plan(
     Results: grad_input [N, H] (zero on rows no token owns), grad_weights [T, S] (dtype of weights).
     """
     features = dict(num_tokens=num_tokens, hidden=hidden, num_slots=num_slots, element_bytes=element_bytes)
-    heuristic = dict(block_h=2048, num_warps=_warps_for(_columns(hidden, 2048) * element_bytes), streaming=0)
+    heuristic = dict(
+        block_h=2048, num_warps=_warps_for(_columns(hidden, 2048) * element_bytes), streaming=0, step=1
+    )
     cfg = autotune.resolve(COMBINE_BACKWARD_SPACE, heuristic, config, features, device)
     empty = num_tokens == 0
     buffers = {
@@ -1251,7 +1265,9 @@ def combine_backward_plan(
             num_rows,
         ),
         outputs=("grad_input", "grad_weights"),
-        constexprs=_mapped_rows_constexprs(block_h, num_slots, num_fill, hidden, cfg["streaming"]),
+        constexprs=dict(
+            _mapped_rows_constexprs(block_h, num_slots, num_fill, hidden, cfg["streaming"]), STEP=cfg["step"]
+        ),
         num_warps=cfg["num_warps"],
         fp_fusion=False,
     )
