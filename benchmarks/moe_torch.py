@@ -22,14 +22,17 @@ rank); the stage breakdown from a torch.profiler trace of two steps, each starte
 every stage is a record_function range "moe.<stage>" in the forward, and backward work
 (autograd::engine::evaluate_function events) is attributed to the stage whose forward op created the autograd
 node (matched by sequence number); times are GPU time of the kernels launched (CPU time on CPU), shares are of
-the profiled total ("other": the loss and gradient accumulation); routing share = router + dispatch +
-chunk_sort + combine; grouped-GEMM TFLOP/s = 3 x (2 rows H 2F + 2 rows F H) / grouped_gemm time, rows = T x K
-routed slots, against the 790 TFLOP/s bf16 peak; with EP > 1, all-to-all GB/s = bytes this rank sends in the 4
-token exchanges of a step (4 x T K H x 2 bytes, padding not counted) / all_to_all stage time (the row
+the profiled total ("other": the loss and gradient accumulation; the barrier that starts each profiled step
+together on every rank is left out and its wait reported as align_wait_ms); routing share = router + dispatch
++ chunk_sort + combine; grouped-GEMM TFLOP/s = 3 x (2 rows H 2F + 2 rows F H) / grouped_gemm time, rows = T x
+K routed slots, against the 790 TFLOP/s bf16 peak; with EP > 1, all-to-all GB/s = bytes this rank sends in the
+4 token exchanges of a step (4 x T K H x 2 bytes, padding not counted) / all_to_all stage time (the row
 exchanges; the count exchange before them, with its host copy and its wait for the slower rank, is the
-exchange_sizes stage), against a plain all_to_all_single of [T K, H] with equal splits. A row that runs out of
-memory is printed and written as OOM, and the next row runs (under torchrun an OOM on one rank only would
-leave the other waiting for the collective timeout).
+exchange_sizes stage), against a plain all_to_all_single of [T K, H] with equal splits; a2a_gbps_least_waiting
+is the same bytes over the all_to_all stage of the rank whose exchanges took least (the others include waiting
+for a later peer), the rate closest to the transfer itself. A row that runs out of memory is printed and
+written as OOM, and the next row runs (under torchrun an OOM on one rank only would leave the other waiting
+for the collective timeout).
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ PEAK_TFLOPS = 790.0  # H100 SXM dense bf16
 AUX_LOSS_COEFF = 1e-2
 BACKWARD = "autograd::engine::evaluate_function"
 STAGES = (*LAYER_STAGES, "other")  # "other": the loss and gradient accumulation
+# The range around each profiled step's start, which lines the ranks up: its wait (an NCCL barrier kernel
+# spinning until the later rank arrives) is no stage of the layer, so it is reported apart.
+ALIGN = "bench.align"
 ROUTING_STAGES = ("router", "dispatch", "chunk_sort", "combine")
 TINY = {
     "mixtral": MoELayerShape("mixtral-tiny", 16, 16, 16, 4, 2),
@@ -191,7 +197,9 @@ def stage_ms(events, per_steps: int, on_gpu: bool) -> dict[str, float]:
     backward = []
     for event in sorted(events, key=lambda event: event.time_range.start):
         if event.cpu_parent is None and event.device_type == torch.autograd.DeviceType.CPU:
-            if event.name.startswith(BACKWARD):
+            if event.name == ALIGN:
+                totals[ALIGN] += spent(event)
+            elif event.name.startswith(BACKWARD):
                 backward.append(event)
             else:  # a stage range, or forward work outside the stages (the loss)
                 totals[event.name.removeprefix("moe.") if event.name.startswith("moe.") else "other"] += (
@@ -203,7 +211,7 @@ def stage_ms(events, per_steps: int, on_gpu: bool) -> dict[str, float]:
             stage_of_node[event.sequence_nr] = context.removeprefix("moe.") if context else "other"
     for event in backward:
         totals[stage_of_node.get(event.sequence_nr, "other")] += spent(event)
-    return {stage: totals.get(stage, 0.0) for stage in STAGES}
+    return {stage: totals.get(stage, 0.0) for stage in (*STAGES, ALIGN)}
 
 
 def _plain_all_to_all_gbps(rows: int, hidden: int, dtype, device, group) -> float:
@@ -299,12 +307,14 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
         for _ in range(profiled_steps):
             # Every rank starts the step together: otherwise a rank that starts the profiler later (CUPTI
             # initialises on first use) makes the other wait in the router's all-reduce (router stage).
-            _sync(device)
-            if group is not None:
-                dist.barrier(group=group)
+            with torch.profiler.record_function(ALIGN):
+                _sync(device)
+                if group is not None:
+                    dist.barrier(group=group)
             step()
         _sync(device)
     stages = stage_ms(profile.events(), profiled_steps, device.type == "cuda")
+    align_ms = stages.pop(ALIGN)
     if group is not None:
         slowest = torch.tensor([step_ms], device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
@@ -313,7 +323,7 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
     rows = tokens * shape.topk
     gemm_flops = 3 * (2 * rows * shape.hidden * 2 * shape.ffn + 2 * rows * shape.ffn * shape.hidden)
     gemm_tflops = gemm_flops / (stages["grouped_gemm"] * 1e-3) / 1e12 if stages["grouped_gemm"] else 0.0
-    row.update(step_ms=round(step_ms, 4))
+    row.update(step_ms=round(step_ms, 4), align_wait_ms=round(align_ms, 4))
     row.update({f"{stage}_ms": round(ms, 4) for stage, ms in stages.items()})
     row.update(
         {f"{stage}_share_pct": round(100 * ms / total, 2) if total else 0.0 for stage, ms in stages.items()}
@@ -327,11 +337,15 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
     if group is not None and stages["all_to_all"]:
         sent = 4 * rows * shape.hidden * inputs["x"].element_size()
         layer_gbps = sent / (stages["all_to_all"] * 1e-3) / 1e9
+        # The rank that waited least for its peers in the exchanges: closest to the transfer rate itself.
+        least = torch.tensor([stages["all_to_all"]], device=device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)
         plain_gbps = _plain_all_to_all_gbps(rows, shape.hidden, dtype, device, group)
         row.update(
             a2a_gbps=round(layer_gbps, 1),
             plain_a2a_gbps=round(plain_gbps, 1),
             a2a_pct_of_plain=round(100 * layer_gbps / plain_gbps, 1),
+            a2a_gbps_least_waiting=round(sent / (float(least) * 1e-3) / 1e9, 1),
         )
     return row
 
@@ -435,7 +449,10 @@ def _describe(row: dict) -> str:
     shares = " ".join(f"{stage} {row[f'{stage}_share_pct']:.1f}%" for stage in STAGES)
     a2a = ""
     if "a2a_gbps" in row:
-        a2a = f" | all-to-all {row['a2a_gbps']:.1f} GB/s = {row['a2a_pct_of_plain']:.0f}% of plain"
+        a2a = (
+            f" | all-to-all {row['a2a_gbps']:.1f} GB/s = {row['a2a_pct_of_plain']:.0f}% of plain"
+            f" ({row['a2a_gbps_least_waiting']:.1f} GB/s on the rank that waited least)"
+        )
     return (
         f"{head} {row['policy']} step {row['step_ms']:.3f} ms | routing {row['routing_share_pct']:.1f}% | "
         f"grouped GEMM {row['gemm_tflops']:.0f} TFLOP/s ({row['gemm_pct_of_peak']:.0f}% of {PEAK_TFLOPS:.0f})"
