@@ -51,9 +51,12 @@ Rows (one per impl x shape x EP; printed and written to DIR/moe_jax.csv, the log
   the step's largest (source, destination) pair picks, EPLayout.exchange_block_rows) over the routed rows
   T * K: what the padding costs on this routing.
 
-Each row catches its own failure (out of memory included), prints it and goes on. On CPU the exchange is the
-padded all_to_all fallback (XLA:CPU has no ragged all-to-all) and the ops run the pure-JAX reference unless
-TRITON_INTERPRET=1: --tiny only checks that everything runs.
+Each row catches its own failure (out of memory included), prints it and goes on. With EP > 1 in one process a
+failure on one device can leave the others waiting in a collective for good (the MaxText-style baseline's
+out-of-memory at EP = 2 did, on two H200s): `--isolate SECONDS` runs every row in a child process of its own
+(this module, that row's arguments) and records a row that fails, crashes or takes longer as an error.
+On CPU the exchange is the padded all_to_all fallback (XLA:CPU has no ragged all-to-all) and the ops run the
+pure-JAX reference unless TRITON_INTERPRET=1: --tiny only checks that everything runs.
 """
 
 from __future__ import annotations
@@ -63,7 +66,9 @@ import csv
 import os
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -570,6 +575,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmark-results", help="folder for moe_jax.csv and moe_jax.log")
     parser.add_argument("--exchange", default="auto", help="the moetriton layer's: auto, ragged or padded")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    parser.add_argument(
+        "--isolate",
+        type=float,
+        default=0,
+        help="run each row in a child process, killed after this many seconds",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -579,9 +590,15 @@ def main(argv: list[str] | None = None) -> int:
         print(text, flush=True)
         log.write(text + "\n")
 
-    say(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
     table = TINY_SHAPES if args.tiny else MOE_LAYER_SHAPES
     rows = []
+    if args.isolate:  # the children own the devices: this process never starts a backend
+        for name in args.shapes.split(","):
+            for ep in args.ep.split(","):
+                for impl in args.impl.split(","):
+                    rows += _row_in_child(argv, name, ep, impl, args.isolate, say)
+        return _write(rows, out, log, say, args.tiny)
+    say(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
     for name in args.shapes.split(","):
         shape = table[name]
         if args.tokens:
@@ -600,13 +617,54 @@ def main(argv: list[str] | None = None) -> int:
                     row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
                 rows.append(row)
                 say(" ".join(f"{key}={row[key]}" for key in COLUMNS if key in row))
+    return _write(rows, out, log, say, args.tiny)
+
+
+def _row_in_child(argv: list[str] | None, name: str, ep: str, impl: str, limit: float, say) -> list[dict]:
+    """The rows of one (shape, EP, impl) measured by a child process running this module with the same
+    arguments narrowed to that row, given `limit` seconds; a child that fails or overruns: an error row."""
+    narrowed, skip = [], False
+    for arg in sys.argv[1:] if argv is None else argv:  # drop what is re-set below
+        if skip:
+            skip = False
+        elif arg in ("--shapes", "--ep", "--impl", "--out", "--isolate"):
+            skip = True
+        elif not arg.startswith(("--shapes=", "--ep=", "--impl=", "--out=", "--isolate=")):
+            narrowed.append(arg)
+    error_row = dict(impl=impl, shape=name, ep=ep)
+    with tempfile.TemporaryDirectory() as child_out:
+        command = [sys.executable, "-m", "benchmarks.moe_jax", *narrowed, "--shapes", name, "--ep", ep]
+        command += ["--impl", impl, "--out", child_out]
+        try:
+            done = subprocess.run(
+                command,
+                cwd=Path(__file__).resolve().parents[1],
+                capture_output=True,
+                text=True,
+                timeout=limit,
+            )
+        except subprocess.TimeoutExpired:
+            say(f"{impl} {name} EP={ep}: killed after {limit:g} s")
+            return [dict(error_row, error=f"timed out after {limit:g} s (isolated row)")]
+        for line in done.stdout.splitlines():
+            if not line.startswith(("jax ", "wrote ")):
+                say(line)
+        table = Path(child_out) / "moe_jax.csv"
+        if not table.is_file():
+            say(done.stderr[-2000:])
+            return [dict(error_row, error=f"child exited with {done.returncode} before writing a row")]
+        with table.open() as file:
+            return [{key: value for key, value in row.items() if value != ""} for row in csv.DictReader(file)]
+
+
+def _write(rows: list[dict], out: Path, log, say, tiny: bool) -> int:
     with (out / "moe_jax.csv").open("w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
     say(f"wrote {out / 'moe_jax.csv'}")
     log.close()
-    return 1 if args.tiny and any("error" in row for row in rows) else 0
+    return 1 if tiny and any("error" in row for row in rows) else 0
 
 
 if __name__ == "__main__":

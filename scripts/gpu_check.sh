@@ -6,7 +6,8 @@
 # NCU_SHAPES), report as $OUT/ncu.txt. gemm: the grouped-GEMM kernels beside torch._grouped_mm (GEMM_ARGS=--sweep to time configs).
 # exchange: the layers' dropless row exchanges alone beside plain all-to-alls (scripts/exchange_jax.py,
 # under several XLA_FLAGS unless EXCHANGE_ARGS=--one; scripts/exchange_torch.py under torchrun; 2 GPUs). moe1: the MoE layer examples and layer-step benchmarks on one GPU; moe2: the same with EP = 2 on two GPUs
-# (torchrun for PyTorch, one process for JAX); their logs and CSVs come back as $OUT/moe.tar.
+# (torchrun for PyTorch, one process for JAX, each of its rows in a child process killed after
+# MOE_ROW_TIMEOUT s); their logs and CSVs come back as $OUT/moe.tar.
 # moeab: the JAX layer's step (benchmarks.moe_jax, EP = MOE_AB_EP, default 2 on 2 GPUs) of this package and of
 # another one (MOE_AB_BASELINE, a carried package folder), alternated MOE_AB_ROUNDS times; lines in $OUT/moeab.log,
 # CSVs in $OUT/moeab/.
@@ -80,7 +81,7 @@ for stage in $stages; do
             timeout ${MOE_EXAMPLE_TIMEOUT:-120} python3 examples/jax_moe_ep.py
             timeout ${MOE_TIMEOUT:-240} python3 -m benchmarks.moe_torch --out "$OUT/moe" ${MOE_TORCH_ARGS:-}
             XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOE_TIMEOUT:-240} python3 -m benchmarks.moe_jax --ep 1 \
-              --out "$OUT/moe" ${MOE_JAX_ARGS:-}
+              --isolate ${MOE_ROW_TIMEOUT:-150} --out "$OUT/moe" ${MOE_JAX_ARGS:-}
           } > "$OUT/moe/moe1.log" 2>&1; grep -v -i warn "$OUT/moe/moe1.log" | tail -40
           tar -C "$OUT" -cf "$OUT/moe.tar" moe && rm -r "$OUT/moe") ;;
     moe2) (cd "$repo" && mkdir -p "$OUT/moe" && {
@@ -88,8 +89,8 @@ for stage in $stages; do
             timeout ${MOE_EXAMPLE_TIMEOUT:-120} python3 examples/jax_moe_ep.py
             timeout ${MOE_TIMEOUT:-240} python3 -m torch.distributed.run --nproc-per-node 2 -m benchmarks.moe_torch \
               --out "$OUT/moe" ${MOE_TORCH_ARGS:-}
-            XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOE_TIMEOUT:-240} python3 -m benchmarks.moe_jax \
-              --ep ${MOE_JAX_EP:-1,2} --out "$OUT/moe" ${MOE_JAX_ARGS:-}
+            XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOE_TIMEOUT:-600} python3 -m benchmarks.moe_jax \
+              --ep ${MOE_JAX_EP:-1,2} --isolate ${MOE_ROW_TIMEOUT:-150} --out "$OUT/moe" ${MOE_JAX_ARGS:-}
           } > "$OUT/moe/moe2.log" 2>&1; grep -v -i warn "$OUT/moe/moe2.log" | tail -40
           tar -C "$OUT" -cf "$OUT/moe.tar" moe && rm -r "$OUT/moe") ;;
     moeab) (cd "$repo" && python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade \

@@ -11,6 +11,7 @@ GPUs the same checks run compiled kernels on as many GPUs as they need, with the
 Single-device checks (no mesh) and argument errors run in this process.
 """
 
+import csv
 import dataclasses
 import os
 import re
@@ -173,3 +174,26 @@ def test_ep_example_runs_and_matches_reference():
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert result.stdout.strip().endswith("ok"), result.stdout[-4000:]
+
+
+@pytest.mark.parametrize("limit, expect_error", [(300, False), (0.5, True)], ids=["in-time", "overrun"])
+def test_benchmark_isolated_rows(tmp_path, limit, expect_error):
+    """benchmarks/moe_jax.py --isolate: each row in a child process; a row that overruns its limit is an
+    error row and the run goes on (a hung collective cannot stall the rest)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    argv = ["--tiny", "--steps", "1", "--shapes", "mixtral", "--ep", "1", "--impl", "moetriton"]
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.moe_jax", *argv, "--isolate", str(limit), "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    with (tmp_path / "moe_jax.csv").open() as file:
+        rows = list(csv.DictReader(file))
+    assert len(rows) == 1 and rows[0]["impl"] == "moetriton", result.stdout[-4000:] + result.stderr[-4000:]
+    if expect_error:
+        assert result.returncode == 1 and rows[0]["error"].startswith("timed out after 0.5 s"), rows
+    else:
+        assert result.returncode == 0 and not rows[0]["error"] and float(rows[0]["step_ms"]) > 0, rows
