@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device-tool call: install what the GPU machine lacks, run the whole test suite on CUDA, run the
 # benchmarks, and leave logs under $OUT. Usage (device tool, repo root): bash scripts/gpu_check.sh [stage...]
-# Stages: setup (install only) smoke tests bench eager hostprof router gemm autotune usecache ab jaxprof plan ncu exchange moe1 moe2 moeab
+# Stages: setup (install only) smoke tests bench eager hostprof router gemm autotune usecache ab interleave jaxprof plan ncu
+# exchange moe1 moe2 moeab
 # (default: tests bench). ncu: Nsight Compute counters of the combine kernels beside TE's (scripts/profile_kernels.py,
 # NCU_SHAPES), report as $OUT/ncu.txt. gemm: the grouped-GEMM kernels beside torch._grouped_mm (GEMM_ARGS=--sweep to time configs).
 # exchange: the layers' dropless row exchanges alone beside plain all-to-alls (scripts/exchange_jax.py,
@@ -11,6 +12,8 @@
 # moeab: the JAX layer's step (benchmarks.moe_jax, EP = MOE_AB_EP, default 2 on 2 GPUs) of this package and of
 # another one (MOE_AB_BASELINE, a carried package folder), alternated MOE_AB_ROUNDS times; lines in $OUT/moeab.log,
 # CSVs in $OUT/moeab/.
+# interleave: dispatch backward, combine and combine backward, ours and TE's, timed interleaved in one process
+# (scripts/interleave_te.py, INTERLEAVE_SHAPES), as $OUT/interleave.csv; needs the carried `.te`.
 # ab: same-process A/B of the permutation kernels against another version of kernels/permutation.py
 # (AB_BASELINE, a carried file; AB_ARGS), table as $OUT/ab.csv.
 # usecache copies what autotune wrote into the installed package, so later stages of the same call run with
@@ -62,6 +65,9 @@ for stage in $stages; do
           rm -f "$OUT/ncu.ncu-rep"  # too large to bring back; the two text pages hold what it says
           grep -E "^  [_a-z]|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" "$OUT/ncu.txt" | head -120) ;;
     usecache) cp -r /tmp/cache/. /tmp/site/moetriton/autotune_cache/ ;;
+    interleave) (cd "$repo" && timeout ${INTERLEAVE_TIMEOUT:-200} python3 scripts/interleave_te.py \
+                   --shapes ${INTERLEAVE_SHAPES:-qwen3,mixtral,dsv3,small,tiny} 2>&1 | grep -v -i warn \
+                   | tee "$OUT/interleave.csv") ;;
     ab) (cd "$repo" && timeout ${AB_TIMEOUT:-300} python3 scripts/ab_permutation.py "$AB_BASELINE" ${AB_ARGS:-} 2>&1 \
            | grep -v -i "warn\|chosen =" | tee "$OUT/ab.csv" | grep "best\|^#") ;;
     jaxprof) (cd "$repo" && timeout ${JAXPROF_TIMEOUT:-150} python3 scripts/profile_jax.py --hlo "$OUT/hlo.txt" \
