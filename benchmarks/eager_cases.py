@@ -84,7 +84,8 @@ def _cycle(sets: list, fn: Callable) -> Callable[[], object]:
     return lambda: fn(*next(sets_iter))
 
 
-def _routing(shape: MoEShape, generator: torch.Generator):
+def mask_routing(shape: MoEShape, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [T, E] mask with K random experts per token and its [T, E] probs (softmax over the K, else 0)."""
     scores = torch.rand(shape.num_tokens, shape.num_experts, device="cuda", generator=generator)
     top, ids = scores.topk(shape.topk, dim=1)
     mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, ids, True)
@@ -127,7 +128,7 @@ def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
 
     def make_dispatch(requires_grad=False):
         x = torch.randn(T, H, device="cuda", dtype=DTYPE, generator=generator, requires_grad=requires_grad)
-        mask, probs = _routing(shape, generator)
+        mask, probs = mask_routing(shape, generator)
         grad = torch.randn(N, H, device="cuda", dtype=DTYPE, generator=generator)
         return x, mask, probs, grad
 
@@ -196,7 +197,7 @@ def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
     combine_bwd_bytes = token_bytes(T, H, eb) + 2 * token_bytes(N, H, eb) + map_bytes + 2 * T * E * 4
 
     def make_combine():
-        mask, probs = _routing(shape, generator)
+        mask, probs = mask_routing(shape, generator)
         row_map = mt.token_dispatch(torch.empty(T, 0, device="cuda", dtype=DTYPE), mask, N)[2]
         expert_out = torch.randn(N, H, device="cuda", dtype=DTYPE, generator=generator, requires_grad=True)
         grad = torch.randn(T, H, device="cuda", dtype=DTYPE, generator=generator)

@@ -596,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.shapes.split(","):
             for ep in args.ep.split(","):
                 for impl in args.impl.split(","):
-                    rows += _row_in_child(argv, name, ep, impl, args.isolate, say)
+                    rows += _row_in_child(args, name, ep, impl, say)
         return _write(rows, out, log, say, args.tiny)
     say(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
     for name in args.shapes.split(","):
@@ -620,20 +620,16 @@ def main(argv: list[str] | None = None) -> int:
     return _write(rows, out, log, say, args.tiny)
 
 
-def _row_in_child(argv: list[str] | None, name: str, ep: str, impl: str, limit: float, say) -> list[dict]:
+def _row_in_child(args: argparse.Namespace, name: str, ep: str, impl: str, say) -> list[dict]:
     """The rows of one (shape, EP, impl) measured by a child process running this module with the same
-    arguments narrowed to that row, given `limit` seconds; a child that fails or overruns: an error row."""
-    narrowed, skip = [], False
-    for arg in sys.argv[1:] if argv is None else argv:  # drop what is re-set below
-        if skip:
-            skip = False
-        elif arg in ("--shapes", "--ep", "--impl", "--out", "--isolate"):
-            skip = True
-        elif not arg.startswith(("--shapes=", "--ep=", "--impl=", "--out=", "--isolate=")):
-            narrowed.append(arg)
+    options narrowed to that row, given `args.isolate` seconds; a child that fails or overruns: error row."""
+    limit = args.isolate
+    options = ["--steps", str(args.steps), "--align", str(args.align), "--exchange", args.exchange]
+    options += ["--tokens", str(args.tokens)] if args.tokens else []
+    options += ["--tiny"] if args.tiny else []
     error_row = dict(impl=impl, shape=name, ep=ep)
     with tempfile.TemporaryDirectory() as child_out:
-        command = [sys.executable, "-m", "benchmarks.moe_jax", *narrowed, "--shapes", name, "--ep", ep]
+        command = [sys.executable, "-m", "benchmarks.moe_jax", *options, "--shapes", name, "--ep", ep]
         command += ["--impl", impl, "--out", child_out]
         try:
             done = subprocess.run(

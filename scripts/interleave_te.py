@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 import torch
 
 import moetriton.torch as mt
-from benchmarks.eager_cases import te_permutation
+from benchmarks.eager_cases import mask_routing, te_permutation
 from benchmarks.timing import input_sets, time_graph
 from moetriton.kernels.shapes import NAMED_SHAPES
 from moetriton.torch import ops
@@ -35,10 +35,7 @@ def _cases(shape, te, generator):
     N = T * K
 
     def make():
-        scores = torch.rand(T, E, device="cuda", generator=generator)
-        top, ids = scores.topk(K, dim=1)
-        mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, ids, True)
-        probs = torch.zeros_like(scores).scatter_(1, ids, top.softmax(-1))
+        mask, probs = mask_routing(shape, generator)
         row_map = mt.token_dispatch(torch.empty(T, 0, device="cuda", dtype=torch.bfloat16), mask, N)[2]
         rows = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, generator=generator)
         grad = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=generator)
