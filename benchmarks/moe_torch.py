@@ -30,7 +30,11 @@ K routed slots, against the 790 TFLOP/s bf16 peak; with EP > 1, all-to-all GB/s 
 exchanges; the count exchange before them, with its host copy and its wait for the slower rank, is the
 exchange_sizes stage), against a plain all_to_all_single of [T K, H] with equal splits; a2a_gbps_least_waiting
 is the same bytes over the all_to_all stage of the rank whose exchanges took least (the others include waiting
-for a later peer), the rate closest to the transfer itself. A row that runs out of memory is printed and
+for a later peer); a2a_transfer_gbps splits the wait off exactly: from every rank's trace, each exchange's
+NCCL kernel counts from the latest rank's start to its own end (a2a_wait_ms: the rest, per step, mean over
+the ranks; processes on one host share the clock). gpu_idle_ms: per profiled step, the time from the end of
+its starting barrier to its last GPU work with no kernel, copy or memset running (benchmarks.trace_gaps;
+--trace DIR keeps every rank's trace). A row that runs out of memory is printed and
 written as OOM, and the next row runs (under torchrun an OOM on one rank only would leave the other waiting
 for the collective timeout).
 """
@@ -41,9 +45,12 @@ import argparse
 import csv
 import datetime
 import gc
+import gzip
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -53,6 +60,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from benchmarks import trace_gaps
 from moetriton.kernels.shapes import MOE_LAYER_SHAPES, MoELayerShape
 from moetriton.torch.moe import STAGES as LAYER_STAGES
 from moetriton.torch.moe import all_to_all_rows, expert_mlp, moe
@@ -66,6 +74,8 @@ STAGES = (*LAYER_STAGES, "other")  # "other": the loss and gradient accumulation
 # spinning until the later rank arrives) is no stage of the layer, so it is reported apart.
 ALIGN = "bench.align"
 ROUTING_STAGES = ("router", "dispatch", "chunk_sort", "combine")
+# Host contexts that launch the row exchanges: the all_to_all stage and its backward (moe.all_to_all_rows).
+EXCHANGE_CONTEXTS = ("moe.all_to_all", "_ExchangeBackward")
 TINY = {
     "mixtral": MoELayerShape("mixtral-tiny", 16, 16, 16, 4, 2),
     "dsv3": MoELayerShape("dsv3-tiny", 16, 16, 16, 8, 4, "sigmoid", 4, 2),
@@ -294,6 +304,7 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
         dtype=str(dtype).removeprefix("torch."),
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     )
+    on_gpu = device.type == "cuda"
     inputs = _inputs(shape, tokens, rank, ep, device, dtype)
     step = _layer_step(impl, shape, inputs, args, group)
     for _ in range(1 if args.tiny else 2):  # compile the kernels, fill the allocator cache
@@ -313,6 +324,7 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
                     dist.barrier(group=group)
             step()
         _sync(device)
+    timeline = _timeline(profile, args.trace, f"{impl}_{shape.name}_ep{ep}_rank{rank}") if on_gpu else None
     stages = stage_ms(profile.events(), profiled_steps, device.type == "cuda")
     align_ms = stages.pop(ALIGN)
     if group is not None:
@@ -347,7 +359,49 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
             a2a_pct_of_plain=round(100 * layer_gbps / plain_gbps, 1),
             a2a_gbps_least_waiting=round(sent / (float(least) * 1e-3) / 1e9, 1),
         )
+        if timeline is not None:
+            wait_ms, transfer_ms = _exchange_wait_and_transfer(timeline, profiled_steps, group)
+            transfer_gbps = sent / (transfer_ms * 1e-3) / 1e9
+            row.update(
+                a2a_wait_ms=round(wait_ms, 4),
+                a2a_transfer_gbps=round(transfer_gbps, 1),
+                a2a_transfer_pct_of_plain=round(100 * transfer_gbps / plain_gbps, 1),
+            )
+    if timeline is not None:
+        windows = trace_gaps.step_windows(timeline)
+        idle = [end - begin - trace_gaps.busy_and_gaps(timeline, (begin, end))[0] for begin, end in windows]
+        row.update(gpu_idle_ms=round(statistics.mean(idle) / 1e3, 4))
     return row
+
+
+def _timeline(profile, folder: Path | None, name: str) -> list[trace_gaps.Activity]:
+    """The GPU activities of a profile (benchmarks.trace_gaps), through its trace, kept in `folder` (gzipped)
+    when given."""
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / f"{name}.json"
+        profile.export_chrome_trace(str(path))
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            with path.open("rb") as raw, gzip.open(folder / f"{name}.json.gz", "wb") as packed:
+                shutil.copyfileobj(raw, packed)
+        return trace_gaps.load(str(path))
+
+
+def _exchange_wait_and_transfer(timeline, per_steps: int, group) -> tuple[float, float]:
+    """(ms per step, means over the ranks) that the row exchanges' NCCL kernels spent waiting for the latest
+    rank to start them, and transferring after it: every rank's kernels gathered, matched in issue order."""
+    mine = [
+        (kernel.start, kernel.end)
+        for kernel in trace_gaps.nccl_kernels(timeline)
+        if kernel.stage in EXCHANGE_CONTEXTS
+    ]
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    split = trace_gaps.wait_and_transfer(every)
+    ranks = len(split)
+    wait = sum(wait for rank in split for wait, _ in rank) / ranks / per_steps / 1e3
+    transfer = sum(transfer for rank in split for _, transfer in rank) / ranks / per_steps / 1e3
+    return wait, transfer
 
 
 # Driver -----------------------------------------------------------------------------------------------------
@@ -385,6 +439,14 @@ def main(argv: list[str] | None = None) -> int:
         "--capacity-factor", type=float, default=None, help="capacity policy for moetriton (default dropless)"
     )
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU, one step (smoke test)")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="folder for every rank's profiler trace of the profiled steps"
+        " (<impl>_<shape>_ep<N>_rank<R>.json.gz;"
+        " python -m benchmarks.trace_gaps reads them)",
+    )
     args = parser.parse_args(argv)
     if args.tiny:
         args.steps = 1
@@ -453,6 +515,13 @@ def _describe(row: dict) -> str:
             f" | all-to-all {row['a2a_gbps']:.1f} GB/s = {row['a2a_pct_of_plain']:.0f}% of plain"
             f" ({row['a2a_gbps_least_waiting']:.1f} GB/s on the rank that waited least)"
         )
+    if "a2a_transfer_gbps" in row:
+        a2a += (
+            f" | transfer {row['a2a_transfer_gbps']:.1f} GB/s"
+            f" = {row['a2a_transfer_pct_of_plain']:.0f}% of plain, waiting {row['a2a_wait_ms']:.3f} ms"
+        )
+    if "gpu_idle_ms" in row:
+        a2a += f" | GPU idle {row['gpu_idle_ms']:.3f} ms"
     return (
         f"{head} {row['policy']} step {row['step_ms']:.3f} ms | routing {row['routing_share_pct']:.1f}% | "
         f"grouped GEMM {row['gemm_tflops']:.0f} TFLOP/s ({row['gemm_pct_of_peak']:.0f}% of {PEAK_TFLOPS:.0f})"

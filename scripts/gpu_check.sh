@@ -2,7 +2,7 @@
 # One device-tool call: install what the GPU machine lacks, run the whole test suite on CUDA, run the
 # benchmarks, and leave logs under $OUT. Usage (device tool, repo root): bash scripts/gpu_check.sh [stage...]
 # Stages: setup (install only) smoke tests bench eager hostprof router gemm autotune usecache ab interleave jaxprof plan ncu
-# exchange moe1 moe2 moeab
+# exchange moe1 moe2 moeab moeabtorch
 # (default: tests bench). ncu: Nsight Compute counters of the combine kernels beside TE's (scripts/profile_kernels.py,
 # NCU_SHAPES), report as $OUT/ncu.txt. gemm: the grouped-GEMM kernels beside torch._grouped_mm (GEMM_ARGS=--sweep to time configs).
 # exchange: the layers' dropless row exchanges alone beside plain all-to-alls (scripts/exchange_jax.py,
@@ -11,7 +11,8 @@
 # MOE_ROW_TIMEOUT s); their logs and CSVs come back as $OUT/moe.tar.
 # moeab: the JAX layer's step (benchmarks.moe_jax, EP = MOE_AB_EP, default 2 on 2 GPUs) of this package and of
 # another one (MOE_AB_BASELINE, a carried package folder), alternated MOE_AB_ROUNDS times; lines in $OUT/moeab.log,
-# CSVs in $OUT/moeab/.
+# CSVs in $OUT/moeab/. moeabtorch: the same for the PyTorch layer (benchmarks.moe_torch under torchrun, this
+# checkout's benchmark for both packages; $OUT/moeabtorch.log and $OUT/moeabtorch/).
 # interleave: dispatch backward, combine and combine backward, ours and TE's, timed interleaved in one process
 # (scripts/interleave_te.py, INTERLEAVE_SHAPES), as $OUT/interleave.csv; needs the carried `.te`.
 # ab: same-process A/B of the permutation kernels against another version of kernels/permutation.py
@@ -109,5 +110,15 @@ for stage in $stages; do
                 python3 -m benchmarks.moe_jax --ep ${MOE_AB_EP:-2} --impl moetriton --out "$OUT/moeab/${site#/tmp/}_$round" \
                 ${MOE_AB_ARGS:-} 2>&1 | grep "^impl=\|Error" | sed "s|^|${site#/tmp/} $round: |")
             done; done | tee "$OUT/moeab.log") ;;
+    moeabtorch) (cd "$repo" && python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade \
+              --target /tmp/site_base "$MOE_AB_BASELINE" > "$OUT/moeabtorch_setup.log" 2>&1
+            # Both packages run this checkout's benchmark (its columns and method), alternated.
+            for round in $(seq ${MOE_AB_ROUNDS:-2}); do for site in /tmp/site /tmp/site_base; do
+              PYTHONPATH=$site:/tmp/site timeout ${MOE_AB_TIMEOUT:-150} python3 -m torch.distributed.run \
+                --nproc-per-node ${MOE_AB_EP:-2} -m benchmarks.moe_torch --impl moetriton \
+                --out "$OUT/moeabtorch/${site#/tmp/}_$round" --trace "$OUT/moeabtorch/${site#/tmp/}_$round" \
+                ${MOE_AB_ARGS:-} 2>&1 | grep "^moetriton\|Error" \
+                | sed "s|^|${site#/tmp/} $round: |"
+            done; done | tee "$OUT/moeabtorch.log"; tar -C "$OUT" -cf "$OUT/moeabtorch.tar" moeabtorch && rm -r "$OUT/moeabtorch") ;;
   esac
 done
