@@ -173,6 +173,13 @@ def _exclusive_cumsum(values: Any, axis: int) -> Any:
     return values.cumsum(axis) - values
 
 
+def padded_counts(routed_per_expert: Any, layout: EPLayout) -> Any:
+    """token_dispatch's tokens_per_expert for a dropless send buffer [E], from a rank's routed slots per
+    expert [E]: each count rounded up to the alignment A (zero stays zero). Known right after the router,
+    so the count exchange need not wait for the dispatch kernels."""
+    return (routed_per_expert + (layout.align - 1)) // layout.align * layout.align
+
+
 def dropless_exchange(counts_all: Any, rank: Any, layout: EPLayout) -> dict[str, Any]:
     """Sizes and offsets of a dropless exchange, from `counts_all` [EP, E]: the rows per expert of every
     rank's send buffer (token_dispatch's tokens_per_expert, gathered over the EP group; padding included),

@@ -7,8 +7,9 @@ moetriton.kernels.expert_parallel (EPLayout, dropless_exchange, dropped_slots):
     x [T, H] -> logits = x @ gate_weight^T [T, E] (in x.dtype, fp32 accumulation)
       -> fused top-k: probs [T, E], routing_map [T, E], indices [T, K]; merging weights w = probs at indices
       -> aux loss, global over the token group (tokens_per_expert and T all-reduced)
+      -> counts per expert exchanged (EP > 1, dropless; their host copy starts, the dispatch runs meanwhile)
       -> token_dispatch: send buffer, expert-major and therefore rank-major
-      -> counts, then rows exchanged with all_to_all_single -> receive buffer, source-major
+      -> rows exchanged with all_to_all_single -> receive buffer, source-major
       -> sort_chunks_by_index to expert-major -> grouped GEMM gate_up -> SwiGLU -> grouped GEMM down
       -> inverse chunk sort -> reverse all_to_all_single -> token_combine with w -> [T, H]
 
@@ -16,7 +17,10 @@ Capacity policies (the same as the JAX layer):
 
 * dropless (`capacity_factor=None`): every routed slot is computed. With EP > 1 the variable split sizes of
   all_to_all_single must be on the host: the layer copies the gathered counts [EP, E] to the host once per
-  call (its only host sync) and sizes the receive buffer exactly. With EP = 1 there is no exchange: the
+  call (its only host sync) and sizes the receive buffer exactly. The counts come from the router (routed
+  slots per expert rounded up to align_size, as token_dispatch pads them), so they are exchanged and their
+  copy started before the dispatch kernels, and the host waits for that copy alone (not for the dispatch),
+  so it launches the row exchange while the dispatch still runs. With EP = 1 there is no exchange: the
   experts read the send buffer in place, with group sizes from token_dispatch's counts on the device, and
   nothing syncs.
 * capacity (`capacity_factor=c`): every (source rank, expert) pair keeps its first C = layout.capacity slots
@@ -36,7 +40,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -48,6 +54,7 @@ from moetriton.kernels.expert_parallel import (
     dropped_slots,
     ep_layout,
     gate_up_width,
+    padded_counts,
 )
 
 from ._checks import Signature, memoised, same_device, signature
@@ -203,13 +210,25 @@ class _GlobalSum(torch.autograd.Function):
         return grad, None
 
 
-def _gather_counts(counts: Tensor, ep_size: int, group) -> Tensor:
-    """[EP, E] rows per expert of every rank's send buffer. dropless_exchange needs all of them (both
-    directions' sizes and offsets), so each rank sends its row to every rank: an all_to_all_single of the
-    row repeated EP times."""
+def _gather_counts(counts: Tensor, ep_size: int, group) -> tuple[Tensor, Callable[[], np.ndarray]]:
+    """([EP, E] rows per expert of every rank's send buffer, a function that returns them on the host).
+    dropless_exchange needs all of them (both directions' sizes and offsets), so each rank sends its row to
+    every rank: an all_to_all_single of the row repeated EP times. The host copy starts now, and the function
+    waits for it alone (an event, not the whole device), so work queued after it runs meanwhile."""
     gathered = counts.new_empty(ep_size, counts.shape[0])
     dist.all_to_all_single(gathered, counts.expand(ep_size, -1).contiguous(), group=group)
-    return gathered
+    if not gathered.is_cuda:
+        return gathered, gathered.numpy
+    on_host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+    on_host.copy_(gathered, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def wait() -> np.ndarray:
+        copied.synchronize()
+        return on_host.numpy()
+
+    return gathered, wait
 
 
 # Experts ---------------------------------------------------------------------------------------------------
@@ -309,13 +328,14 @@ def _chunk_orders(ep_size: int, local_experts: int, device: torch.device) -> tup
     )
 
 
-def _dropless_experts(send, send_counts, layout, ep_rank, group, gate_up, down, activation) -> Tensor:
-    """Dropless: send buffer [S, H] with send_counts [E] rows per expert -> expert outputs, same layout."""
+def _dropless_experts(send, counts, layout, ep_rank, group, gate_up, down, activation) -> Tensor:
+    """Dropless: send buffer [S, H] -> expert outputs, same layout. counts: with EP = 1, token_dispatch's
+    rows per expert [E]; with EP > 1, `_gather_counts`' pair (every rank's [EP, E], its host copy)."""
     if layout.ep_size == 1:
-        return expert_mlp(send, send_counts, gate_up, down, activation)
+        return expert_mlp(send, counts, gate_up, down, activation)
+    counts_all, counts_on_host = counts
     with _stage("exchange_sizes"):
-        counts_all = _gather_counts(send_counts, layout.ep_size, group)
-        on_host = dropless_exchange(counts_all.cpu(), ep_rank, layout)  # the call's one host sync
+        on_host = dropless_exchange(counts_on_host(), ep_rank, layout)  # the call's one host sync
         send_sizes, recv_sizes = on_host["send_sizes"].tolist(), on_host["recv_sizes"].tolist()
     with _stage("all_to_all"):
         received = all_to_all_rows(
@@ -463,20 +483,26 @@ def moe(
             return_indices=True,
         )
         merging = probs.gather(1, indices.long())  # [T, K]
+        routed = routing_map.sum(0)  # [E] int64
         aux_loss, dropped = _routing_statistics(
             logits,
-            routing_map.sum(0),
+            routed,
             layout,
             score_function,
             aux_loss_coeff,
             token_group if token_group is not None else ep_group,
         )
     if layout.dropless:
+        if ep_size > 1:
+            with _stage("exchange_sizes"):
+                counts = _gather_counts(padded_counts(routed, layout), ep_size, ep_group)
         with _stage("dispatch"):
             send, _, row_id_map, pad_offsets, send_counts = token_dispatch(
                 tokens, indices=indices, num_experts=num_experts, align_size=layout.align_size
             )
-        out = _dropless_experts(send, send_counts, layout, ep_rank, ep_group, gate_up, down, activation)
+        if ep_size == 1:
+            counts = send_counts
+        out = _dropless_experts(send, counts, layout, ep_rank, ep_group, gate_up, down, activation)
     else:
         with _stage("dispatch"):
             send, _, row_id_map, pad_offsets, _ = token_dispatch(

@@ -6,7 +6,9 @@ torch._grouped_mm, CUDA-graph capture and torch.compile."""
 from __future__ import annotations
 
 import csv
+import gzip
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import moetriton.torch as mt
+from moetriton.kernels.expert_parallel import ep_layout, padded_counts
 from moetriton.torch.moe import expert_mlp, grouped_mm_supported
 from moetriton.torch.reference_moe import moe_reference
 from tests.strategies_moe import moe_problems
@@ -56,6 +59,26 @@ def _run(x, weights, **kwargs):
 def test_layer_matches_the_dense_reference(problem):
     full = tensors(problem, DEVICE)
     check_rank(problem, run_layer(problem, full, 0, 1), reference(problem, full), 0, 1, ep=False)
+
+
+@pytest.mark.parametrize("align_size", [None, 1, 3, 16])
+@pytest.mark.parametrize("num_tokens", [0, 1, 37])
+def test_exchanged_counts_are_the_dispatch_counts(align_size, num_tokens):
+    """The dropless layer exchanges padded_counts of the router's routed slots before token_dispatch runs;
+    they must equal the rows per expert that token_dispatch then writes (its own count kernel)."""
+    num_experts, topk = 8, 3
+    generator = torch.Generator().manual_seed(num_tokens)
+    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    indices = scores.argsort(1)[:, :topk].to(DEVICE)  # [T, K] distinct experts
+    tokens = torch.randn(num_tokens, 4, device=DEVICE)
+    *_, dispatch_counts = mt.token_dispatch(
+        tokens, indices=indices, num_experts=num_experts, align_size=align_size
+    )
+    layout = ep_layout(
+        num_tokens=num_tokens, num_experts=num_experts, topk=topk, ep_size=2, align_size=align_size
+    )
+    routed = torch.bincount(indices.flatten(), minlength=num_experts)
+    assert padded_counts(routed, layout).tolist() == dispatch_counts.tolist()
 
 
 @pytest.mark.parametrize(("align_size", "dropped"), [(None, 6), (4, 4)])
@@ -356,6 +379,67 @@ def test_benchmark_tiny_writes_a_row_per_impl(tmp_path):
         assert float(row["step_ms"]) > 0 and float(row["grouped_gemm_ms"]) > 0
         shares = sum(float(row[f"{stage}_share_pct"]) for stage in moe_torch.STAGES)
         assert abs(shares - 100) < 0.1 and float(row["other_share_pct"]) < 50, row
+
+
+def _synthetic_trace(path, kernels) -> str:
+    """A profiler trace (torch.profiler's chrome-trace fields) with one host range and one launch per GPU
+    kernel: kernels = [(name, host range, launch µs, start µs, end µs)]."""
+    events = []
+    for correlation, (name, host_range, launched, start, end) in enumerate(kernels):
+        events += [
+            dict(ph="X", cat="user_annotation", name=host_range, tid=1, ts=launched - 1, dur=2),
+            dict(
+                ph="X",
+                cat="cuda_runtime",
+                name="cudaLaunchKernel",
+                tid=1,
+                ts=launched,
+                dur=1,
+                args=dict(correlation=correlation),
+            ),
+            dict(
+                ph="X",
+                cat="kernel",
+                name=name,
+                tid=7,
+                ts=start,
+                dur=end - start,
+                args=dict(correlation=correlation),
+            ),
+        ]
+    with gzip.open(path, "wt") as handle:
+        json.dump(dict(traceEvents=events), handle)
+    return str(path)
+
+
+def test_trace_gaps_busy_share_and_collective_waits(tmp_path):
+    """benchmarks.trace_gaps on two synthetic ranks: the step window starts after the barrier, idle gaps are
+    charged to the work that ends them, and each NCCL kernel splits into waiting for the later rank and
+    transferring (sums worked out by hand)."""
+    from benchmarks import trace_gaps
+
+    ranks = []
+    for rank, exchange_start in enumerate((300.0, 340.0)):
+        kernels = [
+            ("ncclDevKernel_AllReduce", "bench.align", 5.0, 10.0, 90.0),
+            ("gate_gemm", "moe.router", 95.0, 100.0, 200.0),
+            ("ncclDevKernel_SendRecv", "moe.all_to_all", exchange_start - 10, exchange_start, 400.0),
+        ]
+        ranks.append(trace_gaps.load(_synthetic_trace(tmp_path / f"rank{rank}.json.gz", kernels)))
+    first = ranks[0]
+    assert [activity.stage for activity in first] == ["bench.align", "moe.router", "moe.all_to_all"]
+    assert trace_gaps.step_windows(first) == [(90.0, 400.0)]
+    busy, gaps = trace_gaps.busy_and_gaps(first, (90.0, 400.0))
+    assert busy == 200.0  # 100 of the gate and 100 of the exchange on rank 0
+    assert [(length, after.stage) for length, _, after in gaps] == [
+        (10.0, "moe.router"),
+        (100.0, "moe.all_to_all"),
+    ]
+    times = trace_gaps.collective_times(ranks)
+    # Barrier: both start at 10, 80 µs each, no waiting. Exchange: rank 0 waits 40 µs for rank 1; both
+    # transfer 60 µs; rank 0's kernel lasts 100, rank 1's 60 (means over the ranks).
+    assert times["bench.align"] == (1, 80.0, 0.0, 80.0)
+    assert times["moe.all_to_all"] == (1, 80.0, 20.0, 60.0)
 
 
 # GPU: grouped GEMM, CUDA graphs, torch.compile --------------------------------------------------------------
