@@ -9,7 +9,9 @@ baseline.
 suite, otherwise moetriton's reference ops.)
 
 One step = forward + backward of one layer (bf16 on GPU) on MOE_LAYER_SHAPES (T tokens per GPU), aux loss
-on (coefficient 1e-2). Implementations:
+on (coefficient 1e-2); `--layers N`: of N such layers, each feeding the next, as in a model (the host then
+runs ahead of the GPU during a layer's GEMMs and queues the next layer's work, which one layer alone cannot
+show; sums below are over the layers). Implementations:
 
 * moetriton: `moetriton.torch.moe` (our router, dispatch, chunk sort and combine kernels);
 * megatron: the same layer without our kernels, the way Megatron-Core's unfused path builds it: torch
@@ -237,9 +239,9 @@ def _plain_all_to_all_gbps(rows: int, hidden: int, dtype, device, group) -> floa
 # Rows -------------------------------------------------------------------------------------------------------
 
 
-def _inputs(shape: MoELayerShape, tokens: int, rank: int, ep: int, device, dtype) -> dict:
-    """Tokens, output cotangent and this rank's parameters, drawn on the device (dsv3's expert weights are
-    billions of values)."""
+def _inputs(shape: MoELayerShape, tokens: int, rank: int, ep: int, device, dtype, layers: int = 1) -> dict:
+    """Tokens, output cotangent and this rank's parameters of each of `layers` layers, drawn on the device
+    (dsv3's expert weights are billions of values)."""
     generator = torch.Generator(device).manual_seed(1000 + rank)
     shared = torch.Generator(device).manual_seed(7)  # the gate is replicated: the same on every rank
     local = shape.num_experts // ep
@@ -247,43 +249,55 @@ def _inputs(shape: MoELayerShape, tokens: int, rank: int, ep: int, device, dtype
     def normal(*size, scale=1.0, source=generator):
         return torch.randn(*size, generator=source, device=device, dtype=dtype) * scale
 
-    params = dict(
-        gate_weight=normal(shape.num_experts, shape.hidden, scale=shape.hidden**-0.5, source=shared),
-        gate_up=normal(local, shape.hidden, 2 * shape.ffn, scale=shape.hidden**-0.5),
-        down=normal(local, shape.ffn, shape.hidden, scale=shape.ffn**-0.5),
-    )
-    for param in params.values():
+    stack = [
+        [
+            normal(shape.num_experts, shape.hidden, scale=shape.hidden**-0.5, source=shared),  # gate_weight
+            normal(local, shape.hidden, 2 * shape.ffn, scale=shape.hidden**-0.5),  # gate_up
+            normal(local, shape.ffn, shape.hidden, scale=shape.ffn**-0.5),  # down
+        ]
+        for _ in range(layers)
+    ]
+    for param in (param for params in stack for param in params):
         param.requires_grad_()
-    return dict(x=normal(tokens, shape.hidden), cotangent=normal(tokens, shape.hidden), **params)
+    return dict(x=normal(tokens, shape.hidden), cotangent=normal(tokens, shape.hidden), stack=stack)
 
 
 def _layer_step(impl: str, shape: MoELayerShape, inputs: dict, args, group) -> Callable[[], None]:
-    """One forward + backward of `impl` on the inputs (gradients reset first, not accumulated)."""
+    """One forward + backward of `impl` through the stack of layers, each feeding the next, on the inputs
+    (gradients reset first, not accumulated)."""
     x = inputs["x"].requires_grad_()
-    params = [inputs[name] for name in ("gate_weight", "gate_up", "down")]
 
     def step() -> None:
         x.grad = None
-        for param in params:
-            param.grad = None
-        if impl == "moetriton":
-            out, aux_loss, _ = moe(
-                x,
-                *params,
-                topk=shape.topk,
-                score_function=shape.score_function,
-                num_groups=shape.num_groups,
-                group_topk=shape.group_topk,
-                aux_loss_coeff=AUX_LOSS_COEFF,
-                align_size=args.align_size,
-                capacity_factor=args.capacity_factor,
-                ep_group=group,
-            )
-        else:
-            out, aux_loss = megatron_moe(x, *params, shape, group)
+        for params in inputs["stack"]:
+            for param in params:
+                param.grad = None
+        out, aux_losses = x, []
+        for params in inputs["stack"]:
+            out, aux_loss = _layer(impl, shape, out, params, args, group)
+            aux_losses.append(aux_loss)
+        aux_loss = torch.stack(aux_losses).sum()
         torch.autograd.backward([out, aux_loss], [inputs["cotangent"], torch.ones_like(aux_loss)])
 
     return step
+
+
+def _layer(impl: str, shape: MoELayerShape, x, params, args, group) -> tuple[torch.Tensor, torch.Tensor]:
+    if impl == "moetriton":
+        out, aux_loss, _ = moe(
+            x,
+            *params,
+            topk=shape.topk,
+            score_function=shape.score_function,
+            num_groups=shape.num_groups,
+            group_topk=shape.group_topk,
+            aux_loss_coeff=AUX_LOSS_COEFF,
+            align_size=args.align_size,
+            capacity_factor=args.capacity_factor,
+            ep_group=group,
+        )
+        return out, aux_loss
+    return megatron_moe(x, *params, shape, group)
 
 
 def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict:
@@ -295,6 +309,7 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
         shape=shape.name,
         ep=ep,
         tokens_per_gpu=tokens,
+        layers=args.layers,
         hidden=shape.hidden,
         ffn=shape.ffn,
         experts=shape.num_experts,
@@ -305,7 +320,7 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     )
     on_gpu = device.type == "cuda"
-    inputs = _inputs(shape, tokens, rank, ep, device, dtype)
+    inputs = _inputs(shape, tokens, rank, ep, device, dtype, args.layers)
     step = _layer_step(impl, shape, inputs, args, group)
     for _ in range(1 if args.tiny else 2):  # compile the kernels, fill the allocator cache
         step()
@@ -332,7 +347,7 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         step_ms = float(slowest)
     total = sum(stages.values())
-    rows = tokens * shape.topk
+    rows = tokens * shape.topk * args.layers  # routed slots of all layers
     gemm_flops = 3 * (2 * rows * shape.hidden * 2 * shape.ffn + 2 * rows * shape.ffn * shape.hidden)
     gemm_tflops = gemm_flops / (stages["grouped_gemm"] * 1e-3) / 1e12 if stages["grouped_gemm"] else 0.0
     row.update(step_ms=round(step_ms, 4), align_wait_ms=round(align_ms, 4))
@@ -352,7 +367,7 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
         # The rank that waited least for its peers in the exchanges: closest to the transfer rate itself.
         least = torch.tensor([stages["all_to_all"]], device=device)
         dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)
-        plain_gbps = _plain_all_to_all_gbps(rows, shape.hidden, dtype, device, group)
+        plain_gbps = _plain_all_to_all_gbps(tokens * shape.topk, shape.hidden, dtype, device, group)
         row.update(
             a2a_gbps=round(layer_gbps, 1),
             plain_a2a_gbps=round(plain_gbps, 1),
@@ -438,6 +453,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--capacity-factor", type=float, default=None, help="capacity policy for moetriton (default dropless)"
     )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="layers per step, each feeding the next, as in a model (default 1)",
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU, one step (smoke test)")
     parser.add_argument(
         "--trace",
@@ -450,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tiny:
         args.steps = 1
+    if args.layers < 1:
+        parser.error(f"--layers: expected an int >= 1, got {args.layers}")
     impls = [impl for impl in args.impl.split(",") if impl]
     names = [name for name in args.shapes.split(",") if name]
     for impl in impls:
@@ -506,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _describe(row: dict) -> str:
     head = f"{row['impl']:<10} {row['shape']:<13} EP={row['ep']}"
+    if row.get("layers", 1) > 1:
+        head += f" x{row['layers']} layers"
     if "note" in row:
         return f"{head}  {row['note']}"
     shares = " ".join(f"{stage} {row[f'{stage}_share_pct']:.1f}%" for stage in STAGES)

@@ -368,13 +368,16 @@ def test_example_runs_and_agrees_with_the_reference(capsys):
     assert "MoELayer EP=1" in capsys.readouterr().out
 
 
-def test_benchmark_tiny_writes_a_row_per_impl(tmp_path):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_benchmark_tiny_writes_a_row_per_impl(tmp_path, layers):
     from benchmarks import moe_torch
 
-    assert moe_torch.main(["--tiny", "--shapes", "mixtral", "--out", str(tmp_path)]) == 0
+    argv = ["--tiny", "--shapes", "mixtral", "--layers", str(layers), "--out", str(tmp_path)]
+    assert moe_torch.main(argv) == 0
     with (tmp_path / "moe_torch_ep1.csv").open() as handle:
         rows = list(csv.DictReader(handle))
     assert [row["impl"] for row in rows] == ["moetriton", "megatron"]
+    assert {row["layers"] for row in rows} == {str(layers)}
     for row in rows:
         assert float(row["step_ms"]) > 0 and float(row["grouped_gemm_ms"]) > 0
         shares = sum(float(row[f"{stage}_share_pct"]) for stage in moe_torch.STAGES)
