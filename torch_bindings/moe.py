@@ -334,6 +334,13 @@ def _dropless_experts(send, counts, layout, ep_rank, group, gate_up, down, activ
     if layout.ep_size == 1:
         return expert_mlp(send, counts, gate_up, down, activation)
     counts_all, counts_on_host = counts
+    with _stage("chunk_sort"):
+        # Before the host waits: the device work queued here runs while it does, and nothing of it is left
+        # between the wait and the row exchange.
+        on_device = dropless_exchange(counts_all, ep_rank, layout)
+        to_expert_major, to_source_major = _chunk_orders(layout.ep_size, layout.local_experts, send.device)
+        chunk_sizes = on_device["chunk_sizes"]  # [EP * L] source-major
+        returning_sizes = chunk_sizes[to_expert_major]  # [L * EP] expert-major
     with _stage("exchange_sizes"):
         on_host = dropless_exchange(counts_on_host(), ep_rank, layout)  # the call's one host sync
         send_sizes, recv_sizes = on_host["send_sizes"].tolist(), on_host["recv_sizes"].tolist()
@@ -342,13 +349,10 @@ def _dropless_experts(send, counts, layout, ep_rank, group, gate_up, down, activ
             send, send_sizes, recv_sizes, sum(recv_sizes), group
         )  # [R, H] source-major
     with _stage("chunk_sort"):
-        on_device = dropless_exchange(counts_all, ep_rank, layout)
-        to_expert_major, to_source_major = _chunk_orders(layout.ep_size, layout.local_experts, send.device)
-        chunk_sizes = on_device["chunk_sizes"]
         expert_major, _ = sort_chunks_by_index(received, chunk_sizes, to_expert_major)
     out = expert_mlp(expert_major, on_device["group_sizes"], gate_up, down, activation)
     with _stage("chunk_sort"):
-        source_major, _ = sort_chunks_by_index(out, chunk_sizes[to_expert_major], to_source_major)
+        source_major, _ = sort_chunks_by_index(out, returning_sizes, to_source_major)
     with _stage("all_to_all"):
         return all_to_all_rows(source_major, recv_sizes, send_sizes, send.shape[0], group)
 
