@@ -44,11 +44,16 @@ for stage in $stages; do
   case $stage in
     setup) ;;
     smoke) python3 "$repo/scripts/gpu_smoke.py" 2>&1 | tee "$OUT/smoke.log" ;;
-    tests) (cd "$repo" && timeout ${TEST_TIMEOUT:-420} python3 -m pytest ${TEST_PATHS:-tests} -q -p no:cacheprovider \
-              -n 8 --maxfail=${MAXFAIL:-30} --tb=short -rfE -W ignore::pytest.PytestWarning \
+    tests) (cd "$repo" && timeout -s INT -k 30 ${TEST_TIMEOUT:-420} python3 -m pytest ${TEST_PATHS:-tests} -q -p no:cacheprovider --durations=25 \
+              -n ${TEST_WORKERS:-8} --maxfail=${MAXFAIL:-30} --tb=short -rfE -W ignore::pytest.PytestWarning \
               --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1; grep -v Warning "$OUT/tests.log" | tail -80
             # Workers outliving a timed-out run would load the host under the eager timings that follow.
-            pkill -9 -f xdist; pkill -9 -f pytest; true) ;;
+            pkill -9 -f xdist; pkill -9 -f pytest
+            # A run stopped at TEST_TIMEOUT (SIGINT: pytest still writes its durations and the junit file):
+            # the tests it did not finish, by name.
+            python3 -m pytest ${TEST_PATHS:-tests} -q -p no:cacheprovider --collect-only 2>/dev/null | grep "::" \
+              | python3 scripts/tests_not_run.py "$OUT/junit.xml" > "$OUT/tests_not_run.txt"
+            tail -30 "$OUT/tests_not_run.txt"; true) ;;
     bench) (cd "$repo" && timeout ${BENCH_TIMEOUT:-300} python3 -m benchmarks.run --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log") ;;
     eager) (cd "$repo" && timeout ${EAGER_TIMEOUT:-300} python3 -m benchmarks.run --modules benchmarks.eager_cases \
               --out "$OUT/eager" ${EAGER_ARGS:-} 2>&1 | tee "$OUT/eager.log"
