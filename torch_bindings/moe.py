@@ -328,12 +328,14 @@ def _chunk_orders(ep_size: int, local_experts: int, device: torch.device) -> tup
     )
 
 
-def _dropless_experts(send, counts, layout, ep_rank, group, gate_up, down, activation) -> Tensor:
-    """Dropless: send buffer [S, H] -> expert outputs, same layout. counts: with EP = 1, token_dispatch's
-    rows per expert [E]; with EP > 1, `_gather_counts`' pair (every rank's [EP, E], its host copy)."""
+def _dropless_experts(
+    send, send_counts, gathered, layout, ep_rank, group, gate_up, down, activation
+) -> Tensor:
+    """Dropless: send buffer [S, H] with send_counts [E] rows per expert -> expert outputs, same layout.
+    gathered: with EP > 1, `_gather_counts`' pair (every rank's counts [EP, E], their host copy)."""
     if layout.ep_size == 1:
-        return expert_mlp(send, counts, gate_up, down, activation)
-    counts_all, counts_on_host = counts
+        return expert_mlp(send, send_counts, gate_up, down, activation)
+    counts_all, counts_on_host = gathered
     with _stage("chunk_sort"):
         # Before the host waits: the device work queued here runs while it does, and nothing of it is left
         # between the wait and the row exchange.
@@ -497,16 +499,17 @@ def moe(
             token_group if token_group is not None else ep_group,
         )
     if layout.dropless:
+        gathered = None
         if ep_size > 1:
             with _stage("exchange_sizes"):
-                counts = _gather_counts(padded_counts(routed, layout), ep_size, ep_group)
+                gathered = _gather_counts(padded_counts(routed, layout), ep_size, ep_group)
         with _stage("dispatch"):
             send, _, row_id_map, pad_offsets, send_counts = token_dispatch(
                 tokens, indices=indices, num_experts=num_experts, align_size=layout.align_size
             )
-        if ep_size == 1:
-            counts = send_counts
-        out = _dropless_experts(send, counts, layout, ep_rank, ep_group, gate_up, down, activation)
+        out = _dropless_experts(
+            send, send_counts, gathered, layout, ep_rank, ep_group, gate_up, down, activation
+        )
     else:
         with _stage("dispatch"):
             send, _, row_id_map, pad_offsets, _ = token_dispatch(
