@@ -340,7 +340,7 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
             step()
         _sync(device)
     timeline = _timeline(profile, args.trace, f"{impl}_{shape.name}_ep{ep}_rank{rank}") if on_gpu else None
-    stages = stage_ms(profile.events(), profiled_steps, device.type == "cuda")
+    stages = stage_ms(profile.events(), profiled_steps, on_gpu)
     align_ms = stages.pop(ALIGN)
     if group is not None:
         slowest = torch.tensor([step_ms], device=device)
@@ -383,9 +383,7 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
                 a2a_transfer_pct_of_plain=round(100 * transfer_gbps / plain_gbps, 1),
             )
     if timeline is not None:
-        windows = trace_gaps.step_windows(timeline)
-        idle = [end - begin - trace_gaps.busy_and_gaps(timeline, (begin, end))[0] for begin, end in windows]
-        row.update(gpu_idle_ms=round(statistics.mean(idle) / 1e3, 4))
+        row.update(gpu_idle_ms=round(statistics.mean(trace_gaps.idle_per_step(timeline)) / 1e3, 4))
     return row
 
 

@@ -115,6 +115,12 @@ def busy_and_gaps(activities: list[Activity], window: tuple[float, float]) -> tu
     return busy, gaps
 
 
+def idle_per_step(activities: list[Activity]) -> list[float]:
+    """µs with nothing running on the GPU in each profiled step's window (`step_windows`)."""
+    windows = step_windows(activities)
+    return [end - begin - busy_and_gaps(activities, (begin, end))[0] for begin, end in windows]
+
+
 def report_rank(rank: int, activities: list[Activity], top: int) -> None:
     windows = step_windows(activities)
     for step, window in enumerate(windows):

@@ -35,13 +35,18 @@ from moetriton.torch.api import sort_chunks_by_index
 from moetriton.torch.moe import _chunk_orders, all_to_all_rows
 
 
+def _routed_indices(shape, rank: int, device: torch.device) -> torch.Tensor:
+    """[T, K] distinct experts per token, uniformly at random (seeded by the rank)."""
+    generator = torch.Generator(device).manual_seed(rank)
+    scores = torch.rand(shape.num_tokens, shape.num_experts, generator=generator, device=device)
+    return scores.argsort(1)[:, : shape.topk]
+
+
 def measure(name: str, steps: int, num_tokens: int, device: torch.device) -> None:
     shape = layer_shape(name, num_tokens)
     ep, rank = dist.get_world_size(), dist.get_rank()
     rows, hidden = shape.num_tokens * shape.topk, shape.hidden
-    generator = torch.Generator(device).manual_seed(rank)
-    scores = torch.rand(shape.num_tokens, shape.num_experts, generator=generator, device=device)
-    indices = scores.argsort(1)[:, : shape.topk]  # [T, K] distinct experts
+    indices = _routed_indices(shape, rank, device)
     per_rank = torch.bincount(indices.flatten() // (shape.num_experts // ep), minlength=ep)  # [EP]
     send_sizes = per_rank.tolist()
     recv = torch.empty_like(per_rank)
@@ -72,9 +77,7 @@ def measure_landing(name: str, steps: int, num_tokens: int, device: torch.device
     shape = layer_shape(name, num_tokens)
     ep, rank = dist.get_world_size(), dist.get_rank()
     local = shape.num_experts // ep
-    generator = torch.Generator(device).manual_seed(rank)
-    scores = torch.rand(shape.num_tokens, shape.num_experts, generator=generator, device=device)
-    indices = scores.argsort(1)[:, : shape.topk]
+    indices = _routed_indices(shape, rank, device)
     counts = torch.bincount(indices.flatten(), minlength=shape.num_experts)  # [E]
     counts_all = torch.empty(ep * shape.num_experts, dtype=counts.dtype, device=device)
     dist.all_gather_into_tensor(counts_all, counts)
@@ -90,9 +93,9 @@ def measure_landing(name: str, steps: int, num_tokens: int, device: torch.device
     on_device = dropless_exchange(counts_all, rank, layout)
     to_expert_major, _ = _chunk_orders(ep, local, device)
 
-    def sorted_exchange() -> None:
+    def sorted_exchange() -> torch.Tensor:
         received = all_to_all_rows(send, send_sizes, recv_sizes, sum(recv_sizes), None)
-        sort_chunks_by_index(received, on_device["chunk_sizes"], to_expert_major)
+        return sort_chunks_by_index(received, on_device["chunk_sizes"], to_expert_major)[0]
 
     # Send chunks (peer, local expert) in the send buffer's order; landing chunks (local expert, source).
     send_starts = [0, *torch.cumsum(host_counts[rank], 0).tolist()]
@@ -127,13 +130,8 @@ def measure_landing(name: str, steps: int, num_tokens: int, device: torch.device
             work.wait()
         host_times.append((time.perf_counter() - start) * 1e3)
 
-    sorted_exchange()
+    expected = sorted_exchange()
     landing_exchange()
-    expected, _ = sort_chunks_by_index(
-        all_to_all_rows(send, send_sizes, recv_sizes, sum(recv_sizes), None),
-        on_device["chunk_sizes"],
-        to_expert_major,
-    )
     same = bool(torch.equal(expected[: landed.shape[0]], landed))
     gigabytes = rows * shape.hidden * 2 / 1e9
     for exchange, step in (("sorted", sorted_exchange), ("landing", landing_exchange)):
