@@ -27,6 +27,7 @@ from .grouped_gemm import (
     grouped_matmul_plan,
     grouped_matmul_wgrad_plan,
 )
+from .peer_exchange import pull_rows_plan, push_rows_plan
 from .permutation import (
     COMBINE_BACKWARD_SPACE,
     COMBINE_SPACE,
@@ -82,6 +83,8 @@ __all__ = [
     "interpreter_problem",
     "next_pow2",
     "place_blocks_plan",
+    "pull_rows_plan",
+    "push_rows_plan",
     "router",
     "row_map_columns",
     "row_map_slots",

@@ -212,6 +212,20 @@ def dropless_exchange(counts_all: Any, rank: Any, layout: EPLayout) -> dict[str,
     )
 
 
+def peer_chunks(counts_all: Any, rank: Any, layout: EPLayout) -> dict[str, Any]:
+    """The receiving layout of the peer exchange (moetriton.kernels.peer_exchange) of this rank, from
+    `counts_all` [EP, E] as in `dropless_exchange`: expert-major chunks, chunk j * EP + p holding what
+    source rank p's send buffer holds for local expert j.
+
+    * chunk_sizes [L * EP]: rows of each chunk (sum: the rows this rank receives);
+    * source_offsets [L * EP]: the row of source p's send buffer where the chunk starts.
+    """
+    ep, local = layout.ep_size, layout.local_experts
+    mine = counts_all.reshape(ep, ep, local)[:, rank]  # [source, local expert]
+    starts = _exclusive_cumsum(counts_all, 1).reshape(ep, ep, local)[:, rank]
+    return dict(chunk_sizes=mine.T.reshape(local * ep), source_offsets=starts.T.reshape(local * ep))
+
+
 def exchange_block_index(counts_all: Any, layout: EPLayout) -> Any:
     """The padded exchange's block size for `counts_all` [EP, E] (as in `dropless_exchange`): the index into
     `layout.exchange_block_rows` of the smallest block that holds the largest (source, destination) pair.

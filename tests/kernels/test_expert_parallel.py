@@ -14,6 +14,7 @@ from moetriton.kernels.expert_parallel import (
     dropped_slots,
     ep_layout,
     exchange_block_index,
+    peer_chunks,
 )
 
 
@@ -104,6 +105,34 @@ def test_dropless_exchange_moves_every_row_to_its_expert_and_back(case):
             start, size = plan["recv_offsets"][src], plan["recv_sizes"][src]
             land = plan["return_offsets"][src]
             np.testing.assert_array_equal(recv[rank][start : start + size, 1], land + np.arange(size))
+
+
+@given(_exchanges())
+def test_peer_chunks_name_every_expert_major_row_of_the_sources_send_buffers(case):
+    """The peer exchange's receiving layout: walking its chunks in order reads, for every local expert and
+    then every source, exactly that source's send-buffer rows of the expert (tagged rows, as above)."""
+    layout, ids = case
+    ep, local = layout.ep_size, layout.local_experts
+    counts_all = np.stack([_padded_counts(rank_ids, layout.num_experts, layout.align) for rank_ids in ids])
+    for rank in range(ep):
+        chunks = peer_chunks(counts_all, rank, layout)
+        got = [
+            (chunk % ep, row)
+            for chunk, (size, start) in enumerate(
+                zip(chunks["chunk_sizes"], chunks["source_offsets"], strict=True)
+            )
+            for row in range(start, start + size)
+        ]
+        expected = [
+            (p, row)
+            for j in range(local)
+            for p in range(ep)
+            for row in range(
+                counts_all[p, : rank * local + j].sum(), counts_all[p, : rank * local + j + 1].sum()
+            )
+        ]
+        assert got == expected
+        assert chunks["chunk_sizes"].sum() == dropless_exchange(counts_all, rank, layout)["recv_sizes"].sum()
 
 
 @given(

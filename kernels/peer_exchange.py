@@ -1,0 +1,307 @@
+"""Peer exchange: the dropless EP exchange as loads and stores into the other GPUs' memory.
+
+On GPUs of one host that reach each other's memory (NVLink peer access), every rank can read a peer's send
+buffer, or write into it, from its own kernels: each source rank's buffer [S, H] sits at the same offset of
+a symmetric allocation, and a table [EP] of device addresses (one per rank, the rank's own included) names
+them. That lets one copy both move a row between GPUs and put it where the grouped GEMMs read it, where the
+all-to-all path moves rows source-major and then chunk-sorts them to expert-major and back (two more copies
+of every row per direction).
+
+The receiving rank's rows are expert-major: chunk (j, p) = j * EP + p holds the rows that source p's buffer
+holds for local expert j (`chunk_sizes`), starting at row `source_offsets[j * EP + p]` of p's buffer
+(moetriton.kernels.expert_parallel.peer_chunks). Row i of the receiving layout therefore maps to one
+(source, source row) pair; both kernels find it from the chunk sizes:
+
+* `_pull_rows_kernel` (the receiver gathers): out[i] = buffer_p[row]; optionally the rows' probs alongside,
+  or, for the backward of the weighted combine (SCALE_DOT), out[i] = w[i] * buffer_p[row] and
+  dots[i] = <buffer_p[row], saved[i]> in fp32 (the merging weight's gradient, over whole rows).
+* `_push_rows_kernel` (the receiver scatters back): buffer_p[row] = rows[i], optionally with probs.
+
+Neither kernel synchronises with the peers: the caller orders them against the peers' writes and reads
+(the binding's barriers on the symmetric allocation).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._plan import Buffer, Launch, Plan, cached, cdiv, next_pow2
+
+_ROWS = 4  # rows per program: the chunk lookup compares ROWS x next_pow2(EP * L) entries
+_SPAN_BYTES = 4096  # bytes of a row one program moves per step (a 16-byte vector per thread of 2 warps)
+
+
+@triton.jit
+def _program_rows(
+    chunk_sizes_ptr,
+    source_offsets_ptr,
+    peer_rows_ptr,
+    num_rows,
+    num_chunks,
+    num_sources,
+    ELEMENT: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNKS_POW2: tl.constexpr,
+):
+    """This program's receiving rows [ROWS]: (rows, valid, their source rank and row of its buffer (int64),
+    pointers [ROWS, 1] to those rows' starts in the source's buffer, their offsets [ROWS, 1] in the
+    receiving layout)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    chunks = tl.arange(0, CHUNKS_POW2)
+    in_table = chunks < num_chunks
+    sizes = tl.load(chunk_sizes_ptr + chunks, mask=in_table, other=0).to(tl.int32)
+    ends = tl.cumsum(sizes, axis=0)
+    total = tl.sum(sizes, axis=0)
+    # The chunk of a row is the number of chunks that end at or before it (empty chunks included).
+    chunk = tl.sum(((ends[None, :] <= rows[:, None]) & in_table[None, :]).to(tl.int32), axis=1)
+    start = tl.sum(tl.where(chunks[None, :] == chunk[:, None], (ends - sizes)[None, :], 0), axis=1)
+    valid = (rows < total) & (rows < num_rows)
+    source = chunk % num_sources
+    peer_row = tl.load(source_offsets_ptr + chunk, mask=valid, other=0).to(tl.int64) + (rows - start)
+    base = tl.load(peer_rows_ptr + source, mask=valid, other=0).to(tl.pointer_type(ELEMENT))
+    return (
+        rows,
+        valid,
+        source,
+        peer_row,
+        base[:, None] + peer_row[:, None] * HIDDEN,
+        rows.to(tl.int64)[:, None] * HIDDEN,
+    )
+
+
+@triton.jit
+def _peer_probs(peer_probs_ptr, source, peer_row, rows, valid, num_rows, ELEMENT: tl.constexpr):
+    """(pointers [ROWS] to the rows' probs in their sources' buffers, the mask of the rows whose probs this
+    program moves: column program 0's valid rows)."""
+    mine = valid & (rows < tl.where(tl.program_id(1) == 0, num_rows, 0))
+    base = tl.load(peer_probs_ptr + source, mask=mine, other=0).to(tl.pointer_type(ELEMENT))
+    return base + peer_row, mine
+
+
+@triton.jit
+def _pull_rows_kernel(
+    peer_rows_ptr,  # [EP] int64: address of each source's rows [S, H]
+    peer_probs_ptr,  # [EP] int64: address of each source's probs [S] (HAS_PROBS)
+    chunk_sizes_ptr,  # [EP * L] integer, expert-major chunks
+    source_offsets_ptr,  # [EP * L] integer
+    saved_ptr,  # [R, H] (SCALE_DOT)
+    weights_ptr,  # [R] float32 (SCALE_DOT)
+    num_rows,  # R
+    num_chunks,
+    num_sources,
+    out_ptr,  # [R, H]
+    out_probs_ptr,  # [R] (HAS_PROBS)
+    dots_ptr,  # [R] float32 (SCALE_DOT)
+    HIDDEN: tl.constexpr,
+    ROWS: tl.constexpr,
+    SPAN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    CHUNKS_POW2: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    SCALE_DOT: tl.constexpr,
+):
+    """Grid (cdiv(R, ROWS), cdiv(H, SPAN)). Program (b, c) gathers columns [c*SPAN, (c+1)*SPAN) of
+    receiving rows [b*ROWS, (b+1)*ROWS) from their sources, BLOCK_H columns a step (SCALE_DOT: SPAN = H, so
+    that one program holds a row's whole dot product: no atomics, the same sum every run). Program (b, 0)
+    also moves the probs."""
+    element = out_ptr.dtype.element_ty
+    rows, valid, source, peer_row, source_rows, out_rows = _program_rows(
+        chunk_sizes_ptr,
+        source_offsets_ptr,
+        peer_rows_ptr,
+        num_rows,
+        num_chunks,
+        num_sources,
+        element,
+        HIDDEN,
+        ROWS,
+        CHUNKS_POW2,
+    )
+    if SCALE_DOT:
+        weight = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+        dot = tl.zeros([ROWS], dtype=tl.float32)
+    first = tl.program_id(1) * SPAN
+    for step in tl.static_range(0, SPAN, BLOCK_H):
+        cols = first + step + tl.arange(0, BLOCK_H)
+        mask = valid[:, None] & (cols < HIDDEN)[None, :]
+        values = tl.load(source_rows + cols[None, :], mask=mask, other=0)
+        if SCALE_DOT:
+            grad = values.to(tl.float32)
+            saved = tl.load(saved_ptr + out_rows + cols[None, :], mask=mask, other=0).to(tl.float32)
+            dot += tl.sum(grad * saved, axis=1)
+            values = (grad * weight[:, None]).to(element)
+        tl.store(out_ptr + out_rows + cols[None, :], values, mask=mask)
+    if SCALE_DOT:
+        tl.store(dots_ptr + rows, dot, mask=valid)
+    if HAS_PROBS:
+        peer_probs, mine = _peer_probs(
+            peer_probs_ptr, source, peer_row, rows, valid, num_rows, out_probs_ptr.dtype.element_ty
+        )
+        tl.store(out_probs_ptr + rows, tl.load(peer_probs, mask=mine, other=0), mask=mine)
+
+
+@triton.jit
+def _push_rows_kernel(
+    rows_ptr,  # [R, H] receiving-layout rows
+    probs_ptr,  # [R] (HAS_PROBS)
+    chunk_sizes_ptr,  # [EP * L] integer
+    source_offsets_ptr,  # [EP * L] integer
+    peer_rows_ptr,  # [EP] int64: address of each source's rows [S, H]
+    peer_probs_ptr,  # [EP] int64 (HAS_PROBS)
+    num_rows,
+    num_chunks,
+    num_sources,
+    HIDDEN: tl.constexpr,
+    ROWS: tl.constexpr,
+    SPAN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    CHUNKS_POW2: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+):
+    """The inverse of `_pull_rows_kernel` without SCALE_DOT: every receiving row stored back to its row of
+    its source's buffer. Grid (cdiv(R, ROWS), cdiv(H, SPAN)), programs as the pull's."""
+    rows, valid, source, peer_row, target_rows, local_rows = _program_rows(
+        chunk_sizes_ptr,
+        source_offsets_ptr,
+        peer_rows_ptr,
+        num_rows,
+        num_chunks,
+        num_sources,
+        rows_ptr.dtype.element_ty,
+        HIDDEN,
+        ROWS,
+        CHUNKS_POW2,
+    )
+    first = tl.program_id(1) * SPAN
+    for step in tl.static_range(0, SPAN, BLOCK_H):
+        cols = first + step + tl.arange(0, BLOCK_H)
+        mask = valid[:, None] & (cols < HIDDEN)[None, :]
+        values = tl.load(rows_ptr + local_rows + cols[None, :], mask=mask, other=0)
+        tl.store(target_rows + cols[None, :], values, mask=mask)
+    if HAS_PROBS:
+        peer_probs, mine = _peer_probs(
+            peer_probs_ptr, source, peer_row, rows, valid, num_rows, probs_ptr.dtype.element_ty
+        )
+        tl.store(peer_probs, tl.load(probs_ptr + rows, mask=mine, other=0), mask=mine)
+
+
+def _check(name: str, num_rows: int, num_chunks: int, num_sources: int, hidden: int) -> None:
+    if min(num_rows, hidden) < 0 or num_sources < 1 or num_chunks < 1 or num_chunks % num_sources:
+        raise ValueError(
+            f"{name}: expected R, H >= 0 and EP * L chunks for EP >= 1 sources, got R={num_rows}, H={hidden},"
+            f" {num_chunks} chunks, EP={num_sources}"
+        )
+
+
+def _launch(
+    kernel,
+    inputs: tuple,
+    outputs: tuple,
+    num_rows: int,
+    num_chunks: int,
+    num_sources: int,
+    hidden: int,
+    element_bytes: int,
+    whole_rows: bool,
+    **flags: bool,
+) -> Launch:
+    """A launch of either kernel over R = num_rows rows (arguments: the inputs, R, the chunks, EP, the
+    outputs): a program moves ROWS rows, SPAN columns of them (whole rows where it reduces over them),
+    BLOCK_H columns a step."""
+    block_h = min(next_pow2(max(hidden, 1)), max(_SPAN_BYTES // element_bytes, 16))
+    span = cdiv(hidden, block_h) * block_h if whole_rows else block_h
+    return Launch(
+        kernel=kernel,
+        grid=(cdiv(num_rows, _ROWS), max(cdiv(hidden, span), 1)),
+        args=(*inputs, num_rows, num_chunks, num_sources),
+        outputs=outputs,
+        constexprs=dict(
+            HIDDEN=hidden, ROWS=_ROWS, SPAN=span, BLOCK_H=block_h, CHUNKS_POW2=next_pow2(num_chunks), **flags
+        ),
+        num_warps=4,
+    )
+
+
+@cached
+def pull_rows_plan(
+    *,
+    num_rows: int,
+    num_chunks: int,
+    num_sources: int,
+    hidden: int,
+    dtype: str,
+    element_bytes: int,
+    probs_dtype: str | None = None,
+    scale_dot: bool = False,
+) -> Plan:
+    """Gather R = num_rows receiving rows from their sources' buffers (module doc).
+
+    Inputs: "peer_rows" [EP] int64 addresses of the sources' rows [S, H] of `dtype`; "chunk_sizes",
+    "source_offsets" [EP * L] integer (expert-major chunks, sum of chunk_sizes = R); with `probs_dtype`,
+    "peer_probs" [EP] int64 addresses of the sources' probs [S]; with `scale_dot`, "saved" [R, H] of
+    `dtype` and "weights" [R] float32.
+    Results: "out" [R, H] of `dtype`; "out_probs" [R] of `probs_dtype` (with probs_dtype); "dots" [R]
+    float32 (with scale_dot). Every row and prob is written.
+    """
+    _check("pull_rows", num_rows, num_chunks, num_sources, hidden)
+    if probs_dtype is not None and scale_dot:
+        raise ValueError("pull_rows: probs and scale_dot are exclusive")
+    buffers = {"out": Buffer((num_rows, hidden), dtype)}
+    results = ["out"]
+    if probs_dtype is not None:
+        buffers["out_probs"] = Buffer((num_rows,), probs_dtype)
+        results.append("out_probs")
+    else:
+        buffers["out_probs"] = Buffer.absent("float32")
+    if scale_dot:
+        buffers["dots"] = Buffer((num_rows,), "float32")
+        results.append("dots")
+    else:
+        buffers["dots"] = Buffer.absent("float32")
+    if num_rows == 0:
+        return Plan(buffers, (), tuple(results))
+    launch = _launch(
+        _pull_rows_kernel,
+        ("peer_rows", "peer_probs", "chunk_sizes", "source_offsets", "saved", "weights"),
+        ("out", "out_probs", "dots"),
+        num_rows,
+        num_chunks,
+        num_sources,
+        hidden,
+        element_bytes,
+        whole_rows=scale_dot,
+        HAS_PROBS=probs_dtype is not None,
+        SCALE_DOT=scale_dot,
+    )
+    return Plan(buffers, (launch,), tuple(results))
+
+
+@cached
+def push_rows_plan(
+    *, num_rows: int, num_chunks: int, num_sources: int, hidden: int, element_bytes: int, has_probs: bool
+) -> Plan:
+    """Scatter R = num_rows receiving rows back into their sources' buffers (module doc).
+
+    Inputs: "rows" [R, H], "chunk_sizes", "source_offsets" [EP * L] integer, "peer_rows" [EP] int64
+    addresses of the sources' rows [S, H] (rows' dtype); with `has_probs`, "probs" [R] and "peer_probs"
+    [EP] addresses of the sources' probs [S] (probs' dtype). No results: the rows land in the peers'
+    buffers, and only those rows are written.
+    """
+    _check("push_rows", num_rows, num_chunks, num_sources, hidden)
+    if num_rows == 0:
+        return Plan({}, (), ())
+    launch = _launch(
+        _push_rows_kernel,
+        ("rows", "probs", "chunk_sizes", "source_offsets", "peer_rows", "peer_probs"),
+        (),
+        num_rows,
+        num_chunks,
+        num_sources,
+        hidden,
+        element_bytes,
+        whole_rows=False,
+        HAS_PROBS=has_probs,
+    )
+    return Plan({}, (launch,), ())
