@@ -289,19 +289,42 @@ class Executable:
         used += [like for _, _, _, like, _, _, _ in self.allocations if like]
         self.input_names = tuple(dict.fromkeys(name for name in used if name not in plan.buffers))
         self.run = self._generate_run()
+        self._run_into = None
 
     def __call__(self, inputs: dict[str, torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
         """The results of the plan run on `inputs` (name -> tensor or None)."""
         return self.run(inputs)
 
-    def _generate_run(self):
+    def into(self, inputs: dict[str, torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+        """As calling it, but a result named in `inputs` is written there instead of a new tensor: a
+        contiguous, 16-byte aligned tensor of the result's shape and dtype (checked), e.g. a view of a
+        buffer that other GPUs read. Results that start zeroed cannot be given."""
+        for name, shape, dtype, like, zero, returned, placeholder in self.allocations:
+            given = inputs.get(name)
+            if given is None or not returned or placeholder:
+                continue
+            expected = inputs[like].dtype if like else dtype
+            if zero:
+                raise ValueError(f"{name}: a result that starts zeroed cannot be given")
+            if tuple(given.shape) != tuple(shape) or given.dtype != expected:
+                raise ValueError(
+                    f"{name}: expected {tuple(shape)} {expected}, got {tuple(given.shape)} {given.dtype}"
+                )
+            if not given.is_contiguous() or given.data_ptr() % 16 or given.device.type != self.device.type:
+                raise ValueError(f"{name}: expected a contiguous, 16-byte aligned tensor on {self.device}")
+        if self._run_into is None:
+            self._run_into = self._generate_run(into=True)
+        return self._run_into(inputs)
+
+    def _generate_run(self, into: bool = False):
         """The per-call path, generated for this executable (`self.run(inputs)`): what a loop over the
         plan's inputs and buffers would do, unrolled, with the plan's shapes and dtypes inline, because
         every interpreted step of it is paid on every eager call. Per input: the layout rule of the module
         docstring, then its part of the specialization key (what Triton specialises a kernel on beyond
         the plan's fixed sizes: dtype, 16-byte alignment and, for inputs read through a row stride, the
         stride's divisibility and whether it is 1). Then the allocations, and the fast launches of the
-        key if every launch has one and no profiler hooks Triton; else `_launch_first`."""
+        key if every launch has one and no profiler hooks Triton; else `_launch_first`. `into`: the
+        results named in the inputs are taken from there, the others allocated."""
         constants = [self.device, self, self.fast, _FILL, _triton_knobs().runtime]
         lines = ["def run(inputs):", "    env = {}"]
 
@@ -346,10 +369,16 @@ class Executable:
                     f"    env[{name!r}] = None",
                 ]
             else:
-                lines += [
-                    f"    {variable} = {alloc}({constant(shape)}, dtype={dtype_code}, device=c[0])",
-                    f"    env[{name!r}] = {variable}",
-                ]
+                allocation = f"{alloc}({constant(shape)}, dtype={dtype_code}, device=c[0])"
+                if into and returned:
+                    lines += [
+                        f"    {variable} = inputs.get({name!r})",
+                        f"    if {variable} is None:",
+                        f"        {variable} = {allocation}",
+                    ]
+                else:
+                    lines.append(f"    {variable} = {allocation}")
+                lines.append(f"    env[{name!r}] = {variable}")
             if returned:
                 results.append(variable)
         returned = f"({', '.join(results)},)" if results else "()"

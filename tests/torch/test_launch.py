@@ -6,6 +6,7 @@ whose scratch buffers take an input's dtype (the grouped GEMM's weight gradient 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moetriton import kernels
@@ -218,3 +219,48 @@ def test_generated_run_takes_fast_launches_with_scratch_addresses_in_one_workspa
     misaligned = torch.empty(6 * 32 + 1, dtype=torch.bfloat16, device=DEVICE)[1:].view(6, 32)
     executable(dict(inputs, inp=misaligned))
     assert len(keys) == 2 and keys[1] != keys[0]
+
+
+def test_into_writes_given_results_in_place_and_rejects_what_it_cannot_fill():
+    """Executable.into: a result named in the inputs is written there (the same values as a fresh one),
+    the others are allocated; a result of the wrong shape or dtype, or one that must start zeroed, is an
+    error before anything launches."""
+    tokens = torch.randn(5, 16, device=DEVICE)
+    indices = torch.tensor([[0, 2], [1, -1], [2, 0], [3, 1], [0, 3]], dtype=torch.int32, device=DEVICE)
+    sizes = dict(
+        num_tokens=5,
+        hidden=16,
+        num_slots=2,
+        num_experts=4,
+        is_mask=False,
+        num_out_tokens=10,
+        element_bytes=4,
+        has_probs=False,
+        scale_cols=None,
+        align_size=4,
+    )
+    executable = _launch.bound(kernels.dispatch_plan, torch.device(DEVICE), **sizes)
+    inputs = dict(inp=tokens, routing=indices, probs=None, scales=None)
+    fresh = executable(inputs)
+    given = torch.full_like(fresh[0], float("nan"))
+    into = executable.into({**inputs, "output": given})
+    assert into[0] is given and torch.equal(given, fresh[0])
+    for name in ("row_id_map", "tokens_per_expert"):
+        index = executable.plan.results.index(name)
+        assert torch.equal(into[index], fresh[index])
+    with pytest.raises(ValueError, match="output: expected"):
+        executable.into({**inputs, "output": given[:-1]})
+    with pytest.raises(ValueError, match="output: expected"):
+        executable.into({**inputs, "output": given.double()})
+    scatter = _launch.bound(
+        kernels.scatter_plan,
+        torch.device(DEVICE),
+        num_tokens=5,
+        hidden=16,
+        num_slots=2,
+        num_rows=fresh[0].shape[0],
+        padded=True,
+        element_bytes=4,
+    )
+    with pytest.raises(ValueError, match="starts zeroed"):
+        scatter.into(dict(grad=tokens, row_id_map=fresh[3], grad_input=given))
