@@ -55,38 +55,25 @@ from moetriton.kernels.expert_parallel import (
     ep_layout,
     gate_up_width,
     padded_counts,
+    peer_chunks,
 )
 
 from ._checks import Signature, memoised, same_device, signature
+from ._stages import STAGES  # noqa: F401  (public here: the stages of a layer call)
+from ._stages import stage as _stage
 from .api import sort_chunks_by_index, token_combine, token_dispatch
 from .ops import ACTIVATE
+from .peer_exchange import peer_exchange_available, peer_experts, peer_plan
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 
 #: Expert activations: "swiglu" takes gate_up [L, H, 2F] (first F columns gate, last F up); the non-gated
 #: "gelu" and "relu" take gate_up [L, H, F] (the up projection alone).
 ACTIVATIONS = ("swiglu", "gelu", "relu")
+#: Row exchanges of the dropless layer with EP > 1: "all_to_all" (all_to_all_single, then chunk sorts to
+#: expert-major and back), "peer" (moetriton.torch.peer_exchange: rows copied through peer memory straight
+#: into expert-major order, no chunk sort), "auto" (peer where `peer_exchange_available`).
+EXCHANGES = ("auto", "all_to_all", "peer")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-#: Stages of a layer call, each a torch.profiler.record_function range "moe.<stage>" (the benchmark
-#: attributes backward work to the stage whose forward ops it differentiates). exchange_sizes: the
-#: dropless layer's per-expert count exchange and its copy to the host (kept apart from all_to_all, the
-#: row exchanges, whose bandwidth the benchmark reports).
-STAGES = (
-    "router",
-    "dispatch",
-    "exchange_sizes",
-    "all_to_all",
-    "chunk_sort",
-    "grouped_gemm",
-    "activation",
-    "combine",
-)
-
-
-def _stage(name: str) -> torch.profiler.record_function:
-    """The profiler range of one stage (a few host microseconds; ignored by torch.compile)."""
-    return torch.profiler.record_function(f"moe.{name}")
 
 
 def _group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -376,6 +363,44 @@ def _capacity_experts(send, layout, group, gate_up, down, activation) -> Tensor:
         return all_to_all_rows(source_major, None, None, send.shape[0], group)
 
 
+def _uses_peer(exchange: str, group, device: torch.device, exchanging: bool) -> bool:
+    """Whether the rows go through peer memory (see EXCHANGES); `exchanging`: the call has a dropless EP
+    exchange (no other call has one to choose)."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
+    if exchange == "all_to_all" or not exchanging:
+        return False
+    available = peer_exchange_available(group, device)
+    if exchange == "peer" and not available:
+        raise ValueError(
+            "exchange='peer' needs CUDA GPUs of one host in an NCCL group, outside torch.compile"
+        )
+    return available
+
+
+def _peer_dropless(
+    tokens, indices, merging, gathered, layout, ep_rank, group, gate_up, down, activation
+) -> Tensor:
+    """Dropless EP through the peer exchange: tokens [T, H] -> combined [T, H] (dispatch, exchanges,
+    experts and combine; see moetriton.torch.peer_exchange)."""
+    counts_all, counts_on_host = gathered
+    chunks = peer_chunks(counts_all, ep_rank, layout)
+    group_sizes = chunks["chunk_sizes"].view(layout.local_experts, layout.ep_size).sum(1)  # [L]
+
+    def received_rows() -> int:
+        with _stage("exchange_sizes"):  # the call's one host sync
+            return int(peer_chunks(counts_on_host(), ep_rank, layout)["chunk_sizes"].sum())
+
+    plan = peer_plan(group, chunks, indices, layout, tokens.shape[1], tokens.dtype, received_rows)
+    return peer_experts(
+        tokens,
+        merging,
+        plan,
+        group_sizes,
+        lambda rows, sizes: expert_mlp(rows, sizes, gate_up, down, activation),
+    )
+
+
 # Layer -----------------------------------------------------------------------------------------------------
 
 
@@ -421,6 +446,7 @@ def moe(
     capacity_factor: float | None = None,
     ep_group: dist.ProcessGroup | None = None,
     token_group: dist.ProcessGroup | None = None,
+    exchange: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One MoE layer on this rank's tokens, experts sharded over `ep_group` (see the module docstring).
 
@@ -441,6 +467,10 @@ def moe(
             with the same T, E, K and options.
         token_group: the group over which the aux loss and the dropped count are global: every rank whose
             tokens share the loss (EP and data parallel ranks; None: ep_group).
+        exchange: the dropless row exchange with EP > 1, one of EXCHANGES: "all_to_all", "peer" (GPUs of
+            one host; an error where `peer_exchange_available` is False) or "auto" (peer where available).
+            Both give the same outputs and gradients up to rounding; the capacity path always uses
+            all_to_all_single.
 
     Returns:
         (out [..., H] in x.dtype, aux_loss fp32 scalar, dropped int32 scalar): aux_loss has the same value
@@ -475,6 +505,8 @@ def moe(
         align_size=align_size,
         capacity_factor=capacity_factor,
     )
+    # Decided before any collective: every rank takes the same path, and a bad choice fails at once.
+    use_peer = _uses_peer(exchange, ep_group, tokens.device, layout.dropless and ep_size > 1)
     with _stage("router"):
         logits = F.linear(tokens, gate_weight)  # [T, E]
         probs, routing_map, indices = fused_topk_with_score_function(
@@ -503,6 +535,11 @@ def moe(
         if ep_size > 1:
             with _stage("exchange_sizes"):
                 gathered = _gather_counts(padded_counts(routed, layout), ep_size, ep_group)
+            if use_peer:
+                combined = _peer_dropless(
+                    tokens, indices, merging, gathered, layout, ep_rank, ep_group, gate_up, down, activation
+                )
+                return combined.reshape(x.shape), aux_loss, dropped
         with _stage("dispatch"):
             send, _, row_id_map, pad_offsets, send_counts = token_dispatch(
                 tokens, indices=indices, num_experts=num_experts, align_size=layout.align_size
@@ -557,12 +594,15 @@ class MoELayer(nn.Module):
         capacity_factor: float | None = None,
         ep_group: dist.ProcessGroup | None = None,
         token_group: dist.ProcessGroup | None = None,
+        exchange: str = "auto",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
         ep_size, _ = _group_size_and_rank(ep_group)
         ep_layout(  # validates E, K, EP, align_size and capacity_factor now rather than at the first call
             num_tokens=0,
@@ -593,6 +633,7 @@ class MoELayer(nn.Module):
             align_size=align_size,
             activation=activation,
             capacity_factor=capacity_factor,
+            exchange=exchange,
         )
         self.reset_parameters()
 

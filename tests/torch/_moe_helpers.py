@@ -39,7 +39,9 @@ def tensors(problem: MoEProblem, device: torch.device) -> dict[str, torch.Tensor
     return {name: value.to(device) for name, value in values.items()}
 
 
-def run_layer(problem: MoEProblem, full: dict, rank: int, world: int, **groups) -> dict:
+def run_layer(
+    problem: MoEProblem, full: dict, rank: int, world: int, exchange: str = "auto", **groups
+) -> dict:
     """This rank's layer call on its token shard and local experts: outputs and gradients."""
     import moetriton.torch as mt
 
@@ -55,7 +57,11 @@ def run_layer(problem: MoEProblem, full: dict, rank: int, world: int, **groups) 
     for value in inputs.values():
         value.requires_grad_()
     out, aux_loss, dropped = mt.moe(
-        *inputs.values(), expert_bias=full.get("expert_bias"), **options(problem), **groups
+        *inputs.values(),
+        expert_bias=full.get("expert_bias"),
+        exchange=exchange,
+        **options(problem),
+        **groups,
     )
     ((out * full["cotangent"][tokens]).sum() + aux_loss).backward()
     return dict(
@@ -108,7 +114,9 @@ def check_rank(problem: MoEProblem, got: dict, expected: dict, rank: int, world:
 def ep_worker(rank: int, world: int, store: str, backend: str, problems: list, data_parallel: bool) -> None:
     """One rank of a spawned test group: every problem through the layer with EP over the whole group
     (or, with `data_parallel`, every expert on every rank and only the token statistics shared), against
-    the reference; the second problem also runs twice and must repeat bit for bit."""
+    the reference; the second problem also runs twice and must repeat bit for bit. On GPUs (NCCL) every
+    problem runs with both row exchanges, all_to_all and peer (the dropless one takes it; the capacity
+    path ignores it)."""
     # A gloo rank computes on CPU tensors: under the Triton interpreter where the parent set it (CPU-only
     # machines, tests/conftest.py), else through the PyTorch reference path (a GPU machine, whose Triton may
     # not interpret: kernels/_interpreter.py).
@@ -121,17 +129,19 @@ def ep_worker(rank: int, world: int, store: str, backend: str, problems: list, d
         # Replicated parameters' gradients are summed over the ranks, as DDP would: the gate's always, the
         # experts' too when every rank holds every expert.
         replicated = ["grad gate_weight"] + (["grad gate_up", "grad down"] if data_parallel else [])
+        exchanges = ("all_to_all", "peer") if backend == "nccl" and not data_parallel else ("auto",)
         for index, problem in enumerate(problems):
             full = tensors(problem, device)
-            runs = []
-            for _ in range(2 if index == 1 else 1):
-                runs.append(run_layer(problem, full, rank, world, **groups))
-                for name in replicated:
-                    dist.all_reduce(runs[-1][name])
             expected = reference(problem, full, num_shards=world)
-            check_rank(problem, runs[0], expected, rank, world, not data_parallel)
-            for name, value in runs[0].items():
-                assert torch.equal(runs[-1][name], value), f"{name} differs between two runs"
+            for exchange in exchanges:
+                runs = []
+                for _ in range(2 if index == 1 else 1):
+                    runs.append(run_layer(problem, full, rank, world, exchange, **groups))
+                    for name in replicated:
+                        dist.all_reduce(runs[-1][name])
+                check_rank(problem, runs[0], expected, rank, world, not data_parallel)
+                for name, value in runs[0].items():
+                    assert torch.equal(runs[-1][name], value), f"{name} differs between two runs"
         if not data_parallel:
             _check_ep_errors(problems[0], device)
     finally:
@@ -145,6 +155,18 @@ def _check_ep_errors(problem: MoEProblem, device: torch.device) -> None:
     import moetriton.torch as mt
 
     world = dist.get_world_size()
+    if world > 1 and device.type == "cpu":  # gloo: no peer memory to exchange through
+        full, local = tensors(problem, device), problem.num_experts // world
+        with pytest.raises(ValueError, match="exchange='peer' needs"):
+            mt.moe(
+                full["x"],
+                full["gate_weight"],
+                full["gate_up"][:local],
+                full["down"][:local],
+                ep_group=dist.group.WORLD,
+                exchange="peer",
+                **{**options(problem), "capacity_factor": None},
+            )
     if world > 1:
         with pytest.raises(ValueError, match="num_experts"):
             mt.MoELayer(8, 8, world + 1, 1, ep_group=dist.group.WORLD)

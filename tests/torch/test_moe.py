@@ -256,6 +256,7 @@ def _bad(name: str):
         "negative capacity_factor": dict(capacity_factor=-1.0),
         "align_size": dict(align_size=0),
         "activation": dict(activation="tanh"),
+        "exchange": dict(exchange="nvlink"),
         "aux_loss_coeff": dict(aux_loss_coeff=-1.0),
         "topk": dict(topk=E + 1),
         "expert_bias": dict(expert_bias=torch.zeros(E + 1, device=DEVICE)),
@@ -276,6 +277,7 @@ def _bad(name: str):
         ("negative capacity_factor", "capacity_factor"),
         ("align_size", "align_size"),
         ("activation", "activation"),
+        ("exchange", "exchange: expected one of"),
         ("aux_loss_coeff", "aux_loss_coeff"),
         ("topk", "topk"),
         ("expert_bias", "expert_bias"),
@@ -292,6 +294,8 @@ def test_module_validates_at_construction():
         mt.MoELayer(H, F, E, 2, activation="tanh")
     with pytest.raises(ValueError, match="capacity_factor"):
         mt.MoELayer(H, F, E, 2, capacity_factor=0)
+    with pytest.raises(ValueError, match="exchange"):
+        mt.MoELayer(H, F, E, 2, exchange="nccl")
 
 
 # Process groups ---------------------------------------------------------------------------------------------
@@ -376,7 +380,7 @@ def test_benchmark_tiny_writes_a_row_per_impl(tmp_path, layers):
     assert moe_torch.main(argv) == 0
     with (tmp_path / "moe_torch_ep1.csv").open() as handle:
         rows = list(csv.DictReader(handle))
-    assert [row["impl"] for row in rows] == ["moetriton", "megatron"]
+    assert [row["impl"] for row in rows] == list(moe_torch.IMPLS)
     assert {row["layers"] for row in rows} == {str(layers)}
     for row in rows:
         assert float(row["step_ms"]) > 0 and float(row["grouped_gemm_ms"]) > 0
@@ -443,6 +447,57 @@ def test_trace_gaps_busy_share_and_collective_waits(tmp_path):
     # transfer 60 µs; rank 0's kernel lasts 100, rank 1's 60 (means over the ranks).
     assert times["bench.align"] == (1, 80.0, 0.0, 80.0)
     assert times["moe.all_to_all"] == (1, 80.0, 20.0, 60.0)
+
+
+def test_trace_layer_stage_of_kernels_in_stage_ranges_and_backward_nodes(tmp_path):
+    """Activity.layer_stage: the innermost moe.<stage> range around the launch, even inside a backward
+    node (the peer exchange's autograd functions open them); elsewhere in a backward node, the stage of the
+    forward op that created the node (the last forward op with its sequence number)."""
+    from benchmarks import trace_gaps
+
+    def host(name, tid, start, end, sequence=None, category="cpu_op"):
+        args = {} if sequence is None else {"Sequence number": sequence}
+        return dict(ph="X", cat=category, name=name, tid=tid, ts=start, dur=end - start, args=args)
+
+    node = trace_gaps.BACKWARD
+    events = [
+        host("moe.combine", 1, 0, 10, category="user_annotation"),
+        host("aten::mul", 1, 1, 2, sequence=7),
+        host("aten::mul", 1, 12, 13, sequence=8),  # created node 8 first, outside any stage ...
+        host("moe.all_to_all", 1, 14, 30, category="user_annotation"),
+        host("_PeerCombine", 1, 15, 20, sequence=8),  # ... and last inside all_to_all: node 8's stage
+        host(node + "MulBackward0", 2, 100, 110, sequence=7),
+        host(node + "_PeerCombineBackward", 2, 120, 140, sequence=8),
+        host("moe.dispatch", 2, 125, 130, category="user_annotation"),
+        host(node + "SumBackward0", 2, 150, 160, sequence=99),  # no forward op seen: other
+    ]
+    for correlation, launched in enumerate((105, 126, 135, 155)):
+        events.append(
+            dict(
+                ph="X",
+                cat="cuda_runtime",
+                name="cudaLaunchKernel",
+                tid=2,
+                ts=launched,
+                dur=1,
+                args=dict(correlation=correlation),
+            )
+        )
+        events.append(
+            dict(
+                ph="X",
+                cat="kernel",
+                name=f"k{correlation}",
+                tid=7,
+                ts=200 + 10 * correlation,
+                dur=5,
+                args=dict(correlation=correlation),
+            )
+        )
+    path = tmp_path / "stages.json"
+    path.write_text(json.dumps(dict(traceEvents=events)))
+    timeline = trace_gaps.load(str(path))
+    assert [activity.layer_stage for activity in timeline] == ["combine", "dispatch", "all_to_all", "other"]
 
 
 # GPU: grouped GEMM, CUDA graphs, torch.compile --------------------------------------------------------------

@@ -1,0 +1,320 @@
+"""The dropless EP exchange through peer memory (moetriton.kernels.peer_exchange), for the PyTorch MoE layer.
+
+Every rank of the EP group owns one symmetric allocation (torch.distributed._symmetric_memory, the same size
+on every rank, mapped into every other rank's address space): its "staging" buffer, which holds the rank's
+send layout (token_dispatch's rows [S, H] and their probs [S]). The four exchanges of a layer step each run
+as barrier, one copy kernel, barrier, all on the current stream, with nothing on the host between them:
+
+* dispatch (forward): token_dispatch writes straight into the own staging buffer; every rank then pulls
+  its rows from all staging buffers into its expert-major receive buffer (rows and merging weights);
+* combine (forward): every rank pushes its expert outputs back into their sources' staging buffers, and
+  each source runs the weighted token_combine over its own staging buffer;
+* combine backward: token_dispatch of the output gradient into the own staging buffer; every rank pulls
+  it, scaled by the merging weights, and takes the weights' gradient as dot products with the expert
+  outputs it kept (the source does not keep the rows it combined: the staging buffer is reused);
+* dispatch backward: every rank pushes the rows' and weights' gradients back into the sources' staging
+  buffers, and each source runs dispatch's backward over its own.
+
+The barrier before a copy orders it after the peers' writes of the buffers it reads (or after their last
+reads of the buffers it writes); the one after it keeps any rank from reusing its staging buffer while a
+peer still copies. So one staging buffer per (group, device) serves every layer and both directions.
+
+Needs CUDA GPUs of one host with peer access and an NCCL group; the layer picks it with exchange="auto"
+where `peer_exchange_available` says so. The receive buffer is sized exactly, from the counts on the host:
+the same one host sync per call as the all-to-all path. Not for torch.compile or CUDA graphs (the layer
+takes the all-to-all path while compiling).
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from moetriton import kernels
+from moetriton.kernels.expert_parallel import EPLayout
+
+from ._launch import bound, dtype_name
+from ._stages import stage
+from .ops import DISPATCH_BACKWARD
+
+
+@functools.cache
+def _one_host(group: dist.ProcessGroup) -> bool:
+    names: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, socket.gethostname(), group=group)
+    return len(set(names)) == 1
+
+
+def peer_exchange_available(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """True where the layer can exchange through peer memory: an NCCL `group` of more than one rank, all on
+    one host (asked of the group once: a collective on the first call), on CUDA `device`s, outside
+    torch.compile, with this torch's symmetric memory."""
+    if group is None or device.type != "cuda" or torch.compiler.is_compiling():
+        return False
+    if dist.get_world_size(group) < 2 or dist.get_backend(group) != "nccl":
+        return False
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError:
+        return False
+    return _one_host(group)
+
+
+class _Staging:
+    """A rank's symmetric staging allocation: rows [S, H] at offset 0, probs [S] (4 bytes a row) after them,
+    and [EP] int64 tables of every rank's rows and probs addresses on the device."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, rows: int, row_bytes: int) -> None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.rows, self.row_bytes = rows, row_bytes
+        self.probs_offset = -(-rows * row_bytes // 256) * 256
+        self.buffer = symm_mem.empty(self.probs_offset + 4 * rows, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.buffer, group)
+        bases = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64)
+        self.rows_table = bases.to(device)
+        self.probs_table = (bases + self.probs_offset).to(device)
+
+    def holds(self, rows: int, row_bytes: int) -> bool:
+        return rows <= self.rows and rows * row_bytes <= self.rows * self.row_bytes
+
+    def rows_view(self, rows: int, hidden: int, dtype: torch.dtype) -> Tensor:
+        return self.buffer[: rows * hidden * dtype.itemsize].view(dtype).view(rows, hidden)
+
+    def probs_view(self, rows: int, dtype: torch.dtype) -> Tensor:
+        start = self.probs_offset
+        return self.buffer[start : start + rows * dtype.itemsize].view(dtype)
+
+    def barrier(self) -> None:
+        self.handle.barrier(channel=0)
+
+
+_STAGING: dict[tuple[str, torch.device], _Staging] = {}
+
+
+def _staging(group: dist.ProcessGroup, device: torch.device, rows: int, row_bytes: int) -> _Staging:
+    """The group's staging allocation on `device`, (re)made when it is too small: a collective, reached by
+    every rank at once since all call with the same static sizes. The old allocation goes only after the
+    device and the group are idle, since queued copies and peers may still use it."""
+    key = (group.group_name, device)
+    staging = _STAGING.get(key)
+    if staging is None or not staging.holds(rows, row_bytes):
+        if staging is not None:
+            torch.cuda.synchronize(device)
+            dist.barrier(group=group)
+        _STAGING.pop(key, None)
+        staging = _STAGING[key] = _Staging(group, device, rows, row_bytes)
+    return staging
+
+
+@dataclass
+class PeerPlan:
+    """One layer call's exchange: the staging allocation, the receiving layout (expert-major chunk sizes and
+    their source offsets [EP * L], on the device), the routing and sizes."""
+
+    staging: _Staging
+    chunk_sizes: Tensor
+    source_offsets: Tensor
+    indices: Tensor  # [T, K] the router's expert ids (the combine backward re-dispatches the gradient)
+    layout: EPLayout
+    received_rows: Any  # () -> int: rows this rank receives (waits for the counts' host copy)
+
+
+def peer_plan(
+    group: dist.ProcessGroup,
+    chunks: dict[str, Tensor],
+    indices: Tensor,
+    layout: EPLayout,
+    hidden: int,
+    dtype: torch.dtype,
+    received_rows: Any,
+) -> PeerPlan:
+    """The exchange plan of one layer call; allocates the staging buffer on first use (a collective)."""
+    staging = _staging(group, indices.device, layout.send_rows, hidden * dtype.itemsize)
+    return PeerPlan(staging, chunks["chunk_sizes"], chunks["source_offsets"], indices, layout, received_rows)
+
+
+def _dispatch_into(plan: PeerPlan, inp: Tensor, probs: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """token_dispatch of inp [T, H] (and probs [T, K]) into the staging buffer: (row_id_map, pad_offsets,
+    tokens_per_expert)."""
+    layout, staging = plan.layout, plan.staging
+    rows = layout.send_rows
+    executable = bound(
+        kernels.dispatch_plan,
+        inp.device,
+        num_tokens=inp.shape[0],
+        hidden=inp.shape[1],
+        num_slots=plan.indices.shape[1],
+        num_experts=layout.num_experts,
+        num_out_tokens=layout.num_tokens * layout.topk,
+        align_size=layout.align_size,
+        capacity=None,
+        has_probs=probs is not None,
+        scale_cols=None,
+        is_mask=False,
+        element_bytes=inp.element_size(),
+    )
+    inputs = dict(
+        inp=inp,
+        routing=plan.indices,
+        probs=probs,
+        scales=None,
+        output=staging.rows_view(rows, inp.shape[1], inp.dtype),
+        permuted_probs=None if probs is None else staging.probs_view(rows, probs.dtype),
+    )
+    _, _, _, row_id_map, pad_offsets, counts = executable.into(inputs)
+    return row_id_map, pad_offsets, counts
+
+
+def _pull(
+    plan: PeerPlan,
+    num_rows: int,
+    hidden: int,
+    dtype: torch.dtype,
+    probs_dtype: torch.dtype | None = None,
+    saved: Tensor | None = None,
+    weights: Tensor | None = None,
+) -> tuple[Tensor, ...]:
+    staging = plan.staging
+    executable = bound(
+        kernels.pull_rows_plan,
+        plan.chunk_sizes.device,
+        num_rows=num_rows,
+        num_chunks=plan.chunk_sizes.shape[0],
+        num_sources=plan.layout.ep_size,
+        hidden=hidden,
+        dtype=dtype_name(dtype),
+        element_bytes=dtype.itemsize,
+        probs_dtype=None if probs_dtype is None else dtype_name(probs_dtype),
+        scale_dot=saved is not None,
+    )
+    inputs = dict(
+        peer_rows=staging.rows_table,
+        peer_probs=staging.probs_table if probs_dtype is not None else None,
+        chunk_sizes=plan.chunk_sizes,
+        source_offsets=plan.source_offsets,
+        saved=saved,
+        weights=weights,
+    )
+    staging.barrier()
+    results = executable(inputs)
+    staging.barrier()
+    return results
+
+
+def _push(plan: PeerPlan, rows: Tensor, probs: Tensor | None = None) -> None:
+    staging = plan.staging
+    executable = bound(
+        kernels.push_rows_plan,
+        rows.device,
+        num_rows=rows.shape[0],
+        num_chunks=plan.chunk_sizes.shape[0],
+        num_sources=plan.layout.ep_size,
+        hidden=rows.shape[1],
+        element_bytes=rows.element_size(),
+        has_probs=probs is not None,
+    )
+    inputs = dict(
+        rows=rows,
+        probs=probs,
+        chunk_sizes=plan.chunk_sizes,
+        source_offsets=plan.source_offsets,
+        peer_rows=staging.rows_table,
+        peer_probs=staging.probs_table if probs is not None else None,
+    )
+    staging.barrier()
+    executable(inputs)
+    staging.barrier()
+
+
+class _PeerDispatch(torch.autograd.Function):
+    """tokens [T, H], merging [T, K] -> (received [R, H], weights [R] in merging's dtype, row_id_map,
+    pad_offsets): token_dispatch into the staging buffer, then every rank pulls its expert-major rows and
+    their merging weights. Backward: the rows' and weights' gradients pushed back, then dispatch's backward
+    over the staging buffer."""
+
+    @staticmethod
+    def forward(ctx, tokens: Tensor, merging: Tensor, plan: PeerPlan):
+        ctx.set_materialize_grads(False)
+        with stage("dispatch"):
+            row_id_map, pad_offsets, _ = _dispatch_into(plan, tokens, merging)
+        num_rows = plan.received_rows()
+        with stage("all_to_all"):
+            received, weights = _pull(plan, num_rows, tokens.shape[1], tokens.dtype, merging.dtype)
+        ctx.plan = plan
+        ctx.meta = (received.shape, received.dtype, weights.dtype)
+        ctx.save_for_backward(row_id_map)
+        return received, weights, row_id_map, pad_offsets
+
+    @staticmethod
+    def backward(ctx, grad_received, grad_weights, _grad_map, _grad_offsets):
+        (row_id_map,) = ctx.saved_tensors
+        plan, (shape, dtype, weights_dtype) = ctx.plan, ctx.meta
+        device = row_id_map.device
+        if grad_received is None:
+            grad_received = torch.zeros(shape, dtype=dtype, device=device)
+        if grad_weights is None:
+            grad_weights = torch.zeros(shape[0], dtype=weights_dtype, device=device)
+        with stage("all_to_all"):
+            _push(plan, grad_received.contiguous(), grad_weights.to(weights_dtype).contiguous())
+        rows = plan.layout.send_rows
+        with stage("dispatch"):
+            grad_tokens, grad_merging = DISPATCH_BACKWARD(
+                plan.staging.rows_view(rows, shape[1], dtype),
+                plan.staging.probs_view(rows, weights_dtype),
+                row_id_map,
+            )
+        return grad_tokens, grad_merging, None
+
+
+class _PeerCombine(torch.autograd.Function):
+    """expert outputs [R, H] -> [T, H]: pushed back into the sources' staging buffers, then the weighted
+    token_combine over the own one with `merging` [T, K].
+
+    `weights` [R] must be `merging` as `_PeerDispatch` delivered it (the same values, expert-major): the
+    merging weights' gradient (dot products of the output gradient with the expert outputs, taken where
+    the outputs are) leaves through `weights` and none through `merging`, whose total gradient is then
+    dispatch's backward of it."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, weights: Tensor, merging: Tensor, row_id_map: Tensor, pad_offsets, plan):
+        from .api import token_combine
+
+        ctx.set_materialize_grads(False)
+        out = out.contiguous()
+        with stage("all_to_all"):
+            _push(plan, out)
+        rows = plan.staging.rows_view(plan.layout.send_rows, out.shape[1], out.dtype)
+        with stage("combine"):
+            combined = token_combine(rows, row_id_map, merging_probs=merging, pad_offsets=pad_offsets)
+        ctx.plan = plan
+        ctx.save_for_backward(out, weights)
+        return combined
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return (None,) * 6
+        out, weights = ctx.saved_tensors
+        plan = ctx.plan
+        with stage("combine"):
+            _dispatch_into(plan, grad, None)
+        with stage("all_to_all"):
+            grad_out, dots = _pull(plan, out.shape[0], out.shape[1], out.dtype, saved=out, weights=weights)
+        return grad_out, dots.to(weights.dtype), None, None, None, None
+
+
+def peer_experts(
+    tokens: Tensor, merging: Tensor, plan: PeerPlan, group_sizes: Tensor, experts: Any
+) -> Tensor:
+    """tokens [T, H] through dispatch, the peer exchange, `experts(rows [R, H], group_sizes [L]) -> [R, H]`
+    and the exchange back and weighted combine with merging [T, K] -> [T, H]."""
+    received, weights, row_id_map, pad_offsets = _PeerDispatch.apply(tokens, merging, plan)
+    out = experts(received, group_sizes)
+    return _PeerCombine.apply(out, weights, merging, row_id_map, pad_offsets, plan)
