@@ -13,7 +13,10 @@ on (coefficient 1e-2); `--layers N`: of N such layers, each feeding the next, as
 runs ahead of the GPU during a layer's GEMMs and queues the next layer's work, which one layer alone cannot
 show; sums below are over the layers). Implementations:
 
-* moetriton: `moetriton.torch.moe` (our router, dispatch, chunk sort and combine kernels);
+* moetriton: `moetriton.torch.moe` (our router, dispatch, chunk sort and combine kernels), exchange="auto":
+  with EP > 1 on GPUs of one host the peer exchange (moetriton.torch.peer_exchange: no chunk sorts, no NCCL
+  row exchange; its a2a_wait / a2a_transfer columns, taken from NCCL kernels, stay 0);
+* moetriton_a2a: the same with exchange="all_to_all" (all_to_all_single and chunk sorts);
 * megatron: the same layer without our kernels, the way Megatron-Core's unfused path builds it: torch
   softmax / sigmoid / group-limited top-k router, torch.argsort permutation (index_select) and index_add
   unpermutation, all_to_all_single with host split sizes, chunk sort by torch.split + torch.cat; the same
@@ -23,7 +26,8 @@ Each row (impl x shape x EP) reports: step_ms (median wall time of `--steps` syn
 rank); the stage breakdown from a torch.profiler trace of two steps, each started together on every rank:
 every stage is a record_function range "moe.<stage>" in the forward, and backward work
 (autograd::engine::evaluate_function events) is attributed to the stage whose forward op created the autograd
-node (matched by sequence number); times are GPU time of the kernels launched (CPU time on CPU), shares are of
+node (matched by sequence number), but for the stage ranges opened inside it (the peer exchange's); times
+are GPU time of the kernels launched (CPU time on CPU), shares are of
 the profiled total ("other": the loss and gradient accumulation; the barrier that starts each profiled step
 together on every rank is left out and its wait reported as align_wait_ms); routing share = router + dispatch
 + chunk_sort + combine; grouped-GEMM TFLOP/s = 3 x (2 rows H 2F + 2 rows F H) / grouped_gemm time, rows = T x
@@ -67,7 +71,7 @@ from moetriton.kernels.shapes import MOE_LAYER_SHAPES, MoELayerShape
 from moetriton.torch.moe import STAGES as LAYER_STAGES
 from moetriton.torch.moe import all_to_all_rows, expert_mlp, moe
 
-IMPLS = ("moetriton", "megatron")
+IMPLS = ("moetriton", "moetriton_a2a", "megatron")
 PEAK_TFLOPS = 790.0  # H100 SXM dense bf16
 AUX_LOSS_COEFF = 1e-2
 BACKWARD = "autograd::engine::evaluate_function"
@@ -204,7 +208,27 @@ def stage_ms(events, per_steps: int, on_gpu: bool) -> dict[str, float]:
             event = event.cpu_parent
         return None
 
+    def inner_ranges(event) -> list:
+        """The outermost "moe.<stage>" ranges inside `event` (the peer exchange opens them in its
+        autograd functions, backward included)."""
+        found, stack = [], list(event.cpu_children)
+        while stack:
+            child = stack.pop()
+            if child.name.startswith("moe."):
+                found.append(child)
+            else:
+                stack.extend(child.cpu_children)
+        return found
+
     totals: dict[str, float] = defaultdict(float)
+
+    def add(event, stage: str) -> None:
+        """`event`'s time to `stage`, but that of the stage ranges inside it to theirs."""
+        inner = inner_ranges(event)
+        totals[stage] += spent(event) - sum(spent(child) for child in inner)
+        for child in inner:
+            add(child, child.name.removeprefix("moe."))
+
     stage_of_node: dict[int, str] = {}
     backward = []
     for event in sorted(events, key=lambda event: event.time_range.start):
@@ -214,15 +238,21 @@ def stage_ms(events, per_steps: int, on_gpu: bool) -> dict[str, float]:
             elif event.name.startswith(BACKWARD):
                 backward.append(event)
             else:  # a stage range, or forward work outside the stages (the loss)
-                totals[event.name.removeprefix("moe.") if event.name.startswith("moe.") else "other"] += (
-                    spent(event)
-                )
+                add(event, event.name.removeprefix("moe.") if event.name.startswith("moe.") else "other")
         context = enclosing(event)
         if event.sequence_nr >= 0 and not (context or "").startswith(BACKWARD):
             # Forward ops: the op that creates autograd node n is the last to see sequence number n.
             stage_of_node[event.sequence_nr] = context.removeprefix("moe.") if context else "other"
     for event in backward:
-        totals[stage_of_node.get(event.sequence_nr, "other")] += spent(event)
+        add(event, stage_of_node.get(event.sequence_nr, "other"))
+    return {stage: totals.get(stage, 0.0) for stage in (*STAGES, ALIGN)}
+
+
+def trace_stage_ms(timeline: list[trace_gaps.Activity], per_steps: int) -> dict[str, float]:
+    """ms per step of every stage from the GPU activities of a trace (trace_gaps.Activity.layer_stage)."""
+    totals: dict[str, float] = defaultdict(float)
+    for activity in timeline:
+        totals[activity.layer_stage] += (activity.end - activity.start) / 1e3 / per_steps
     return {stage: totals.get(stage, 0.0) for stage in (*STAGES, ALIGN)}
 
 
@@ -283,7 +313,7 @@ def _layer_step(impl: str, shape: MoELayerShape, inputs: dict, args, group) -> C
 
 
 def _layer(impl: str, shape: MoELayerShape, x, params, args, group) -> tuple[torch.Tensor, torch.Tensor]:
-    if impl == "moetriton":
+    if impl.startswith("moetriton"):
         out, aux_loss, _ = moe(
             x,
             *params,
@@ -295,6 +325,7 @@ def _layer(impl: str, shape: MoELayerShape, x, params, args, group) -> tuple[tor
             align_size=args.align_size,
             capacity_factor=args.capacity_factor,
             ep_group=group,
+            exchange="all_to_all" if impl == "moetriton_a2a" else "auto",
         )
         return out, aux_loss
     return megatron_moe(x, *params, shape, group)
@@ -340,7 +371,10 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
             step()
         _sync(device)
     timeline = _timeline(profile, args.trace, f"{impl}_{shape.name}_ep{ep}_rank{rank}") if on_gpu else None
-    stages = stage_ms(profile.events(), profiled_steps, on_gpu)
+    if timeline is None:
+        stages = stage_ms(profile.events(), profiled_steps, on_gpu)
+    else:  # per kernel, from its launch context (kernels launched inside autograd functions included)
+        stages = trace_stage_ms(timeline, profiled_steps)
     align_ms = stages.pop(ALIGN)
     if group is not None:
         slowest = torch.tensor([step_ms], device=device)
@@ -374,7 +408,10 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
             a2a_pct_of_plain=round(100 * layer_gbps / plain_gbps, 1),
             a2a_gbps_least_waiting=round(sent / (float(least) * 1e-3) / 1e9, 1),
         )
-        if timeline is not None:
+        # NCCL row exchanges: the all-to-all path's (the peer exchange's copies are Triton kernels).
+        if timeline is not None and any(
+            kernel.stage in EXCHANGE_CONTEXTS for kernel in trace_gaps.nccl_kernels(timeline)
+        ):
             wait_ms, transfer_ms = _exchange_wait_and_transfer(timeline, profiled_steps, group)
             transfer_gbps = sent / (transfer_ms * 1e-3) / 1e9
             row.update(

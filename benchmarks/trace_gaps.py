@@ -38,6 +38,9 @@ class Activity:
     end: float
     launched: float | None = None  # host time of its launch call
     context: list[str] = field(default_factory=list)  # enclosing host ranges, outermost first
+    # The layer stage it belongs to: its innermost moe.<stage> range (without "moe."), or in a backward node
+    # outside any, the stage of the forward op that created the node; ALIGN for the step barrier's work.
+    layer_stage: str = "other"
 
     @property
     def stage(self) -> str:
@@ -54,7 +57,7 @@ def load(path: str) -> list[Activity]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as handle:
         events = json.load(handle)["traceEvents"]
-    host_ranges: dict[object, list[tuple[float, float, str]]] = defaultdict(list)
+    host_ranges: dict[object, list[tuple[float, float, str, int | None]]] = defaultdict(list)
     launches: dict[int, tuple[object, float]] = {}
     activities = []
     for event in events:
@@ -62,7 +65,8 @@ def load(path: str) -> list[Activity]:
             continue
         category, args = event.get("cat"), event.get("args", {})
         if category in ("cpu_op", "user_annotation"):
-            host_ranges[event["tid"]].append((event["ts"], event["ts"] + event["dur"], event["name"]))
+            end = event["ts"] + event["dur"]
+            host_ranges[event["tid"]].append((event["ts"], end, event["name"], args.get("Sequence number")))
         elif category in ("cuda_runtime", "cuda_driver") and "correlation" in args:
             launches[args["correlation"]] = (event["tid"], event["ts"])
         elif category in GPU_CATEGORIES:
@@ -70,18 +74,43 @@ def load(path: str) -> list[Activity]:
                 (Activity(event["name"], event["ts"], event["ts"] + event["dur"]), args.get("correlation"))
             )
     for ranges in host_ranges.values():
-        ranges.sort()
-    starts = {tid: [begin for begin, _, _ in ranges] for tid, ranges in host_ranges.items()}
+        ranges.sort(key=lambda host_range: (host_range[0], -host_range[1]))
+    starts = {tid: [begin for begin, *_ in ranges] for tid, ranges in host_ranges.items()}
+
+    def enclosing(tid, when: float) -> list[tuple[str, int | None]]:
+        """Host ranges of thread `tid` open at `when`, outermost first (ranges nest: starts order them)."""
+        last = bisect.bisect_right(starts.get(tid, []), when)
+        return [(name, sequence) for begin, end, name, sequence in host_ranges[tid][:last] if end >= when]
+
+    # Forward ops: the op that creates autograd node n is the last to see sequence number n.
+    stage_of_node: dict[int, str] = {}
+    for tid, ranges in host_ranges.items():
+        for begin, _, name, sequence in ranges:
+            if sequence is None or name.startswith(BACKWARD):
+                continue
+            context = enclosing(tid, begin)
+            if not any(outer.startswith(BACKWARD) for outer, _ in context):
+                stage_of_node[sequence] = _innermost_stage(context, {})
     for activity, correlation in activities:
         if correlation not in launches:
             continue
         tid, when = launches[correlation]
         activity.launched = when
-        ranges = host_ranges.get(tid, [])
-        # Enclosing ranges start before the launch and end after it; ranges nest, so their starts order them.
-        last = bisect.bisect_right(starts.get(tid, []), when)
-        activity.context = [name for begin, end, name in ranges[:last] if end >= when]
+        context = enclosing(tid, when) if tid in host_ranges else []
+        activity.context = [name for name, _ in context]
+        activity.layer_stage = _innermost_stage(context, stage_of_node)
     return sorted((activity for activity, _ in activities), key=lambda activity: activity.start)
+
+
+def _innermost_stage(context: list[tuple[str, int | None]], stage_of_node: dict[int, str]) -> str:
+    for name, sequence in reversed(context):
+        if name.startswith("moe."):
+            return name.removeprefix("moe.")
+        if name == ALIGN:
+            return ALIGN
+        if name.startswith(BACKWARD):
+            return stage_of_node.get(sequence, "other")
+    return "other"
 
 
 def step_windows(activities: list[Activity]) -> list[tuple[float, float]]:

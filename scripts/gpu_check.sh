@@ -2,13 +2,14 @@
 # One device-tool call: install what the GPU machine lacks, run the whole test suite on CUDA, run the
 # benchmarks, and leave logs under $OUT. Usage (device tool, repo root): bash scripts/gpu_check.sh [stage...]
 # Stages: setup (install only) smoke tests bench eager hostprof router gemm autotune usecache ab interleave jaxprof plan ncu
-# exchange moe1 moe2 moeab moeabtorch
+# exchange moe1 moe2 moe2torch moeab moeabtorch
 # (default: tests bench). ncu: Nsight Compute counters of the combine kernels beside TE's (scripts/profile_kernels.py,
 # NCU_SHAPES), report as $OUT/ncu.txt. gemm: the grouped-GEMM kernels beside torch._grouped_mm (GEMM_ARGS=--sweep to time configs).
 # exchange: the layers' dropless row exchanges alone beside plain all-to-alls (scripts/exchange_jax.py,
 # under several XLA_FLAGS unless EXCHANGE_ARGS=--one; scripts/exchange_torch.py under torchrun; 2 GPUs). moe1: the MoE layer examples and layer-step benchmarks on one GPU; moe2: the same with EP = 2 on two GPUs
 # (torchrun for PyTorch, one process for JAX, each of its rows in a child process killed after
-# MOE_ROW_TIMEOUT s); their logs and CSVs come back as $OUT/moe.tar.
+# MOE_ROW_TIMEOUT s); their logs and CSVs come back as $OUT/moe.tar. moe2torch: moe2's PyTorch half alone (the
+# example under torchrun, then the layer-step benchmark, every rank's traces kept), as $OUT/moe.tar.
 # moeab: the JAX layer's step (benchmarks.moe_jax, EP = MOE_AB_EP, default 2 on 2 GPUs) of this package and of
 # another one (MOE_AB_BASELINE, a carried package folder), alternated MOE_AB_ROUNDS times; lines in $OUT/moeab.log,
 # CSVs in $OUT/moeab/. moeabtorch: the same for the PyTorch layer (benchmarks.moe_torch under torchrun, this
@@ -104,6 +105,12 @@ for stage in $stages; do
             XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOE_TIMEOUT:-600} python3 -m benchmarks.moe_jax \
               --ep ${MOE_JAX_EP:-1,2} --isolate ${MOE_ROW_TIMEOUT:-150} --out "$OUT/moe" ${MOE_JAX_ARGS:-}
           } > "$OUT/moe/moe2.log" 2>&1; grep -v -i warn "$OUT/moe/moe2.log" | tail -40
+          tar -C "$OUT" -cf "$OUT/moe.tar" moe && rm -r "$OUT/moe") ;;
+    moe2torch) (cd "$repo" && mkdir -p "$OUT/moe" && {
+            timeout ${MOE_EXAMPLE_TIMEOUT:-120} python3 -m torch.distributed.run --nproc-per-node 2 examples/torch_moe_ep.py \
+              && timeout ${MOE_TIMEOUT:-300} python3 -m torch.distributed.run --nproc-per-node 2 -m benchmarks.moe_torch \
+                   --out "$OUT/moe" --trace "$OUT/moe/traces" ${MOE_TORCH_ARGS:-}
+          } > "$OUT/moe/moe2torch.log" 2>&1; grep -v -i warn "$OUT/moe/moe2torch.log" | tail -40
           tar -C "$OUT" -cf "$OUT/moe.tar" moe && rm -r "$OUT/moe") ;;
     moeab) (cd "$repo" && python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade \
               --target /tmp/site_base "$MOE_AB_BASELINE" > "$OUT/moeab_setup.log" 2>&1
