@@ -38,7 +38,8 @@ exchange_sizes stage), against a plain all_to_all_single of [T K, H] with equal 
 is the same bytes over the all_to_all stage of the rank whose exchanges took least (the others include waiting
 for a later peer); a2a_transfer_gbps splits the wait off exactly: from every rank's trace, each exchange's
 NCCL kernel counts from the latest rank's start to its own end (a2a_wait_ms: the rest, per step, mean over
-the ranks; processes on one host share the clock). gpu_idle_ms: per profiled step, the time from the end of
+the ranks; processes on one host share the clock; for the peer exchange: its barrier kernels, which only
+wait for the other ranks, against its copies). gpu_idle_ms: per profiled step, the time from the end of
 its starting barrier to its last GPU work with no kernel, copy or memset running (benchmarks.trace_gaps;
 --trace DIR keeps every rank's trace). A row that runs out of memory is printed and
 written as OOM, and the next row runs (under torchrun an OOM on one rank only would leave the other waiting
@@ -408,11 +409,12 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
             a2a_pct_of_plain=round(100 * layer_gbps / plain_gbps, 1),
             a2a_gbps_least_waiting=round(sent / (float(least) * 1e-3) / 1e9, 1),
         )
-        # NCCL row exchanges: the all-to-all path's (the peer exchange's copies are Triton kernels).
-        if timeline is not None and any(
-            kernel.stage in EXCHANGE_CONTEXTS for kernel in trace_gaps.nccl_kernels(timeline)
-        ):
-            wait_ms, transfer_ms = _exchange_wait_and_transfer(timeline, profiled_steps, group)
+        if timeline is not None:
+            # NCCL row exchanges (the all-to-all path), else the peer exchange's copies and barriers.
+            if any(kernel.stage in EXCHANGE_CONTEXTS for kernel in trace_gaps.nccl_kernels(timeline)):
+                wait_ms, transfer_ms = _exchange_wait_and_transfer(timeline, profiled_steps, group)
+            else:
+                wait_ms, transfer_ms = _peer_wait_and_transfer(timeline, profiled_steps, group)
             transfer_gbps = sent / (transfer_ms * 1e-3) / 1e9
             row.update(
                 a2a_wait_ms=round(wait_ms, 4),
@@ -452,6 +454,17 @@ def _exchange_wait_and_transfer(timeline, per_steps: int, group) -> tuple[float,
     wait = sum(wait for rank in split for wait, _ in rank) / ranks / per_steps / 1e3
     transfer = sum(transfer for rank in split for _, transfer in rank) / ranks / per_steps / 1e3
     return wait, transfer
+
+
+def _peer_wait_and_transfer(timeline, per_steps: int, group) -> tuple[float, float]:
+    """(ms per step, means over the ranks) of the peer exchange's barrier kernels (they only wait for the
+    other ranks) and of the rest of its all_to_all stage (the copies)."""
+    stage = [activity for activity in timeline if activity.layer_stage == "all_to_all"]
+    wait = sum(a.end - a.start for a in stage if "barrier" in a.name) / per_steps / 1e3
+    copies = sum(a.end - a.start for a in stage if "barrier" not in a.name) / per_steps / 1e3
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, (wait, copies), group=group)
+    return statistics.mean(w for w, _ in every), statistics.mean(c for _, c in every)
 
 
 # Driver -----------------------------------------------------------------------------------------------------

@@ -13,6 +13,11 @@ moetriton.kernels.expert_parallel (EPLayout, dropless_exchange, dropped_slots):
       -> sort_chunks_by_index to expert-major -> grouped GEMM gate_up -> SwiGLU -> grouped GEMM down
       -> inverse chunk sort -> reverse all_to_all_single -> token_combine with w -> [T, H]
 
+Dropless with EP > 1 on GPUs of one host (exchange="auto" or "peer"), the exchanges and chunk sorts are
+replaced by moetriton.torch.peer_exchange: token_dispatch writes into a symmetric staging buffer, every rank
+copies its rows from the others' buffers straight into expert-major order, the expert outputs are copied
+back into their sources' buffers and token_combine reads them there (no chunk sort, no NCCL row exchange).
+
 Capacity policies (the same as the JAX layer):
 
 * dropless (`capacity_factor=None`): every routed slot is computed. With EP > 1 the variable split sizes of
