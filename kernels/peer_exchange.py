@@ -23,13 +23,16 @@ Neither kernel synchronises with the peers: the caller orders them against the p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import triton
 import triton.language as tl
 
 from ._plan import Buffer, Launch, Plan, cached, cdiv, next_pow2
 
-_ROWS = 4  # rows per program: the chunk lookup compares ROWS x next_pow2(EP * L) entries
-_SPAN_BYTES = 4096  # bytes of a row one program moves per step (a 16-byte vector per thread of 2 warps)
+#: Launch configuration of both copies: rows per program (the chunk lookup compares rows x next_pow2(EP * L)
+#: entries), bytes of a row a program moves per step, warps.
+DEFAULT_CONFIG = {"rows": 4, "block_bytes": 4096, "num_warps": 4}
 
 
 @triton.jit
@@ -87,7 +90,7 @@ def _pull_rows_kernel(
     chunk_sizes_ptr,  # [EP * L] integer, expert-major chunks
     source_offsets_ptr,  # [EP * L] integer
     saved_ptr,  # [R, H] (SCALE_DOT)
-    weights_ptr,  # [R] float32 (SCALE_DOT)
+    weights_ptr,  # [R] float (SCALE_DOT)
     num_rows,  # R
     num_chunks,
     num_sources,
@@ -205,22 +208,25 @@ def _launch(
     hidden: int,
     element_bytes: int,
     whole_rows: bool,
+    config: Mapping[str, int] | None,
     **flags: bool,
 ) -> Launch:
     """A launch of either kernel over R = num_rows rows (arguments: the inputs, R, the chunks, EP, the
     outputs): a program moves ROWS rows, SPAN columns of them (whole rows where it reduces over them),
-    BLOCK_H columns a step."""
-    block_h = min(next_pow2(max(hidden, 1)), max(_SPAN_BYTES // element_bytes, 16))
+    BLOCK_H columns a step; `config` overrides DEFAULT_CONFIG's entries."""
+    config = {**DEFAULT_CONFIG, **(config or {})}
+    rows = config["rows"]
+    block_h = min(next_pow2(max(hidden, 1)), max(config["block_bytes"] // element_bytes, 16))
     span = cdiv(hidden, block_h) * block_h if whole_rows else block_h
     return Launch(
         kernel=kernel,
-        grid=(cdiv(num_rows, _ROWS), max(cdiv(hidden, span), 1)),
+        grid=(cdiv(num_rows, rows), max(cdiv(hidden, span), 1)),
         args=(*inputs, num_rows, num_chunks, num_sources),
         outputs=outputs,
         constexprs=dict(
-            HIDDEN=hidden, ROWS=_ROWS, SPAN=span, BLOCK_H=block_h, CHUNKS_POW2=next_pow2(num_chunks), **flags
+            HIDDEN=hidden, ROWS=rows, SPAN=span, BLOCK_H=block_h, CHUNKS_POW2=next_pow2(num_chunks), **flags
         ),
-        num_warps=4,
+        num_warps=config["num_warps"],
     )
 
 
@@ -235,15 +241,16 @@ def pull_rows_plan(
     element_bytes: int,
     probs_dtype: str | None = None,
     scale_dot: bool = False,
+    config: Mapping[str, int] | None = None,
 ) -> Plan:
     """Gather R = num_rows receiving rows from their sources' buffers (module doc).
 
     Inputs: "peer_rows" [EP] int64 addresses of the sources' rows [S, H] of `dtype`; "chunk_sizes",
     "source_offsets" [EP * L] integer (expert-major chunks, sum of chunk_sizes = R); with `probs_dtype`,
     "peer_probs" [EP] int64 addresses of the sources' probs [S]; with `scale_dot`, "saved" [R, H] of
-    `dtype` and "weights" [R] float32.
+    `dtype` and "weights" [R] (any float dtype, read as fp32).
     Results: "out" [R, H] of `dtype`; "out_probs" [R] of `probs_dtype` (with probs_dtype); "dots" [R]
-    float32 (with scale_dot). Every row and prob is written.
+    float32 (with scale_dot). Every row and prob is written. `config`: DEFAULT_CONFIG entries to override.
     """
     _check("pull_rows", num_rows, num_chunks, num_sources, hidden)
     if probs_dtype is not None and scale_dot:
@@ -272,6 +279,7 @@ def pull_rows_plan(
         hidden,
         element_bytes,
         whole_rows=scale_dot,
+        config=config,
         HAS_PROBS=probs_dtype is not None,
         SCALE_DOT=scale_dot,
     )
@@ -280,14 +288,21 @@ def pull_rows_plan(
 
 @cached
 def push_rows_plan(
-    *, num_rows: int, num_chunks: int, num_sources: int, hidden: int, element_bytes: int, has_probs: bool
+    *,
+    num_rows: int,
+    num_chunks: int,
+    num_sources: int,
+    hidden: int,
+    element_bytes: int,
+    has_probs: bool,
+    config: Mapping[str, int] | None = None,
 ) -> Plan:
     """Scatter R = num_rows receiving rows back into their sources' buffers (module doc).
 
     Inputs: "rows" [R, H], "chunk_sizes", "source_offsets" [EP * L] integer, "peer_rows" [EP] int64
     addresses of the sources' rows [S, H] (rows' dtype); with `has_probs`, "probs" [R] and "peer_probs"
     [EP] addresses of the sources' probs [S] (probs' dtype). No results: the rows land in the peers'
-    buffers, and only those rows are written.
+    buffers, and only those rows are written. `config`: DEFAULT_CONFIG entries to override.
     """
     _check("push_rows", num_rows, num_chunks, num_sources, hidden)
     if num_rows == 0:
@@ -302,6 +317,7 @@ def push_rows_plan(
         hidden,
         element_bytes,
         whole_rows=False,
+        config=config,
         HAS_PROBS=has_probs,
     )
     return Plan({}, (launch,), ())

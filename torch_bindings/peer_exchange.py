@@ -57,7 +57,8 @@ def peer_exchange_available(group: dist.ProcessGroup | None, device: torch.devic
     torch.compile, with this torch's symmetric memory."""
     if group is None or device.type != "cuda" or torch.compiler.is_compiling():
         return False
-    if dist.get_world_size(group) < 2 or dist.get_backend(group) != "nccl":
+    # "nccl", or a device-mapped backend string such as "cuda:nccl,cpu:gloo".
+    if dist.get_world_size(group) < 2 or "nccl" not in str(dist.get_backend(group)):
         return False
     try:
         from torch.distributed import _symmetric_memory  # noqa: F401
