@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ from moetriton.kernels.expert_parallel import EPLayout
 
 from ._launch import bound, dtype_name
 from ._stages import stage
+from .api import token_combine
 from .ops import DISPATCH_BACKWARD
 
 
@@ -54,7 +56,12 @@ def _one_host(group: dist.ProcessGroup) -> bool:
 def peer_exchange_available(group: dist.ProcessGroup | None, device: torch.device) -> bool:
     """True where the layer can exchange through peer memory: an NCCL `group` of more than one rank, all on
     one host (asked of the group once: a collective on the first call), on CUDA `device`s, outside
-    torch.compile, with this torch's symmetric memory."""
+    torch.compile, with this torch's symmetric memory.
+
+    Example:
+        >>> peer_exchange_available(None, torch.device("cpu"))
+        False
+    """
     if group is None or device.type != "cuda" or torch.compiler.is_compiling():
         return False
     # "nccl", or a device-mapped backend string such as "cuda:nccl,cpu:gloo".
@@ -124,7 +131,7 @@ class PeerPlan:
     source_offsets: Tensor
     indices: Tensor  # [T, K] the router's expert ids (the combine backward re-dispatches the gradient)
     layout: EPLayout
-    received_rows: Any  # () -> int: rows this rank receives (waits for the counts' host copy)
+    received_rows: Callable[[], int]  # rows this rank receives (waits for the counts' host copy)
 
 
 def peer_plan(
@@ -134,9 +141,16 @@ def peer_plan(
     layout: EPLayout,
     hidden: int,
     dtype: torch.dtype,
-    received_rows: Any,
+    received_rows: Callable[[], int],
 ) -> PeerPlan:
-    """The exchange plan of one layer call; allocates the staging buffer on first use (a collective)."""
+    """The exchange plan of one layer call: chunks from moetriton.kernels.expert_parallel.peer_chunks
+    (chunk_sizes, source_offsets [EP * L] on the device), the router's indices [T, K], the layer's layout,
+    the rows' width and dtype, and a function returning the rows this rank receives. Allocates the staging
+    buffer on first use (a collective: every rank of `group` calls it).
+
+    Example (every rank of a two-GPU NCCL group; moetriton.torch.moe builds it this way):
+        >>> plan = peer_plan(group, chunks, indices, layout, 4096, torch.bfloat16, rows)  # doctest: +SKIP
+    """
     staging = _staging(group, indices.device, layout.send_rows, hidden * dtype.itemsize)
     return PeerPlan(staging, chunks["chunk_sizes"], chunks["source_offsets"], indices, layout, received_rows)
 
@@ -285,8 +299,6 @@ class _PeerCombine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out: Tensor, weights: Tensor, merging: Tensor, row_id_map: Tensor, pad_offsets, plan):
-        from .api import token_combine
-
         ctx.set_materialize_grads(False)
         out = out.contiguous()
         with stage("all_to_all"):
@@ -312,10 +324,19 @@ class _PeerCombine(torch.autograd.Function):
 
 
 def peer_experts(
-    tokens: Tensor, merging: Tensor, plan: PeerPlan, group_sizes: Tensor, experts: Any
+    tokens: Tensor,
+    merging: Tensor,
+    plan: PeerPlan,
+    group_sizes: Tensor,
+    experts: Callable[[Tensor, Tensor], Tensor],
 ) -> Tensor:
-    """tokens [T, H] through dispatch, the peer exchange, `experts(rows [R, H], group_sizes [L]) -> [R, H]`
-    and the exchange back and weighted combine with merging [T, K] -> [T, H]."""
+    """tokens [T, H] (float32 / bfloat16 / float16) through dispatch, the peer exchange,
+    `experts(rows [R, H], group_sizes [L]) -> [R, H]` and the exchange back and weighted combine with merging
+    [T, K] -> [T, H] in tokens' dtype; differentiable in tokens, merging and whatever `experts` uses.
+
+    Example (every rank; group_sizes [L] rows per local expert, from plan.chunk_sizes):
+        >>> out = peer_experts(tokens, merging, plan, group_sizes, experts)  # doctest: +SKIP
+    """
     received, weights, row_id_map, pad_offsets = _PeerDispatch.apply(tokens, merging, plan)
     out = experts(received, group_sizes)
     return _PeerCombine.apply(out, weights, merging, row_id_map, pad_offsets, plan)
