@@ -15,7 +15,7 @@ show; sums below are over the layers). Implementations:
 
 * moetriton: `moetriton.torch.moe` (our router, dispatch, chunk sort and combine kernels), exchange="auto":
   with EP > 1 on GPUs of one host the peer exchange (moetriton.torch.peer_exchange: no chunk sorts, no NCCL
-  row exchange; its a2a_wait / a2a_transfer columns, taken from NCCL kernels, stay 0);
+  row exchange);
 * moetriton_a2a: the same with exchange="all_to_all" (all_to_all_single and chunk sorts);
 * megatron: the same layer without our kernels, the way Megatron-Core's unfused path builds it: torch
   softmax / sigmoid / group-limited top-k router, torch.argsort permutation (index_select) and index_add
@@ -26,8 +26,9 @@ Each row (impl x shape x EP) reports: step_ms (median wall time of `--steps` syn
 rank); the stage breakdown from a torch.profiler trace of two steps, each started together on every rank:
 every stage is a record_function range "moe.<stage>" in the forward, and backward work
 (autograd::engine::evaluate_function events) is attributed to the stage whose forward op created the autograd
-node (matched by sequence number), but for the stage ranges opened inside it (the peer exchange's); times
-are GPU time of the kernels launched (CPU time on CPU), shares are of
+node (matched by sequence number); on GPUs per kernel, from the host context that launched it (its innermost
+stage range, which the peer exchange opens inside its autograd functions too, else that rule for its
+backward node; benchmarks.trace_gaps), as GPU time; on CPU as CPU time of the ranges; shares are of
 the profiled total ("other": the loss and gradient accumulation; the barrier that starts each profiled step
 together on every rank is left out and its wait reported as align_wait_ms); routing share = router + dispatch
 + chunk_sort + combine; grouped-GEMM TFLOP/s = 3 x (2 rows H 2F + 2 rows F H) / grouped_gemm time, rows = T x
@@ -195,11 +196,11 @@ def _median_ms(step: Callable[[], None], steps: int, device: torch.device, group
     return statistics.median(times)
 
 
-def stage_ms(events, per_steps: int, on_gpu: bool) -> dict[str, float]:
-    """ms per step of every stage from profiler events (see the module docstring)."""
+def stage_ms(events, per_steps: int) -> dict[str, float]:
+    """ms of CPU time per step of every stage from profiler events (CPU runs; see the module docstring)."""
 
     def spent(event) -> float:
-        return (event.device_time_total if on_gpu else event.cpu_time_total) / 1e3 / per_steps
+        return event.cpu_time_total / 1e3 / per_steps
 
     def enclosing(event) -> str | None:
         """ "moe.<stage>" or the backward node evaluation that `event` runs in, if any."""
@@ -209,27 +210,7 @@ def stage_ms(events, per_steps: int, on_gpu: bool) -> dict[str, float]:
             event = event.cpu_parent
         return None
 
-    def inner_ranges(event) -> list:
-        """The outermost "moe.<stage>" ranges inside `event` (the peer exchange opens them in its
-        autograd functions, backward included)."""
-        found, stack = [], list(event.cpu_children)
-        while stack:
-            child = stack.pop()
-            if child.name.startswith("moe."):
-                found.append(child)
-            else:
-                stack.extend(child.cpu_children)
-        return found
-
     totals: dict[str, float] = defaultdict(float)
-
-    def add(event, stage: str) -> None:
-        """`event`'s time to `stage`, but that of the stage ranges inside it to theirs."""
-        inner = inner_ranges(event)
-        totals[stage] += spent(event) - sum(spent(child) for child in inner)
-        for child in inner:
-            add(child, child.name.removeprefix("moe."))
-
     stage_of_node: dict[int, str] = {}
     backward = []
     for event in sorted(events, key=lambda event: event.time_range.start):
@@ -239,13 +220,15 @@ def stage_ms(events, per_steps: int, on_gpu: bool) -> dict[str, float]:
             elif event.name.startswith(BACKWARD):
                 backward.append(event)
             else:  # a stage range, or forward work outside the stages (the loss)
-                add(event, event.name.removeprefix("moe.") if event.name.startswith("moe.") else "other")
+                totals[event.name.removeprefix("moe.") if event.name.startswith("moe.") else "other"] += (
+                    spent(event)
+                )
         context = enclosing(event)
         if event.sequence_nr >= 0 and not (context or "").startswith(BACKWARD):
             # Forward ops: the op that creates autograd node n is the last to see sequence number n.
             stage_of_node[event.sequence_nr] = context.removeprefix("moe.") if context else "other"
     for event in backward:
-        add(event, stage_of_node.get(event.sequence_nr, "other"))
+        totals[stage_of_node.get(event.sequence_nr, "other")] += spent(event)
     return {stage: totals.get(stage, 0.0) for stage in (*STAGES, ALIGN)}
 
 
@@ -373,7 +356,7 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
         _sync(device)
     timeline = _timeline(profile, args.trace, f"{impl}_{shape.name}_ep{ep}_rank{rank}") if on_gpu else None
     if timeline is None:
-        stages = stage_ms(profile.events(), profiled_steps, on_gpu)
+        stages = stage_ms(profile.events(), profiled_steps)
     else:  # per kernel, from its launch context (kernels launched inside autograd functions included)
         stages = trace_stage_ms(timeline, profiled_steps)
     align_ms = stages.pop(ALIGN)

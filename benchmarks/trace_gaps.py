@@ -82,15 +82,19 @@ def load(path: str) -> list[Activity]:
         last = bisect.bisect_right(starts.get(tid, []), when)
         return [(name, sequence) for begin, end, name, sequence in host_ranges[tid][:last] if end >= when]
 
-    # Forward ops: the op that creates autograd node n is the last to see sequence number n.
+    # Forward ops: the op that creates autograd node n is the last to see sequence number n. One sweep per
+    # thread, the ranges open around each one on a stack (they nest, in start order).
     stage_of_node: dict[int, str] = {}
-    for tid, ranges in host_ranges.items():
-        for begin, _, name, sequence in ranges:
-            if sequence is None or name.startswith(BACKWARD):
-                continue
-            context = enclosing(tid, begin)
-            if not any(outer.startswith(BACKWARD) for outer, _ in context):
+    for ranges in host_ranges.values():
+        open_ranges: list[tuple[float, str, int | None]] = []
+        for begin, end, name, sequence in ranges:
+            while open_ranges and open_ranges[-1][0] < begin:
+                open_ranges.pop()
+            context = [(outer, outer_sequence) for _, outer, outer_sequence in open_ranges]
+            backward = name.startswith(BACKWARD) or any(outer.startswith(BACKWARD) for outer, _ in context)
+            if sequence is not None and not backward:
                 stage_of_node[sequence] = _innermost_stage(context, {})
+            open_ranges.append((end, name, sequence))
     for activity, correlation in activities:
         if correlation not in launches:
             continue
@@ -103,6 +107,8 @@ def load(path: str) -> list[Activity]:
 
 
 def _innermost_stage(context: list[tuple[str, int | None]], stage_of_node: dict[int, str]) -> str:
+    """The layer stage of work under `context` (host ranges and their sequence numbers, outermost first):
+    Activity.layer_stage's rule."""
     for name, sequence in reversed(context):
         if name.startswith("moe."):
             return name.removeprefix("moe.")

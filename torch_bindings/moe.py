@@ -368,11 +368,15 @@ def _capacity_experts(send, layout, group, gate_up, down, activation) -> Tensor:
         return all_to_all_rows(source_major, None, None, send.shape[0], group)
 
 
+def _check_exchange(exchange: str) -> None:
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
+
+
 def _uses_peer(exchange: str, group, device: torch.device, exchanging: bool) -> bool:
     """Whether the rows go through peer memory (see EXCHANGES); `exchanging`: the call has a dropless EP
     exchange (no other call has one to choose)."""
-    if exchange not in EXCHANGES:
-        raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
+    _check_exchange(exchange)
     if exchange == "all_to_all" or not exchanging:
         return False
     available = peer_exchange_available(group, device)
@@ -606,8 +610,7 @@ class MoELayer(nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-        if exchange not in EXCHANGES:
-            raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
+        _check_exchange(exchange)
         ep_size, _ = _group_size_and_rank(ep_group)
         ep_layout(  # validates E, K, EP, align_size and capacity_factor now rather than at the first call
             num_tokens=0,

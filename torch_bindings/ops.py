@@ -35,7 +35,9 @@ def _fake(plan: kernels.Plan, inputs: dict[str, Tensor | None], device: torch.de
 # dispatch ------------------------------------------------------------------------------------------------
 
 
-def _dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, align_size, capacity) -> dict:
+def dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, align_size, capacity) -> dict:
+    """dispatch_plan's size arguments for a dispatch of inp through routing (0 / None: no alignment, no
+    capacity)."""
     return dict(
         num_tokens=inp.shape[0],
         hidden=inp.shape[1],
@@ -66,7 +68,7 @@ def _dispatch(
         return reference.dispatch(
             inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity
         )
-    sizes = _dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, align_size, capacity)
+    sizes = dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, align_size, capacity)
     executable = bound(
         kernels.dispatch_plan, inp.device, **sizes, is_mask=is_mask, element_bytes=inp.element_size()
     )
@@ -76,7 +78,7 @@ def _dispatch(
 def _dispatch_fake(inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity):
     # Shapes only: the expert count may be a data-dependent size here (TE's index map without E).
     outputs = kernels.dispatch_outputs(
-        **_dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, align_size, capacity)
+        **dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, align_size, capacity)
     )
     return _fake(
         kernels.Plan(outputs, (), tuple(outputs)), dict(inp=inp, probs=probs, scales=scales), inp.device

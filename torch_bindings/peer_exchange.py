@@ -43,7 +43,7 @@ from moetriton.kernels.expert_parallel import EPLayout
 from ._launch import bound, dtype_name
 from ._stages import stage
 from .api import token_combine
-from .ops import DISPATCH_BACKWARD
+from .ops import DISPATCH_BACKWARD, dispatch_sizes
 
 
 @functools.cache
@@ -112,13 +112,14 @@ def _staging(group: dist.ProcessGroup, device: torch.device, rows: int, row_byte
     device and the group are idle, since queued copies and peers may still use it."""
     key = (group.group_name, device)
     staging = _STAGING.get(key)
-    if staging is None or not staging.holds(rows, row_bytes):
-        if staging is not None:
-            torch.cuda.synchronize(device)
-            dist.barrier(group=group)
-        _STAGING.pop(key, None)
-        staging = _STAGING[key] = _Staging(group, device, rows, row_bytes)
-    return staging
+    if staging is not None and staging.holds(rows, row_bytes):
+        return staging
+    if staging is not None:
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)
+        del _STAGING[key], staging  # freed before the new one is allocated
+    _STAGING[key] = _Staging(group, device, rows, row_bytes)
+    return _STAGING[key]
 
 
 @dataclass
@@ -160,20 +161,10 @@ def _dispatch_into(plan: PeerPlan, inp: Tensor, probs: Tensor | None) -> tuple[T
     tokens_per_expert)."""
     layout, staging = plan.layout, plan.staging
     rows = layout.send_rows
+    slots = layout.num_tokens * layout.topk
+    sizes = dispatch_sizes(inp, plan.indices, probs, None, layout.num_experts, slots, layout.align_size, 0)
     executable = bound(
-        kernels.dispatch_plan,
-        inp.device,
-        num_tokens=inp.shape[0],
-        hidden=inp.shape[1],
-        num_slots=plan.indices.shape[1],
-        num_experts=layout.num_experts,
-        num_out_tokens=layout.num_tokens * layout.topk,
-        align_size=layout.align_size,
-        capacity=None,
-        has_probs=probs is not None,
-        scale_cols=None,
-        is_mask=False,
-        element_bytes=inp.element_size(),
+        kernels.dispatch_plan, inp.device, **sizes, is_mask=False, element_bytes=inp.element_size()
     )
     inputs = dict(
         inp=inp,

@@ -388,32 +388,22 @@ def test_benchmark_tiny_writes_a_row_per_impl(tmp_path, layers):
         assert abs(shares - 100) < 0.1 and float(row["other_share_pct"]) < 50, row
 
 
+def _launched_kernel(correlation: int, name: str, tid: int, launched: float, start: float, end: float):
+    """A launch call on host thread `tid` and the GPU kernel it started, in chrome-trace fields."""
+    ids = dict(correlation=correlation)
+    return [
+        dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", tid=tid, ts=launched, dur=1, args=ids),
+        dict(ph="X", cat="kernel", name=name, tid=7, ts=start, dur=end - start, args=ids),
+    ]
+
+
 def _synthetic_trace(path, kernels) -> str:
     """A profiler trace (torch.profiler's chrome-trace fields) with one host range and one launch per GPU
     kernel: kernels = [(name, host range, launch µs, start µs, end µs)]."""
     events = []
     for correlation, (name, host_range, launched, start, end) in enumerate(kernels):
-        events += [
-            dict(ph="X", cat="user_annotation", name=host_range, tid=1, ts=launched - 1, dur=2),
-            dict(
-                ph="X",
-                cat="cuda_runtime",
-                name="cudaLaunchKernel",
-                tid=1,
-                ts=launched,
-                dur=1,
-                args=dict(correlation=correlation),
-            ),
-            dict(
-                ph="X",
-                cat="kernel",
-                name=name,
-                tid=7,
-                ts=start,
-                dur=end - start,
-                args=dict(correlation=correlation),
-            ),
-        ]
+        events.append(dict(ph="X", cat="user_annotation", name=host_range, tid=1, ts=launched - 1, dur=2))
+        events += _launched_kernel(correlation, name, 1, launched, start, end)
     with gzip.open(path, "wt") as handle:
         json.dump(dict(traceEvents=events), handle)
     return str(path)
@@ -472,28 +462,8 @@ def test_trace_layer_stage_of_kernels_in_stage_ranges_and_backward_nodes(tmp_pat
         host(node + "SumBackward0", 2, 150, 160, sequence=99),  # no forward op seen: other
     ]
     for correlation, launched in enumerate((105, 126, 135, 155)):
-        events.append(
-            dict(
-                ph="X",
-                cat="cuda_runtime",
-                name="cudaLaunchKernel",
-                tid=2,
-                ts=launched,
-                dur=1,
-                args=dict(correlation=correlation),
-            )
-        )
-        events.append(
-            dict(
-                ph="X",
-                cat="kernel",
-                name=f"k{correlation}",
-                tid=7,
-                ts=200 + 10 * correlation,
-                dur=5,
-                args=dict(correlation=correlation),
-            )
-        )
+        start = 200 + 10 * correlation
+        events += _launched_kernel(correlation, f"k{correlation}", 2, launched, start, start + 5)
     path = tmp_path / "stages.json"
     path.write_text(json.dumps(dict(traceEvents=events)))
     timeline = trace_gaps.load(str(path))
