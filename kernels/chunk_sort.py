@@ -33,6 +33,18 @@ _TILE_ELEMENTS = 4096
 
 
 @triton.jit
+def _chunk_of_rows(rows, sizes, in_table, CHUNKS_POW2: tl.constexpr):
+    """For rows [ROWS] of chunks laid end to end, `sizes` [CHUNKS_POW2] (entries outside `in_table` zero):
+    (the chunk of each row, the first row of that chunk). The chunk of a row is the number of chunks that
+    end at or before it (empty chunks included); a row past the last chunk gets the table's length."""
+    ends = tl.cumsum(sizes, axis=0)
+    chunk = tl.sum(((ends[None, :] <= rows[:, None]) & in_table[None, :]).to(tl.int32), axis=1)
+    chunks = tl.arange(0, CHUNKS_POW2)
+    first = tl.sum(tl.where(chunks[None, :] == chunk[:, None], (ends - sizes)[None, :], 0), axis=1)
+    return chunk, first
+
+
+@triton.jit
 def _sort_chunks_kernel(
     inp_ptr,  # [N, H]
     split_sizes_ptr,  # [S] integer
@@ -65,8 +77,6 @@ def _sort_chunks_kernel(
     splits = tl.arange(0, SPLITS_POW2)
     smask = splits < num_splits
     sizes = tl.load(split_sizes_ptr + splits, mask=smask, other=0).to(tl.int32)
-    src_start = tl.cumsum(sizes, axis=0) - sizes
-    src_end = src_start + sizes
     total = tl.sum(sizes, axis=0)
     order = tl.load(sorted_indices_ptr + splits, mask=smask, other=0).to(tl.int32)
     sorted_sizes = tl.load(split_sizes_ptr + order, mask=smask, other=0).to(tl.int32)
@@ -74,9 +84,7 @@ def _sort_chunks_kernel(
 
     rows = row_block * ROWS + tl.arange(0, ROWS)
     rmask = rows < num_rows
-    # The chunk of a row is the number of chunks that end at or before it (empty chunks included).
-    chunk_of_row = tl.sum(((src_end[None, :] <= rows[:, None]) & smask[None, :]).to(tl.int32), axis=1)
-    src_first = tl.sum(tl.where(splits[None, :] == chunk_of_row[:, None], src_start[None, :], 0), axis=1)
+    chunk_of_row, src_first = _chunk_of_rows(rows, sizes, smask, SPLITS_POW2)
     dst_first = tl.sum(
         tl.where(
             (order[None, :] == chunk_of_row[:, None]) & smask[None, :], dst_start_by_position[None, :], 0

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ._plan import Buffer, Launch, Plan, cached, cdiv, next_pow2
+from .chunk_sort import _chunk_of_rows
 
 #: Launch configuration of both copies: rows per program (the chunk lookup compares rows x next_pow2(EP * L)
 #: entries), bytes of a row a program moves per step, warps.
@@ -55,11 +56,8 @@ def _program_rows(
     chunks = tl.arange(0, CHUNKS_POW2)
     in_table = chunks < num_chunks
     sizes = tl.load(chunk_sizes_ptr + chunks, mask=in_table, other=0).to(tl.int32)
-    ends = tl.cumsum(sizes, axis=0)
     total = tl.sum(sizes, axis=0)
-    # The chunk of a row is the number of chunks that end at or before it (empty chunks included).
-    chunk = tl.sum(((ends[None, :] <= rows[:, None]) & in_table[None, :]).to(tl.int32), axis=1)
-    start = tl.sum(tl.where(chunks[None, :] == chunk[:, None], (ends - sizes)[None, :], 0), axis=1)
+    chunk, start = _chunk_of_rows(rows, sizes, in_table, CHUNKS_POW2)
     valid = (rows < total) & (rows < num_rows)
     source = chunk % num_sources
     peer_row = tl.load(source_offsets_ptr + chunk, mask=valid, other=0).to(tl.int64) + (rows - start)
