@@ -1,14 +1,17 @@
-"""Autotune: sweep every kernel's search space on this GPU and write the config cache.
+"""Autotune: sweep every kernel's search space on this GPU and write a config cache.
 
-    python scripts/autotune.py [--shapes mixtral,qwen3,dsv3,small] [--kernels ...] [--out DIR] [--budget S]
-                               [--replays R] [--retune]
+    python scripts/autotune.py [--shapes mixtral,qwen3,dsv3,small] [--kernels ...] [--budget S]
+                               [--replays R] [--retune] [--out DIR | --update-package-cache]
 
 For every kernel and key (the named shapes, with mask and index routing), every config of the kernel's
 search space is compiled and timed (CUDA-graph replays over rotating input sets, median), and
 <out>/<device>/<kernel>.json records the best config, all candidates' times, the Triton version and the
-kernel-source hash. It resumes where it stopped: keys already in the output (or in the package's committed
-cache, which it starts from) with the current hash and Triton version are skipped. `--budget` stops it
-cleanly after that many seconds, so a sweep fits in several short device calls.
+kernel-source hash. The output folder is a user folder ($XDG_CACHE_HOME/moetriton/autotune_cache, else
+~/.cache/moetriton/autotune_cache) unless `--out` names another; `--update-package-cache` writes into the
+package's own cache (autotune_cache/ of the checkout, which moetriton reads), which is how a new GPU's
+cache is added to the repository. A fresh output folder starts from the package's cache for this GPU, and
+the sweep resumes where it stopped: keys already there with the current hash and Triton version are
+skipped. `--budget` stops it cleanly after that many seconds, so a sweep fits in several short runs.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -248,6 +252,13 @@ def _router_cases(shape: MoEShape, info, generator: torch.Generator):
     )
 
 
+def _user_cache() -> Path:
+    """The default output folder: a per-user cache folder, so a sweep never rewrites the package's cache
+    unless asked."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moetriton" / "autotune_cache"
+
+
 def _load(path: Path, kernel: str, info: kernels.DeviceInfo) -> dict:
     fresh = dict(
         kernel=kernel,
@@ -273,17 +284,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=",".join(NAMED_SHAPES))
     parser.add_argument("--kinds", default="mask,indices")
     parser.add_argument("--kernels", default=",".join(autotune.KERNEL_SOURCES))
-    parser.add_argument("--out", default=str(autotune.cache_root()))
+    parser.add_argument("--out", default=None, help=f"output folder (default {_user_cache()})")
+    parser.add_argument(
+        "--update-package-cache",
+        action="store_true",
+        help=f"write into the package's cache ({autotune.cache_root()}) instead of a user folder",
+    )
     parser.add_argument("--budget", type=float, default=math.inf, help="stop after this many seconds")
     parser.add_argument("--replays", type=int, default=10, help="graph replays per config (median)")
     parser.add_argument("--retune", action="store_true", help="time the selected keys again, replacing them")
     args = parser.parse_args(argv)
+    if args.out is not None and args.update_package_cache:
+        parser.error("--out and --update-package-cache exclude each other")
+    out_root = autotune.cache_root() if args.update_package_cache else Path(args.out or _user_cache())
     if not torch.cuda.is_available():
         print("autotuning needs a CUDA GPU")
         return 1
     device = torch.device("cuda")
     device_name = device_info(device).name
-    out_dir = Path(args.out) / autotune.device_dir(device_name)
+    out_dir = out_root / autotune.device_dir(device_name)
+    print(f"writing {out_dir}")
     committed = autotune.cache_root() / autotune.device_dir(device_name)
     out_dir.mkdir(parents=True, exist_ok=True)
     if committed.is_dir() and committed.resolve() != out_dir.resolve():
