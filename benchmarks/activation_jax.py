@@ -1,7 +1,7 @@
 """The expert activation on the JAX layer's worst-case buffers: moetriton.jax.grouped_activation beside XLA's
-elementwise activation (apply_activation, what the layer ran before), forward + backward.
+elementwise activation (apply_activation), forward + backward.
 
-    python -m benchmarks.activation_jax [--shapes mixtral,dsv3] [--ep 2] [--out DIR]
+    python -m benchmarks.activation_jax [--shapes mixtral,dsv3] [--ep 2] [--out ROOT]
 
 At EP ranks the dropless receive buffer holds M = EP x T x K rows (the worst case), of which a balanced
 routing fills T x K: `filled` is that share (1/EP), and "full" fills every row. XLA streams all M rows
@@ -9,15 +9,13 @@ whatever the fill; the kernels stream the groups' rows. Bytes that must move per
 hidden [M, 2F] read twice (forward, backward), act [M, F] written and its cotangent read once, the hidden
 gradient [M, 2F] written once. Steady-state GPU time from one jitted program of several input sets
 (benchmarks.timing.time_jax), GB/s over those bytes and % of the copy ceiling (COPY_TBPS, the H100's
-measured read+write copy bandwidth). Writes DIR/activation_jax.csv. GPU only.
+measured read+write copy bandwidth). Writes <out>/<gpu>/activation_jax.csv (benchmarks.common). GPU only.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +24,7 @@ from moetriton.jax import grouped_activation
 from moetriton.jax.activation import apply_activation
 from moetriton.kernels.shapes import MOE_LAYER_SHAPES
 
+from .common import add_out_option, write_results
 from .timing import input_sets, time_jax
 
 COPY_TBPS = 3.0
@@ -84,22 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--shapes", default="mixtral,dsv3")
     parser.add_argument("--ep", type=int, default=2)
-    parser.add_argument("--out", default="benchmark-results")
+    add_out_option(parser)
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("benchmarks.activation_jax: GPU only")
         return 1
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.shapes.split(","):
         for row in measure(name, args.ep):
             print(" ".join(f"{key}={row[key]}" for key in COLUMNS), flush=True)
             rows.append(row)
-    with (out / "activation_jax.csv").open("w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    device = jax.devices()[0].device_kind
+    print(f"wrote {write_results('activation_jax', rows, device, 1, args.out, columns=list(COLUMNS))}")
     return 0
 
 

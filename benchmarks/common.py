@@ -1,15 +1,28 @@
-"""What every benchmark module reports, and how the runner turns it into the table.
+"""What every benchmark module reports, and where the results go.
 
-A benchmark module exposes `results(shape: MoEShape, quick: bool) -> list[Result]`. It times its own ops
-(each framework has its own honest timer) and states the ideal bytes of each op: every input read once and
-every output written once. The runner divides those bytes by the time for GB/s and by the measured
-device-to-device copy bandwidth for % of ceiling.
+A case module of the runner (benchmarks.run) exposes `results(shape: MoEShape, quick: bool) -> list[Result]`.
+It times its own ops (each framework has its own honest timer) and states the ideal bytes of each op: every
+input read once and every output written once. The runner divides those bytes by the time for GB/s and by
+the measured device-to-device copy bandwidth for % of ceiling.
+
+Results files have stable names: one CSV per benchmark and machine, `<root>/<machine>/<name>.csv`, root
+benchmarks/results unless a benchmark's `--out` names another, machine the GPU's name as the autotune cache
+spells it (`NVIDIA_H100_80GB_HBM3`), prefixed with the GPU count when a benchmark uses several
+(`2x_NVIDIA_H200`), or `cpu`. Every row starts with the columns of `provenance`: device, GPU count, package
+versions, the checkout's commit and the date, so a file says what produced it.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import datetime
+import importlib.metadata
+import platform
+import re
+import subprocess
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from moetriton.kernels.shapes import MOE_LAYER_SHAPES, MoELayerShape
 
@@ -38,14 +51,15 @@ def token_bytes(rows: int, hidden: int, element_bytes: int) -> int:
 
 
 def exchange_parser(description: str) -> argparse.ArgumentParser:
-    """Options of the exchange scripts (scripts/exchange_jax.py, scripts/exchange_torch.py): --shapes,
-    --steps, --tokens."""
+    """Options of the exchange benchmarks (benchmarks.exchange_jax, benchmarks.exchange_torch): --shapes,
+    --steps, --tokens, --out."""
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--shapes", default="mixtral,dsv3")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=0, help="tokens per GPU (default: the shape's)")
+    add_out_option(parser)
     return parser
 
 
@@ -53,3 +67,84 @@ def layer_shape(name: str, num_tokens: int = 0) -> MoELayerShape:
     """The named MoE layer shape, with `num_tokens` tokens per GPU where it is not 0."""
     shape = MOE_LAYER_SHAPES[name]
     return replace(shape, num_tokens=num_tokens) if num_tokens else shape
+
+
+#: Where results files go unless a benchmark's --out names another root.
+RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+VERSIONED = ("torch", "triton", "jax", "jaxlib", "jax-triton")
+
+
+def add_out_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS_ROOT,
+        help="results root: writes <out>/<machine>/<name>.csv (default: benchmarks/results)",
+    )
+
+
+def machine_dir(device_name: str, gpus: int = 1) -> str:
+    """Folder of one machine's results: the device name with anything but letters, digits, '.' and '-' as
+    '_' (the autotune cache's spelling), `<n>x_` in front for a benchmark that uses n > 1 GPUs; CPU runs
+    (smoke runs of the layer benchmarks) all go to `cpu`."""
+    name = re.sub(r"[^A-Za-z0-9.-]+", "_", device_name).strip("_") or "cpu"
+    return f"{gpus}x_{name}" if gpus > 1 and name != "cpu" else name
+
+
+def versions() -> dict:
+    """Installed versions, from package metadata (importing jax_triton would empty TRITON_CACHE_DIR)."""
+    found = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = ""
+    return found
+
+
+def commit() -> str:
+    """The checkout's commit (short hash, `+` when files differ from it), or "" outside a git checkout."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
+
+    try:
+        head = git("rev-parse", "--short=12", "HEAD").strip()
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head + ("+" if dirty else "")
+
+
+def provenance(device_name: str, gpus: int = 1) -> dict:
+    """The leading columns of every results row."""
+    found = versions()
+    return dict(
+        device=device_name,
+        gpus=gpus,
+        date=datetime.datetime.now(datetime.UTC).date().isoformat(),
+        commit=commit(),
+        **{name.replace("-", "_"): found[name] for name in ("python", *VERSIONED)},
+    )
+
+
+def write_results(
+    name: str,
+    rows: list[dict],
+    device_name: str,
+    gpus: int = 1,
+    root: Path = RESULTS_ROOT,
+    columns: list[str] | None = None,
+) -> Path:
+    """Write `rows` (dicts) with the provenance columns in front to <root>/<machine>/<name>.csv, replacing
+    the file; returns its path. Columns: `columns`, then any others in order of first appearance."""
+    head = provenance(device_name, gpus)
+    columns = list(dict.fromkeys([*head, *(columns or []), *(column for row in rows for column in row)]))
+    path = Path(root) / machine_dir(device_name, gpus) / f"{name}.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, columns)
+        writer.writeheader()
+        writer.writerows({**head, **row} for row in rows)
+    return path

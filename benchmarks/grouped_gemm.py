@@ -1,6 +1,6 @@
 """Grouped-GEMM kernels (moetriton.kernels.grouped_gemm) at the MoE layer shapes, beside torch._grouped_mm.
 
-    python -m benchmarks.grouped_gemm [--shapes mixtral,dsv3] [--sweep] [--out DIR]
+    python -m benchmarks.grouped_gemm [--shapes mixtral,dsv3] [--sweep] [--out ROOT]
 
 For every layer shape (rows = T x K routed slots split over E experts, balanced, one extra row on the first
 experts where they do not divide) and each of its two GEMMs (gate_up: K = H, N = 2F; down: K = F, N = H),
@@ -13,15 +13,13 @@ expert-parallel JAX layer runs them (gate_up reads its rows permuted, down write
 gradient takes the forward's permutations as the layer's VJP does, the weight gradient after gathering the
 permuted operand with one copy, included in its time). --sweep also times every config of a
 short candidate list and prints the best (heuristic input).
-Writes DIR/grouped_gemm.csv. GPU only.
+Writes <out>/<gpu>/grouped_gemm.csv (benchmarks.common). GPU only.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
-from pathlib import Path
 
 import torch
 
@@ -29,6 +27,7 @@ from moetriton import kernels
 from moetriton.kernels.shapes import MOE_LAYER_SHAPES
 from moetriton.torch._launch import device_info, run_plan
 
+from .common import add_out_option, write_results
 from .timing import time_graph
 
 PEAK_TFLOPS = 790.0
@@ -133,13 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--shapes", default=",".join(MOE_LAYER_SHAPES))
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("results"))
+    add_out_option(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.grouped_gemm needs a GPU", file=sys.stderr)
         return 1
     device = torch.device("cuda")
-    args.out.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator(device).manual_seed(0)
     results = []
     print(
@@ -214,10 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             del operands
             torch.cuda.empty_cache()
-    with open(args.out / "grouped_gemm.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(results[0]))
-        writer.writeheader()
-        writer.writerows(results)
+    print(f"wrote {write_results('grouped_gemm', results, torch.cuda.get_device_name(), 1, args.out)}")
     return 0
 
 

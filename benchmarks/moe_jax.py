@@ -2,10 +2,11 @@
 built the MaxText way (argsort permutation + jax.lax.ragged_dot, no Triton).
 
     python -m benchmarks.moe_jax                         # mixtral and dsv3, 1 GPU and EP = 2 (needs 2 GPUs)
-    python -m benchmarks.moe_jax --shapes mixtral --ep 1 --steps 20 --out results/
+    python -m benchmarks.moe_jax --shapes mixtral --ep 1 --steps 20 --out /tmp/results
     python -m benchmarks.moe_jax --tiny --steps 1        # CPU smoke test: tiny shapes, 2 host devices
 
-Rows (one per impl x shape x EP; printed and written to DIR/moe_jax.csv, the log to DIR/moe_jax.log):
+Rows (one per impl x shape x EP; printed and written to <out>/<gpu>/moe_jax.csv, benchmarks.common: <gpu>
+is prefixed with the largest EP run, e.g. 2x_NVIDIA_H200):
 
 * step_ms: median wall time of the jitted step (value_and_grad of the layer w.r.t. x and every weight),
   inputs resident, one block_until_ready per step.
@@ -99,6 +100,8 @@ from moetriton.jax.moe import (
 )
 from moetriton.kernels.expert_parallel import EPLayout, ep_layout
 from moetriton.kernels.shapes import MOE_LAYER_SHAPES, MoELayerShape
+
+from .common import add_out_option, write_results
 
 PEAK_TFLOPS = 790.0  # H100 SXM dense bf16
 TINY_SHAPES = {
@@ -572,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, help="tokens per GPU (default: the shape's)")
     parser.add_argument("--align", type=int, default=0, help="align_size of the moetriton layer (0: none)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement (median)")
-    parser.add_argument("--out", default="benchmark-results", help="folder for moe_jax.csv and moe_jax.log")
+    add_out_option(parser)
     parser.add_argument("--exchange", default="auto", help="the moetriton layer's: auto, ragged or padded")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     parser.add_argument(
@@ -582,13 +585,9 @@ def main(argv: list[str] | None = None) -> int:
         help="run each row in a child process, killed after this many seconds",
     )
     args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    log = (out / "moe_jax.log").open("w")
 
     def say(text: str) -> None:
         print(text, flush=True)
-        log.write(text + "\n")
 
     table = TINY_SHAPES if args.tiny else MOE_LAYER_SHAPES
     rows = []
@@ -597,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
             for ep in args.ep.split(","):
                 for impl in args.impl.split(","):
                     rows += _row_in_child(args, name, ep, impl, say)
-        return _write(rows, out, log, say, args.tiny)
+        return _write(rows, args.out, say, args.tiny)
     say(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
     for name in args.shapes.split(","):
         shape = table[name]
@@ -617,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
                     row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
                 rows.append(row)
                 say(" ".join(f"{key}={row[key]}" for key in COLUMNS if key in row))
-    return _write(rows, out, log, say, args.tiny)
+    return _write(rows, args.out, say, args.tiny, jax.devices()[0].device_kind)
 
 
 def _row_in_child(args: argparse.Namespace, name: str, ep: str, impl: str, say) -> list[dict]:
@@ -645,21 +644,21 @@ def _row_in_child(args: argparse.Namespace, name: str, ep: str, impl: str, say) 
         for line in done.stdout.splitlines():
             if not line.startswith(("jax ", "wrote ")):
                 say(line)
-        table = Path(child_out) / "moe_jax.csv"
-        if not table.is_file():
+        tables = sorted(Path(child_out).glob("*/moe_jax.csv"))
+        if not tables:
             say(done.stderr[-2000:])
             return [dict(error_row, error=f"child exited with {done.returncode} before writing a row")]
-        with table.open() as file:
+        with tables[0].open() as file:
             return [{key: value for key, value in row.items() if value != ""} for row in csv.DictReader(file)]
 
 
-def _write(rows: list[dict], out: Path, log, say, tiny: bool) -> int:
-    with (out / "moe_jax.csv").open("w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    say(f"wrote {out / 'moe_jax.csv'}")
-    log.close()
+def _write(rows: list[dict], root: Path, say, tiny: bool, device: str | None = None) -> int:
+    """The results file (benchmarks.common.write_results): the device from this process or, for isolated
+    rows, from the children's rows; as many GPUs as the largest EP measured."""
+    device = device or next((row["device"] for row in rows if row.get("device")), "cpu")
+    gpus = max((int(row["ep"]) for row in rows if str(row.get("ep", "")).isdigit()), default=1)
+    rows = [{key: row[key] for key in COLUMNS if key in row} for row in rows]
+    say(f"wrote {write_results('moe_jax', rows, device, gpus, root, columns=list(COLUMNS))}")
     return 1 if tiny and any("error" in row for row in rows) else 0
 
 

@@ -1,5 +1,4 @@
-"""Layer-step benchmark of the PyTorch expert-parallel MoE layer (issue #13) beside a Megatron-style
-baseline.
+"""Layer-step benchmark of the PyTorch expert-parallel MoE layer beside a Megatron-style baseline.
 
     python -m benchmarks.moe_torch                                # one GPU (EP = 1), mixtral and dsv3
     torchrun --nproc-per-node 2 -m benchmarks.moe_torch           # EP = 2 over NCCL
@@ -50,7 +49,6 @@ for the collective timeout).
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import gc
 import gzip
@@ -69,6 +67,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks import trace_gaps
+from benchmarks.common import add_out_option, write_results
 from moetriton.kernels.shapes import MOE_LAYER_SHAPES, MoELayerShape
 from moetriton.torch.moe import STAGES as LAYER_STAGES
 from moetriton.torch.moe import all_to_all_rows, expert_mlp, moe
@@ -477,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--shapes", default="mixtral,dsv3", help="comma-separated MOE_LAYER_SHAPES names")
     parser.add_argument("--impl", default=",".join(IMPLS), help=f"comma-separated, from {IMPLS}")
-    parser.add_argument("--out", type=Path, default=None, help="folder for moe_torch_ep<N>.csv and .log")
+    add_out_option(parser)
     parser.add_argument("--tokens", type=int, default=None, help="tokens per GPU (default: the shape's)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per row")
     parser.add_argument("--align-size", type=int, default=None, help="dispatch alignment (default none)")
@@ -518,12 +517,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tiny and device.type != "cuda":
         print("the layer benchmark needs a CUDA GPU (or --tiny for a CPU smoke run); nothing to do")
         return 0
-    lines, rows = [], []
+    rows = []
 
     def report(line: str) -> None:
         if rank == 0:
             print(line, flush=True)
-            lines.append(line)
 
     for name in names:
         shape = TINY[name] if args.tiny else MOE_LAYER_SHAPES[name]
@@ -543,16 +541,9 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
             rows.append(row)
             report(_describe(row))
-    if rank == 0 and args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"moe_torch_ep{ep}.csv"
-        columns = list(dict.fromkeys(column for row in rows for column in row))
-        with path.open("w", newline="") as handle:
-            writer = csv.DictWriter(handle, columns)
-            writer.writeheader()
-            writer.writerows(rows)
-        (args.out / f"moe_torch_ep{ep}.log").write_text("\n".join(lines) + "\n")
-        print(f"wrote {path}")
+    if rank == 0:
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        print(f"wrote {write_results('moe_torch', rows, device_name, ep, args.out)}")
     if group is not None:
         dist.destroy_process_group()
     return 0

@@ -1,6 +1,6 @@
 """Router benchmarks: fused top-k forward and backward, moetriton beside the framework references.
 
-    python -m benchmarks.router_cases [--quick]     # every case in CASES
+    python -m benchmarks.router_cases [--quick] [--out ROOT]   # every case in CASES: router_grid.csv
     (benchmarks.run calls `results(shape)` per named shape: the cases with that shape's E and K)
 
 Cases (bf16 logits): T in {4096, 16384} x (E, K) in {(8, 2), (64, 4), (128, 8), (256, 8) DeepSeek-V3 style
@@ -24,7 +24,7 @@ import torch
 
 from moetriton.kernels.shapes import MoEShape
 
-from .common import Result
+from .common import Result, add_out_option, write_results
 from .timing import input_sets, time_eager, time_graph, time_jax
 
 
@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="skip the references")
+    add_out_option(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA GPU; nothing to do")
@@ -223,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r.op:<10}{r.framework:<6}{r.impl:<11}{r.shape:<20}{r.ms:>9.4f}{r.gbps():>8.0f}{speedup:>8.1f}"
             f"  {r.note}"
         )
+    grid = [dict(r.as_dict(), gbps=r.gbps()) for r in rows]
+    print(f"wrote {write_results('router_grid', grid, torch.cuda.get_device_name(), 1, args.out)}")
     return 0
 
 

@@ -378,7 +378,7 @@ def test_benchmark_tiny_writes_a_row_per_impl(tmp_path, layers):
 
     argv = ["--tiny", "--shapes", "mixtral", "--layers", str(layers), "--out", str(tmp_path)]
     assert moe_torch.main(argv) == 0
-    with (tmp_path / "moe_torch_ep1.csv").open() as handle:
+    with (tmp_path / "cpu" / "moe_torch.csv").open() as handle:
         rows = list(csv.DictReader(handle))
     assert [row["impl"] for row in rows] == list(moe_torch.IMPLS)
     assert {row["layers"] for row in rows} == {str(layers)}
