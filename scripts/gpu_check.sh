@@ -1,136 +1,237 @@
 #!/usr/bin/env bash
-# One device-tool call: install what the GPU machine lacks, run the whole test suite on CUDA, run the
-# benchmarks, and leave logs under $OUT. Usage (device tool, repo root): bash scripts/gpu_check.sh [stage...]
-# Stages: setup (install only) smoke tests bench eager hostprof router gemm autotune usecache ab interleave jaxprof plan ncu
-# exchange moe1 moe2 moe2torch moeab moeabtorch
-# (default: tests bench). ncu: Nsight Compute counters of the combine kernels beside TE's (scripts/profile_kernels.py,
-# NCU_SHAPES), report as $OUT/ncu.txt. gemm: the grouped-GEMM kernels beside torch._grouped_mm (GEMM_ARGS=--sweep to time configs).
-# exchange: the layers' dropless row exchanges alone beside plain all-to-alls (scripts/exchange_jax.py,
-# under several XLA_FLAGS unless EXCHANGE_ARGS=--one; scripts/exchange_torch.py under torchrun; 2 GPUs). moe1: the MoE layer examples and layer-step benchmarks on one GPU; moe2: the same with EP = 2 on two GPUs
-# (torchrun for PyTorch, one process for JAX, each of its rows in a child process killed after
-# MOE_ROW_TIMEOUT s); their logs and CSVs come back as $OUT/moe.tar. moe2torch: moe2's PyTorch half alone (the
-# example under torchrun, then the layer-step benchmark, every rank's traces kept), as $OUT/moe.tar.
-# moeab: the JAX layer's step (benchmarks.moe_jax, EP = MOE_AB_EP, default 2 on 2 GPUs) of this package and of
-# another one (MOE_AB_BASELINE, a carried package folder), alternated MOE_AB_ROUNDS times; lines in $OUT/moeab.log,
-# CSVs in $OUT/moeab/. moeabtorch: the same for the PyTorch layer (benchmarks.moe_torch under torchrun, this
-# checkout's benchmark for both packages; $OUT/moeabtorch.log and $OUT/moeabtorch/).
-# interleave: dispatch backward, combine and combine backward, ours and TE's, timed interleaved in one process
-# (scripts/interleave_te.py, INTERLEAVE_SHAPES), as $OUT/interleave.csv; needs the carried `.te`.
-# ab: same-process A/B of the permutation kernels against another version of kernels/permutation.py
-# (AB_BASELINE, a carried file; AB_ARGS), table as $OUT/ab.csv.
-# usecache copies what autotune wrote into the installed package, so later stages of the same call run with
-# the new cache. Carry `.whl` (the jax-triton wheel) and, to benchmark TransformerEngine's Triton kernels
-# beside ours, `.te` (a folder holding an importable `transformer_engine.pytorch.triton.permutation`; never
-# committed).
+# GPU check: the test suite, a memory check of the kernels and the benchmarks on the GPUs of this machine,
+# run as stages, with every log and result written to one output folder.
+#
+#     bash scripts/gpu_check.sh OUTDIR [STAGE...]          (default stages: tests bench)
+#
+# It runs in the Python environment it finds (PYTHON, default python3: torch with CUDA, jax with its CUDA
+# plugin) and installs nothing into it. This checkout's package is put on the import path from a
+# temporary folder (its source folders under their import names), so the checkout is what is tested,
+# whatever else is installed. If jax_triton is not importable and JAX_TRITON_WHEELS names a folder of
+# wheels, they are unpacked into that temporary folder (pip --no-index --no-deps --target); without
+# jax_triton the JAX tests and benchmarks of the kernels cannot run on the GPU. TE_PATH may name a folder
+# that holds an importable transformer_engine (its Triton permutation kernels), for the comparisons.
+# Every stage runs in a process group of its own, under a time limit; when it ends, whatever that group
+# left running is ended, and nothing else is.
+#
+# Stages (each writes OUTDIR/<stage>.log; results files go to OUTDIR/results/<gpu>/<name>.csv, the layout
+# of benchmarks/results, so copying them there updates the committed results):
+#   tests       the test suite on the GPU (TEST_PATHS, default tests; TEST_WORKERS xdist workers, default 8;
+#               stopped with SIGINT after TEST_TIMEOUT s, default 1800, so pytest still writes its report):
+#               OUTDIR/junit.xml, and OUTDIR/tests_not_run.txt lists the collected tests without a result
+#   sanitize    compute-sanitizer --tool memcheck over pytest, one run per file of SANITIZE_TESTS (default
+#               "tests/torch/test_index_safety.py tests/jax/test_index_safety.py"), with the frameworks'
+#               caching allocators off so an out-of-bounds access inside a cached block is seen;
+#               OUTDIR/sanitize_summary.txt gives the error count per file and in total
+#   bench       python -m benchmarks.run (BENCH_ARGS): every op, framework and named shape
+#   eager       the same with --modules benchmarks.eager_cases (EAGER_ARGS): host, eager and graph time,
+#               beside TransformerEngine where importable
+#   moe1        the MoE layer examples and layer-step benchmarks on one GPU (benchmarks.moe_torch,
+#               benchmarks.moe_jax; MOE_TORCH_ARGS, MOE_JAX_ARGS)
+#   moe2        the same with EP = 2 over two GPUs (torchrun for PyTorch, one process for JAX)
+#   ab          same-process A/B of the permutation kernels against another version of
+#               kernels/permutation.py (AB_BASELINE, a file; AB_ARGS): OUTDIR/ab.csv
+#   interleave  our permutation kernels against TE's, interleaved in one process (needs TE)
+#   ncu         Nsight Compute counters of the combine kernels beside TE's (NCU_SHAPES): OUTDIR/ncu.txt
+#   autotune    scripts/autotune.py into OUTDIR/autotune_cache (AUTOTUNE_ARGS); the stages after it in the
+#               same call use the new cache
+# Each stage's time limit is <STAGE>_TIMEOUT seconds (e.g. BENCH_TIMEOUT). The exit status is that of the
+# last failing stage, 0 if none failed.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-# NVLink multicast stays off on the lent machines (a program using it can take shared GPUs out of service).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export HOME=${HOME:-/root} TRITON_CACHE_DIR=/tmp/triton-cache
-mkdir -p "$TRITON_CACHE_DIR"
+if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
+  sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+  exit 2
+fi
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+mkdir -p "$1" && out=$(cd "$1" && pwd)
+shift
 stages=${*:-tests bench}
+PY=${PYTHON:-python3}
+
+# NVLink multicast stays off: on a host whose GPUs others share, a program using it can take them out of
+# service. Set here so that every process a stage starts (torchrun's workers included) inherits it.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+# Test workers and benchmarks share the GPUs: JAX must not take 75% of a GPU's memory per process.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+export PYTHONPYCACHEPREFIX=$work/pycache HYPOTHESIS_STORAGE_DIRECTORY=$work/hypothesis
+[ -n "${HOME:-}" ] || export TRITON_CACHE_DIR=$work/triton
+
+# This checkout's package under its import names, without installing it; a copy of the autotune cache, so
+# that the autotune stage can extend it without touching the checkout.
+mkdir -p "$work/site/moetriton"
+ln -s "$repo/kernels" "$work/site/moetriton/kernels"
+ln -s "$repo/torch_bindings" "$work/site/moetriton/torch"
+ln -s "$repo/jax_bindings" "$work/site/moetriton/jax"
+cp -r "$repo/autotune_cache" "$work/site/moetriton/autotune_cache"
+export PYTHONPATH=$work/site${TE_PATH:+:$TE_PATH}${PYTHONPATH:+:$PYTHONPATH}
+
+has_module() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null; }
+
 {
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . 2>&1 | tail -2
-} > "$OUT/setup.log" 2>&1
-export PYTHONPATH=/tmp/site
-[ -d .te ] && export PYTHONPATH=$PYTHONPATH:$PWD/.te
-cd /tmp  # import the installed package, not the source folders
-python3 -c "import torch, triton, jax; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__, jax.devices())" | tee -a "$OUT/setup.log"
-repo=$OLDPWD
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+  if ! has_module jax_triton && [ -n "${JAX_TRITON_WHEELS:-}" ]; then
+    echo "jax_triton not importable: unpacking $JAX_TRITON_WHEELS/*.whl into the temporary import path"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$work/site" "$JAX_TRITON_WHEELS"/*.whl
+  fi
+  "$PY" - <<'EOF'
+import importlib.metadata as metadata
+import platform
+
+found = {"python": platform.python_version()}
+for name in ("torch", "triton", "jax", "jaxlib", "jax-triton", "transformer_engine"):
+    try:
+        found[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        found[name] = "-"
+import torch
+
+print(" ".join(f"{key} {value}" for key, value in found.items()), f"cuda GPUs {torch.cuda.device_count()}")
+EOF
+  has_module jax_triton || echo "jax_triton is not importable (set JAX_TRITON_WHEELS): JAX kernels cannot run on GPUs"
+} 2>&1 | tee "$out/environment.txt"
+
+# run LIMIT LOG COMMAND...: COMMAND in a process group of its own (timeout makes one), its output in LOG;
+# SIGINT after LIMIT seconds, SIGKILL 30 s later; afterwards whatever is left of that group is ended.
+run() {
+  local limit=$1 log=$2
+  shift 2
+  (cd "$repo" && exec timeout -s INT -k 30 "$limit" "$@") >> "$log" 2>&1 &
+  local pid=$! status
+  wait "$pid"
+  status=$?
+  kill -KILL -- "-$pid" 2>/dev/null
+  [ "$status" = 124 ] && echo "stopped after $limit s" >> "$log"
+  return "$status"
+}
+
+failed=0
 for stage in $stages; do
+  log=$out/$stage.log
+  : > "$log"
+  echo "== $stage (log: $log)"
+  limit_name=$(echo "$stage" | tr '[:lower:]' '[:upper:]')_TIMEOUT
+  limit=${!limit_name:-}
+  status=0
   case $stage in
-    setup) ;;
-    smoke) python3 "$repo/scripts/gpu_smoke.py" 2>&1 | tee "$OUT/smoke.log" ;;
-    tests) (cd "$repo" && timeout -s INT -k 30 ${TEST_TIMEOUT:-420} python3 -m pytest ${TEST_PATHS:-tests} -q -p no:cacheprovider --durations=25 \
-              -n ${TEST_WORKERS:-8} --maxfail=${MAXFAIL:-30} --tb=short -rfE -W ignore::pytest.PytestWarning \
-              --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1; grep -v Warning "$OUT/tests.log" | tail -80
-            # Workers outliving a timed-out run would load the host under the eager timings that follow.
-            pkill -9 -f xdist; pkill -9 -f pytest
-            # A run stopped at TEST_TIMEOUT (SIGINT: pytest still writes its durations and the junit file):
-            # the tests it did not finish, by name.
-            python3 -m pytest ${TEST_PATHS:-tests} -q -p no:cacheprovider --collect-only 2>/dev/null | grep "::" \
-              | python3 scripts/tests_not_run.py "$OUT/junit.xml" > "$OUT/tests_not_run.txt"
-            tail -30 "$OUT/tests_not_run.txt"; true) ;;
-    bench) (cd "$repo" && timeout ${BENCH_TIMEOUT:-300} python3 -m benchmarks.run --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log") ;;
-    eager) (cd "$repo" && timeout ${EAGER_TIMEOUT:-300} python3 -m benchmarks.run --modules benchmarks.eager_cases \
-              --out "$OUT/eager" ${EAGER_ARGS:-} 2>&1 | tee "$OUT/eager.log"
-            tar -C "$OUT" -cf "$OUT/eager.tar" eager && rm -r "$OUT/eager") ;;
-    hostprof) (cd "$repo" && timeout ${HOSTPROF_TIMEOUT:-120} python3 scripts/profile_host.py ${HOSTPROF_ARGS:-} \
-                 > "$OUT/hostprof.log" 2>&1; tail -40 "$OUT/hostprof.log") ;;
-    ncu) (cd "$repo" && ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-          timeout ${NCU_TIMEOUT:-240} "$ncu_bin" --clock-control none --kernel-name regex:'_combine_kernel|_unpermute_kernel' \
-            --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-            --section SchedulerStats --section WarpStateStats --section SourceCounters -f -o "$OUT/ncu" \
-            python3 scripts/profile_kernels.py --shapes ${NCU_SHAPES:-qwen3,dsv3,mixtral} > "$OUT/ncu_run.log" 2>&1
-          tail -5 "$OUT/ncu_run.log"
-          "$ncu_bin" --import "$OUT/ncu.ncu-rep" --page details --print-units base > "$OUT/ncu.txt" 2>&1
-          "$ncu_bin" --import "$OUT/ncu.ncu-rep" --page raw --csv > "$OUT/ncu_raw.csv" 2>&1
-          rm -f "$OUT/ncu.ncu-rep"  # too large to bring back; the two text pages hold what it says
-          grep -E "^  [_a-z]|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" "$OUT/ncu.txt" | head -120) ;;
-    usecache) cp -r /tmp/cache/. /tmp/site/moetriton/autotune_cache/ ;;
-    interleave) (cd "$repo" && timeout ${INTERLEAVE_TIMEOUT:-200} python3 scripts/interleave_te.py \
-                   --shapes ${INTERLEAVE_SHAPES:-qwen3,mixtral,dsv3,small,tiny} 2>&1 | grep -v -i warn \
-                   | tee "$OUT/interleave.csv") ;;
-    ab) (cd "$repo" && timeout ${AB_TIMEOUT:-300} python3 scripts/ab_permutation.py "$AB_BASELINE" ${AB_ARGS:-} 2>&1 \
-           | grep -v -i "warn\|chosen =" | tee "$OUT/ab.csv" | grep "best\|^#") ;;
-    jaxprof) (cd "$repo" && timeout ${JAXPROF_TIMEOUT:-150} python3 scripts/profile_jax.py --hlo "$OUT/hlo.txt" \
-                ${JAXPROF_ARGS:-} > "$OUT/jaxprof.log" 2>&1; tail -80 "$OUT/jaxprof.log") ;;
-    plan) (cd "$repo" && timeout ${PLAN_TIMEOUT:-150} python3 scripts/profile_plan.py ${PLAN_ARGS:-} 2>&1 | tee "$OUT/plan.log") ;;
-    gemm) (cd "$repo" && timeout ${GEMM_TIMEOUT:-300} python3 -m benchmarks.grouped_gemm --out "$OUT" ${GEMM_ARGS:-} \
-             2>&1 | tee "$OUT/gemm.log") ;;
-    router) (cd "$repo" && timeout ${ROUTER_TIMEOUT:-300} python3 -m benchmarks.router_cases 2>&1 | tee "$OUT/router.log") ;;
-    autotune) (cd "$repo" && timeout ${AUTOTUNE_TIMEOUT:-500} python3 scripts/autotune.py --out /tmp/cache ${AUTOTUNE_ARGS:-} \
-                 > "$OUT/autotune.log" 2>&1; tail -45 "$OUT/autotune.log"; tar -C /tmp/cache -cf "$OUT/autotune_cache.tar" .) ;;
-    exchange) (cd "$repo" && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${EXCHANGE_TIMEOUT:-300} \
-                 python3 scripts/exchange_jax.py ${EXCHANGE_ARGS:-}
-               timeout 150 python3 -m torch.distributed.run --nproc-per-node 2 scripts/exchange_torch.py; } 2>&1 \
-                 | grep -v -i warn | tee "$OUT/exchange.log") ;;
-    moe1) (cd "$repo" && mkdir -p "$OUT/moe" && {
-            timeout ${MOE_EXAMPLE_TIMEOUT:-120} python3 examples/torch_moe_ep.py
-            timeout ${MOE_EXAMPLE_TIMEOUT:-120} python3 examples/jax_moe_ep.py
-            timeout ${MOE_TIMEOUT:-240} python3 -m benchmarks.moe_torch --out "$OUT/moe" ${MOE_TORCH_ARGS:-}
-            XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOE_TIMEOUT:-240} python3 -m benchmarks.moe_jax --ep 1 \
-              --isolate ${MOE_ROW_TIMEOUT:-150} --out "$OUT/moe" ${MOE_JAX_ARGS:-}
-          } > "$OUT/moe/moe1.log" 2>&1; grep -v -i warn "$OUT/moe/moe1.log" | tail -40
-          tar -C "$OUT" -cf "$OUT/moe.tar" moe && rm -r "$OUT/moe") ;;
-    moe2) (cd "$repo" && mkdir -p "$OUT/moe" && {
-            timeout ${MOE_EXAMPLE_TIMEOUT:-120} python3 -m torch.distributed.run --nproc-per-node 2 examples/torch_moe_ep.py
-            timeout ${MOE_EXAMPLE_TIMEOUT:-120} python3 examples/jax_moe_ep.py
-            timeout ${MOE_TIMEOUT:-240} python3 -m torch.distributed.run --nproc-per-node 2 -m benchmarks.moe_torch \
-              --out "$OUT/moe" ${MOE_TORCH_ARGS:-}
-            XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOE_TIMEOUT:-600} python3 -m benchmarks.moe_jax \
-              --ep ${MOE_JAX_EP:-1,2} --isolate ${MOE_ROW_TIMEOUT:-150} --out "$OUT/moe" ${MOE_JAX_ARGS:-}
-          } > "$OUT/moe/moe2.log" 2>&1; grep -v -i warn "$OUT/moe/moe2.log" | tail -40
-          tar -C "$OUT" -cf "$OUT/moe.tar" moe && rm -r "$OUT/moe") ;;
-    moe2torch) (cd "$repo" && mkdir -p "$OUT/moe" && {
-            timeout ${MOE_EXAMPLE_TIMEOUT:-120} python3 -m torch.distributed.run --nproc-per-node 2 examples/torch_moe_ep.py \
-              && timeout ${MOE_TIMEOUT:-300} python3 -m torch.distributed.run --nproc-per-node 2 -m benchmarks.moe_torch \
-                   --out "$OUT/moe" --trace "$OUT/moe/traces" ${MOE_TORCH_ARGS:-}
-          } > "$OUT/moe/moe2torch.log" 2>&1; grep -v -i warn "$OUT/moe/moe2torch.log" | tail -40
-          tar -C "$OUT" -cf "$OUT/moe.tar" moe && rm -r "$OUT/moe") ;;
-    moeab) (cd "$repo" && python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade \
-              --target /tmp/site_base "$MOE_AB_BASELINE" > "$OUT/moeab_setup.log" 2>&1
-            base=$(realpath "$MOE_AB_BASELINE")
-            for round in $(seq ${MOE_AB_ROUNDS:-2}); do for site in /tmp/site /tmp/site_base; do
-              # The baseline runs its own benchmarks/ where the folder has one (it may predate this one's imports).
-              bench=$repo; [ $site = /tmp/site_base ] && [ -d "$base/benchmarks" ] && bench=$base
-              (cd "$bench" && PYTHONPATH=$site:/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOE_AB_TIMEOUT:-150} \
-                python3 -m benchmarks.moe_jax --ep ${MOE_AB_EP:-2} --impl moetriton --out "$OUT/moeab/${site#/tmp/}_$round" \
-                ${MOE_AB_ARGS:-} 2>&1 | grep "^impl=\|Error" | sed "s|^|${site#/tmp/} $round: |")
-            done; done | tee "$OUT/moeab.log") ;;
-    moeabtorch) (cd "$repo" && python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade \
-              --target /tmp/site_base "$MOE_AB_BASELINE" > "$OUT/moeabtorch_setup.log" 2>&1
-            # Both packages run this checkout's benchmark (its columns and method), alternated.
-            for round in $(seq ${MOE_AB_ROUNDS:-2}); do for site in /tmp/site /tmp/site_base; do
-              PYTHONPATH=$site:/tmp/site timeout ${MOE_AB_TIMEOUT:-150} python3 -m torch.distributed.run \
-                --nproc-per-node ${MOE_AB_EP:-2} -m benchmarks.moe_torch --impl moetriton \
-                --out "$OUT/moeabtorch/${site#/tmp/}_$round" --trace "$OUT/moeabtorch/${site#/tmp/}_$round" \
-                ${MOE_AB_ARGS:-} 2>&1 | grep "^moetriton\|Error" \
-                | sed "s|^|${site#/tmp/} $round: |"
-            done; done | tee "$OUT/moeabtorch.log"; tar -C "$OUT" -cf "$OUT/moeabtorch.tar" moeabtorch && rm -r "$OUT/moeabtorch") ;;
+    tests)
+      run "${limit:-1800}" "$log" "$PY" -m pytest ${TEST_PATHS:-tests} -q -rs -p no:cacheprovider --durations=25 \
+        -n "${TEST_WORKERS:-8}" --tb=short --junitxml="$out/junit.xml" || status=$?
+      tail -40 "$log"
+      # The collected tests without a result in the junit file (a run stopped at its time limit).
+      (cd "$repo" && "$PY" -m pytest ${TEST_PATHS:-tests} -q -p no:cacheprovider --collect-only 2>/dev/null) \
+        | grep "::" > "$work/collected.txt"
+      "$PY" - "$out/junit.xml" "$work/collected.txt" > "$out/tests_not_run.txt" <<'EOF'
+import sys
+import xml.etree.ElementTree as ElementTree
+
+done = set()
+try:
+    for case in ElementTree.parse(sys.argv[1]).iter("testcase"):
+        done.add(f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}")
+except (OSError, ElementTree.ParseError):
+    pass
+collected = [line.strip() for line in open(sys.argv[2]) if "::" in line]
+missing = [test for test in collected if test not in done]
+print(f"{len(missing)} of {len(collected)} collected tests have no result")
+print("\n".join(missing))
+EOF
+      head -1 "$out/tests_not_run.txt" ;;
+    sanitize)
+      total=0
+      : > "$out/sanitize_summary.txt"
+      for file in ${SANITIZE_TESTS:-tests/torch/test_index_safety.py tests/jax/test_index_safety.py}; do
+        if [ ! -f "$repo/$file" ]; then
+          echo "$file: not found, skipped" | tee -a "$out/sanitize_summary.txt"
+          continue
+        fi
+        : > "$work/sanitize_part.log"
+        run "${limit:-1200}" "$work/sanitize_part.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+          XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck --target-processes all \
+          "$PY" -m pytest "$file" -q -rs -p no:cacheprovider -p no:xdist --tb=short
+        file_status=$?
+        { echo "--- $file"; cat "$work/sanitize_part.log"; } >> "$log"
+        # The count of the last summary line ("========= ERROR SUMMARY: N errors").
+        errors=$(grep -o "ERROR SUMMARY: [0-9]*" "$work/sanitize_part.log" | tail -1 | grep -o "[0-9]*$")
+        echo "$file: ${errors:-unknown} memcheck errors, pytest exit status $file_status" \
+          | tee -a "$out/sanitize_summary.txt"
+        total=$((total + ${errors:-0}))
+        if [ -z "$errors" ] || [ "$errors" != 0 ] || [ "$file_status" != 0 ]; then status=1; fi
+      done
+      echo "total: $total memcheck errors" | tee -a "$out/sanitize_summary.txt" ;;
+    bench)
+      run "${limit:-900}" "$log" "$PY" -m benchmarks.run --out "$out/results" ${BENCH_ARGS:-} || status=$?
+      grep -v -i warn "$log" | tail -40 ;;
+    eager)
+      run "${limit:-900}" "$log" "$PY" -m benchmarks.run --modules benchmarks.eager_cases --out "$out/results" \
+        ${EAGER_ARGS:-} || status=$?
+      grep -v -i warn "$log" | tail -40 ;;
+    moe1)
+      run "${limit:-900}" "$log" bash -c '
+        set -e
+        "$0" examples/torch_moe_ep.py
+        "$0" examples/jax_moe_ep.py
+        "$0" -m benchmarks.moe_torch --out "$1/results" ${MOE_TORCH_ARGS:-}
+        "$0" -m benchmarks.moe_jax --ep 1 --isolate "${MOE_ROW_TIMEOUT:-300}" --out "$1/results" ${MOE_JAX_ARGS:-}
+      ' "$PY" "$out" || status=$?
+      grep -v -i warn "$log" | tail -40 ;;
+    moe2)
+      run "${limit:-1200}" "$log" bash -c '
+        set -e
+        "$0" -m torch.distributed.run --nproc-per-node 2 examples/torch_moe_ep.py
+        "$0" examples/jax_moe_ep.py
+        "$0" -m torch.distributed.run --nproc-per-node 2 -m benchmarks.moe_torch --out "$1/results" \
+          ${MOE_TORCH_ARGS:-}
+        "$0" -m benchmarks.moe_jax --ep 1,2 --isolate "${MOE_ROW_TIMEOUT:-300}" --out "$1/results" \
+          ${MOE_JAX_ARGS:-}
+      ' "$PY" "$out" || status=$?
+      grep -v -i warn "$log" | tail -40 ;;
+    ab)
+      if [ -z "${AB_BASELINE:-}" ]; then
+        echo "AB_BASELINE (a version of kernels/permutation.py) is not set; skipped" | tee -a "$log"
+        status=1
+      else
+        run "${limit:-900}" "$log" "$PY" -m benchmarks.ab_permutation "$(realpath "$AB_BASELINE")" ${AB_ARGS:-} \
+          || status=$?
+        grep -v -i "warn\|chosen =" "$log" > "$out/ab.csv"
+        grep "best\|^#" "$out/ab.csv"
+      fi ;;
+    interleave)
+      if ! has_module transformer_engine; then
+        echo "transformer_engine is not importable (set TE_PATH); skipped" | tee -a "$log"
+      else
+        run "${limit:-600}" "$log" "$PY" -m benchmarks.interleave_te --out "$out/results" \
+          --shapes "${INTERLEAVE_SHAPES:-qwen3,mixtral,dsv3,small,tiny}" || status=$?
+        grep -v -i warn "$log" | tail -20
+      fi ;;
+    ncu)
+      ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+      if [ -z "$ncu_bin" ]; then
+        echo "ncu (Nsight Compute) not found; skipped" | tee -a "$log"
+        status=1
+      else
+        run "${limit:-600}" "$log" "$ncu_bin" --clock-control none \
+          --kernel-name regex:'_combine_kernel|_unpermute_kernel' --section SpeedOfLight \
+          --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section SchedulerStats \
+          --section WarpStateStats --section SourceCounters -f -o "$out/ncu" \
+          "$PY" -m benchmarks.profile_kernels --shapes "${NCU_SHAPES:-qwen3,dsv3,mixtral}" || status=$?
+        "$ncu_bin" --import "$out/ncu.ncu-rep" --page details --print-units base > "$out/ncu.txt" 2>&1
+        "$ncu_bin" --import "$out/ncu.ncu-rep" --page raw --csv > "$out/ncu_raw.csv" 2>&1
+        grep -E "^  [_a-z]|Duration|DRAM Throughput|Achieved Occupancy|Registers Per" "$out/ncu.txt" | head -60
+      fi ;;
+    autotune)
+      run "${limit:-1800}" "$log" "$PY" scripts/autotune.py --out "$out/autotune_cache" ${AUTOTUNE_ARGS:-} \
+        || status=$?
+      tail -20 "$log"
+      [ -d "$out/autotune_cache" ] && cp -r "$out/autotune_cache/." "$work/site/moetriton/autotune_cache/" ;;
+    *)
+      echo "unknown stage $stage (see: bash scripts/gpu_check.sh --help)"
+      status=2 ;;
   esac
+  echo "== $stage: exit status $status"
+  [ "$status" = 0 ] || failed=$status
 done
+exit "$failed"
