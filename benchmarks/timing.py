@@ -1,4 +1,4 @@
-"""GPU timing for PyTorch callables (device/METHOD.md: warm-up, median, rotating inputs, graphs).
+"""GPU timing for PyTorch callables: warm-up, median over replays, rotating input sets, CUDA graphs.
 
 `time_graph` captures `repeats` calls, each on its own input set so that no call finds the previous one's
 data in L2, into one CUDA graph and times its replays with CUDA events: the median replay over `repeats`

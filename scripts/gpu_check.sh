@@ -43,7 +43,7 @@ if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
   exit 2
 fi
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-mkdir -p "$1" && out=$(cd "$1" && pwd)
+mkdir -p "$1" && outdir=$(cd "$1" && pwd)
 shift
 stages=${*:-tests bench}
 PY=${PYTHON:-python3}
@@ -92,7 +92,7 @@ import torch
 print(" ".join(f"{key} {value}" for key, value in found.items()), f"cuda GPUs {torch.cuda.device_count()}")
 EOF
   has_module jax_triton || echo "jax_triton is not importable (set JAX_TRITON_WHEELS): JAX kernels cannot run on GPUs"
-} 2>&1 | tee "$out/environment.txt"
+} 2>&1 | tee "$outdir/environment.txt"
 
 # run LIMIT LOG COMMAND...: COMMAND in a process group of its own (timeout makes one), its output in LOG;
 # SIGINT after LIMIT seconds, SIGKILL 30 s later; afterwards whatever is left of that group is ended.
@@ -110,7 +110,7 @@ run() {
 
 failed=0
 for stage in $stages; do
-  log=$out/$stage.log
+  log=$outdir/$stage.log
   : > "$log"
   echo "== $stage (log: $log)"
   limit_name=$(echo "$stage" | tr '[:lower:]' '[:upper:]')_TIMEOUT
@@ -119,12 +119,12 @@ for stage in $stages; do
   case $stage in
     tests)
       run "${limit:-1800}" "$log" "$PY" -m pytest ${TEST_PATHS:-tests} -q -rs -p no:cacheprovider --durations=25 \
-        -n "${TEST_WORKERS:-8}" --tb=short --junitxml="$out/junit.xml" || status=$?
+        -n "${TEST_WORKERS:-8}" --tb=short --junitxml="$outdir/junit.xml" || status=$?
       tail -40 "$log"
       # The collected tests without a result in the junit file (a run stopped at its time limit).
       (cd "$repo" && "$PY" -m pytest ${TEST_PATHS:-tests} -q -p no:cacheprovider --collect-only 2>/dev/null) \
         | grep "::" > "$work/collected.txt"
-      "$PY" - "$out/junit.xml" "$work/collected.txt" > "$out/tests_not_run.txt" <<'EOF'
+      "$PY" - "$outdir/junit.xml" "$work/collected.txt" > "$outdir/tests_not_run.txt" <<'EOF'
 import sys
 import xml.etree.ElementTree as ElementTree
 
@@ -139,13 +139,13 @@ missing = [test for test in collected if test not in done]
 print(f"{len(missing)} of {len(collected)} collected tests have no result")
 print("\n".join(missing))
 EOF
-      head -1 "$out/tests_not_run.txt" ;;
+      head -1 "$outdir/tests_not_run.txt" ;;
     sanitize)
       total=0
-      : > "$out/sanitize_summary.txt"
+      : > "$outdir/sanitize_summary.txt"
       for file in ${SANITIZE_TESTS:-tests/torch/test_index_safety.py tests/jax/test_index_safety.py}; do
         if [ ! -f "$repo/$file" ]; then
-          echo "$file: not found, skipped" | tee -a "$out/sanitize_summary.txt"
+          echo "$file: not found, skipped" | tee -a "$outdir/sanitize_summary.txt"
           continue
         fi
         : > "$work/sanitize_part.log"
@@ -157,16 +157,16 @@ EOF
         # The count of the last summary line ("========= ERROR SUMMARY: N errors").
         errors=$(grep -o "ERROR SUMMARY: [0-9]*" "$work/sanitize_part.log" | tail -1 | grep -o "[0-9]*$")
         echo "$file: ${errors:-unknown} memcheck errors, pytest exit status $file_status" \
-          | tee -a "$out/sanitize_summary.txt"
+          | tee -a "$outdir/sanitize_summary.txt"
         total=$((total + ${errors:-0}))
         if [ -z "$errors" ] || [ "$errors" != 0 ] || [ "$file_status" != 0 ]; then status=1; fi
       done
-      echo "total: $total memcheck errors" | tee -a "$out/sanitize_summary.txt" ;;
+      echo "total: $total memcheck errors" | tee -a "$outdir/sanitize_summary.txt" ;;
     bench)
-      run "${limit:-900}" "$log" "$PY" -m benchmarks.run --out "$out/results" ${BENCH_ARGS:-} || status=$?
+      run "${limit:-900}" "$log" "$PY" -m benchmarks.run --out "$outdir/results" ${BENCH_ARGS:-} || status=$?
       grep -v -i warn "$log" | tail -40 ;;
     eager)
-      run "${limit:-900}" "$log" "$PY" -m benchmarks.run --modules benchmarks.eager_cases --out "$out/results" \
+      run "${limit:-900}" "$log" "$PY" -m benchmarks.run --modules benchmarks.eager_cases --out "$outdir/results" \
         ${EAGER_ARGS:-} || status=$?
       grep -v -i warn "$log" | tail -40 ;;
     moe1)
@@ -176,7 +176,7 @@ EOF
         "$0" examples/jax_moe_ep.py
         "$0" -m benchmarks.moe_torch --out "$1/results" ${MOE_TORCH_ARGS:-}
         "$0" -m benchmarks.moe_jax --ep 1 --isolate "${MOE_ROW_TIMEOUT:-300}" --out "$1/results" ${MOE_JAX_ARGS:-}
-      ' "$PY" "$out" || status=$?
+      ' "$PY" "$outdir" || status=$?
       grep -v -i warn "$log" | tail -40 ;;
     moe2)
       run "${limit:-1200}" "$log" bash -c '
@@ -187,7 +187,7 @@ EOF
           ${MOE_TORCH_ARGS:-}
         "$0" -m benchmarks.moe_jax --ep 1,2 --isolate "${MOE_ROW_TIMEOUT:-300}" --out "$1/results" \
           ${MOE_JAX_ARGS:-}
-      ' "$PY" "$out" || status=$?
+      ' "$PY" "$outdir" || status=$?
       grep -v -i warn "$log" | tail -40 ;;
     ab)
       if [ -z "${AB_BASELINE:-}" ]; then
@@ -196,14 +196,14 @@ EOF
       else
         run "${limit:-900}" "$log" "$PY" -m benchmarks.ab_permutation "$(realpath "$AB_BASELINE")" ${AB_ARGS:-} \
           || status=$?
-        grep -v -i "warn\|chosen =" "$log" > "$out/ab.csv"
-        grep "best\|^#" "$out/ab.csv"
+        grep -v -i "warn\|chosen =" "$log" > "$outdir/ab.csv"
+        grep "best\|^#" "$outdir/ab.csv"
       fi ;;
     interleave)
       if ! has_module transformer_engine; then
         echo "transformer_engine is not importable (set TE_PATH); skipped" | tee -a "$log"
       else
-        run "${limit:-600}" "$log" "$PY" -m benchmarks.interleave_te --out "$out/results" \
+        run "${limit:-600}" "$log" "$PY" -m benchmarks.interleave_te --out "$outdir/results" \
           --shapes "${INTERLEAVE_SHAPES:-qwen3,mixtral,dsv3,small,tiny}" || status=$?
         grep -v -i warn "$log" | tail -20
       fi ;;
@@ -216,17 +216,17 @@ EOF
         run "${limit:-600}" "$log" "$ncu_bin" --clock-control none \
           --kernel-name regex:'_combine_kernel|_unpermute_kernel' --section SpeedOfLight \
           --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section SchedulerStats \
-          --section WarpStateStats --section SourceCounters -f -o "$out/ncu" \
+          --section WarpStateStats --section SourceCounters -f -o "$outdir/ncu" \
           "$PY" -m benchmarks.profile_kernels --shapes "${NCU_SHAPES:-qwen3,dsv3,mixtral}" || status=$?
-        "$ncu_bin" --import "$out/ncu.ncu-rep" --page details --print-units base > "$out/ncu.txt" 2>&1
-        "$ncu_bin" --import "$out/ncu.ncu-rep" --page raw --csv > "$out/ncu_raw.csv" 2>&1
-        grep -E "^  [_a-z]|Duration|DRAM Throughput|Achieved Occupancy|Registers Per" "$out/ncu.txt" | head -60
+        "$ncu_bin" --import "$outdir/ncu.ncu-rep" --page details --print-units base > "$outdir/ncu.txt" 2>&1
+        "$ncu_bin" --import "$outdir/ncu.ncu-rep" --page raw --csv > "$outdir/ncu_raw.csv" 2>&1
+        grep -E "^  [_a-z]|Duration|DRAM Throughput|Achieved Occupancy|Registers Per" "$outdir/ncu.txt" | head -60
       fi ;;
     autotune)
-      run "${limit:-1800}" "$log" "$PY" scripts/autotune.py --out "$out/autotune_cache" ${AUTOTUNE_ARGS:-} \
+      run "${limit:-1800}" "$log" "$PY" scripts/autotune.py --out "$outdir/autotune_cache" ${AUTOTUNE_ARGS:-} \
         || status=$?
       tail -20 "$log"
-      [ -d "$out/autotune_cache" ] && cp -r "$out/autotune_cache/." "$work/site/moetriton/autotune_cache/" ;;
+      [ -d "$outdir/autotune_cache" ] && cp -r "$outdir/autotune_cache/." "$work/site/moetriton/autotune_cache/" ;;
     *)
       echo "unknown stage $stage (see: bash scripts/gpu_check.sh --help)"
       status=2 ;;
