@@ -2,9 +2,7 @@
 
 GPU, kernels compiled: every launch becomes a `jax_triton.triton_call` (imported lazily: jax-triton refuses
 to import without GPU JAX), with the plan's grid, warps and stages, and the plan's zero-initialised buffers
-passed as `zeroed_outputs`. Launches marked `checks` run without their device assertions there: jax-triton
-cannot compile Triton's debug mode without dumping IR, so out-of-range expert ids are not checked on GPU (the
-kernels treat them as "no expert"). TRITON_INTERPRET=1, any backend: the whole plan runs inside one
+passed as `zeroed_outputs`. TRITON_INTERPRET=1, any backend: the whole plan runs inside one
 `jax.pure_callback`, the kernels interpreted on numpy buffers, one plan at a time. Never imports torch.
 """
 
@@ -17,7 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moetriton.kernels import INTERPRETER, DeviceInfo, Plan, RowStride, alignment, interpreter_problem
+from moetriton.kernels import (
+    INTERPRETER,
+    DeviceInfo,
+    Plan,
+    RowStride,
+    alignment,
+    interpreter_problem,
+    validation,
+)
 from moetriton.kernels._interpreter import HostArray
 
 
@@ -27,7 +33,13 @@ def dtype_name(dtype) -> str:
 
 
 def describe(x) -> tuple[tuple[int, ...], str] | None:
-    return None if x is None else (tuple(x.shape), dtype_name(x.dtype))
+    """(shape, numpy-style dtype name) of an array (a jax.Array or numpy array), None for None; anything
+    else gets validation.not_an_array's description, for which the rules raise TypeError."""
+    if x is None:
+        return None
+    if not isinstance(x, jax.Array | np.ndarray):
+        return validation.not_an_array(x, "a jax.Array")
+    return (tuple(x.shape), dtype_name(x.dtype))
 
 
 def on_gpu() -> bool:
@@ -168,12 +180,17 @@ def _run_interpreted(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
     )
 
 
+def host_buffer(shape: tuple[int, ...], dtype, zero: bool) -> np.ndarray:
+    """A buffer of an interpreted plan (zeroed when the plan asks). One place, so that tests can allocate
+    every buffer inside guard zones."""
+    return (np.zeros if zero else np.empty)(shape, dtype)
+
+
 def _interpret(plan: Plan, specs: dict, inputs: dict, names: list[str], arrays) -> tuple[np.ndarray, ...]:
     env = {name: None for name in inputs}
     env.update({name: np.ascontiguousarray(array) for name, array in zip(names, arrays, strict=True)})
     buffers = {
-        name: (np.zeros if spec.zero else np.empty)(spec.shape, specs[name].dtype)
-        for name, spec in plan.buffers.items()
+        name: host_buffer(spec.shape, specs[name].dtype, spec.zero) for name, spec in plan.buffers.items()
     }
     env.update(buffers)
     dummy = np.zeros(0, np.int32)

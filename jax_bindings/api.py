@@ -10,30 +10,60 @@ dividing n, every device processes its own blocks and no token crosses devices. 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moetriton.kernels import validation
+from moetriton.kernels import row_map_slots, validation
 
 from . import ops
+from ._checks import check_values
 from ._launch import describe
 from ._sharding import call
 
 _FP8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
-def _host_values(x) -> np.ndarray | None:
-    """The values of `x` when reading them is free (a numpy array, or a concrete JAX array on CPU)."""
-    if isinstance(x, np.ndarray):
-        return x
-    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) or not x.is_fully_addressable:
-        return None
-    if any(device.platform != "cpu" for device in x.devices()):
-        return None
-    return np.asarray(x)
+def _index_rule(num_experts: int) -> Callable[[np.ndarray], None]:
+    def rule(ids: np.ndarray) -> None:
+        if ids.size:
+            validation.check_index_values(int(ids.min()), int(ids.max()), num_experts)
+
+    return rule
+
+
+def _row_map_rule(num_rows: int) -> Callable[[np.ndarray], None]:
+    def rule(row_map: np.ndarray) -> None:
+        if not row_map.size:
+            return
+        num_slots = row_map_slots(row_map.shape[1])
+
+        def extremes(part: np.ndarray) -> tuple[int, int]:
+            return (int(part.min()), int(part.max())) if part.size else (-1, -1)
+
+        validation.check_row_map_values(
+            rows=extremes(row_map[:, :num_slots]),
+            slots=extremes(row_map[:, num_slots : 2 * num_slots]),
+            counts=extremes(row_map[:, 2 * num_slots]),
+            ends=extremes(row_map[:, 2 * num_slots + 1]),
+            num_rows=num_rows,
+            num_slots=num_slots,
+        )
+
+    return rule
+
+
+def _split_rule(num_shards: int, num_rows: int) -> Callable[[np.ndarray, np.ndarray], None]:
+    def rule(sizes: np.ndarray, order: np.ndarray) -> None:
+        for shard_sizes, shard_order in zip(
+            np.split(sizes, num_shards), np.split(order, num_shards), strict=True
+        ):
+            validation.check_split_values(shard_sizes.tolist(), shard_order.tolist(), num_rows)
+
+    return rule
 
 
 def _check_shards(num_shards: int, *sizes: tuple[str, str, int]) -> None:
@@ -104,8 +134,9 @@ def token_dispatch(
             has the static worst case floor((n_out + E * (A - 1)) / A) * A rows, n_out = num_out_tokens /
             num_shards; pad rows and rows past the last expert are exactly zero in every output.
         indices: [T, K] int32/int64 expert ids, -1 = no expert. Needs `num_experts`. Ids are range-checked
-            when their values are free to read (concrete CPU arrays); elsewhere (GPU, inside jit) an id
-            outside [-1, E) is treated like -1.
+            when their values are free to read (concrete CPU arrays, or every call with MOETRITON_CHECK=1);
+            elsewhere (GPU, inside jit) an id outside [0, E) is no expert, like -1 (compared before any
+            narrowing: with x64 an int64 id of 2**32 is no expert).
         num_experts: E; required with `indices`, implied by a mask.
         scales: [T, C] row-wise scales of FP8 payloads (any dtype), permuted like the rows (no gradient).
         num_shards: n, a static Python int dividing T and num_out_tokens. Each of the n token blocks is
@@ -146,9 +177,7 @@ def token_dispatch(
         num_shards, ("inp", "shape[0]", inp.shape[0]), ("num_out_tokens", "it", num_out_tokens or 0)
     )
     if not is_mask:
-        values = _host_values(indices)
-        if values is not None and values.size:
-            validation.check_index_values(int(values.min()), int(values.max()), num_experts)
+        check_values(_index_rule(num_experts), indices)
     op = ops.Dispatch(
         num_shards=num_shards,
         num_experts=num_experts,
@@ -219,7 +248,9 @@ def token_combine(
 
     Args:
         inp: [N, H] expert outputs in the layout token_dispatch produced; float32/float64/bfloat16/float16.
-        row_id_map: [T, 2S + 2] int32 from token_dispatch.
+        row_id_map: [T, 2S + 2] int32 from token_dispatch into this buffer. Checked against inp where its
+            values are free to read (concrete CPU arrays, or MOETRITON_CHECK=1); elsewhere entries naming rows
+            outside a shard's [0, N / n) are ignored (docs/design.md, "Index data is never trusted").
         merging_probs: [T, S] weights in the routing layout ([T, E] for a mask, [T, K] for indices).
         pad_offsets: pass what token_dispatch returned when it padded (rows in row_id_map already include
             padding; this tells the backward that pad rows exist, so their gradient is written as zeros).
@@ -247,6 +278,7 @@ def token_combine(
     _check_shards(
         num_shards, ("inp", "shape[0]", inp.shape[0]), ("row_id_map", "shape[0]", row_id_map.shape[0])
     )
+    check_values(_row_map_rule(inp.shape[0] // num_shards), row_id_map)
     statics = _CombineStatics(num_shards=num_shards, padded=pad_offsets is not None)
     return _combine(statics, jnp.asarray(inp), jnp.asarray(row_id_map), _asarray(merging_probs))
 
@@ -293,7 +325,9 @@ def sort_chunks_by_index(
         sorted_indices: [n * S] int32/int64, each shard's S entries a permutation of [0, S).
         probs: optional [N] per-row values permuted alongside.
         num_shards: n, a static Python int: each of the n row blocks is sorted by its own S sizes and indices.
-            Sizes and indices are checked when their values are free to read (concrete CPU arrays).
+            Sizes and indices are checked when their values are free to read (concrete CPU arrays, or
+            MOETRITON_CHECK=1); elsewhere a shard whose sizes leave [0, N / n], sum past it, or whose order
+            is not a permutation moves nothing: zero rows and probs, row_id_map -1, zero gradient.
 
     Returns:
         (output [N, H], row_id_map [N] int32 destination of each input row within its shard's block[,
@@ -314,13 +348,7 @@ def sort_chunks_by_index(
     _check_shards(
         num_shards, ("inp", "shape[0]", inp.shape[0]), ("split_sizes", "its length", split_sizes.shape[0])
     )
-    sizes, order = _host_values(split_sizes), _host_values(sorted_indices)
-    if sizes is not None and order is not None:
-        rows = inp.shape[0] // num_shards
-        for shard_sizes, shard_order in zip(
-            np.split(sizes, num_shards), np.split(order, num_shards), strict=True
-        ):
-            validation.check_split_values(shard_sizes.tolist(), shard_order.tolist(), rows)
+    check_values(_split_rule(num_shards, inp.shape[0] // num_shards), split_sizes, sorted_indices)
     op = ops.SortChunks(num_shards=num_shards, has_probs=probs is not None, backward=False)
     results = _sort_chunks(
         op, jnp.asarray(inp), jnp.asarray(split_sizes), jnp.asarray(sorted_indices), _asarray(probs)

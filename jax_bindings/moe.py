@@ -326,7 +326,7 @@ def _router(x_flat, gate, expert_bias, config: MoEConfig, num_tokens_global: int
     )
     weights = jnp.take_along_axis(probs, indices, axis=1)
     routed = routing_map.sum(0, dtype=jnp.int32)
-    if config.aux_loss_coeff == 0:
+    if config.aux_loss_coeff == 0 or num_tokens_global == 0:  # no tokens anywhere: no loss
         return weights, indices, routed, jnp.zeros((), jnp.float32)
     _, scores = fused_compute_score_for_moe_aux_loss(logits, config.topk, config.score_function)
     routed_global = jax.lax.psum(routed, config.token_axes) if config.token_axes else routed

@@ -60,8 +60,9 @@ def row_map(
         valid = routing != 0
         experts = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), routing.shape)
     else:
-        experts = routing.astype(jnp.int32)
-        valid = (experts >= 0) & (experts < num_experts)
+        # Compared in the ids' own dtype, narrowed after: with x64 an int64 id of 2**32 has no expert.
+        valid = (routing >= 0) & (routing < num_experts)
+        experts = jnp.where(valid, routing, num_experts).astype(jnp.int32)
     flat = jnp.where(valid, experts, num_experts).reshape(-1)
     counts = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     aligned = jnp.full_like(counts, capacity) if capacity else (counts + align - 1) // align * align
@@ -98,16 +99,24 @@ def row_map(
     return full_map.astype(jnp.int32), kept.astype(jnp.int32), (start - plain_start).astype(jnp.int32)
 
 
-def _lists(row_id_map: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _lists(row_id_map: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
     """A row map's two lists, [T, S] each: the rows of each token's slots that have one and those slots,
-    in ascending slot order, then -1."""
+    in ascending slot order, then -1. Read by the index rule of the kernels (docs/design.md): only the
+    first `count` entries (clamped into [0, S]) are listed, a row outside [0, num_rows) makes its entry
+    unlisted, and a slot outside [0, S) reads as -1 (weight 0)."""
     num_slots = row_map_slots(row_id_map.shape[1])
-    return row_id_map[:, :num_slots], row_id_map[:, num_slots : 2 * num_slots]
+    listed_rows = row_id_map[:, :num_slots]
+    listed = row_id_map[:, num_slots : 2 * num_slots]
+    count = jnp.clip(row_id_map[:, 2 * num_slots : 2 * num_slots + 1], 0, num_slots)
+    positions = jnp.arange(num_slots, dtype=jnp.int32)
+    live = (positions < count) & (listed_rows >= 0) & (listed_rows < num_rows)
+    listed = jnp.where((listed >= 0) & (listed < num_slots), listed, -1)
+    return jnp.where(live, listed_rows, -1), jnp.where(live, listed, -1)
 
 
-def _rows(row_id_map: jax.Array) -> jax.Array:
+def _rows(row_id_map: jax.Array, num_rows: int) -> jax.Array:
     """[T, S] destination rows of a row map's slots (-1: none)."""
-    listed_rows, listed = _lists(row_id_map)
+    listed_rows, listed = _lists(row_id_map, num_rows)
     num_slots = listed.shape[1]
     tokens = jnp.broadcast_to(jnp.arange(row_id_map.shape[0], dtype=jnp.int32)[:, None], listed.shape)
     # Padding entries (-1) point past the last slot, where the scatter drops them.
@@ -115,12 +124,14 @@ def _rows(row_id_map: jax.Array) -> jax.Array:
     return rows.at[tokens, jnp.where(listed >= 0, listed, num_slots)].set(listed_rows, mode="drop")
 
 
-def _slot_rows(row_id_map: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
-    """(token of every slot, destination row of every slot) flattened in (token, slot) order; slots without
-    a row point at `num_rows`, which scatters drop."""
-    rows = _rows(row_id_map)
-    tokens = jnp.broadcast_to(jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None], rows.shape)
-    return tokens.reshape(-1), jnp.where(rows >= 0, rows, num_rows).reshape(-1)
+def _entries(row_id_map: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(token, slot, destination row) of every list entry, flattened in (token, position) order: the
+    (token, slot) order for a map from token_dispatch. Unlisted entries point at `num_rows`, which scatters
+    drop; slots out of range are -1."""
+    listed_rows, listed = _lists(row_id_map, num_rows)
+    tokens = jnp.broadcast_to(jnp.arange(listed.shape[0], dtype=jnp.int32)[:, None], listed.shape)
+    dst = jnp.where(listed_rows >= 0, listed_rows, num_rows)
+    return tokens.reshape(-1), listed.reshape(-1), dst.reshape(-1)
 
 
 def dispatch(
@@ -138,11 +149,10 @@ def dispatch(
     row_id_map [T, 2S + 2], pad_offsets [E], tokens_per_expert [E])."""
     num_rows = buffer_rows(num_out_tokens, num_experts, align_size, capacity)
     full_map, kept, pad_offsets = row_map(routing, num_experts, is_mask, num_rows, align_size or 1, capacity)
-    tokens, dst = _slot_rows(full_map, num_rows)
+    tokens, slots, dst = _entries(full_map, num_rows)
     output = _move_rows(inp, dst, tokens, num_rows)
-    permuted_probs = (
-        None if probs is None else _move_rows(probs.reshape(-1), dst, jnp.arange(dst.shape[0]), num_rows)
-    )
+    flat_slots = tokens * routing.shape[1] + jnp.maximum(slots, 0)
+    permuted_probs = None if probs is None else _move_rows(probs.reshape(-1), dst, flat_slots, num_rows)
     permuted_scales = None if scales is None else _move_rows(scales, dst, tokens, num_rows)
     return output, permuted_probs, permuted_scales, full_map, pad_offsets, kept
 
@@ -151,16 +161,17 @@ def combine(inp: jax.Array, row_id_map: jax.Array, weights: jax.Array | None = N
     """One shard of token_combine: per token, the sum over its slots in ascending order of w * inp[row]
     (w = 1 without weights), in fp32 (fp64 for fp64 input), cast to inp.dtype."""
     acc_dtype = _acc_dtype(inp.dtype)
-    listed_rows, listed = _lists(row_id_map)
+    listed_rows, listed = _lists(row_id_map, inp.shape[0])
     num_tokens = listed.shape[0]
     acc = jnp.zeros((num_tokens, inp.shape[1]), acc_dtype)
     if inp.shape[0] == 0 or num_tokens == 0:
         return acc.astype(inp.dtype)
-    # The weight of every listed slot (0 past the list), so the scan walks positions of the lists: the
-    # slots in ascending order.
+    # The weight of every listed slot (0 past the list and for a slot out of range), so the scan walks
+    # positions of the lists: the slots in ascending order.
     listed_weights = None
     if weights is not None:
         listed_weights = jnp.take_along_axis(weights, jnp.maximum(listed, 0), axis=1)
+        listed_weights = jnp.where(listed >= 0, listed_weights, 0)
 
     def add_slot(acc, position):
         position_rows, position_weights = position
@@ -181,7 +192,7 @@ def dispatch_backward(
     grad_inp = combine(grad_output, row_id_map)
     if grad_permuted_probs is None:
         return grad_inp, None
-    rows = _rows(row_id_map)
+    rows = _rows(row_id_map, grad_output.shape[0])
     if grad_permuted_probs.shape[0] == 0:
         return grad_inp, jnp.zeros(rows.shape, grad_permuted_probs.dtype)
     gathered = grad_permuted_probs[jnp.maximum(rows, 0)]
@@ -190,7 +201,7 @@ def dispatch_backward(
 
 def scatter_rows(grad: jax.Array, row_id_map: jax.Array, num_rows: int) -> jax.Array:
     """Backward of one unweighted combine shard: grad [T, H] copied to the rows of its slots, others zero."""
-    tokens, dst = _slot_rows(row_id_map, num_rows)
+    tokens, _, dst = _entries(row_id_map, num_rows)
     return _move_rows(grad, dst, tokens, num_rows)
 
 
@@ -201,35 +212,57 @@ def combine_backward(
     rows no slot owns are zero) and grad_weights[t, s] = <inp[row(t, s)], g[t]> in fp32 (0 without a row)."""
     acc_dtype = _acc_dtype(inp.dtype)
     num_rows = inp.shape[0]
-    rows = _rows(row_id_map)
-    if num_rows == 0 or rows.shape[0] == 0:
+    if num_rows == 0 or row_id_map.shape[0] == 0:
         return jnp.zeros_like(inp), jnp.zeros(weights.shape, weights.dtype)
-    tokens, dst = _slot_rows(row_id_map, num_rows)
-    slots = jnp.broadcast_to(jnp.arange(rows.shape[1], dtype=jnp.int32), rows.shape).reshape(-1)
+    tokens, slots, dst = _entries(row_id_map, num_rows)
+    has_slot = slots >= 0
+    entry_weights = jnp.where(has_slot, weights[tokens, jnp.maximum(slots, 0)], 0).astype(acc_dtype)
+    # Every row takes the gradient of the entry that names it (a map from token_dispatch names each row once).
     owned = jnp.zeros(num_rows, bool).at[dst].set(True, mode="drop")
-    owner_token = jnp.zeros(num_rows, jnp.int32).at[dst].set(tokens, mode="drop")
-    owner_slot = jnp.zeros(num_rows, jnp.int32).at[dst].set(slots, mode="drop")
-    grad_rows = grad[owner_token].astype(acc_dtype)
-    row_weights = weights[owner_token, owner_slot].astype(acc_dtype)
-    grad_inp = jnp.where(owned[:, None], (grad_rows * row_weights[:, None]).astype(inp.dtype), 0)
-    dots = jnp.sum(inp.astype(acc_dtype) * grad_rows, axis=1)
-    grad_weights = jnp.where(rows >= 0, dots[jnp.maximum(rows, 0)], 0)
+    owner = jnp.zeros(num_rows, jnp.int32).at[dst].set(jnp.arange(dst.shape[0], dtype=jnp.int32), mode="drop")
+    grad_rows = grad[tokens[owner]].astype(acc_dtype)
+    scaled = (grad_rows * entry_weights[owner][:, None]).astype(inp.dtype)
+    grad_inp = jnp.where(owned[:, None], scaled, 0)
+    live = dst < num_rows
+    dots = jnp.sum(inp[jnp.where(live, dst, 0)].astype(acc_dtype) * grad[tokens].astype(acc_dtype), axis=1)
+    dots = jnp.where(live & has_slot, dots, 0)
+    grad_weights = jnp.zeros(weights.shape, acc_dtype).at[tokens, jnp.maximum(slots, 0)].add(dots)
     return grad_inp, grad_weights.astype(weights.dtype)
 
 
+def is_partition(split_sizes: jax.Array, sorted_indices: jax.Array, num_rows: int) -> jax.Array:
+    """Whether chunk sort's sizes and order describe a partition of at most `num_rows` rows: sizes in
+    [0, N] summing to at most N, the order a permutation of [0, S) (a bool array; jit-safe)."""
+    num_splits = split_sizes.shape[0]
+    if num_splits == 0:
+        return jnp.array(True)
+    sizes_ok = jnp.all((split_sizes >= 0) & (split_sizes <= num_rows))
+    sizes = jnp.where(sizes_ok, split_sizes, 0).astype(jnp.int32)
+    # A running sum that saturates past N, so that no int32 sum of many large sizes can wrap.
+    total = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, num_rows + 1), sizes)[-1]
+    in_range = (sorted_indices >= 0) & (sorted_indices < num_splits)
+    bins = jnp.where(in_range, sorted_indices, num_splits).astype(jnp.int32)
+    seen = jnp.bincount(bins, length=num_splits + 1)
+    return sizes_ok & (total <= num_rows) & jnp.all(in_range) & jnp.all(seen[:num_splits] == 1)
+
+
 def chunk_sort_map(split_sizes: jax.Array, sorted_indices: jax.Array, num_rows: int) -> jax.Array:
-    """Destination row [N] (int32) of every input row for chunk sort; rows past the chunks stay put."""
+    """Destination row [N] (int32) of every input row for chunk sort; rows past the chunks stay put.
+    Sizes and order that are not a partition (`is_partition`) give -1 for every row."""
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     if split_sizes.shape[0] == 0:
         return rows
-    sizes = split_sizes.astype(jnp.int32)
-    order = sorted_indices.astype(jnp.int32)
+    valid = is_partition(split_sizes, sorted_indices, num_rows)
+    # Invalid: sizes 0 and the identity order (every index computed below stays in range), map -1.
+    sizes = jnp.where(valid, split_sizes, 0).astype(jnp.int32)
+    order = jnp.where(valid, sorted_indices, jnp.arange(split_sizes.shape[0])).astype(jnp.int32)
     ends = jnp.cumsum(sizes)
     src_start = ends - sizes
     sorted_sizes = sizes[order]
     dst_start = jnp.zeros_like(sizes).at[order].set(jnp.cumsum(sorted_sizes) - sorted_sizes)
     chunk = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), sizes.shape[0] - 1)
-    return jnp.where(rows < ends[-1], dst_start[chunk] + rows - src_start[chunk], rows).astype(jnp.int32)
+    dst = jnp.where(rows < ends[-1], dst_start[chunk] + rows - src_start[chunk], rows)
+    return jnp.where(valid, dst, -1).astype(jnp.int32)
 
 
 def sort_chunks(
@@ -240,13 +273,20 @@ def sort_chunks(
     backward: bool,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """One shard of chunk sort: (output, row_id_map | None (backward), permuted_probs | None). The forward
-    scatters row i to map[i]; the backward gathers row i from map[i]."""
+    scatters row i to map[i]; the backward gathers row i from map[i]. Sizes and an order that are not a
+    partition move nothing: zero rows and probs, map -1 (the kernels' rule)."""
     num_rows = inp.shape[0]
     dst = chunk_sort_map(split_sizes, sorted_indices, num_rows)
     rows = jnp.arange(num_rows, dtype=jnp.int32)
-    dst_rows, src_rows = (rows, dst) if backward else (dst, rows)
+    # -1 (not a partition) becomes num_rows: the scatter drops it, the gather's row is replaced below.
+    moved = jnp.where(dst >= 0, dst, num_rows)
+    dst_rows, src_rows = (rows, jnp.minimum(moved, num_rows - 1)) if backward else (moved, rows)
     output = _move_rows(inp, dst_rows, src_rows, num_rows)
     permuted = None if probs is None else _move_rows(probs, dst_rows, src_rows, num_rows)
+    if backward:
+        keep = dst >= 0
+        output = jnp.where(keep.reshape(-1, *(1,) * (inp.ndim - 1)), output, jnp.zeros_like(output))
+        permuted = None if permuted is None else jnp.where(keep, permuted, jnp.zeros_like(permuted))
     return output, None if backward else dst, permuted
 
 

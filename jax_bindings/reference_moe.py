@@ -106,7 +106,7 @@ def moe_reference(
             out += jnp.where(kept[:, slot, None], weights[rows, slot, None] * y, 0.0)
         outputs.append(out)
     aux_loss = jnp.zeros((), jnp.float32)
-    if aux_loss_coeff:
+    if aux_loss_coeff and num_tokens:  # no tokens: no loss (the layer's zero)
         _, scores = reference_router.fused_compute_score_for_moe_aux_loss(logits, topk, score_function)
         aux_loss = reference_router.fused_moe_aux_loss(
             scores, routing_map.sum(0), num_tokens, num_experts, topk, aux_loss_coeff

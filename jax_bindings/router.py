@@ -22,6 +22,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -29,6 +30,7 @@ from moetriton.kernels import router as plans
 from moetriton.kernels import router_validation as rules
 
 from . import reference_router as reference
+from ._checks import check_values
 from ._launch import compiles_kernels, describe, device_info, run_plan, uses_kernels
 
 # Local computations: (use_kernels, options, *arrays) -> results. `options` holds the static arguments in the
@@ -388,7 +390,7 @@ def fused_topk_with_score_function(
         expert_bias=describe(expert_bias),
     )
     if not isinstance(return_indices, bool):
-        raise ValueError(f"return_indices: expected a bool, got {type(return_indices).__name__}")
+        raise TypeError(f"return_indices: expected a bool, got {type(return_indices).__name__}")
     options = (
         config.topk,
         config.use_pre_softmax,
@@ -462,7 +464,7 @@ def fused_moe_aux_loss(
         >>> float(fused_moe_aux_loss(probs, jnp.array([4, 4]), 4, num_experts=2, topk=1, coeff=1.0))
         2.0
     """
-    total_is_array = not isinstance(total_num_tokens, int)
+    total_is_array = isinstance(total_num_tokens, jax.Array | np.ndarray)
     config = rules.check_aux_loss(
         probs=describe(probs),
         tokens_per_expert=describe(tokens_per_expert),
@@ -471,6 +473,8 @@ def fused_moe_aux_loss(
         topk=topk,
         coeff=coeff,
     )
+    if total_is_array:
+        check_values(lambda total: rules.check_total_tokens_value(float(total)), total_num_tokens)
     options = (jnp.dtype(probs.dtype).name, config.total or 0, config.num_experts, config.topk, config.coeff)
     loss = _loss(probs, tokens_per_expert, total_num_tokens if total_is_array else None, options)
     return loss.astype(probs.dtype)

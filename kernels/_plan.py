@@ -74,9 +74,6 @@ class Launch:
     # Launch with programmatic dependent launch (Hopper and newer, PyTorch only): the kernel may start while
     # the previous launch drains, and waits (`tl.extra.cuda.gdc_wait`) before it reads that launch's outputs.
     pdl: bool = False
-    # True when the kernel holds device-side checks of data-dependent input rules (index ranges);
-    # the PyTorch binding compiles such launches with Triton's debug mode on CUDA.
-    checks: bool = False
 
     @property
     def num_programs(self) -> int:

@@ -57,8 +57,10 @@ def _block(
     F, and whether any row is."""
     if NUM_GROUPS > 0:
         groups = tl.arange(0, GROUPS_POW2)
-        sizes = tl.load(group_sizes_ptr + groups, mask=groups < NUM_GROUPS, other=0).to(tl.int32)
-        valid_rows = tl.minimum(tl.sum(tl.maximum(sizes, 0), axis=0), num_rows)
+        sizes = tl.load(group_sizes_ptr + groups, mask=groups < NUM_GROUPS, other=0)
+        # Clipped in their own dtype, summed in int64: no size or sum of sizes wraps.
+        sizes = tl.minimum(tl.maximum(sizes, 0), num_rows).to(tl.int64)
+        valid_rows = tl.minimum(tl.sum(sizes, axis=0), num_rows)
     else:
         valid_rows = num_rows
     first = tl.program_id(0) * BLOCK_ROWS

@@ -4,6 +4,12 @@ The input's first sum(split_sizes) rows form S chunks, chunk c holding split_siz
 is input chunk sorted_indices[j]; rows past sum(split_sizes) stay where they are. `row_id_map` [N] int32
 gives the destination row of every input row. The map is computed inside the data kernel (one launch per
 direction), so the backward, a gather through the same map, needs nothing saved but the split arguments.
+
+The sizes and the order must describe a partition of the first rows: every size in [0, N], their sum at
+most N, the order a permutation of [0, S). Every program checks this on the values it reads (in their own
+dtype, before narrowing; O(S) work beside its O(ROWS * S) lookup), and a description that is not one moves
+nothing: every output row and permuted prob is zero and every row_id_map entry -1 (so is the gradient).
+No address is ever computed from an unchecked size or order entry.
 """
 
 from __future__ import annotations
@@ -45,6 +51,34 @@ def _chunk_of_rows(rows, sizes, in_table, CHUNKS_POW2: tl.constexpr):
 
 
 @triton.jit
+def _partition(split_sizes_ptr, sorted_indices_ptr, num_splits, num_rows, SPLITS_POW2: tl.constexpr):
+    """(sizes [SPLITS_POW2] int32, order [SPLITS_POW2] int32, valid): the split sizes and sorted indices
+    (entries past S zero), and whether they describe a partition of at most `num_rows` rows (module doc).
+    Invalid: all sizes zero and the order the identity, so every row lies past the chunks."""
+    splits = tl.arange(0, SPLITS_POW2)
+    smask = splits < num_splits
+    raw_sizes = tl.load(split_sizes_ptr + splits, mask=smask, other=0)
+    raw_order = tl.load(sorted_indices_ptr + splits, mask=smask, other=0)
+    sizes_ok = (raw_sizes >= 0) & (raw_sizes <= num_rows)
+    sizes = tl.where(sizes_ok, raw_sizes, 0).to(tl.int64)
+    order_ok = (raw_order >= 0) & (raw_order < num_splits)
+    # A permutation: every entry in range and each value once. Entries past S (and bad ones) count in a
+    # bin at or past S, which is never compared.
+    binned = tl.where(smask & order_ok, raw_order, SPLITS_POW2).to(tl.int32)
+    seen = tl.histogram(binned, 2 * SPLITS_POW2)
+    bins = tl.arange(0, 2 * SPLITS_POW2)
+    permutation = tl.sum(((bins < num_splits) & (seen != 1)).to(tl.int32), axis=0) == 0
+    valid = (
+        (tl.sum((smask & ~sizes_ok).to(tl.int32), axis=0) == 0)
+        & (tl.sum(sizes, axis=0) <= num_rows)
+        & permutation
+    )
+    sizes = tl.where(valid, sizes, 0).to(tl.int32)
+    order = tl.where(valid, binned, splits)
+    return sizes, order, valid
+
+
+@triton.jit
 def _sort_chunks_kernel(
     inp_ptr,  # [N, H]
     split_sizes_ptr,  # [S] integer
@@ -76,14 +110,17 @@ def _sort_chunks_kernel(
     inp_stride = _aligned(inp_stride, INP_STRIDE_ALIGN)
     splits = tl.arange(0, SPLITS_POW2)
     smask = splits < num_splits
-    sizes = tl.load(split_sizes_ptr + splits, mask=smask, other=0).to(tl.int32)
+    sizes, order, valid = _partition(split_sizes_ptr, sorted_indices_ptr, num_splits, num_rows, SPLITS_POW2)
     total = tl.sum(sizes, axis=0)
-    order = tl.load(sorted_indices_ptr + splits, mask=smask, other=0).to(tl.int32)
-    sorted_sizes = tl.load(split_sizes_ptr + order, mask=smask, other=0).to(tl.int32)
+    # `order` lies in [0, S) (the identity where invalid, and then every size reads as 0).
+    sorted_sizes = tl.where(valid, tl.load(split_sizes_ptr + order, mask=smask, other=0), 0).to(tl.int32)
     dst_start_by_position = tl.cumsum(sorted_sizes, axis=0) - sorted_sizes
 
     rows = row_block * ROWS + tl.arange(0, ROWS)
     rmask = rows < num_rows
+    # The rows whose values move: all of them when the partition is valid, none otherwise. (A vector: the
+    # interpreter rejects a vector mask & a scalar one.)
+    moved = rmask & ((rows * 0 + valid.to(tl.int32)) != 0)
     chunk_of_row, src_first = _chunk_of_rows(rows, sizes, smask, SPLITS_POW2)
     dst_first = tl.sum(
         tl.where(
@@ -101,16 +138,19 @@ def _sort_chunks_kernel(
         write_rows = dst
     cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = rmask[:, None] & (cols[None, :] < hidden)
+    # Not a partition: nothing is read, and every row is written with zeros where it stands.
     values = tl.load(
-        _as_bits(inp_ptr) + read_rows.to(tl.int64)[:, None] * inp_stride + cols[None, :], mask=mask
+        _as_bits(inp_ptr) + read_rows.to(tl.int64)[:, None] * inp_stride + cols[None, :],
+        mask=moved[:, None] & (cols[None, :] < hidden),
+        other=0,
     )
     tl.store(_as_bits(out_ptr) + write_rows.to(tl.int64)[:, None] * hidden + cols[None, :], values, mask=mask)
     if chunk == 0:
         if HAS_PROBS:
-            probs = tl.load(_as_bits(probs_ptr) + read_rows, mask=rmask)
+            probs = tl.load(_as_bits(probs_ptr) + read_rows, mask=moved, other=0)
             tl.store(_as_bits(out_probs_ptr) + write_rows, probs, mask=rmask)
         if WRITE_MAP:
-            tl.store(row_map_ptr + rows, dst, mask=rmask)
+            tl.store(row_map_ptr + rows, tl.where(valid, dst, -1), mask=rmask)
 
 
 SORT_CHUNKS_SPACE = SearchSpace(

@@ -26,7 +26,8 @@ def _block_tile(sizes_ptr, rows, WIDTH: tl.constexpr, TILE_ROWS: tl.constexpr, T
     tiles = tl.cdiv(rows, TILE_ROWS)
     block = tl.program_id(0) // tiles
     first = (tl.program_id(0) % tiles) * TILE_ROWS
-    size = tl.minimum(tl.maximum(tl.load(sizes_ptr + block).to(tl.int32), 0), rows)
+    # Clipped in its own dtype, then narrowed: a size of 2**32 + 5 is `rows`, not 5.
+    size = tl.minimum(tl.maximum(tl.load(sizes_ptr + block), 0), rows).to(tl.int32)
     within = first + tl.arange(0, TILE_ROWS)
     cols = tl.program_id(1) * TILE_COLS + tl.arange(0, TILE_COLS)
     row_mask = within < size

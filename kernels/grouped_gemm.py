@@ -35,13 +35,14 @@ from .permutation import _as_bits, _columns
 @triton.jit
 def _group_bounds(group_sizes_ptr, num_rows, NUM_GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr):
     """[GROUPS_POW2] vectors of the groups, their first rows and their row counts, sizes clipped to
-    [0, num_rows - first row] so that every group lies inside the rows present."""
+    [0, num_rows - first row] so that every group lies inside the rows present. Sizes are clipped in their
+    own dtype before narrowing and summed in int64, so no size (2**32 + 5, or many large ones) wraps."""
     groups = tl.arange(0, GROUPS_POW2)
-    sizes = tl.load(group_sizes_ptr + groups, mask=groups < NUM_GROUPS, other=0).to(tl.int32)
-    sizes = tl.maximum(sizes, 0)
+    sizes = tl.load(group_sizes_ptr + groups, mask=groups < NUM_GROUPS, other=0)
+    sizes = tl.minimum(tl.maximum(sizes, 0), num_rows).to(tl.int64)
     running = tl.cumsum(sizes, axis=0)
-    ends = tl.minimum(running, num_rows)
-    starts = tl.minimum(running - sizes, num_rows)
+    ends = tl.minimum(running, num_rows).to(tl.int32)
+    starts = tl.minimum(running - sizes, num_rows).to(tl.int32)
     return groups, starts, ends - starts
 
 

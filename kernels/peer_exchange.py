@@ -44,6 +44,7 @@ def _program_rows(
     num_rows,
     num_chunks,
     num_sources,
+    source_rows,
     ELEMENT: tl.constexpr,
     HIDDEN: tl.constexpr,
     ROWS: tl.constexpr,
@@ -51,16 +52,23 @@ def _program_rows(
 ):
     """This program's receiving rows [ROWS]: (rows, valid, their source rank and row of its buffer (int64),
     pointers [ROWS, 1] to those rows' starts in the source's buffer, their offsets [ROWS, 1] in the
-    receiving layout)."""
+    receiving layout). A row is valid when it lies inside the chunks and below R, and its source row inside
+    the source's buffer ([0, source_rows)); chunk sizes are read as clipped into [0, R], in their own dtype
+    before narrowing, so no address comes from an unchecked size or offset."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     chunks = tl.arange(0, CHUNKS_POW2)
     in_table = chunks < num_chunks
-    sizes = tl.load(chunk_sizes_ptr + chunks, mask=in_table, other=0).to(tl.int32)
-    total = tl.sum(sizes, axis=0)
+    sizes = tl.load(chunk_sizes_ptr + chunks, mask=in_table, other=0)
+    sizes = tl.minimum(tl.maximum(sizes, 0), num_rows).to(tl.int32)
     chunk, start = _chunk_of_rows(rows, sizes, in_table, CHUNKS_POW2)
-    valid = (rows < total) & (rows < num_rows)
+    # The total in int64 and the chunk bound: a table of many large sizes may wrap the int32 running ends
+    # (then rows land in wrong chunks, but never past the table or the source's buffer).
+    total = tl.minimum(tl.sum(sizes.to(tl.int64), axis=0), num_rows)
+    inside = (rows < total) & (rows < num_rows) & (chunk < num_chunks)
     source = chunk % num_sources
-    peer_row = tl.load(source_offsets_ptr + chunk, mask=valid, other=0).to(tl.int64) + (rows - start)
+    offset = tl.load(source_offsets_ptr + chunk, mask=inside, other=0).to(tl.int64)
+    peer_row = offset + (rows - start)
+    valid = inside & (peer_row >= 0) & (peer_row < source_rows)
     base = tl.load(peer_rows_ptr + source, mask=valid, other=0).to(tl.pointer_type(ELEMENT))
     return (
         rows,
@@ -92,6 +100,7 @@ def _pull_rows_kernel(
     num_rows,  # R
     num_chunks,
     num_sources,
+    source_rows,  # S: rows of every source's buffer
     out_ptr,  # [R, H]
     out_probs_ptr,  # [R] (HAS_PROBS)
     dots_ptr,  # [R] float32 (SCALE_DOT)
@@ -108,13 +117,14 @@ def _pull_rows_kernel(
     that one program holds a row's whole dot product: no atomics, the same sum every run). Program (b, 0)
     also moves the probs."""
     element = out_ptr.dtype.element_ty
-    rows, valid, source, peer_row, source_rows, out_rows = _program_rows(
+    rows, valid, source, peer_row, source_pointers, out_rows = _program_rows(
         chunk_sizes_ptr,
         source_offsets_ptr,
         peer_rows_ptr,
         num_rows,
         num_chunks,
         num_sources,
+        source_rows,
         element,
         HIDDEN,
         ROWS,
@@ -124,23 +134,26 @@ def _pull_rows_kernel(
         weight = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
         dot = tl.zeros([ROWS], dtype=tl.float32)
     first = tl.program_id(1) * SPAN
+    # Every receiving row is written: rows without a valid source row get zeros.
+    written = rows < num_rows
     for step in tl.static_range(0, SPAN, BLOCK_H):
         cols = first + step + tl.arange(0, BLOCK_H)
         mask = valid[:, None] & (cols < HIDDEN)[None, :]
-        values = tl.load(source_rows + cols[None, :], mask=mask, other=0)
+        values = tl.load(source_pointers + cols[None, :], mask=mask, other=0)
         if SCALE_DOT:
             grad = values.to(tl.float32)
             saved = tl.load(saved_ptr + out_rows + cols[None, :], mask=mask, other=0).to(tl.float32)
             dot += tl.sum(grad * saved, axis=1)
             values = (grad * weight[:, None]).to(element)
-        tl.store(out_ptr + out_rows + cols[None, :], values, mask=mask)
+        tl.store(out_ptr + out_rows + cols[None, :], values, mask=written[:, None] & (cols < HIDDEN)[None, :])
     if SCALE_DOT:
-        tl.store(dots_ptr + rows, dot, mask=valid)
+        tl.store(dots_ptr + rows, dot, mask=written)
     if HAS_PROBS:
         peer_probs, mine = _peer_probs(
             peer_probs_ptr, source, peer_row, rows, valid, num_rows, out_probs_ptr.dtype.element_ty
         )
-        tl.store(out_probs_ptr + rows, tl.load(peer_probs, mask=mine, other=0), mask=mine)
+        first_column = rows < tl.where(tl.program_id(1) == 0, num_rows, 0)
+        tl.store(out_probs_ptr + rows, tl.load(peer_probs, mask=mine, other=0), mask=first_column)
 
 
 @triton.jit
@@ -154,6 +167,7 @@ def _push_rows_kernel(
     num_rows,
     num_chunks,
     num_sources,
+    source_rows,  # S: rows of every source's buffer
     HIDDEN: tl.constexpr,
     ROWS: tl.constexpr,
     SPAN: tl.constexpr,
@@ -170,6 +184,7 @@ def _push_rows_kernel(
         num_rows,
         num_chunks,
         num_sources,
+        source_rows,
         rows_ptr.dtype.element_ty,
         HIDDEN,
         ROWS,
@@ -188,11 +203,18 @@ def _push_rows_kernel(
         tl.store(peer_probs, tl.load(probs_ptr + rows, mask=mine, other=0), mask=mine)
 
 
-def _check(name: str, num_rows: int, num_chunks: int, num_sources: int, hidden: int) -> None:
-    if min(num_rows, hidden) < 0 or num_sources < 1 or num_chunks < 1 or num_chunks % num_sources:
+def _check(
+    name: str, num_rows: int, num_chunks: int, num_sources: int, source_rows: int, hidden: int
+) -> None:
+    if (
+        min(num_rows, hidden, source_rows) < 0
+        or num_sources < 1
+        or num_chunks < 1
+        or num_chunks % num_sources
+    ):
         raise ValueError(
-            f"{name}: expected R, H >= 0 and EP * L chunks for EP >= 1 sources, got R={num_rows}, H={hidden},"
-            f" {num_chunks} chunks, EP={num_sources}"
+            f"{name}: expected R, S, H >= 0 and EP * L chunks for EP >= 1 sources, got R={num_rows},"
+            f" S={source_rows}, H={hidden}, {num_chunks} chunks, EP={num_sources}"
         )
 
 
@@ -203,13 +225,14 @@ def _launch(
     num_rows: int,
     num_chunks: int,
     num_sources: int,
+    source_rows: int,
     hidden: int,
     element_bytes: int,
     whole_rows: bool,
     config: Mapping[str, int] | None,
     **flags: bool,
 ) -> Launch:
-    """A launch of either kernel over R = num_rows rows (arguments: the inputs, R, the chunks, EP, the
+    """A launch of either kernel over R = num_rows rows (arguments: the inputs, R, the chunks, EP, S, the
     outputs): a program moves ROWS rows, SPAN columns of them (whole rows where it reduces over them),
     BLOCK_H columns a step; `config` overrides DEFAULT_CONFIG's entries."""
     config = {**DEFAULT_CONFIG, **(config or {})}
@@ -219,7 +242,7 @@ def _launch(
     return Launch(
         kernel=kernel,
         grid=(cdiv(num_rows, rows), max(cdiv(hidden, span), 1)),
-        args=(*inputs, num_rows, num_chunks, num_sources),
+        args=(*inputs, num_rows, num_chunks, num_sources, source_rows),
         outputs=outputs,
         constexprs=dict(
             HIDDEN=hidden, ROWS=rows, SPAN=span, BLOCK_H=block_h, CHUNKS_POW2=next_pow2(num_chunks), **flags
@@ -234,6 +257,7 @@ def pull_rows_plan(
     num_rows: int,
     num_chunks: int,
     num_sources: int,
+    source_rows: int,
     hidden: int,
     dtype: str,
     element_bytes: int,
@@ -243,14 +267,15 @@ def pull_rows_plan(
 ) -> Plan:
     """Gather R = num_rows receiving rows from their sources' buffers (module doc).
 
-    Inputs: "peer_rows" [EP] int64 addresses of the sources' rows [S, H] of `dtype`; "chunk_sizes",
-    "source_offsets" [EP * L] integer (expert-major chunks, sum of chunk_sizes = R); with `probs_dtype`,
+    Inputs: "peer_rows" [EP] int64 addresses of the sources' rows [S, H] of `dtype` (S = source_rows);
+    "chunk_sizes", "source_offsets" [EP * L] integer (expert-major chunks, sum of chunk_sizes = R; a row
+    whose chunk or source row falls outside R or S is not read and comes out zero); with `probs_dtype`,
     "peer_probs" [EP] int64 addresses of the sources' probs [S]; with `scale_dot`, "saved" [R, H] of
     `dtype` and "weights" [R] (any float dtype, read as fp32).
     Results: "out" [R, H] of `dtype`; "out_probs" [R] of `probs_dtype` (with probs_dtype); "dots" [R]
     float32 (with scale_dot). Every row and prob is written. `config`: DEFAULT_CONFIG entries to override.
     """
-    _check("pull_rows", num_rows, num_chunks, num_sources, hidden)
+    _check("pull_rows", num_rows, num_chunks, num_sources, source_rows, hidden)
     if probs_dtype is not None and scale_dot:
         raise ValueError("pull_rows: probs and scale_dot are exclusive")
     buffers = {"out": Buffer((num_rows, hidden), dtype)}
@@ -274,6 +299,7 @@ def pull_rows_plan(
         num_rows,
         num_chunks,
         num_sources,
+        source_rows,
         hidden,
         element_bytes,
         whole_rows=scale_dot,
@@ -290,6 +316,7 @@ def push_rows_plan(
     num_rows: int,
     num_chunks: int,
     num_sources: int,
+    source_rows: int,
     hidden: int,
     element_bytes: int,
     has_probs: bool,
@@ -298,11 +325,12 @@ def push_rows_plan(
     """Scatter R = num_rows receiving rows back into their sources' buffers (module doc).
 
     Inputs: "rows" [R, H], "chunk_sizes", "source_offsets" [EP * L] integer, "peer_rows" [EP] int64
-    addresses of the sources' rows [S, H] (rows' dtype); with `has_probs`, "probs" [R] and "peer_probs"
+    addresses of the sources' rows [S, H] (rows' dtype, S = source_rows; rows whose chunk or source row
+    falls outside R or S are not written); with `has_probs`, "probs" [R] and "peer_probs"
     [EP] addresses of the sources' probs [S] (probs' dtype). No results: the rows land in the peers'
     buffers, and only those rows are written. `config`: DEFAULT_CONFIG entries to override.
     """
-    _check("push_rows", num_rows, num_chunks, num_sources, hidden)
+    _check("push_rows", num_rows, num_chunks, num_sources, source_rows, hidden)
     if num_rows == 0:
         return Plan({}, (), ())
     launch = _launch(
@@ -312,6 +340,7 @@ def push_rows_plan(
         num_rows,
         num_chunks,
         num_sources,
+        source_rows,
         hidden,
         element_bytes,
         whole_rows=False,

@@ -96,23 +96,34 @@ def _write_lists(map_row, rows, valid, slots, num_slots):
 
 
 @triton.jit
-def _listed_row(map_row, position, limit):
+def _listed_count(map_row, num_slots):
+    """The token's count of listed slots (column 2S), clamped into [0, S]: a walk bounded by it never
+    reads past the lists, whatever the map holds."""
+    return tl.minimum(tl.maximum(tl.load(map_row + 2 * num_slots), 0), num_slots)
+
+
+@triton.jit
+def _listed_row(map_row, position, limit, num_rows):
     """(row, live) of the token's `position`-th listed slot; (-1, False) past the list, and nothing is read
-    at or past `limit`. With limit = S the end is found from the list's -1 padding, so the first entries
-    load while the count is still in flight (at large S the count and the lists lie in different cache
-    lines): the combine walk does this. The combine backward, which was 0-11% slower that way (same-GPU
-    A/B, docs/performance.md), bounds its loads by the count."""
+    at or past `limit`. A listed row outside [0, num_rows) (the rows of the buffer it addresses) is not
+    live: the entry is ignored, as an unlisted one (docs/design.md, "Index data is never trusted"). With
+    limit = S the end is found from the list's -1 padding, so the first entries load while the count is
+    still in flight (at large S the count and the lists lie in different cache lines): the combine walk
+    does this. The combine backward, which was 0-11% slower that way (same-GPU A/B, docs/performance.md),
+    bounds its loads by the count."""
     row = tl.load(map_row + position, mask=position < limit, other=-1)
-    return row.to(tl.int64), row >= 0
+    return row.to(tl.int64), (row >= 0) & (row < num_rows)
 
 
 @triton.jit
 def _listed_slot(map_row, num_slots, position, limit, NEEDED: tl.constexpr = True):
-    """The slot of the token's `position`-th listed entry; -1 (which matches no slot) past the list, and
-    nothing is read at or past `limit` or when the caller does not NEED it. Bounded like the row and
-    never masked by it, so its load (and the weight load behind it) does not wait for the row's."""
+    """The slot of the token's `position`-th listed entry; -1 (which matches no slot and weighs 0) past the
+    list or outside [0, S), and nothing is read at or past `limit` or when the caller does not NEED it.
+    Bounded like the row and never masked by it, so its load (and the weight load behind it) does not
+    wait for the row's."""
     if NEEDED:
         slot = tl.load(map_row + num_slots + position, mask=position < limit, other=-1)
+        slot = tl.where((slot >= 0) & (slot < num_slots), slot, -1)
     else:
         slot = tl.full([], -1, tl.int32)
     return slot
@@ -154,7 +165,7 @@ def _count_experts_kernel(
     Masks: a running cumulative sum down each column of [TILE_T, TILE_S] tiles (ranks < BLOCK_T fit in a
     byte). Expert ids: CHUNK slots at a time, a slot's rank is the row sum of a [CHUNK, CHUNK] "same expert,
     earlier" matrix plus the chunk-start histogram `counts`, which one extra bin extends to absorb -1 (no
-    expert). Index ranges are checked by a device assertion, compiled in only when the binding asks for it.
+    expert) and every other id outside [0, E): such a slot has no expert (the index rule, docs/design.md).
     With GDC (programmatic dependent launch), the scan may be launched at once: it waits for this kernel.
     """
     if GDC:
@@ -183,10 +194,10 @@ def _count_experts_kernel(
         for flat0 in range(first.to(tl.int64) * num_slots, end, CHUNK):
             flat = flat0 + positions
             ok = flat < end
-            ids = tl.load(routing_ptr + flat, mask=ok, other=-1).to(tl.int32)
-            tl.device_assert((ids >= -1) & (ids < num_experts), "indices must lie in [-1, num_experts)")
-            # -1 (and anything out of range) lands in bin num_experts, which is never stored.
-            binned = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+            ids = tl.load(routing_ptr + flat, mask=ok, other=-1)
+            # Compared in the ids' own dtype, narrowed after: an int64 id of 2**32 is out of range, not
+            # expert 0. -1 and every id outside [0, E) land in bin num_experts, which is never stored.
+            binned = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts).to(tl.int32)
             rank = tl.sum(((binned[:, None] == binned[None, :]) & earlier).to(tl.int32), axis=1)
             rank += tl.gather(counts, binned, 0)
             tl.store(ranks_ptr + flat, tl.where(binned < num_experts, rank + 1, 0), mask=ok)
@@ -276,8 +287,11 @@ def _token_rows(
     if IS_MASK:
         experts = slots
     else:
-        ids = tl.load(routing_ptr + token.to(tl.int64) * num_slots + slots, mask=own, other=0).to(tl.int32)
-        experts = tl.where(own, ids, 0)
+        ids = tl.load(routing_ptr + token.to(tl.int64) * num_slots + slots, mask=own, other=0)
+        # Ranked slots had ids in range when counted; checked again (own dtype, then narrowed) so that no
+        # address below is ever computed from an id outside [0, E).
+        own = own & (ids >= 0) & (ids < num_experts)
+        experts = tl.where(own, ids, 0).to(tl.int32)
         start = tl.gather(start, experts, 0)
     before = tl.load(offsets_ptr + block.to(tl.int64) * num_experts + experts, mask=own, other=0)
     rank = before + ranks - 1
@@ -340,12 +354,13 @@ def _zero_tail(
     BLOCK_H: tl.constexpr,
 ):
     """Fill program `fill` of NUM_FILL zeroes its share of the rows [end, N) of `out_ptr` [N, H], with
-    `end` read from the row map's last column (token 0)."""
+    `end` read from the row map's last column (token 0) and clamped into [0, N]."""
+    end = tl.minimum(tl.maximum(tl.load(row_map_ptr + 2 * num_slots + 1), 0), num_rows)
     _zero_rows(
         out_ptr,
         out_ptr,
         out_ptr,
-        tl.load(row_map_ptr + 2 * num_slots + 1) + fill * FILL_ROWS,
+        end + fill * FILL_ROWS,
         num_rows,
         NUM_FILL * FILL_ROWS,
         hidden,
@@ -568,14 +583,16 @@ def _scatter_kernel(
         cmask = cols < hidden
         values = _load_token_chunk(inp_ptr, token, inp_stride, cols, cmask, STREAMING)
         map_row = _map_row(row_map_ptr, token, num_slots)
-        count = tl.load(map_row + 2 * num_slots)
+        count = _listed_count(map_row, num_slots)
         for position in range(count):
-            row, _ = _listed_row(map_row, position, count)
+            row, live = _listed_row(map_row, position, count, num_rows)
             out = _as_bits(out_ptr) + row * hidden + cols
+            # The live flag is made a vector first: the interpreter rejects a vector mask & a scalar one.
+            mask = cmask & ((tl.zeros_like(cols) + live.to(tl.int32)) != 0)
             if STREAMING:
-                tl.store(out, values, mask=cmask, cache_modifier=".cs")
+                tl.store(out, values, mask=mask, cache_modifier=".cs")
             else:
-                tl.store(out, values, mask=cmask)
+                tl.store(out, values, mask=mask)
     else:
         _zero_tail(
             _as_bits(out_ptr),
@@ -631,6 +648,7 @@ def _combine_kernel(
     hidden,
     inp_stride,  # row stride of inp
     num_slots,
+    num_rows,  # N: listed rows outside [0, N) are ignored
     out_ptr,  # [T, H]
     out_probs_ptr,  # [T, S] (GATHER_PROBS)
     BLOCK_H: tl.constexpr,
@@ -678,22 +696,22 @@ def _combine_kernel(
     acc = tl.zeros([BLOCK_H], dtype=acc_dtype)
     # `position` is the list entry whose row the next load reads; (row, live, slot) are that entry's.
     position = tl.full([], 0, tl.int32)
-    row, live = _listed_row(map_row, position, num_slots)
+    row, live = _listed_row(map_row, position, num_slots, num_rows)
     slot = _listed_slot(map_row, num_slots, position, num_slots, NEEDS_SLOT)
-    count = tl.load(map_row + 2 * num_slots)
+    count = _listed_count(map_row, num_slots)
     if LOOKAHEAD == 2:
         values = _slot_values(inp_ptr, row, live, inp_stride, cols, cmask, STREAMING)
         weight = _slot_weight(weight_row, slot, acc_dtype, HAS_WEIGHTS)
         gathered = _gather_prob(probs_bits, row, slot, live & first_chunk, slots, gathered, GATHER_PROBS)
         position += 1
-        row, live = _listed_row(map_row, position, num_slots)
+        row, live = _listed_row(map_row, position, num_slots, num_rows)
         slot = _listed_slot(map_row, num_slots, position, num_slots, NEEDS_SLOT)
     for _ in range(count):
         next_values = _slot_values(inp_ptr, row, live, inp_stride, cols, cmask, STREAMING)
         next_weight = _slot_weight(weight_row, slot, acc_dtype, HAS_WEIGHTS)
         gathered = _gather_prob(probs_bits, row, slot, live & first_chunk, slots, gathered, GATHER_PROBS)
         position += 1
-        row, live = _listed_row(map_row, position, num_slots)
+        row, live = _listed_row(map_row, position, num_slots, num_rows)
         slot = _listed_slot(map_row, num_slots, position, num_slots, NEEDS_SLOT)
         if LOOKAHEAD == 2:
             if HAS_WEIGHTS:
@@ -766,13 +784,13 @@ def _combine_backward_kernel(
         grad_row = grad_ptr + token.to(tl.int64) * grad_stride
         weight_grads = tl.zeros([SLOTS_POW2], dtype=acc_dtype)
         weight_row = weights_ptr + token.to(tl.int64) * num_slots
-        count = tl.load(map_row + 2 * num_slots)
+        count = _listed_count(map_row, num_slots)
         # The next STEP listed entries' rows, slots and weights are read while the current ones' rows move.
-        rows, live = _listed_row(map_row, steps, count)  # [STEP]
+        rows, live = _listed_row(map_row, steps, count, num_rows)  # [STEP]
         slot_ids = _listed_slot(map_row, num_slots, steps, count)
         weights = _slot_weight(weight_row, slot_ids, acc_dtype, True)
         for position in range(0, count, STEP):
-            next_rows, next_live = _listed_row(map_row, position + STEP + steps, count)
+            next_rows, next_live = _listed_row(map_row, position + STEP + steps, count, num_rows)
             next_slot_ids = _listed_slot(map_row, num_slots, position + STEP + steps, count)
             next_weights = _slot_weight(weight_row, next_slot_ids, acc_dtype, True)
             dot = tl.zeros([STEP, BLOCK_H], dtype=acc_dtype)
@@ -925,7 +943,6 @@ def expert_count_plan(
         outputs=("block_counts", "block_ranks"),
         constexprs=dict(IS_MASK=is_mask, BLOCK_T=block_t, **tiles, GDC=device.pdl),
         num_warps=cfg["num_warps"],
-        checks=not is_mask,
     )
     scan = Launch(
         kernel=_scan_counts_kernel,
@@ -1156,6 +1173,7 @@ def combine_plan(
     num_tokens: int,
     hidden: int,
     num_slots: int,
+    num_rows: int,
     element_bytes: int,
     has_weights: bool,
     gather_probs: bool,
@@ -1165,7 +1183,8 @@ def combine_plan(
 ) -> Plan:
     """token_combine (and the backward of dispatch).
 
-    Inputs: "inp" [N, H], "row_id_map", "weights" [T, S] or None, "permuted_probs" [N] or None.
+    Inputs: "inp" [N, H] (N = num_rows), "row_id_map", "weights" [T, S] or None, "permuted_probs" [N] or
+    None. Listed rows outside [0, N) add nothing.
     Results: output [T, H] and, with `gather_probs`, probs [T, S] (dtype `probs_dtype`).
     """
     # Weighted (combine) and unweighted (dispatch backward) sums, the latter with and without the probs
@@ -1201,6 +1220,7 @@ def combine_plan(
             hidden,
             RowStride("inp", "INP_STRIDE_ALIGN"),
             num_slots,
+            num_rows,
         ),
         outputs=("output", "probs"),
         constexprs=dict(

@@ -1,8 +1,9 @@
 """Argument rules of the router ops, shared by both bindings.
 
 Bindings describe arrays as (shape, dtype name) with numpy-style dtype names and call these functions
-before launching. Every error is a ValueError that names the argument and what was expected. The rules here
-need no array values, so they never cost a device sync.
+before launching. Every error names the argument and what was expected: TypeError for an argument of the
+wrong kind (a float where an int is expected, a list for an array), ValueError for a wrong value. The rules
+here need no array values, so they never cost a device sync.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
+
+from .validation import require_array
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
@@ -28,13 +31,13 @@ def _fail(name: str, message: str) -> None:
 
 
 def _int(name: str, value, *, low: int, high: int | None = None) -> int:
-    """A Python (or numpy) integer in [low, high]; bools and floats are rejected."""
+    """A Python (or numpy) integer in [low, high]; bools and floats are rejected (TypeError)."""
     if isinstance(value, bool):
-        _fail(name, f"expected an int, got {value!r}")
+        raise TypeError(f"{name}: expected an int, got {value!r}")
     try:
         value = operator.index(value)
     except TypeError:
-        _fail(name, f"expected an int, got {type(value).__name__}")
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
     if value < low or (high is not None and value > high):
         bound = f"[{low}, {high}]" if high is not None else f">= {low}"
         _fail(name, f"expected an int in {bound}, got {value}")
@@ -42,9 +45,9 @@ def _int(name: str, value, *, low: int, high: int | None = None) -> int:
 
 
 def _real(name: str, value) -> float:
-    """A finite Python real number (int or float, not bool)."""
+    """A finite Python real number (int or float, not bool; TypeError otherwise)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        _fail(name, f"expected a Python float, got {type(value).__name__}")
+        raise TypeError(f"{name}: expected a Python float, got {type(value).__name__}")
     if not math.isfinite(value):
         _fail(name, f"expected a finite number, got {value}")
     return float(value)
@@ -58,6 +61,7 @@ def _score_function(score_function) -> str:
 
 def _logits(logits: Desc) -> tuple[int, int]:
     """(tokens, experts) of logits [..., E]: leading dimensions flatten to tokens."""
+    require_array("logits", logits)
     shape, dtype = logits
     if len(shape) < 1:
         _fail("logits", f"expected shape [..., num_experts] (at least 1-D), got {tuple(shape)}")
@@ -106,7 +110,7 @@ def check_topk(
     topk = _int("topk", topk, low=1, high=num_experts)
     score_function = _score_function(score_function)
     if not isinstance(use_pre_softmax, bool):
-        _fail("use_pre_softmax", f"expected a bool, got {type(use_pre_softmax).__name__}")
+        raise TypeError(f"use_pre_softmax: expected a bool, got {type(use_pre_softmax).__name__}")
     if (num_groups is None) != (group_topk is None):
         _fail(
             "num_groups / group_topk",
@@ -130,6 +134,7 @@ def check_topk(
             )
     scaling_factor = 1.0 if scaling_factor is None else _real("scaling_factor", scaling_factor)
     if expert_bias is not None:
+        require_array("expert_bias", expert_bias)
         if score_function == "softmax":
             _fail("expert_bias", "only supported with score_function 'sigmoid' or 'sqrtsoftplus'")
         shape, dtype = expert_bias
@@ -175,6 +180,8 @@ def check_aux_loss(
     probs is [rows, cols] with cols a multiple of num_experts (a sequence-level loss passes
     [seq, batch * E]); tokens_per_expert has one count per column.
     """
+    require_array("probs", probs)
+    require_array("tokens_per_expert", tokens_per_expert)
     shape, dtype = probs
     if len(shape) != 2:
         _fail("probs", f"expected a 2-D array [tokens, cols], got shape {tuple(shape)}")
@@ -194,6 +201,7 @@ def check_aux_loss(
     topk = _int("topk", topk, low=1, high=num_experts)
     coeff = _real("coeff", coeff)
     if isinstance(total_num_tokens, tuple):
+        require_array("total_num_tokens", total_num_tokens)
         total_shape, total_dtype = total_num_tokens
         if tuple(total_shape) != ():
             _fail("total_num_tokens", f"expected a 0-dim array or a Python int, got shape {total_shape}")
@@ -203,3 +211,10 @@ def check_aux_loss(
     else:
         total = _int("total_num_tokens", total_num_tokens, low=1)
     return AuxLossConfig(num_rows, num_cols, num_experts, topk, coeff, total)
+
+
+def check_total_tokens_value(total: float) -> None:
+    """Value rule of a total_num_tokens array, for bindings that read its value (free on CPU, or with the
+    debug switch): at least 1, since the loss divides by its square."""
+    if not total >= 1:
+        _fail("total_num_tokens", f"expected a value >= 1, got {total}")

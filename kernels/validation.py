@@ -2,14 +2,24 @@
 
 Bindings describe arrays as (shape, dtype name) with numpy-style dtype names ("bfloat16", "float8_e4m3fn",
 "bool", "int32", ...) and call these functions before launching. Every error names the argument and what
-was expected. Checks that need the array's values (index ranges, split sizes) live in the bindings, since
-only they know whether reading values is free (CPU) or a device sync (GPU).
+was expected. Rules on index values (expert ids, row maps, split sizes) take the values' extremes or
+lists; the bindings decide when to read them: where reading is free (CPU arrays outside tracing), or on
+every call when CHECK_VALUES is on. Elsewhere the kernels apply the index rule of docs/design.md ("Index
+data is never trusted"): a bad index is ignored, never followed out of a buffer.
 """
 
 from __future__ import annotations
 
+import os
+
 from .expert_parallel import GATED_ACTIVATIONS
 from .permutation import row_map_slots
+
+#: The debug switch MOETRITON_CHECK=1 (read at import): every call reads the index data it is given (expert
+#: ids, row maps, split sizes and orders) and raises ValueError for values the rules below refuse, on the
+#: GPU too, at the price of a device-to-host copy and a sync per call. Off by default: the hot path reads
+#: no device value.
+CHECK_VALUES = os.environ.get("MOETRITON_CHECK", "0") not in ("", "0")
 
 FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
@@ -22,7 +32,20 @@ def _fail(name: str, message: str) -> None:
     raise ValueError(f"{name}: {message}")
 
 
+def not_an_array(value, expected: str) -> tuple[None, str]:
+    """How a binding describes an argument that is not one of its arrays (a list, a numpy array given to
+    PyTorch): the rules raise TypeError for it, naming the argument and `expected` (e.g. "a torch.Tensor")."""
+    return None, f"expected {expected}, got {type(value).__module__}.{type(value).__qualname__}"
+
+
+def require_array(name: str, description: tuple | None) -> None:
+    """TypeError when `description` is `not_an_array`'s."""
+    if description is not None and description[0] is None:
+        raise TypeError(f"{name}: {description[1]}")
+
+
 def check_array(name: str, shape: tuple[int, ...], dtype: str, *, ndim: int, dtypes: tuple[str, ...]) -> None:
+    require_array(name, (shape, dtype))
     if len(shape) != ndim:
         _fail(name, f"expected a {ndim}-D array, got shape {tuple(shape)}")
     if dtype not in dtypes:
@@ -164,6 +187,34 @@ def check_index_values(min_id: int, max_id: int, num_experts: int) -> None:
         _fail("indices", f"expected expert ids in [-1, {num_experts}), got values in [{min_id}, {max_id}]")
 
 
+def check_row_map_values(
+    *,
+    rows: tuple[int, int],
+    slots: tuple[int, int],
+    counts: tuple[int, int],
+    ends: tuple[int, int],
+    num_rows: int,
+    num_slots: int,
+) -> None:
+    """Value rule of a row_id_map [T, 2S + 2] used with a buffer of `num_rows` rows, from the (min, max) of
+    its listed rows, listed slots, counts and `end` column: what token_dispatch writes for a buffer of at
+    most that many rows. A map from a dispatch into more rows, or written by hand, is refused here;
+    kernels given one ignore the entries they cannot follow."""
+    expectations = (
+        ("rows", rows, -1, num_rows - 1, f"listed rows in [-1, {num_rows}) (inp has {num_rows} rows)"),
+        ("slots", slots, -1, num_slots - 1, f"listed slots in [-1, {num_slots})"),
+        ("counts", counts, 0, num_slots, f"counts (column {2 * num_slots}) in [0, {num_slots}]"),
+        ("end", ends, 0, num_rows, f"end (last column) in [0, {num_rows}]"),
+    )
+    for what, (low, high), lowest, highest, expected in expectations:
+        if low < lowest or high > highest:
+            _fail(
+                "row_id_map",
+                f"expected {expected}, got {what} in [{low}, {high}]: a map from another token_dispatch"
+                " call, or not from token_dispatch?",
+            )
+
+
 def check_split_values(sizes: list[int], order: list[int], num_rows: int) -> None:
     """Value rules of chunk sort, for bindings that can read the values cheaply."""
     if any(size < 0 for size in sizes):
@@ -188,6 +239,14 @@ def check_grouped_matmul(
     """Validates grouped_matmul operands: lhs [M, K], rhs [E, K, N] of one float dtype, group_sizes [E]
     integers, E >= 1, the row permutations (None or [M] integers). Shape errors raise ValueError, dtype
     errors TypeError."""
+    for name, description in (
+        ("lhs", lhs),
+        ("rhs", rhs),
+        ("group_sizes", group_sizes),
+        ("lhs_rows", lhs_rows),
+        ("out_rows", out_rows),
+    ):
+        require_array(name, description)
     (lhs_shape, lhs_dtype), (rhs_shape, rhs_dtype), (sizes_shape, sizes_dtype) = lhs, rhs, group_sizes
     if len(lhs_shape) != 2 or len(rhs_shape) != 3 or len(sizes_shape) != 1:
         raise ValueError(
@@ -224,6 +283,8 @@ def check_grouped_activation(
     bfloat16 / float16 / float32 (W even for a gated activation), group_sizes [E] integers. ValueError."""
     if activation not in GATED_ACTIVATIONS:
         _fail("activation", f"expected one of {tuple(GATED_ACTIVATIONS)}, got {activation!r}")
+    require_array("hidden", hidden)
+    require_array("group_sizes", group_sizes)
     (hidden_shape, hidden_dtype), (sizes_shape, sizes_dtype) = hidden, group_sizes
     if len(hidden_shape) != 2 or len(sizes_shape) != 1:
         raise ValueError(

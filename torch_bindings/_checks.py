@@ -15,22 +15,34 @@ from typing import Any, TypeVar
 
 import torch
 
+from moetriton.kernels import validation
+
 Signature = tuple[torch.Size, torch.dtype, torch.device]
 _Check = TypeVar("_Check", bound=Callable[..., Any])
 
 
 def signature(tensor: torch.Tensor | None) -> Signature | None:
-    """What the checks may look at: shape, dtype, device (None for an absent argument)."""
-    return None if tensor is None else (tensor.shape, tensor.dtype, tensor.device)
+    """What the checks may look at: shape, dtype, device (None for an absent argument). Anything but a
+    tensor gets validation.not_an_array's description (shape None), for which the rules raise TypeError."""
+    if tensor is None:
+        return None
+    if not isinstance(tensor, torch.Tensor):
+        return (*validation.not_an_array(tensor, "a torch.Tensor"), None)
+    return (tensor.shape, tensor.dtype, tensor.device)
 
 
 def describe(sig: Signature | None) -> tuple[tuple[int, ...], str] | None:
     """A signature as the framework-neutral rules take it: (shape, numpy-style dtype name)."""
-    return None if sig is None else (tuple(sig[0]), str(sig[1]).removeprefix("torch."))
+    if sig is None or sig[0] is None:
+        return None if sig is None else (None, sig[1])
+    return (tuple(sig[0]), str(sig[1]).removeprefix("torch."))
 
 
 def same_device(**signatures: Signature | None) -> torch.device:
-    """The device all present arguments share; a ValueError naming the first one that differs."""
+    """The device all present arguments share; a ValueError naming the first one that differs (TypeError
+    for one that is not a tensor)."""
+    for name, sig in signatures.items():
+        validation.require_array(name, describe(sig))
     present = [(name, sig[2]) for name, sig in signatures.items() if sig is not None]
     first_name, device = present[0]
     for name, other in present[1:]:
@@ -57,7 +69,20 @@ def memoised(check: _Check) -> _Check:
     return run  # type: ignore[return-value]
 
 
-def values_readable(tensor: torch.Tensor) -> bool:
-    """Value checks run where reading values is free: eager CPU tensors. On CUDA the map kernel checks
-    index ranges with a device-side assertion instead, so the hot path never syncs with the host."""
-    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+def values_checked(tensor: torch.Tensor) -> bool:
+    """Whether a call reads `tensor`'s index values to check them: where reading is free (eager CPU
+    tensors), and with the debug switch (validation.CHECK_VALUES, MOETRITON_CHECK=1) on any device, a sync,
+    except while a CUDA graph is captured. torch.compile traces never read values; there, and on the GPU
+    without the switch, the kernels' index rule applies (bad entries are ignored)."""
+    if torch.compiler.is_compiling():
+        return False
+    if tensor.device.type == "cpu":
+        return True
+    return validation.CHECK_VALUES and not (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def extremes(*parts: torch.Tensor) -> list[tuple[int, int]]:
+    """(min, max) of each non-empty tensor, read from the device in one copy."""
+    stacked = torch.stack([value for part in parts for value in torch.aminmax(part.long())])
+    values = stacked.tolist()
+    return list(zip(values[::2], values[1::2], strict=True))

@@ -121,7 +121,7 @@ class _Launcher:
         self.fast: dict[tuple, object] = {}
 
     def __call__(self, env: dict, dummy: torch.Tensor, key: tuple, stream: int | None) -> None:
-        """The JIT-style launch; `stream` is None under the interpreter (which takes no device checks)."""
+        """The JIT-style launch; `stream` is None under the interpreter."""
         args = []
         for kind, value in self.template:
             if kind == 0:
@@ -154,9 +154,7 @@ class _Launcher:
             return
         launch = self.launch
         strides = {align: alignment(env[name].stride(0)) for name, align in self.stride_aligns}
-        checked = stream is not None and launch.checks
-        options = dict(self.options, debug=True) if checked else self.options
-        compiled = launch.kernel[launch.grid](*args, **launch.constexprs, **strides, **options)
+        compiled = launch.kernel[launch.grid](*args, **launch.constexprs, **strides, **self.options)
         if stream is not None and compiled is not None:  # compiled (not interpreted) kernels only
             constexprs = {**launch.constexprs, **strides}
             constexpr_values = [constexprs[name] for name in self.constexpr_names]

@@ -11,15 +11,30 @@ from __future__ import annotations
 
 import torch
 
-from moetriton.kernels import validation
+from moetriton.kernels import row_map_slots, validation
 
 from . import ops
-from ._checks import Signature, describe, memoised, same_device, signature, values_readable
+from ._checks import Signature, describe, extremes, memoised, same_device, signature, values_checked
 
 
 def _check_index_values(indices: torch.Tensor, num_experts: int) -> None:
-    if values_readable(indices) and indices.numel():
-        validation.check_index_values(int(indices.min()), int(indices.max()), num_experts)
+    if indices.numel() and values_checked(indices):
+        ((low, high),) = extremes(indices)
+        validation.check_index_values(low, high, num_experts)
+
+
+def _check_row_map_values(row_id_map: torch.Tensor, num_rows: int) -> None:
+    if not row_id_map.numel() or not values_checked(row_id_map):
+        return
+    num_slots = row_map_slots(row_id_map.shape[1])
+    # Columns [rows | slots | count | end]; with no slots the lists are empty (read as -1).
+    parts = [row_id_map[:, :num_slots], row_id_map[:, num_slots : 2 * num_slots]]
+    parts += [row_id_map[:, 2 * num_slots], row_id_map[:, 2 * num_slots + 1]]
+    found = iter(extremes(*(part for part in parts if part.numel())))
+    rows, slots, counts, ends = (next(found) if part.numel() else (-1, -1) for part in parts)
+    validation.check_row_map_values(
+        rows=rows, slots=slots, counts=counts, ends=ends, num_rows=num_rows, num_slots=num_slots
+    )
 
 
 def _symbolic_experts(num_experts) -> bool:
@@ -119,7 +134,9 @@ def token_dispatch(
         align_size: pad every expert's block to a multiple of this (grouped-GEMM tiles). The buffer then has
             the static worst-case size floor((num_out_tokens + E * (A - 1)) / A) * A rows; pad rows and rows
             past the last expert are exactly zero in every output.
-        indices: [T, K] int32/int64 expert ids, -1 = no expert. Needs `num_experts`.
+        indices: [T, K] int32/int64 expert ids, -1 = no expert. Needs `num_experts`. Ids are range-checked
+            where their values are free to read (CPU tensors, or every call with MOETRITON_CHECK=1); elsewhere
+            (GPU, torch.compile) an id outside [0, E) is no expert, like -1.
         num_experts: E; required with `indices`, implied by a mask.
         scales: [T, C] row-wise scales of FP8 payloads (any dtype), permuted like the rows.
         capacity: instead of `num_out_tokens` and `align_size`: every expert gets exactly `capacity` rows
@@ -181,7 +198,9 @@ def token_combine(
 
     Args:
         inp: [N, H] expert outputs in the layout token_dispatch produced; float32/float64/bfloat16/float16.
-        row_id_map: [T, 2S + 2] int32 from token_dispatch.
+        row_id_map: [T, 2S + 2] int32 from token_dispatch into a buffer of N = inp.shape[0] rows. Checked
+            against inp where its values are free to read (CPU, or MOETRITON_CHECK=1); elsewhere entries
+            naming rows outside [0, N) are ignored (docs/design.md, "Index data is never trusted").
         merging_probs: [T, S] weights in the routing layout ([T, E] for a mask, [T, K] for indices).
         pad_offsets: pass what token_dispatch returned when it padded (rows in row_id_map already include
             padding; this tells the backward that pad rows exist).
@@ -204,6 +223,7 @@ def token_combine(
         merging_probs=signature(merging_probs),
         pad_offsets=signature(pad_offsets),
     )
+    _check_row_map_values(row_id_map, inp.shape[0])
     return ops.COMBINE(inp, row_id_map, merging_probs, pad_offsets is not None)
 
 
@@ -218,8 +238,10 @@ def sort_chunks_by_index(
 
     Args:
         inp: [N, H] rows; any float or FP8 dtype (moved bit for bit).
-        split_sizes: [S] int32/int64 chunk sizes; rows past their sum stay in place.
-        sorted_indices: [S] int32/int64 permutation of [0, S).
+        split_sizes: [S] int32/int64 chunk sizes; rows past their sum stay in place. Host tensors are fine.
+        sorted_indices: [S] int32/int64 permutation of [0, S). Sizes and order are checked where their
+            values are free to read (CPU, or MOETRITON_CHECK=1); elsewhere sizes outside [0, N], a sum past
+            N or an order that is not a permutation move nothing: zero output and probs, row_id_map -1.
         probs: optional [N] per-row values permuted alongside.
 
     Returns:
@@ -237,11 +259,12 @@ def sort_chunks_by_index(
         sorted_indices=signature(sorted_indices),
         probs=signature(probs),
     )
-    if split_sizes.device != inp.device:  # sizes may come from the host (e.g. an all-to-all's splits)
+    # Sizes may come from the host (e.g. an all-to-all's splits): checked there for free.
+    if values_checked(split_sizes) and values_checked(sorted_indices):
+        validation.check_split_values(split_sizes.tolist(), sorted_indices.tolist(), inp.shape[0])
+    if split_sizes.device != inp.device:
         split_sizes = split_sizes.to(inp.device, non_blocking=True)
     if sorted_indices.device != inp.device:
         sorted_indices = sorted_indices.to(inp.device, non_blocking=True)
-    if values_readable(inp):
-        validation.check_split_values(split_sizes.tolist(), sorted_indices.tolist(), inp.shape[0])
     output, row_id_map, permuted_probs = ops.SORT_CHUNKS(inp, split_sizes, sorted_indices, probs, False)
     return (output, row_id_map) if probs is None else (output, row_id_map, permuted_probs)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -231,7 +232,8 @@ def _activate(hidden: Tensor, activation: str) -> Tensor:
     direction (math in fp32), where eager PyTorch ran several elementwise kernels over the halves and
     their copies (docs/moe.md, "Numbers")."""
     flat = hidden.reshape(-1, hidden.shape[-1])
-    return ACTIVATE(flat, activation).view(*hidden.shape[:-1], -1)
+    activated = ACTIVATE(flat, activation)  # [M, F], named: M may be 0
+    return activated.view(*hidden.shape[:-1], activated.shape[-1])
 
 
 def grouped_mm_supported(rows: Tensor, gate_up: Tensor, down: Tensor) -> bool:
@@ -368,6 +370,30 @@ def _capacity_experts(send, layout, group, gate_up, down, activation) -> Tensor:
         return all_to_all_rows(source_major, None, None, send.shape[0], group)
 
 
+def _gather_tokens(layout: EPLayout, group, device: torch.device) -> Callable[[], np.ndarray] | None:
+    """Capacity with EP > 1 moves [L, C] slabs whose C follows from T, so every rank must hold the same T.
+    Eager calls gather every rank's T first (queued before the router, awaited before the rows move: the
+    host waits for the start of the call only); returns the function that waits for them, or None where
+    nothing is gathered: dropless, EP = 1, and while torch.compile traces or a CUDA graph is captured (no
+    host read there: equal T is then the caller's promise)."""
+    if layout.dropless or layout.ep_size == 1 or torch.compiler.is_compiling():
+        return None
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    mine = torch.full((1,), layout.num_tokens, dtype=torch.int64, device=device)
+    return _gather_counts(mine, layout.ep_size, group)[1]
+
+
+def _check_same_tokens(tokens_per_rank: np.ndarray) -> None:
+    """The same error on every rank (each sees every rank's T) before any row is exchanged."""
+    counts = tokens_per_rank.reshape(-1).tolist()
+    if len(set(counts)) > 1:
+        raise ValueError(
+            f"x: capacity_factor needs the same number of tokens on every rank of ep_group, got {counts}"
+            " (rank order); pass capacity_factor=None (dropless) for batches that differ"
+        )
+
+
 def _check_exchange(exchange: str) -> None:
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
@@ -388,19 +414,21 @@ def _uses_peer(exchange: str, group, device: torch.device, exchanging: bool) -> 
 
 
 def _peer_dropless(
-    tokens, indices, merging, gathered, layout, ep_rank, group, gate_up, down, activation
+    tokens, indices, merging, gathered, tokens_on_host, layout, ep_rank, group, gate_up, down, activation
 ) -> Tensor:
     """Dropless EP through the peer exchange: tokens [T, H] -> combined [T, H] (dispatch, exchanges,
-    experts and combine; see moetriton.torch.peer_exchange)."""
+    experts and combine; see moetriton.torch.peer_exchange). tokens_on_host: every rank's T, waited for
+    (the call's one host sync) before the staging buffer is sized, since ranks may hold different T."""
     counts_all, counts_on_host = gathered
     chunks = peer_chunks(counts_all, ep_rank, layout)
     group_sizes = chunks["chunk_sizes"].view(layout.local_experts, layout.ep_size).sum(1)  # [L]
 
     def received_rows() -> int:
-        with _stage("exchange_sizes"):  # the call's one host sync
-            return int(peer_chunks(counts_on_host(), ep_rank, layout)["chunk_sizes"].sum())
+        return int(peer_chunks(counts_on_host(), ep_rank, layout)["chunk_sizes"].sum())
 
-    plan = peer_plan(group, chunks, indices, layout, tokens.shape[1], tokens.dtype, received_rows)
+    with _stage("exchange_sizes"):
+        largest = max(replace(layout, num_tokens=int(count)).send_rows for count in tokens_on_host())
+    plan = peer_plan(group, chunks, indices, layout, tokens.shape[1], tokens.dtype, received_rows, largest)
     return peer_experts(
         tokens,
         merging,
@@ -428,9 +456,12 @@ def _routing_statistics(
         dist.all_reduce(stats, group=group)
         routed, dropped, total_tokens = stats[:num_experts], stats[num_experts], stats[num_experts + 1]
     aux_loss = torch.zeros((), dtype=torch.float32, device=logits.device)
-    if coeff > 0 and layout.num_tokens > 0:
-        _, scores = fused_compute_score_for_moe_aux_loss(logits, layout.topk, score_function)
-        aux_loss = fused_moe_aux_loss(scores, routed, total_tokens, num_experts, layout.topk, coeff)
+    if coeff > 0:
+        # A rank without tokens adds a zero partial, but still joins the sum: every rank reaches every
+        # collective whatever its batch, or the others would wait for it.
+        if layout.num_tokens > 0:
+            _, scores = fused_compute_score_for_moe_aux_loss(logits, layout.topk, score_function)
+            aux_loss = fused_moe_aux_loss(scores, routed, total_tokens, num_experts, layout.topk, coeff)
         if group_size > 1:
             aux_loss = _GlobalSum.apply(aux_loss, group)
     return aux_loss, dropped.to(torch.int32)
@@ -516,6 +547,7 @@ def moe(
     )
     # Decided before any collective: every rank takes the same path, and a bad choice fails at once.
     use_peer = _uses_peer(exchange, ep_group, tokens.device, layout.dropless and ep_size > 1)
+    same_tokens = _gather_tokens(layout, ep_group, tokens.device)
     with _stage("router"):
         logits = F.linear(tokens, gate_weight)  # [T, E]
         probs, routing_map, indices = fused_topk_with_score_function(
@@ -543,10 +575,23 @@ def moe(
         gathered = None
         if ep_size > 1:
             with _stage("exchange_sizes"):
-                gathered = _gather_counts(padded_counts(routed, layout), ep_size, ep_group)
+                # Every rank's counts per expert and its T, gathered in one exchange.
+                mine = torch.cat([padded_counts(routed, layout), routed.new_full((1,), layout.num_tokens)])
+                everyone, on_host = _gather_counts(mine, ep_size, ep_group)
+                gathered = (everyone[:, :num_experts], lambda: on_host()[:, :num_experts])
             if use_peer:
                 combined = _peer_dropless(
-                    tokens, indices, merging, gathered, layout, ep_rank, ep_group, gate_up, down, activation
+                    tokens,
+                    indices,
+                    merging,
+                    gathered,
+                    lambda: on_host()[:, num_experts],
+                    layout,
+                    ep_rank,
+                    ep_group,
+                    gate_up,
+                    down,
+                    activation,
                 )
                 return combined.reshape(x.shape), aux_loss, dropped
         with _stage("dispatch"):
@@ -561,6 +606,8 @@ def moe(
             send, _, row_id_map, pad_offsets, _ = token_dispatch(
                 tokens, indices=indices, num_experts=num_experts, capacity=layout.capacity
             )
+        if same_tokens is not None:
+            _check_same_tokens(same_tokens())
         out = _capacity_experts(send, layout, ep_group, gate_up, down, activation)
     with _stage("combine"):
         combined = token_combine(out, row_id_map, merging_probs=merging, pad_offsets=pad_offsets)

@@ -18,6 +18,8 @@ from . import reference
 from ._launch import allocate, bound, device_info, uses_kernels
 from ._op import Op
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 def _zeros_like_meta(meta: tuple) -> Tensor:
     """Zeros of a tensor known by (shape, dtype, device): the gradient of an unused output, when another
@@ -98,7 +100,12 @@ def _dispatch_backward(ctx, grad_output, grad_probs, grad_scales, grad_map, grad
         return (None,) * 9
     if grad_output is None:  # only permuted_probs was used
         grad_output = _zeros_like_meta(ctx.rows)
+    inp_dtype = grad_output.dtype
+    # FP8 payloads have no FP8 combine: their cotangent is summed in fp32 and rounded once (as in JAX).
+    if inp_dtype in _FP8:
+        grad_output = grad_output.float()
     grad_inp, grad_routing_probs = DISPATCH_BACKWARD(grad_output, grad_probs, row_map)
+    grad_inp = grad_inp.to(inp_dtype)
     # Without a gradient for permuted_probs the op returns an empty placeholder: no gradient for probs.
     return (
         grad_inp,
@@ -118,6 +125,7 @@ def _combine_sizes(inp, row_map, weights, permuted_probs) -> dict:
         num_tokens=row_map.shape[0],
         hidden=inp.shape[1],
         num_slots=kernels.row_map_slots(row_map.shape[1]),
+        num_rows=inp.shape[0],
         element_bytes=inp.element_size(),
         has_weights=weights is not None,
         gather_probs=permuted_probs is not None,

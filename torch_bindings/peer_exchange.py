@@ -108,8 +108,9 @@ _STAGING: dict[tuple[str, torch.device], _Staging] = {}
 
 def _staging(group: dist.ProcessGroup, device: torch.device, rows: int, row_bytes: int) -> _Staging:
     """The group's staging allocation on `device`, (re)made when it is too small: a collective, reached by
-    every rank at once since all call with the same static sizes. The old allocation goes only after the
-    device and the group are idle, since queued copies and peers may still use it."""
+    every rank at once since all call with the same sizes (the group's largest send buffer). The old
+    allocation goes only after the device and the group are idle, since queued copies and peers may still
+    use it."""
     key = (group.group_name, device)
     staging = _STAGING.get(key)
     if staging is not None and staging.holds(rows, row_bytes):
@@ -143,16 +144,19 @@ def peer_plan(
     hidden: int,
     dtype: torch.dtype,
     received_rows: Callable[[], int],
+    staging_rows: int,
 ) -> PeerPlan:
     """The exchange plan of one layer call: chunks from moetriton.kernels.expert_parallel.peer_chunks
     (chunk_sizes, source_offsets [EP * L] on the device), the router's indices [T, K], the layer's layout,
-    the rows' width and dtype, and a function returning the rows this rank receives. Allocates the staging
-    buffer on first use (a collective: every rank of `group` calls it).
+    the rows' width and dtype, a function returning the rows this rank receives, and the rows every rank's
+    staging buffer must hold (the largest send buffer of the group: the same value on every rank, so that
+    all decide alike whether to allocate). Allocates the staging buffer when it is too small (a collective:
+    every rank of `group` calls it).
 
     Example (every rank of a two-GPU NCCL group; moetriton.torch.moe builds it this way):
-        >>> plan = peer_plan(group, chunks, indices, layout, 4096, torch.bfloat16, rows)  # doctest: +SKIP
+        >>> plan = peer_plan(group, chunks, ids, layout, 4096, torch.bfloat16, rows, 8192)  # doctest: +SKIP
     """
-    staging = _staging(group, indices.device, layout.send_rows, hidden * dtype.itemsize)
+    staging = _staging(group, indices.device, staging_rows, hidden * dtype.itemsize)
     return PeerPlan(staging, chunks["chunk_sizes"], chunks["source_offsets"], indices, layout, received_rows)
 
 
@@ -194,6 +198,7 @@ def _pull(
         num_rows=num_rows,
         num_chunks=plan.chunk_sizes.shape[0],
         num_sources=plan.layout.ep_size,
+        source_rows=staging.rows,
         hidden=hidden,
         dtype=dtype_name(dtype),
         element_bytes=dtype.itemsize,
@@ -222,6 +227,7 @@ def _push(plan: PeerPlan, rows: Tensor, probs: Tensor | None = None) -> None:
         num_rows=rows.shape[0],
         num_chunks=plan.chunk_sizes.shape[0],
         num_sources=plan.layout.ep_size,
+        source_rows=staging.rows,
         hidden=rows.shape[1],
         element_bytes=rows.element_size(),
         has_probs=probs is not None,

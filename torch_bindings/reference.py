@@ -42,8 +42,9 @@ def row_map(
         valid = routing != 0
         experts = torch.arange(num_slots, device=device).expand(num_tokens, num_slots)
     else:
+        # Ids outside [0, E) have no expert (compared before any narrowing; ids are int32 or int64).
+        valid = (routing >= 0) & (routing < num_experts)
         experts = routing.long()
-        valid = experts >= 0
     flat = torch.where(valid, experts, num_experts).reshape(-1)
     counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
     aligned = torch.full_like(counts, capacity) if capacity else (counts + align - 1) // align * align
@@ -74,16 +75,24 @@ def row_map(
     return full_map, kept.int(), (start - plain_start).int()
 
 
-def _lists(row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _lists(row_id_map: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A row map's two lists, int64 [T, S] each: the rows of each token's slots that have one and those
-    slots, in ascending slot order, then -1."""
+    slots, in ascending slot order, then -1. Read by the index rule of the kernels (docs/design.md): only
+    the first `count` entries (clamped into [0, S]) are listed, a row outside [0, num_rows) makes its entry
+    unlisted, and a slot outside [0, S) reads as -1 (weight 0)."""
     num_slots = row_map_slots(row_id_map.shape[1])
-    return row_id_map[:, :num_slots].long(), row_id_map[:, num_slots : 2 * num_slots].long()
+    listed_rows = row_id_map[:, :num_slots].long()
+    listed = row_id_map[:, num_slots : 2 * num_slots].long()
+    count = row_id_map[:, 2 * num_slots : 2 * num_slots + 1].long().clamp(0, num_slots)
+    positions = torch.arange(num_slots, device=row_id_map.device)
+    live = (positions < count) & (listed_rows >= 0) & (listed_rows < num_rows)
+    listed = torch.where((listed >= 0) & (listed < num_slots), listed, -1)
+    return torch.where(live, listed_rows, -1), torch.where(live, listed, -1)
 
 
-def _rows(row_id_map: torch.Tensor) -> torch.Tensor:
+def _rows(row_id_map: torch.Tensor, num_rows: int) -> torch.Tensor:
     """[T, S] destination rows of a row map's slots (-1: none), int64."""
-    listed_rows, listed = _lists(row_id_map)
+    listed_rows, listed = _lists(row_id_map, num_rows)
     num_slots = listed.shape[1]
     # Padding entries (-1) land in an extra column that is cut off.
     rows = listed_rows.new_full((listed.shape[0], num_slots + 1), -1)
@@ -91,10 +100,11 @@ def _rows(row_id_map: torch.Tensor) -> torch.Tensor:
     return rows[:, :num_slots]
 
 
-def _slots(row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token, slot, row) of every slot that has a row, in (token, slot) order: the lists' order."""
-    listed_rows, listed = _lists(row_id_map)
-    tokens, positions = torch.nonzero(listed >= 0, as_tuple=True)
+def _slots(row_id_map: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token, slot, row) of every listed entry, in (token, slot) order: the lists' order (slot -1 where
+    the entry's slot is out of range)."""
+    listed_rows, listed = _lists(row_id_map, num_rows)
+    tokens, positions = torch.nonzero(listed_rows >= 0, as_tuple=True)
     return tokens, listed[tokens, positions], listed_rows[tokens, positions]
 
 
@@ -114,7 +124,7 @@ def dispatch(
     align = align_size or 1
     num_rows = buffer_rows(num_out_tokens, num_experts, align_size or None, capacity or None)
     full_map, kept, pad_offsets = row_map(routing, num_experts, is_mask, num_rows, align, capacity)
-    tokens, slots, rows = _slots(full_map)
+    tokens, slots, rows = _slots(full_map, num_rows)
     output = _move_rows(inp, rows, tokens, num_rows)
     permuted_probs = (
         inp.new_empty(0, dtype=torch.float32)
@@ -133,17 +143,19 @@ def combine(inp: torch.Tensor, row_id_map: torch.Tensor, weights: torch.Tensor |
     """moetriton::combine: per token, the sum over its slots in ascending order of w * inp[row], in fp32
     (fp64 for fp64 input), cast to inp.dtype."""
     acc_dtype = torch.float64 if inp.dtype == torch.float64 else torch.float32
-    listed_rows, listed = _lists(row_id_map)
-    num_tokens = listed.shape[0]
-    width = int((listed_rows >= 0).sum(1).max()) if num_tokens else 0
+    listed_rows, listed = _lists(row_id_map, inp.shape[0])
+    num_tokens, num_slots = listed.shape
     acc = torch.zeros((num_tokens, inp.shape[1]), dtype=acc_dtype, device=inp.device)
+    if inp.shape[0] == 0:
+        return acc.to(inp.dtype)
     # Position k of every token's lists at once: the slots are listed in ascending order.
-    for k in range(width):
+    for k in range(num_slots):
         row, slot = listed_rows[:, k], listed[:, k]
         has_row = row >= 0
         term = inp[row.clamp(min=0)].to(acc_dtype)
         if weights is not None:
-            term = term * weights.gather(1, slot.clamp(min=0)[:, None]).to(acc_dtype)
+            weight = weights.gather(1, slot.clamp(min=0)[:, None]).to(acc_dtype)
+            term = term * torch.where(slot[:, None] >= 0, weight, 0)
         acc = torch.where(has_row[:, None], acc + term, acc)
     return acc.to(inp.dtype)
 
@@ -155,14 +167,14 @@ def dispatch_backward(
     grad_inp = combine(grad_output, row_id_map, None)
     if grad_permuted_probs is None:
         return grad_inp, grad_output.new_empty(0, dtype=torch.float32)
-    rows = _rows(row_id_map)
-    gathered = grad_permuted_probs[rows.clamp(min=0)]
+    rows = _rows(row_id_map, grad_output.shape[0])
+    gathered = grad_permuted_probs[rows.clamp(min=0)] if grad_permuted_probs.numel() else rows.float()
     return grad_inp, torch.where(rows >= 0, gathered, torch.zeros_like(gathered))
 
 
 def scatter_rows(grad: torch.Tensor, row_id_map: torch.Tensor, num_rows: int) -> torch.Tensor:
     """moetriton::scatter_rows: grad [T, H] copied to the rows of its slots; other rows zero."""
-    tokens, _, rows = _slots(row_id_map)
+    tokens, _, rows = _slots(row_id_map, num_rows)
     return _move_rows(grad, rows, tokens, num_rows)
 
 
@@ -172,17 +184,31 @@ def combine_backward(
     """moetriton::combine_backward: grad_inp[row(t, s)] = g[t] * w[t, s] (other rows zero) and
     grad_weights[t, s] = <inp[row(t, s)], g[t]> (0 for slots without a row)."""
     acc_dtype = torch.float64 if inp.dtype == torch.float64 else torch.float32
-    tokens, slots, rows = _slots(row_id_map)
-    scaled = (grad[tokens].to(acc_dtype) * weights[tokens, slots].to(acc_dtype)[:, None]).to(inp.dtype)
+    tokens, slots, rows = _slots(row_id_map, num_rows)
+    has_slot = slots >= 0
+    row_weights = torch.where(has_slot, weights[tokens, slots.clamp(min=0)].to(acc_dtype), 0)
+    scaled = (grad[tokens].to(acc_dtype) * row_weights[:, None]).to(inp.dtype)
     grad_inp = inp.new_zeros((num_rows, inp.shape[1])).index_put((rows,), scaled)
     dots = (inp[rows].to(acc_dtype) * grad[tokens].to(acc_dtype)).sum(1)
     grad_weights = torch.zeros(weights.shape, dtype=acc_dtype, device=weights.device)
-    grad_weights[tokens, slots] = dots
+    grad_weights.index_put_((tokens[has_slot], slots[has_slot]), dots[has_slot], accumulate=True)
     return grad_inp, grad_weights.to(weights.dtype)
 
 
+def is_partition(split_sizes: torch.Tensor, sorted_indices: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Whether chunk sort's sizes and order describe a partition of at most `num_rows` rows: sizes in
+    [0, N] summing to at most N, the order a permutation of [0, S) (a bool tensor, no host sync)."""
+    num_splits = split_sizes.shape[0]
+    sizes_ok = ((split_sizes >= 0) & (split_sizes <= num_rows)).all()
+    total = torch.where(sizes_ok, split_sizes.long().sum(), 0)
+    in_range = (sorted_indices >= 0) & (sorted_indices < num_splits)
+    seen = torch.bincount(torch.where(in_range, sorted_indices.long(), num_splits), minlength=num_splits + 1)
+    return sizes_ok & (total <= num_rows) & in_range.all() & (seen[:num_splits] == 1).all()
+
+
 def chunk_sort_map(split_sizes: torch.Tensor, sorted_indices: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Destination row [N] (int32) of every input row for chunk sort; rows past the chunks stay put."""
+    """Destination row [N] (int32) of every input row for chunk sort; rows past the chunks stay put.
+    Sizes and order must describe a partition (`is_partition`)."""
     device = split_sizes.device
     sizes = split_sizes.long()
     order = sorted_indices.long()
@@ -205,9 +231,16 @@ def sort_chunks(
     probs: torch.Tensor | None,
     backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """moetriton::sort_chunks: forward scatters row i to map[i]; backward gathers row i from map[i]."""
+    """moetriton::sort_chunks: forward scatters row i to map[i]; backward gathers row i from map[i]. Sizes
+    and an order that are not a partition move nothing: zero rows and probs, map -1 (the kernels' rule)."""
     num_rows = inp.shape[0]
-    dst = chunk_sort_map(split_sizes.to(inp.device), sorted_indices.to(inp.device), num_rows).long()
+    split_sizes, sorted_indices = split_sizes.to(inp.device), sorted_indices.to(inp.device)
+    if not bool(is_partition(split_sizes, sorted_indices, num_rows)):
+        output = torch.zeros_like(inp)
+        permuted = inp.new_empty(0, dtype=torch.float32) if probs is None else torch.zeros_like(probs)
+        row_map = inp.new_full((0,) if backward else (num_rows,), -1, dtype=torch.int32)
+        return output, row_map, permuted
+    dst = chunk_sort_map(split_sizes, sorted_indices, num_rows).long()
     rows = torch.arange(num_rows, device=inp.device)
     dst_rows, src_rows = (rows, dst) if backward else (dst, rows)
     output = _move_rows(inp, dst_rows, src_rows, num_rows)

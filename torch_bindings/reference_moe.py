@@ -93,7 +93,7 @@ def moe_reference(
             align_size=align_size,
             capacity_factor=capacity_factor,
         ).capacity
-        for start in range(0, num_tokens, shard_tokens):
+        for start in range(0, num_tokens, max(shard_tokens, 1)):
             for expert in range(num_experts):
                 routed = kept[start : start + shard_tokens, expert].nonzero().squeeze(1) + start
                 kept[routed[capacity:], expert] = False
@@ -103,7 +103,7 @@ def moe_reference(
         expert_out = _expert(tokens[rows], gate_up[expert].float(), down[expert].float(), activation)
         out = out.index_add(0, rows, probs[rows, expert, None].float() * expert_out)
     aux_loss = torch.zeros((), dtype=torch.float32, device=x.device)
-    if aux_loss_coeff > 0:
+    if aux_loss_coeff > 0 and num_tokens > 0:  # no tokens: no loss (the layer's zero)
         _, scores = reference_router.fused_compute_score_for_moe_aux_loss(logits, topk, score_function)
         tokens_per_expert = routing_map.sum(0).float()
         scale = aux_loss_coeff * num_experts / (topk * num_tokens**2)

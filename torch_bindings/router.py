@@ -20,7 +20,7 @@ from moetriton.kernels import router as plans
 from moetriton.kernels import router_validation as rules
 
 from . import reference_router as reference
-from ._checks import Signature, describe, memoised, same_device, signature
+from ._checks import Signature, describe, memoised, same_device, signature, values_checked
 from ._launch import allocate, bound, dtype_name, uses_kernels
 from ._op import Op
 
@@ -37,7 +37,7 @@ def _check_topk(
 ) -> rules.TopkConfig:
     config = rules.check_topk(logits=describe(logits), expert_bias=describe(expert_bias), **options)
     if not isinstance(return_indices, bool):
-        raise ValueError(f"return_indices: expected a bool, got {type(return_indices).__name__}")
+        raise TypeError(f"return_indices: expected a bool, got {type(return_indices).__name__}")
     same_device(logits=logits, expert_bias=expert_bias)
     return config
 
@@ -493,6 +493,8 @@ def fused_moe_aux_loss(
         topk=topk,
         coeff=coeff,
     )
+    if total_is_tensor and values_checked(total_num_tokens):
+        rules.check_total_tokens_value(total_num_tokens.item())
     return ROUTER_AUX_LOSS(
         probs,
         tokens_per_expert,

@@ -218,8 +218,8 @@ def check_overflow() -> None:
 
 
 def check_routing_extremes() -> None:
-    """All tokens on EP rank 0's experts (K = L = 2: the dropless worst case, alignment included), and
-    whole ranks without a token."""
+    """All tokens on EP rank 0's experts (K = L = 2: the dropless worst case, alignment included), whole
+    ranks without a token, and no tokens at all."""
     for (data, ep), routing, align_size in (
         ((1, 4), "rank0", 4),
         ((1, 4), "empty_ranks", None),
@@ -228,6 +228,11 @@ def check_routing_extremes() -> None:
     ):
         problem = fixed_problem(data, ep, routing=routing, topk=2, align_size=align_size)
         check_against_reference(problem, make_mesh(data, ep))
+    # No tokens at all, dropless and under a capacity.
+    for capacity_factor in (None, 1.0):
+        problem = fixed_problem(1, 2, routing="rank0", topk=2, align_size=2, capacity_factor=capacity_factor)
+        empty = dataclasses.replace(problem, batch=0, x=problem.x[:0])
+        check_against_reference(empty, make_mesh(1, 2))
 
 
 def check_determinism() -> None:

@@ -86,6 +86,7 @@ def test_every_combine_config(config):
         num_tokens=NUM_TOKENS,
         hidden=HIDDEN,
         num_slots=TOPK,
+        num_rows=rows.shape[0],
         element_bytes=2,
         has_weights=True,
         gather_probs=False,

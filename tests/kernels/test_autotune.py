@@ -51,7 +51,7 @@ def _looked_up_features(monkeypatch) -> dict[str, set[tuple[str, ...]]]:
         )  # fmt: skip
     for has_weights, gather_probs in ((True, False), (False, False), (False, True)):
         kernels.combine_plan(
-            num_tokens=64, hidden=256, num_slots=8, element_bytes=2, has_weights=has_weights,
+            num_tokens=64, hidden=256, num_slots=8, num_rows=512, element_bytes=2, has_weights=has_weights,
             gather_probs=gather_probs, device=device,
         )  # fmt: skip
     kernels.combine_backward_plan(
@@ -123,6 +123,7 @@ def test_lookup_exact_nearest_and_none(fake_cache):
         num_tokens=16384,
         hidden=2048,
         num_slots=8,
+        num_rows=16384 * 8,
         element_bytes=2,
         has_weights=True,
         gather_probs=False,

@@ -17,8 +17,9 @@ from tests.torch._helpers import DEVICE
 
 
 def _case(ep: int, local: int, hidden: int, dtype: torch.dtype, seed: int):
-    """(layout, rank, counts [EP, E], chunks, sources [EP] of [S_p, H] with probs [S_p], expected rows:
-    the (source, row) of every receiving row)."""
+    """(layout, chunks, sources [EP] of [S, H] with probs [S], expected rows: the (source, row) of every
+    receiving row). Every source buffer has S rows (the symmetric staging allocation), a tail nobody
+    reads included."""
     generator = torch.Generator().manual_seed(seed)
     layout = ep_layout(num_tokens=8, num_experts=ep * local, topk=2, ep_size=ep)
     counts = torch.randint(0, 4, (ep, ep * local), generator=generator)
@@ -26,8 +27,8 @@ def _case(ep: int, local: int, hidden: int, dtype: torch.dtype, seed: int):
     rank = seed % ep
     chunks = peer_chunks(counts.numpy(), rank, layout)
     sources = []
-    for p in range(ep):
-        rows = int(counts[p].sum()) + 3  # a tail nobody reads
+    rows = int(counts.sum(1).max()) + 3
+    for _ in range(ep):
         sources.append(
             (
                 torch.randn(rows, hidden, generator=generator).to(dtype).to(DEVICE),
@@ -60,6 +61,7 @@ def test_pull_gathers_every_row_and_prob_from_its_source(ep, local, hidden, dtyp
         num_rows=len(mapping),
         num_chunks=ep * local,
         num_sources=ep,
+        source_rows=sources[0][0].shape[0],
         hidden=hidden,
         dtype=str(dtype).removeprefix("torch."),
         element_bytes=dtype.itemsize,
@@ -91,6 +93,7 @@ def test_pull_with_scale_dot_gives_scaled_rows_and_fp32_dot_products(ep, local, 
         num_rows=num_rows,
         num_chunks=ep * local,
         num_sources=ep,
+        source_rows=sources[0][0].shape[0],
         hidden=hidden,
         dtype=str(dtype).removeprefix("torch."),
         element_bytes=dtype.itemsize,
@@ -123,6 +126,7 @@ def test_push_lands_rows_at_their_source_rows_and_writes_nothing_else(ep, local,
         num_rows=num_rows,
         num_chunks=ep * local,
         num_sources=ep,
+        source_rows=sources[0][0].shape[0],
         hidden=hidden,
         element_bytes=dtype.itemsize,
         has_probs=with_probs,
@@ -149,13 +153,14 @@ def test_push_lands_rows_at_their_source_rows_and_writes_nothing_else(ep, local,
 def test_plans_reject_a_table_that_is_not_ep_times_l_chunks():
     with pytest.raises(ValueError, match="chunks"):
         kernels.pull_rows_plan(
-            num_rows=4, num_chunks=3, num_sources=2, hidden=8, dtype="float32", element_bytes=4
+            num_rows=4, num_chunks=3, num_sources=2, source_rows=4, hidden=8, dtype="float32", element_bytes=4
         )
     with pytest.raises(ValueError, match="exclusive"):
         kernels.pull_rows_plan(
             num_rows=4,
             num_chunks=2,
             num_sources=2,
+            source_rows=4,
             hidden=8,
             dtype="float32",
             element_bytes=4,

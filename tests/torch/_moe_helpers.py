@@ -180,3 +180,129 @@ def _check_ep_errors(problem: MoEProblem, device: torch.device) -> None:
                 ep_group=dist.group.WORLD,
                 **options(problem),
             )
+
+
+#: Routings every rank must survive (tokens per rank, expert bias steering, capacity factor); see
+#: `routing_worker`. "skewed": every slot goes to the last rank's experts, so the others receive no rows.
+ROUTING_CASES = (
+    ("skewed", None),
+    ("skewed", 1.0),
+    ("one_expert", None),
+    ("one_expert", 1.0),
+    ("empty_rank", None),
+    ("all_empty", None),
+    ("all_empty", 1.0),
+)
+
+
+def _routing_case(name: str, rank: int, world: int, num_experts: int) -> tuple[list[int], torch.Tensor]:
+    """(tokens of every rank, expert bias [E]) of a routing case."""
+    tokens = {"empty_rank": [0] + [5] * (world - 1), "all_empty": [0] * world}.get(name, [4] * world)
+    bias = torch.zeros(num_experts)
+    if name == "skewed":
+        bias[: num_experts - num_experts // world] = -100.0
+    elif name == "one_expert":
+        bias[1:] = -100.0
+    return tokens, bias
+
+
+def routing_worker(rank: int, world: int, store: str, backend: str) -> None:
+    """One rank of a spawned group running ROUTING_CASES through the EP layer against the dense reference:
+    ranks that receive no rows, a rank without tokens, no tokens at all, every slot on one expert; with
+    both exchanges on GPUs. Then capacity with different T per rank: the same ValueError on every rank, and
+    the group still works afterwards (no rank left in a collective)."""
+    import pytest
+
+    import moetriton.torch as mt
+    from moetriton.torch.reference_moe import moe_reference
+
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        num_experts, hidden, ffn, topk = 2 * world, 8, 8, 1 if world == 1 else 2
+        local = num_experts // world
+        generator = torch.Generator().manual_seed(11)
+        full = dict(
+            gate_weight=torch.randn(num_experts, hidden, generator=generator),
+            gate_up=torch.randn(num_experts, hidden, 2 * ffn, generator=generator) / hidden**0.5,
+            down=torch.randn(num_experts, ffn, hidden, generator=generator) / ffn**0.5,
+        )
+        exchanges = ("all_to_all", "peer") if backend == "nccl" else ("auto",)
+        for name, capacity_factor in ROUTING_CASES:
+            counts, bias = _routing_case(name, rank, world, num_experts)
+            x_all = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(len(name)))
+            cotangent = torch.randn(x_all.shape, generator=torch.Generator().manual_seed(5))
+            options = dict(
+                topk=topk,
+                score_function="sigmoid",
+                expert_bias=bias,
+                aux_loss_coeff=0.1,
+                capacity_factor=capacity_factor,
+            )
+            expected = _dense(moe_reference, x_all, full, cotangent, options, world)
+            first = sum(counts[:rank])
+            mine = slice(first, first + counts[rank])
+            experts = slice(rank * local, (rank + 1) * local)
+            for exchange in exchanges if capacity_factor is None else ("auto",):
+                leaves = dict(
+                    x=x_all[mine].to(device, copy=True),
+                    gate_weight=full["gate_weight"].to(device, copy=True),
+                    gate_up=full["gate_up"][experts].to(device, copy=True),
+                    down=full["down"][experts].to(device, copy=True),
+                )
+                for value in leaves.values():
+                    value.requires_grad_()
+                out, aux_loss, dropped = mt.moe(
+                    *leaves.values(),
+                    **{**options, "expert_bias": bias.to(device)},
+                    ep_group=dist.group.WORLD,
+                    exchange=exchange,
+                )
+                ((out * cotangent[mine].to(device)).sum() + aux_loss).backward()
+                dist.all_reduce(leaves["gate_weight"].grad)
+                got = dict(
+                    out=out, aux_loss=aux_loss, **{f"grad {key}": value.grad for key, value in leaves.items()}
+                )
+                want = dict(
+                    out=expected["out"][mine],
+                    aux_loss=expected["aux_loss"],
+                    **{"grad x": expected["grad x"][mine], "grad gate_weight": expected["grad gate_weight"]},
+                    **{f"grad {key}": expected[f"grad {key}"][experts] for key in ("gate_up", "down")},
+                )
+                for key, value in want.items():
+                    torch.testing.assert_close(
+                        got[key].cpu(), value, **TOLERANCE, msg=lambda m, k=key, n=name: f"{n} {k}: {m}"
+                    )
+                assert int(dropped) == int(expected["dropped"]), (
+                    name,
+                    int(dropped),
+                    int(expected["dropped"]),
+                )
+        if world > 1:
+            x = torch.randn(3 + rank, hidden, device=device)
+            weights = [full[key].to(device) for key in ("gate_weight", "gate_up", "down")]
+            weights[1:] = [weight[rank * local : (rank + 1) * local] for weight in weights[1:]]
+            with pytest.raises(
+                ValueError, match=r"same number of tokens on every rank of ep_group, got \[3, 4"
+            ):
+                mt.moe(x, *weights, topk=topk, capacity_factor=1.0, ep_group=dist.group.WORLD)
+            out, _, _ = mt.moe(x[:3], *weights, topk=topk, capacity_factor=1.0, ep_group=dist.group.WORLD)
+            assert out.shape == (3, hidden)
+    finally:
+        dist.destroy_process_group()
+
+
+def _dense(moe_reference, x_all, full, cotangent, options, world) -> dict:
+    """The dense reference's outputs and gradients for every rank's tokens at once."""
+    leaves = {key: value.clone().requires_grad_() for key, value in (("x", x_all), *full.items())}
+    shards = world if options["capacity_factor"] is not None else 1
+    out, aux_loss, dropped = moe_reference(*leaves.values(), **options, num_shards=shards)
+    ((out * cotangent).sum() + aux_loss).backward()
+    return dict(
+        out=out.detach(),
+        aux_loss=aux_loss.detach(),
+        dropped=dropped,
+        **{f"grad {key}": value.grad for key, value in leaves.items()},
+    )

@@ -23,7 +23,15 @@ from moetriton.torch.moe import expert_mlp, grouped_mm_supported
 from moetriton.torch.reference_moe import moe_reference
 from tests.strategies_moe import moe_problems
 from tests.torch._helpers import DEVICE
-from tests.torch._moe_helpers import TOLERANCE, check_rank, ep_worker, reference, run_layer, tensors
+from tests.torch._moe_helpers import (
+    TOLERANCE,
+    check_rank,
+    ep_worker,
+    reference,
+    routing_worker,
+    run_layer,
+    tensors,
+)
 
 H, F, E = 8, 8, 4
 ROOT = Path(__file__).resolve().parents[2]
@@ -344,6 +352,21 @@ def test_token_group_makes_aux_loss_and_dropped_global(tmp_path):
         _spawn(tmp_path, 2, "gloo", problems, data_parallel=True)
 
     check()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_rank_survives_any_routing_gloo(tmp_path, world):
+    """Ranks that receive no rows, a rank without tokens, no tokens anywhere, every slot on one expert
+    (dropless and capacity) against the dense reference; capacity with a different T per rank refused
+    with the same error on every rank, and the group still usable after it."""
+    mp.spawn(routing_worker, args=(world, str(tmp_path / "store"), "gloo"), nprocs=world, join=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL EP needs 2 CUDA GPUs")
+def test_every_rank_survives_any_routing_nccl(tmp_path):
+    """The same on two GPUs, with both row exchanges (all_to_all and peer)."""
+    mp.spawn(routing_worker, args=(2, str(tmp_path / "store"), "nccl"), nprocs=2, join=True)
 
 
 @pytest.mark.gpu

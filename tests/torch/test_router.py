@@ -232,6 +232,13 @@ def _bias(*shape, dtype=torch.float32):
 SIGMOID = dict(score_function="sigmoid")
 
 
+def _kind(message: str) -> type[Exception]:
+    """TypeError for an argument of the wrong kind (an int, a float or a bool expected), else ValueError."""
+    kinds = ("expected an int, ", "expected an int,", "expected a Python float", "expected a bool")
+    wrong_kind = message.endswith("expected an int") or any(kind in message for kind in kinds)
+    return TypeError if wrong_kind else ValueError
+
+
 @pytest.mark.parametrize(
     ("topk", "kwargs", "message"),
     [
@@ -254,9 +261,10 @@ SIGMOID = dict(score_function="sigmoid")
     ],
 )
 def test_bad_topk_arguments(topk, kwargs, message):
-    with pytest.raises(ValueError) as error:
+    with pytest.raises((TypeError, ValueError)) as error:
         fused_topk_with_score_function(torch.zeros(4, 8, device=DEVICE), topk, **kwargs)
     assert str(error.value).startswith(message)
+    assert type(error.value) is _kind(message)
 
 
 @pytest.mark.parametrize(
@@ -307,9 +315,10 @@ def test_bad_aux_loss_arguments(args, message):
         topk=2,
         coeff=1.0,
     )
-    with pytest.raises(ValueError) as error:
+    with pytest.raises((TypeError, ValueError)) as error:
         fused_moe_aux_loss(**dict(call, **args))
     assert str(error.value).startswith(message)
+    assert type(error.value) is _kind(message)
 
 
 def test_torch_compile_fullgraph():
