@@ -1,7 +1,7 @@
 """Same-process A/B of two versions of the permutation kernels on one GPU.
 
     python -m benchmarks.ab_permutation BASELINE.py [--shapes qwen3,dsv3,mixtral,small,tiny] [--top 5]
-                                     [--kind mask] [--rounds 3]
+                                     [--kind mask] [--rounds 3] [--sort-baseline CHUNK_SORT.py]
 
 BASELINE.py is another version of moetriton/kernels/permutation.py (e.g. `git show HEAD:kernels/
 permutation.py > /tmp/base.py`); the candidate is the installed package's. Each version runs its own plans
@@ -10,12 +10,17 @@ device's autotune cache for each key, plus the cache's best, so a change that mo
 Per op, shape and config: graph time of either version, interleaved over `--rounds` rounds (best of the
 rounds' medians), then each version's best over the configs and the ratio candidate / baseline. Runs across
 machines differ by a few %; a same-process A/B is what can judge a 1-3% change.
+
+With --sort-baseline (another version of kernels/chunk_sort.py), the chunk sort is compared the same way,
+forward and backward, on each shape's rows as two EP ranks receive them (T * K rows, E source-major chunks
+of random sizes sorted to expert-major), at the plan's own config.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 
 import torch
@@ -27,9 +32,9 @@ from moetriton.kernels.shapes import NAMED_SHAPES
 from moetriton.torch._launch import device_info, run_plan
 
 
-def _load_baseline(path: str):
+def _load_baseline(path: str, name: str = "_ab_baseline"):
     """The baseline module, loaded inside moetriton.kernels so that its relative imports resolve."""
-    spec = importlib.util.spec_from_file_location("moetriton.kernels._ab_baseline", path)
+    spec = importlib.util.spec_from_file_location(f"moetriton.kernels.{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -70,10 +75,13 @@ def _cases(module, shape, kind: str, info, sets):
         for s in sets
     ]
 
+    # Versions whose combine bounds its rows take the buffer's row count.
+    rows = dict(num_rows=N) if "num_rows" in inspect.signature(module.combine_plan).parameters else {}
+
     def combine(weighted: bool, gather: bool):
         return lambda config: module.combine_plan(
             num_tokens=T, hidden=H, num_slots=S, element_bytes=eb, has_weights=weighted, gather_probs=gather,
-            device=info, config=config,
+            device=info, config=config, **rows,
         )  # fmt: skip
 
     def combine_backward(config):
@@ -111,6 +119,55 @@ def _cases(module, shape, kind: str, info, sets):
     yield "combine_bwd", "combine_backward", data, combine_backward, inputs
 
 
+def _sort_rows(module, shape, info, generator):
+    """(op, plan, inputs) of the chunk sort, forward and backward, at one shape (EP = 2 chunk layout)."""
+    T, H, E, K = shape.num_tokens, shape.hidden, shape.num_experts, shape.topk
+    N, ep = T * K, 2
+    cuts = torch.sort(torch.randint(0, N + 1, (E - 1,), device="cuda", generator=generator)).values
+    bounds = torch.cat([cuts.new_zeros(1), cuts, cuts.new_full((1,), N)])
+    sizes = (bounds[1:] - bounds[:-1]).int()
+    local = E // ep
+    order = torch.tensor([p * local + j for j in range(local) for p in range(ep)], device="cuda").int()
+    rows = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, generator=generator)
+    inputs = dict(inp=rows, split_sizes=sizes, sorted_indices=order, probs=None)
+    for backward in (False, True):
+        plan = module.sort_chunks_plan(
+            num_rows=N,
+            hidden=H,
+            num_splits=E,
+            element_bytes=2,
+            has_probs=False,
+            backward=backward,
+            device=info,
+        )
+        yield ("sort_chunks_bwd" if backward else "sort_chunks"), plan, inputs
+
+
+def _ab_sort(baseline_path: str, shapes: list[str], rounds: int, info) -> None:
+    from moetriton.kernels import chunk_sort
+
+    modules = {"baseline": _load_baseline(baseline_path, "_ab_chunk_sort"), "candidate": chunk_sort}
+    device = torch.device("cuda")
+    for name in shapes:
+        shape = NAMED_SHAPES[name]
+        cases = {
+            key: list(_sort_rows(module, shape, info, torch.Generator(device="cuda").manual_seed(1)))
+            for key, module in modules.items()
+        }
+        for index, (op, _, _) in enumerate(cases["baseline"]):
+            times = {key: float("inf") for key in modules}
+            for _ in range(rounds):
+                for key in modules:
+                    _, plan, inputs = cases[key][index]
+                    times[key] = min(
+                        times[key], 1e3 * time_graph([lambda p=plan, i=inputs: run_plan(p, i, device)])
+                    )
+            ratio = times["candidate"] / times["baseline"]
+            print(
+                f"{op},{name},best,{times['baseline']:.1f},{times['candidate']:.1f},{ratio:.3f}", flush=True
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -120,6 +177,7 @@ def main() -> None:
     parser.add_argument("--kind", default="mask", choices=("mask", "indices"))
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sort-baseline", help="another version of kernels/chunk_sort.py to compare")
     args = parser.parse_args()
     device = torch.device("cuda")
     info = device_info(device)
@@ -163,6 +221,8 @@ def main() -> None:
                     best[key] = min(best.get(key, float("inf")), times[key])
             ratio = best["candidate"] / best["baseline"]
             print(f"{op},{name},best,{best['baseline']:.1f},{best['candidate']:.1f},{ratio:.3f}", flush=True)
+    if args.sort_baseline:
+        _ab_sort(args.sort_baseline, args.shapes.split(","), args.rounds, info)
 
 
 if __name__ == "__main__":
