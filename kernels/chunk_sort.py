@@ -51,7 +51,9 @@ def _chunk_of_rows(rows, sizes, in_table, CHUNKS_POW2: tl.constexpr):
 
 
 @triton.jit
-def _partition(split_sizes_ptr, sorted_indices_ptr, num_splits, num_rows, SPLITS_POW2: tl.constexpr):
+def _partition(
+    split_sizes_ptr, sorted_indices_ptr, num_splits, num_rows, SPLITS_POW2: tl.constexpr, WORDS: tl.constexpr
+):
     """(sizes [SPLITS_POW2] int32, order [SPLITS_POW2] int32, valid): the split sizes and sorted indices
     (entries past S zero), and whether they describe a partition of at most `num_rows` rows (module doc).
     Invalid: all sizes zero and the order the identity, so every row lies past the chunks."""
@@ -62,19 +64,21 @@ def _partition(split_sizes_ptr, sorted_indices_ptr, num_splits, num_rows, SPLITS
     sizes_ok = (raw_sizes >= 0) & (raw_sizes <= num_rows)
     sizes = tl.where(sizes_ok, raw_sizes, 0).to(tl.int64)
     order_ok = (raw_order >= 0) & (raw_order < num_splits)
-    # A permutation: every entry in range and each value once. Entries past S (and bad ones) count in a
-    # bin at or past S, which is never compared.
-    binned = tl.where(smask & order_ok, raw_order, SPLITS_POW2).to(tl.int32)
-    seen = tl.histogram(binned, 2 * SPLITS_POW2)
-    bins = tl.arange(0, 2 * SPLITS_POW2)
-    permutation = tl.sum(((bins < num_splits) & (seen != 1)).to(tl.int32), axis=0) == 0
-    valid = (
-        (tl.sum((smask & ~sizes_ok).to(tl.int32), axis=0) == 0)
-        & (tl.sum(sizes, axis=0) <= num_rows)
-        & permutation
+    order = tl.where(order_ok, raw_order, 0).to(tl.int32)
+    # A permutation: S entries in [0, S) whose bits (value v is bit v % 32 of word v // 32) fill every
+    # word. A sum of n powers of two has at most n bits set, and S entries must set S bits, so equal word
+    # sums mean distinct entries. O(S * S / 32) work, far less than a histogram of the entries.
+    words = tl.arange(0, WORDS)
+    bit = tl.where(smask, tl.full([SPLITS_POW2], 1, tl.int64) << (order % 32), 0)
+    word_sums = tl.sum(tl.where((order // 32)[:, None] == words[None, :], bit[:, None], 0), axis=0)
+    word_bits = tl.minimum(tl.maximum(num_splits - 32 * words, 0), 32).to(tl.int64)
+    permutation = (
+        tl.sum((word_sums != (tl.full([WORDS], 1, tl.int64) << word_bits) - 1).to(tl.int32), axis=0) == 0
     )
+    bad = tl.sum((smask & ~(sizes_ok & order_ok)).to(tl.int32), axis=0)
+    valid = (bad == 0) & (tl.sum(sizes, axis=0) <= num_rows) & permutation
     sizes = tl.where(valid, sizes, 0).to(tl.int32)
-    order = tl.where(valid, binned, splits)
+    order = tl.where(valid, order, splits)
     return sizes, order, valid
 
 
@@ -110,7 +114,10 @@ def _sort_chunks_kernel(
     inp_stride = _aligned(inp_stride, INP_STRIDE_ALIGN)
     splits = tl.arange(0, SPLITS_POW2)
     smask = splits < num_splits
-    sizes, order, valid = _partition(split_sizes_ptr, sorted_indices_ptr, num_splits, num_rows, SPLITS_POW2)
+    words: tl.constexpr = (SPLITS_POW2 + 31) // 32
+    sizes, order, valid = _partition(
+        split_sizes_ptr, sorted_indices_ptr, num_splits, num_rows, SPLITS_POW2, words
+    )
     total = tl.sum(sizes, axis=0)
     # `order` lies in [0, S) (the identity where invalid, and then every size reads as 0).
     sorted_sizes = tl.where(valid, tl.load(split_sizes_ptr + order, mask=smask, other=0), 0).to(tl.int32)

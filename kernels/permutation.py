@@ -117,13 +117,12 @@ def _listed_row(map_row, position, limit, num_rows):
 
 @triton.jit
 def _listed_slot(map_row, num_slots, position, limit, NEEDED: tl.constexpr = True):
-    """The slot of the token's `position`-th listed entry; -1 (which matches no slot and weighs 0) past the
-    list or outside [0, S), and nothing is read at or past `limit` or when the caller does not NEED it.
-    Bounded like the row and never masked by it, so its load (and the weight load behind it) does not
-    wait for the row's."""
+    """The slot of the token's `position`-th listed entry; -1 past the list, and nothing is read at or past
+    `limit` or when the caller does not NEED it. Bounded like the row and never masked by it, so its load
+    (and the weight load behind it) does not wait for the row's. The value is not checked here: a slot
+    outside [0, S) weighs 0 (`_slot_weight`) and matches no lane that is stored."""
     if NEEDED:
         slot = tl.load(map_row + num_slots + position, mask=position < limit, other=-1)
-        slot = tl.where((slot >= 0) & (slot < num_slots), slot, -1)
     else:
         slot = tl.full([], -1, tl.int32)
     return slot
@@ -620,10 +619,10 @@ def _slot_values(inp_ptr, row, live, inp_stride, cols, cmask, STREAMING: tl.cons
 
 
 @triton.jit
-def _slot_weight(weight_row, slot, acc_dtype: tl.constexpr, HAS_WEIGHTS: tl.constexpr):
-    """w[t, slot] (0 for slot -1, read from nothing), or 1 without weights."""
+def _slot_weight(weight_row, slot, num_slots, acc_dtype: tl.constexpr, HAS_WEIGHTS: tl.constexpr):
+    """w[t, slot] (0 for a slot outside [0, S), read from nothing), or 1 without weights."""
     if HAS_WEIGHTS:
-        weight = tl.load(weight_row + slot, mask=slot >= 0, other=0).to(acc_dtype)
+        weight = tl.load(weight_row + slot, mask=(slot >= 0) & (slot < num_slots), other=0).to(acc_dtype)
     else:
         weight = tl.full([], 1, acc_dtype)
     return weight
@@ -701,14 +700,14 @@ def _combine_kernel(
     count = _listed_count(map_row, num_slots)
     if LOOKAHEAD == 2:
         values = _slot_values(inp_ptr, row, live, inp_stride, cols, cmask, STREAMING)
-        weight = _slot_weight(weight_row, slot, acc_dtype, HAS_WEIGHTS)
+        weight = _slot_weight(weight_row, slot, num_slots, acc_dtype, HAS_WEIGHTS)
         gathered = _gather_prob(probs_bits, row, slot, live & first_chunk, slots, gathered, GATHER_PROBS)
         position += 1
         row, live = _listed_row(map_row, position, num_slots, num_rows)
         slot = _listed_slot(map_row, num_slots, position, num_slots, NEEDS_SLOT)
     for _ in range(count):
         next_values = _slot_values(inp_ptr, row, live, inp_stride, cols, cmask, STREAMING)
-        next_weight = _slot_weight(weight_row, slot, acc_dtype, HAS_WEIGHTS)
+        next_weight = _slot_weight(weight_row, slot, num_slots, acc_dtype, HAS_WEIGHTS)
         gathered = _gather_prob(probs_bits, row, slot, live & first_chunk, slots, gathered, GATHER_PROBS)
         position += 1
         row, live = _listed_row(map_row, position, num_slots, num_rows)
@@ -788,11 +787,11 @@ def _combine_backward_kernel(
         # The next STEP listed entries' rows, slots and weights are read while the current ones' rows move.
         rows, live = _listed_row(map_row, steps, count, num_rows)  # [STEP]
         slot_ids = _listed_slot(map_row, num_slots, steps, count)
-        weights = _slot_weight(weight_row, slot_ids, acc_dtype, True)
+        weights = _slot_weight(weight_row, slot_ids, num_slots, acc_dtype, True)
         for position in range(0, count, STEP):
             next_rows, next_live = _listed_row(map_row, position + STEP + steps, count, num_rows)
             next_slot_ids = _listed_slot(map_row, num_slots, position + STEP + steps, count)
-            next_weights = _slot_weight(weight_row, next_slot_ids, acc_dtype, True)
+            next_weights = _slot_weight(weight_row, next_slot_ids, num_slots, acc_dtype, True)
             dot = tl.zeros([STEP, BLOCK_H], dtype=acc_dtype)
             for h0 in range(0, hidden, BLOCK_H):
                 cols = h0 + tl.arange(0, BLOCK_H)

@@ -417,8 +417,8 @@ def _peer_dropless(
     tokens, indices, merging, gathered, tokens_on_host, layout, ep_rank, group, gate_up, down, activation
 ) -> Tensor:
     """Dropless EP through the peer exchange: tokens [T, H] -> combined [T, H] (dispatch, exchanges,
-    experts and combine; see moetriton.torch.peer_exchange). tokens_on_host: every rank's T, waited for
-    (the call's one host sync) before the staging buffer is sized, since ranks may hold different T."""
+    experts and combine; see moetriton.torch.peer_exchange). tokens_on_host: every rank's T (ranks may
+    hold different T), read with the counts when the staging buffer's size must be decided."""
     counts_all, counts_on_host = gathered
     chunks = peer_chunks(counts_all, ep_rank, layout)
     group_sizes = chunks["chunk_sizes"].view(layout.local_experts, layout.ep_size).sum(1)  # [L]
@@ -426,9 +426,12 @@ def _peer_dropless(
     def received_rows() -> int:
         return int(peer_chunks(counts_on_host(), ep_rank, layout)["chunk_sizes"].sum())
 
-    with _stage("exchange_sizes"):
-        largest = max(replace(layout, num_tokens=int(count)).send_rows for count in tokens_on_host())
-    plan = peer_plan(group, chunks, indices, layout, tokens.shape[1], tokens.dtype, received_rows, largest)
+    def largest_rows() -> int:
+        return max(replace(layout, num_tokens=int(count)).send_rows for count in tokens_on_host())
+
+    plan = peer_plan(
+        group, chunks, indices, layout, tokens.shape[1], tokens.dtype, received_rows, largest_rows
+    )
     return peer_experts(
         tokens,
         merging,

@@ -134,6 +134,22 @@ class PeerPlan:
     indices: Tensor  # [T, K] the router's expert ids (the combine backward re-dispatches the gradient)
     layout: EPLayout
     received_rows: Callable[[], int]  # rows this rank receives (waits for the counts' host copy)
+    largest_rows: Callable[[], int]  # the largest send buffer of the group (waits likewise)
+    group: dist.ProcessGroup
+    row_bytes: int
+
+    def fits(self) -> bool:
+        """Whether this rank's send buffer fits the staging buffer (a local answer: peers may not fit)."""
+        return self.layout.send_rows <= self.staging.rows
+
+    def grow(self) -> bool:
+        """After the counts arrived: whether some rank's send buffer does not fit, in which case every
+        rank (all see the same counts) replaces the staging buffer by one that holds the largest."""
+        rows = self.largest_rows()
+        if rows <= self.staging.rows:
+            return False
+        self.staging = _staging(self.group, self.indices.device, rows, self.row_bytes)
+        return True
 
 
 def peer_plan(
@@ -144,20 +160,35 @@ def peer_plan(
     hidden: int,
     dtype: torch.dtype,
     received_rows: Callable[[], int],
-    staging_rows: int,
+    largest_rows: Callable[[], int],
 ) -> PeerPlan:
     """The exchange plan of one layer call: chunks from moetriton.kernels.expert_parallel.peer_chunks
     (chunk_sizes, source_offsets [EP * L] on the device), the router's indices [T, K], the layer's layout,
-    the rows' width and dtype, a function returning the rows this rank receives, and the rows every rank's
-    staging buffer must hold (the largest send buffer of the group: the same value on every rank, so that
-    all decide alike whether to allocate). Allocates the staging buffer when it is too small (a collective:
-    every rank of `group` calls it).
+    the rows' width and dtype, and functions returning the rows this rank receives and the largest send
+    buffer of the group (both wait for the counts' host copy; ranks may hold different T). The group's
+    staging buffer is kept while the rows fit; it is (re)allocated, a collective, on the first call, for
+    wider rows (the same on every rank) and, after the counts arrived, when some rank's rows do not fit
+    (`PeerPlan.grow`): decisions every rank takes alike, so none is left in the collective alone.
 
     Example (every rank of a two-GPU NCCL group; moetriton.torch.moe builds it this way):
-        >>> plan = peer_plan(group, chunks, ids, layout, 4096, torch.bfloat16, rows, 8192)  # doctest: +SKIP
+        >>> plan = peer_plan(group, chunks, ids, layout, 4096, dtype, rows, largest)  # doctest: +SKIP
     """
-    staging = _staging(group, indices.device, staging_rows, hidden * dtype.itemsize)
-    return PeerPlan(staging, chunks["chunk_sizes"], chunks["source_offsets"], indices, layout, received_rows)
+    row_bytes = hidden * dtype.itemsize
+    key = (group.group_name, indices.device)
+    staging = _STAGING.get(key)
+    if staging is None or staging.row_bytes < row_bytes:
+        staging = _staging(group, indices.device, largest_rows(), row_bytes)
+    return PeerPlan(
+        staging,
+        chunks["chunk_sizes"],
+        chunks["source_offsets"],
+        indices,
+        layout,
+        received_rows,
+        largest_rows,
+        group,
+        row_bytes,
+    )
 
 
 def _dispatch_into(plan: PeerPlan, inp: Tensor, probs: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -254,9 +285,18 @@ class _PeerDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens: Tensor, merging: Tensor, plan: PeerPlan):
         ctx.set_materialize_grads(False)
-        with stage("dispatch"):
-            row_id_map, pad_offsets, _ = _dispatch_into(plan, tokens, merging)
-        num_rows = plan.received_rows()
+        # Dispatch before the host waits for the counts when this rank's rows fit; again into a new
+        # staging buffer in the rare call where some rank's do not (the same decision on every rank).
+        fits = plan.fits()
+        if fits:
+            with stage("dispatch"):
+                row_id_map, pad_offsets, _ = _dispatch_into(plan, tokens, merging)
+        with stage("exchange_sizes"):  # the call's one host sync
+            num_rows = plan.received_rows()
+            grown = plan.grow()
+        if grown or not fits:
+            with stage("dispatch"):
+                row_id_map, pad_offsets, _ = _dispatch_into(plan, tokens, merging)
         with stage("all_to_all"):
             received, weights = _pull(plan, num_rows, tokens.shape[1], tokens.dtype, merging.dtype)
         ctx.plan = plan

@@ -144,7 +144,12 @@ def test_jitted_sort_chunks_moves_nothing_for_a_description_that_is_not_a_partit
         np.testing.assert_array_equal(np.asarray(grad), 2 * problem.rows)
 
 
-def test_host_checks_and_argument_kinds():
+@pytest.mark.parametrize("switch", [False, True], ids=["default", "MOETRITON_CHECK"])
+def test_host_checks_and_argument_kinds(monkeypatch, switch):
+    """Values are read where that is free (CPU arrays), and with the debug switch on any device."""
+    if not switch and jax.default_backend() != "cpu":
+        pytest.skip("device arrays are read only with MOETRITON_CHECK=1")
+    monkeypatch.setattr(validation, "CHECK_VALUES", switch)
     x = jnp.ones((32, 4))
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 4, (32, 2)), jnp.int32)
     _, _, row_map, _, _ = mj.token_dispatch(x, None, 64, indices=ids, num_experts=4)
