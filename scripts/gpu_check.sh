@@ -149,8 +149,9 @@ EOF
           continue
         fi
         : > "$work/sanitize_part.log"
+        # One inductor compile thread: its worker pool would outlive pytest, and the sanitizer waits for it.
         run "${limit:-1200}" "$work/sanitize_part.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-          XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck --target-processes all \
+          TORCHINDUCTOR_COMPILE_THREADS=1 XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck --target-processes all \
           "$PY" -m pytest "$file" -q -rs -p no:cacheprovider -p no:xdist --tb=short
         file_status=$?
         { echo "--- $file"; cat "$work/sanitize_part.log"; } >> "$log"
