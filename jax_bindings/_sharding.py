@@ -15,8 +15,8 @@ this sense (tokens, buffer rows, per-expert counts, chunk sizes), so the same ru
   into the first axis), run like any other: shard by shard, or partitioned when the batch axis is sharded.
 
 Inside a partitioned computation the shard runs the kernels only compiled (on GPU): JAX cannot keep a host
-callback alive inside custom_partitioning (jax-ml/jax#23620), so CPU runs the reference there, interpreter or
-not.
+callback alive inside custom_partitioning (https://github.com/jax-ml/jax/issues/23620), so CPU runs the
+reference there, interpreter or not.
 """
 
 from __future__ import annotations

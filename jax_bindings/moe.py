@@ -431,9 +431,9 @@ def _resolve_exchange(exchange: str, mesh: Mesh | None) -> str:
         raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
     if exchange != "auto":
         return exchange
-    # XLA:CPU has no ragged-all-to-all. Between the GPUs of one host XLA's ragged-all-to-all moved 5 GB/s
-    # on two NVLinked H200s (jaxlib 0.11.2; openxla/xla#33386 reports the same on B200s) where the padded
-    # exchange moved 160 GB/s (docs/moe.md): only EP groups spanning several processes (hosts) use it.
+    # XLA:CPU has no ragged-all-to-all. Between the GPUs of one host XLA's ragged-all-to-all was far slower
+    # than the padded exchange (docs/moe.md, "Row exchange"; https://github.com/openxla/xla/issues/33386
+    # reports the same on B200s): only EP groups spanning several processes (hosts) use it.
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
     on_gpus = all(device.platform == "gpu" for device in devices)
     several_processes = len({device.process_index for device in devices}) > 1

@@ -10,8 +10,8 @@ token axis keeps its sharding and each device routes its own tokens; the expert 
 loss reduces over tokens: each device sums its rows and the partial losses are psum-ed over the token mesh
 axes, so a token-sharded `fused_moe_aux_loss` returns the GLOBAL loss (the same value as unsharded). Inside
 a partitioned computation the kernels run only on GPU: JAX cannot keep a host callback alive there
-(jax-ml/jax#23620), so on CPU meshes each device runs the reference. The token-wise ops also work under
-jax.vmap (the batch folds into the token axis). Never imports torch.
+(https://github.com/jax-ml/jax/issues/23620), so on CPU meshes each device runs the reference. The
+token-wise ops also work under jax.vmap (the batch folds into the token axis). Never imports torch.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Symbols: EP ranks (the EP group), E experts in all, L = E / EP local experts (expert e lives on rank e // L),
 T tokens per rank, K experts per token, A alignment (rows per expert block are a multiple of A).
 
-Dataflow of one rank (DESIGN.md, "Expert-parallel MoE layer"): its T tokens are dispatched into a send buffer
+Dataflow of one rank (docs/moe.md): its T tokens are dispatched into a send buffer
 that is expert-major, so rank-major too (rank r's experts are contiguous). Each rank sends rank r the blocks
 of r's experts; the receive buffer holds, for every source rank p in order, p's blocks of the local experts
 ("source-major"); a chunk sort makes it expert-major for the grouped GEMMs and its inverse restores the

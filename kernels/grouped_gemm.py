@@ -13,8 +13,8 @@ rows in order: it reads row i of the product from lhs[lhs_rows[i]] and writes it
 expert-parallel layer multiplies the exchanged rows, which arrive grouped by source rank, in expert-major
 order this way, with no chunk sort copying them before and after the GEMMs. Entries are clipped into
 [0, M), so a bad permutation gives wrong rows, never an access out of bounds. The weight-gradient kernel
-reads its rows in order: permuted row reads inside its row loop ran 15-45% slower on H200s (more address
-work per step than the loads hide), so its plan gathers each permuted operand first, one copy by a
+reads its rows in order: permuted row reads inside its row loop were slower (more address work per step
+than the loads hide), so its plan gathers each permuted operand first, one copy by a
 row-gather kernel (`_gather_rows_kernel`; XLA's gather of the same rows ran at about half the copy
 bandwidth).
 """
@@ -338,8 +338,8 @@ def grouped_matmul_plan(
     _check(num_rows, depth, num_cols, num_groups, element_bytes)
     features = dict(rows_per_group=cdiv(num_rows, num_groups), depth=depth, num_cols=num_cols)
     small = num_rows < 128 * num_groups  # small groups waste less of a 64-row tile
-    # H100 sweep (benchmarks/grouped_gemm.py, docs/performance.md): 128 x 256 x 64 tiles lead at the layer
-    # shapes; the transposed weight reads of the input gradient gain from a fourth stage (10.6 vs 11.8 ms).
+    # A sweep (benchmarks/grouped_gemm.py --sweep): 128 x 256 x 64 tiles lead at the layer shapes; the
+    # transposed weight reads of the input gradient gain from a fourth stage.
     heuristic = dict(
         block_m=64 if small else 128,
         block_n=128 if small else 256,
@@ -419,7 +419,7 @@ def grouped_matmul_wgrad_plan(
         num_rows=num_rows, depth=depth, num_cols=num_cols, num_groups=num_groups, element_bytes=element_bytes
     )
     features = dict(rows_per_group=cdiv(num_rows, num_groups), depth=depth, num_cols=num_cols)
-    heuristic = dict(block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=3)  # H100 sweep's best
+    heuristic = dict(block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=3)  # the sweep's best
     cfg = autotune.resolve(GROUPED_MATMUL_WGRAD_SPACE, heuristic, config, features, device)
     if element_bytes == 4:
         cfg = dict(cfg, block_m=32, block_n=min(cfg["block_n"], 128), block_k=64)

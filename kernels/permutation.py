@@ -109,7 +109,7 @@ def _listed_row(map_row, position, limit, num_rows):
     live: the entry is ignored, as an unlisted one (docs/design.md, "Index data is never trusted"). With
     limit = S the end is found from the list's -1 padding, so the first entries load while the count is
     still in flight (at large S the count and the lists lie in different cache lines): the combine walk
-    does this. The combine backward, which was 0-11% slower that way (same-GPU A/B, docs/performance.md),
+    does this. The combine backward, which was slower that way (same-GPU A/B, docs/history.md item 27),
     bounds its loads by the count."""
     row = tl.load(map_row + position, mask=position < limit, other=-1)
     return row.to(tl.int64), (row >= 0) & (row < num_rows)
@@ -133,8 +133,8 @@ def _aligned(value, ALIGN: tl.constexpr):
     """`value` rebuilt as a multiple of ALIGN, so that the compiler knows its divisibility (the plan sets
     ALIGN to a power of two dividing `value`). PyTorch's launcher tells Triton which integer arguments are
     multiples of 16; jax-triton does not, and without the hint the row addresses `row * hidden + cols` and the
-    masks `cols < hidden` do not vectorise (the JAX combine ran 2.3x slower than the same kernel from
-    PyTorch on the H100)."""
+    masks `cols < hidden` do not vectorise (the JAX combine ran far slower than the same kernel from
+    PyTorch)."""
     return value // ALIGN * ALIGN
 
 
@@ -1196,7 +1196,7 @@ def combine_plan(
         weighted=int(has_weights),
         gather=int(gather_probs),
     )
-    # Many slots per token: a deeper pipeline keeps more row loads in flight (H100 / H200 runs).
+    # Many slots per token: a deeper pipeline keeps more row loads in flight (the autotuner agrees).
     lookahead = 2 if num_slots > 8 else 1
     heuristic = dict(block_h=4096, num_warps=4, lookahead=lookahead, streaming=0)
     cfg = autotune.resolve(COMBINE_SPACE, heuristic, config, features, device)

@@ -1,4 +1,4 @@
-"""Named MoE shapes (DESIGN.md), shared by benchmarks, the autotuner and tests."""
+"""Named MoE shapes, shared by benchmarks, the autotuner and tests."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class MoELayerShape:
     group_topk: int | None = None
 
 
-#: Layer benchmarks (issues #12, #13): token counts per GPU that fill an H100/H200 with GEMM work.
+#: Layer benchmarks: token counts per GPU that give a Hopper GPU enough GEMM work to measure the layer.
 MOE_LAYER_SHAPES: dict[str, MoELayerShape] = {
     shape.name: shape
     for shape in (

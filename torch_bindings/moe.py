@@ -230,7 +230,7 @@ def _gather_counts(counts: Tensor, ep_size: int, group) -> tuple[Tensor, Callabl
 def _activate(hidden: Tensor, activation: str) -> Tensor:
     """[..., 2F] -> [..., F] (SwiGLU) or [..., F] -> [..., F]; zero rows stay zero. One moetriton kernel per
     direction (math in fp32), where eager PyTorch ran several elementwise kernels over the halves and
-    their copies (docs/moe.md, "Numbers")."""
+    their copies (docs/moe.md, "Measured")."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     activated = ACTIVATE(flat, activation)  # [M, F], named: M may be 0
     return activated.view(*hidden.shape[:-1], activated.shape[-1])

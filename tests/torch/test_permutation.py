@@ -53,8 +53,9 @@ def test_dispatch_matches_reference_bitwise(problem, with_probs, with_scales, la
 
 
 def _contract_rows(problem, capacity: int | None = None) -> np.ndarray:
-    """Destination row of every slot, straight from DESIGN.md's formula (a second, loop-based oracle); with
-    a capacity, expert e owns rows [e * capacity, (e + 1) * capacity) and keeps its first `capacity` slots."""
+    """Destination row of every slot, straight from docs/design.md's formula (a second, loop-based oracle);
+    with a capacity, expert e owns rows [e * capacity, (e + 1) * capacity) and keeps its first `capacity`
+    slots."""
     if problem.kind == "mask":
         experts = np.where(problem.routing, np.arange(problem.num_experts)[None, :], -1)
     else:
