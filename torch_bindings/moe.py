@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moetriton.kernels.expert_parallel import (
+    GATED_ACTIVATIONS,
     EPLayout,
     dropless_exchange,
     dropped_slots,
@@ -72,9 +73,10 @@ from .ops import ACTIVATE
 from .peer_exchange import peer_exchange_available, peer_experts, peer_plan
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 
-#: Expert activations: "swiglu" takes gate_up [L, H, 2F] (first F columns gate, last F up); the non-gated
-#: "gelu" and "relu" take gate_up [L, H, F] (the up projection alone).
-ACTIVATIONS = ("swiglu", "gelu", "relu")
+#: Expert activations: the gated "swiglu" and "geglu" take gate_up [L, H, 2F] (first F columns gate, last F
+#: up); the non-gated "gelu" and "relu" take gate_up [L, H, F] (the up projection alone). The same names as
+#: the JAX layer's (moetriton.kernels.expert_parallel.GATED_ACTIVATIONS).
+ACTIVATIONS = tuple(GATED_ACTIVATIONS)
 #: Row exchanges of the dropless layer with EP > 1: "all_to_all" (all_to_all_single, then chunk sorts to
 #: expert-major and back), "peer" (moetriton.torch.peer_exchange: rows copied through peer memory straight
 #: into expert-major order, no chunk sort), "auto" (peer where `peer_exchange_available`).
@@ -504,7 +506,7 @@ def moe(
         aux_loss_coeff: load-balancing loss weight (0: no loss, a zero scalar).
         align_size: rows per expert block padded to a multiple of this (dropless; the capacity is rounded
             up to it).
-        activation: "swiglu" (default), "gelu" or "relu" (non-gated).
+        activation: "swiglu" (default), "geglu" (gated), "gelu" or "relu" (non-gated): ACTIVATIONS.
         capacity_factor: None for dropless; c > 0 for C = c x the balanced load per (rank, expert).
         ep_group: the expert-parallel process group (None: one rank, every expert local). Every rank calls
             with the same T, E, K and options.

@@ -19,9 +19,9 @@ from . import reference_router
 
 def _expert(rows: Tensor, gate_up: Tensor, down: Tensor, activation: str) -> Tensor:
     hidden = rows @ gate_up
-    if activation == "swiglu":
+    if activation in ("swiglu", "geglu"):
         gate, up = hidden.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        act = (F.silu(gate) if activation == "swiglu" else F.gelu(gate)) * up
     else:
         act = F.gelu(hidden) if activation == "gelu" else F.relu(hidden)
     return act @ down

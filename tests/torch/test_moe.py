@@ -218,6 +218,14 @@ def test_non_gated_activations(activation):
     torch.testing.assert_close(out, expected, **TOLERANCE)
 
 
+def test_geglu_activation():
+    x = _tokens(6)
+    gate, gate_up, down = _weights()
+    out, _, _, _ = _run(x, [gate, gate_up, down], topk=2, activation="geglu")
+    expected, _, _ = moe_reference(x, gate, gate_up, down, topk=2, activation="geglu")
+    torch.testing.assert_close(out, expected, **TOLERANCE)
+
+
 def test_module_runs_the_functional_layer():
     layer = mt.MoELayer(
         H, F, E, 2, score_function="sigmoid", expert_bias=True, aux_loss_coeff=0.1, device=DEVICE
