@@ -24,7 +24,7 @@ from moetriton.kernels import (
     interpreter_problem,
     validation,
 )
-from moetriton.kernels._interpreter import HostArray
+from moetriton.kernels._interpreter import HostArray, say_reference_fallback
 
 
 def dtype_name(dtype) -> str:
@@ -48,8 +48,12 @@ def on_gpu() -> bool:
 
 
 def uses_kernels() -> bool:
-    """Kernels run compiled on GPU, interpreted on CPU under TRITON_INTERPRET=1; otherwise the reference."""
-    return on_gpu() or INTERPRETER
+    """Kernels run compiled on GPU, interpreted on CPU under TRITON_INTERPRET=1; otherwise the reference
+    (said once per process)."""
+    if on_gpu() or INTERPRETER:
+        return True
+    say_reference_fallback("JAX")
+    return False
 
 
 def device_info() -> DeviceInfo:

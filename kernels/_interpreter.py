@@ -105,3 +105,16 @@ class HostArray:
 
     def copy_(self, other) -> HostArray:
         return self
+
+
+@functools.cache
+def say_reference_fallback(framework: str) -> None:
+    """Warns once per process and framework that ops run the pure-`framework` reference: no GPU, and the
+    interpreter off (TRITON_INTERPRET=1 must be set before moetriton is imported to run the kernels)."""
+    import warnings
+
+    warnings.warn(
+        f"moetriton: no GPU and TRITON_INTERPRET unset: ops run the pure-{framework} reference. Set "
+        "TRITON_INTERPRET=1 before importing moetriton to run the Triton kernels interpreted instead.",
+        stacklevel=4,
+    )

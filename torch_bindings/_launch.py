@@ -25,6 +25,7 @@ from moetriton.kernels import (
     interpreter_problem,
     strided_inputs,
 )
+from moetriton.kernels._interpreter import say_reference_fallback
 
 _DTYPES = {
     "bool": torch.bool,
@@ -50,8 +51,12 @@ def describe(x: torch.Tensor | None) -> tuple[tuple[int, ...], str] | None:
 
 
 def uses_kernels(device: torch.device) -> bool:
-    """Kernels run compiled on CUDA, interpreted on CPU under TRITON_INTERPRET=1; otherwise the reference."""
-    return device.type == "cuda" or INTERPRETER
+    """Kernels run compiled on CUDA, interpreted on CPU under TRITON_INTERPRET=1; otherwise the reference
+    (said once per process)."""
+    if device.type == "cuda" or INTERPRETER:
+        return True
+    say_reference_fallback("PyTorch")
+    return False
 
 
 @functools.cache
