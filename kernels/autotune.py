@@ -6,13 +6,14 @@ Files: moetriton/autotune_cache/<device>/<kernel>.json, written by scripts/autot
 
 Each file also records the GPU's architecture and multiprocessor count ("arch": "sm_90", "num_sms": 132).
 
-Which file: the device's own; else, for a GPU with no cache of its own, the cache of the closest GPU of the
-same architecture (nearest multiprocessor count, then name), reported once (an H200 without its files uses
-the H100's rather than bare heuristics). Which entry: the exact key; else the nearest bucket (same
-categorical features, smallest sum of |log2| distances over the numeric ones); else None, and the plan uses
-its heuristic. A cache written by another Triton version or for other kernel source is still used (every
-cached config is a member of the kernel's search space, so it is correct, if perhaps no longer the fastest)
-and reported once.
+Which folder: $MOETRITON_AUTOTUNE_CACHE first when it is set (scripts/autotune.py's output folder: a cache
+tuned on this machine), then the package's. Which file: the device's own; else, for a GPU with no cache of
+its own, the cache of the closest GPU of the same architecture (nearest multiprocessor count, then name),
+reported once (an H200 without its files uses the H100's rather than bare heuristics). Which entry: the
+exact key; else the nearest bucket (same categorical features, smallest sum of |log2| distances over the
+numeric ones); else None, and the plan uses its heuristic. A cache written by another Triton version or for
+other kernel source is still used (every cached config is a member of the kernel's search space, so it is
+correct, if perhaps no longer the fastest) and reported once.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import inspect
 import io
 import json
 import math
+import os
 import re
 import textwrap
 import tokenize
@@ -134,9 +136,18 @@ def _borrowed(device: DeviceInfo, kernel: str) -> Path | None:
     return min(candidates)[2] if candidates else None
 
 
+def user_cache_root() -> Path | None:
+    """The folder named by MOETRITON_AUTOTUNE_CACHE (read before the package's cache), or None."""
+    folder = os.environ.get("MOETRITON_AUTOTUNE_CACHE")
+    return Path(folder).expanduser() if folder else None
+
+
 @functools.cache
 def _load(device: DeviceInfo, kernel: str) -> dict | None:
     path = cache_root() / device_dir(device.name) / f"{kernel}.json"
+    user = user_cache_root()
+    if user is not None and (user / device_dir(device.name) / f"{kernel}.json").is_file():
+        path = user / device_dir(device.name) / f"{kernel}.json"
     if not path.is_file():
         path = _borrowed(device, kernel)
         if path is None:

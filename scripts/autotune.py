@@ -7,7 +7,8 @@ For every kernel and key (the named shapes, with mask and index routing), every 
 search space is compiled and timed (CUDA-graph replays over rotating input sets, median), and
 <out>/<device>/<kernel>.json records the best config, all candidates' times, the Triton version and the
 kernel-source hash. The output folder is a user folder ($XDG_CACHE_HOME/moetriton/autotune_cache, else
-~/.cache/moetriton/autotune_cache) unless `--out` names another; `--update-package-cache` writes into the
+~/.cache/moetriton/autotune_cache) unless `--out` names another, which moetriton reads when
+MOETRITON_AUTOTUNE_CACHE names it (before the package's cache); `--update-package-cache` writes into the
 package's own cache (autotune_cache/ of the checkout, which moetriton reads), which is how a new GPU's
 cache is added to the repository. A fresh output folder starts from the package's cache for this GPU, and
 the sweep resumes where it stopped: keys already there with the current hash and Triton version are

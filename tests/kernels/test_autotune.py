@@ -132,6 +132,23 @@ def test_lookup_exact_nearest_and_none(fake_cache):
     assert plan.launches[0].constexprs["BLOCK_H"] == 2048 and plan.launches[0].num_warps == 8
 
 
+def test_a_user_cache_folder_is_read_before_the_packages(fake_cache, tmp_path, monkeypatch):
+    """MOETRITON_AUTOTUNE_CACHE (scripts/autotune.py's output folder) wins over the package's cache."""
+    data = json.loads(fake_cache.read_text())
+    for entry in data["entries"].values():
+        entry["best"] = dict(entry["best"], block_h=1024)
+    user = tmp_path / "user"
+    (user / fake_cache.parent.name).mkdir(parents=True)
+    (user / fake_cache.parent.name / fake_cache.name).write_text(json.dumps(data))
+    features = dict(num_tokens=16384, hidden=2048, num_slots=8, element_bytes=2, weighted=1, gather=0)
+    monkeypatch.setenv("MOETRITON_AUTOTUNE_CACHE", str(user))
+    autotune._load.cache_clear()
+    assert autotune.lookup("combine", features, TEST_GPU)["block_h"] == 1024
+    monkeypatch.delenv("MOETRITON_AUTOTUNE_CACHE")
+    autotune._load.cache_clear()
+    assert autotune.lookup("combine", features, TEST_GPU)["block_h"] == 4096
+
+
 def test_a_gpu_without_a_cache_borrows_the_closest_of_its_architecture(fake_cache):
     features = dict(num_tokens=16384, hidden=2048, num_slots=8, element_bytes=2, weighted=1, gather=0)
     sibling = kernels.DeviceInfo("Test GPU 141GB", 132, arch="sm_90")
