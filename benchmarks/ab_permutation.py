@@ -26,9 +26,9 @@ import json
 import torch
 
 from benchmarks.timing import input_sets, time_graph
-from moetriton.kernels import autotune
 from moetriton.kernels import permutation as candidate
-from moetriton.kernels.shapes import NAMED_SHAPES
+from moetriton.kernels.rules.shapes import NAMED_SHAPES
+from moetriton.kernels.runtime import autotune
 from moetriton.torch._launch import device_info, run_plan
 
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from moetriton.jax import grouped_activation
 from moetriton.jax.activation import apply_activation
-from moetriton.kernels.shapes import MOE_LAYER_SHAPES
+from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES
 
 from .common import add_out_option, write_results
 from .timing import input_sets, time_jax

@@ -24,7 +24,7 @@ import subprocess
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from moetriton.kernels.shapes import MOE_LAYER_SHAPES, MoELayerShape
+from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES, MoELayerShape
 
 
 @dataclass(frozen=True)

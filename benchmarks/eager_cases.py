@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from moetriton.kernels.shapes import MoEShape
+from moetriton.kernels.rules.shapes import MoEShape
 
 from .common import Result, token_bytes
 from .timing import input_sets, time_eager, time_graph, time_host_and_eager, time_jax

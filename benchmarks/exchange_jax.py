@@ -53,7 +53,7 @@ def measure_shape(shape, mesh, steps: int) -> None:
     from benchmarks.moe_jax import Case, _config, _shard_mapped, median_ms
     from moetriton.jax import token_dispatch
     from moetriton.jax.moe import dropless_forward, dropless_reverse, exchange_sizes
-    from moetriton.kernels.expert_parallel import ep_layout
+    from moetriton.kernels.rules.expert_parallel import ep_layout
 
     ep, tok = mesh.shape["ep"], PartitionSpec("ep")
     rows, hidden, num_experts = shape.num_tokens * shape.topk, shape.hidden, shape.num_experts

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from benchmarks.common import add_out_option, write_results
 from benchmarks.timing import copy_bandwidth_gbps, time_graph
-from moetriton.kernels.shapes import NAMED_SHAPES
+from moetriton.kernels.rules.shapes import NAMED_SHAPES
 
 
 @triton.jit

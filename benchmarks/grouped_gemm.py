@@ -24,7 +24,7 @@ import sys
 import torch
 
 from moetriton import kernels
-from moetriton.kernels.shapes import MOE_LAYER_SHAPES
+from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES
 from moetriton.torch._launch import device_info, run_plan
 
 from .common import add_out_option, write_results

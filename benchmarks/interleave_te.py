@@ -23,7 +23,7 @@ import moetriton.torch as mt
 from benchmarks.common import add_out_option, write_results
 from benchmarks.eager_cases import mask_routing, te_permutation
 from benchmarks.timing import input_sets, time_graph
-from moetriton.kernels.shapes import NAMED_SHAPES
+from moetriton.kernels.rules.shapes import NAMED_SHAPES
 from moetriton.torch import ops
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from moetriton.kernels.shapes import MoEShape
+from moetriton.kernels.rules.shapes import MoEShape
 
 from .common import Result, token_bytes
 from .timing import input_sets, time_jax

@@ -98,8 +98,8 @@ from moetriton.jax.moe import (
     exchange_sizes,
     moe,
 )
-from moetriton.kernels.expert_parallel import EPLayout, ep_layout
-from moetriton.kernels.shapes import MOE_LAYER_SHAPES, MoELayerShape
+from moetriton.kernels.rules.expert_parallel import EPLayout, ep_layout
+from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES, MoELayerShape
 
 from .common import add_out_option, write_results
 

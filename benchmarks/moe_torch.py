@@ -68,7 +68,7 @@ import torch.nn.functional as F
 
 from benchmarks import trace_gaps
 from benchmarks.common import add_out_option, write_results
-from moetriton.kernels.shapes import MOE_LAYER_SHAPES, MoELayerShape
+from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES, MoELayerShape
 from moetriton.torch.moe import STAGES as LAYER_STAGES
 from moetriton.torch.moe import all_to_all_rows, expert_mlp, moe
 

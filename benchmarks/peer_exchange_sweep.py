@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from benchmarks.common import add_out_option, write_results
 from moetriton import kernels
-from moetriton.kernels.expert_parallel import ep_layout, peer_chunks
 from moetriton.kernels.peer_exchange import DEFAULT_CONFIG
-from moetriton.kernels.shapes import MOE_LAYER_SHAPES
+from moetriton.kernels.rules.expert_parallel import ep_layout, peer_chunks
+from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES
 from moetriton.torch._launch import Executable
 from moetriton.torch.peer_exchange import _staging
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 import moetriton.torch as mt
-from moetriton.kernels.shapes import NAMED_SHAPES
+from moetriton.kernels.rules.shapes import NAMED_SHAPES
 
 
 def _calls(shape) -> dict:

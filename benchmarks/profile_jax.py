@@ -22,7 +22,7 @@ import moetriton.jax as mj
 from benchmarks.timing import gpu_activities, time_jax
 from moetriton.jax import ops
 from moetriton.jax._sharding import call
-from moetriton.kernels.shapes import NAMED_SHAPES
+from moetriton.kernels.rules.shapes import NAMED_SHAPES
 
 
 def _activities(fn, args, calls: int = 5) -> list[tuple[str, float, float]]:

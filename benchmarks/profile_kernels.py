@@ -19,7 +19,7 @@ import torch
 
 import moetriton.torch as mt
 from benchmarks.eager_cases import te_permutation
-from moetriton.kernels.shapes import NAMED_SHAPES
+from moetriton.kernels.rules.shapes import NAMED_SHAPES
 from moetriton.torch import ops
 
 CALLS = 2

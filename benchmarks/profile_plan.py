@@ -14,7 +14,7 @@ import torch
 import moetriton.torch as mt
 from benchmarks.timing import time_graph
 from moetriton import kernels
-from moetriton.kernels.shapes import NAMED_SHAPES
+from moetriton.kernels.rules.shapes import NAMED_SHAPES
 from moetriton.torch._launch import device_info, run_plan
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moetriton.kernels.shapes import MoEShape
+from moetriton.kernels.rules.shapes import MoEShape
 
 from .common import Result, add_out_option, write_results
 from .timing import input_sets, time_eager, time_graph, time_jax

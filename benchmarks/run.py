@@ -21,7 +21,7 @@ import os
 import sys
 import traceback
 
-from moetriton.kernels.shapes import NAMED_SHAPES
+from moetriton.kernels.rules.shapes import NAMED_SHAPES
 
 from .common import add_out_option, versions, write_results
 

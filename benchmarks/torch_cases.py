@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from moetriton import kernels
-from moetriton.kernels.shapes import MoEShape
+from moetriton.kernels.rules.shapes import MoEShape
 from moetriton.torch._launch import device_info, run_plan
 
 from .common import Result, token_bytes

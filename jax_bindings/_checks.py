@@ -13,7 +13,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from moetriton.kernels import validation
+from moetriton.kernels.rules import validation
 
 
 def host_values(x) -> np.ndarray | None:

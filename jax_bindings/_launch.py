@@ -22,13 +22,13 @@ from moetriton.kernels import (
     RowStride,
     alignment,
     interpreter_problem,
-    validation,
 )
-from moetriton.kernels._interpreter import HostArray, say_reference_fallback
+from moetriton.kernels.rules import validation
+from moetriton.kernels.runtime.interpreter import HostArray, say_reference_fallback
 
 
 def dtype_name(dtype) -> str:
-    """numpy-style name of a JAX dtype, as moetriton.kernels.validation expects."""
+    """numpy-style name of a JAX dtype, as moetriton.kernels.rules.validation expects."""
     return jnp.dtype(dtype).name
 
 

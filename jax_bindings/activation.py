@@ -9,9 +9,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from moetriton.kernels import validation
 from moetriton.kernels.activation import activation_backward_plan, activation_plan
-from moetriton.kernels.expert_parallel import GATED_ACTIVATIONS
+from moetriton.kernels.rules import validation
+from moetriton.kernels.rules.expert_parallel import GATED_ACTIVATIONS
 
 from ._launch import describe, device_info, run_plan, uses_kernels
 

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moetriton.kernels import row_map_slots, validation
+from moetriton.kernels import row_map_slots
+from moetriton.kernels.rules import validation
 
 from . import ops
 from ._checks import check_values

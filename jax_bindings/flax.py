@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import Mesh
 
-from moetriton.kernels.expert_parallel import gate_up_width
+from moetriton.kernels.rules.expert_parallel import gate_up_width
 
 from .activation import ACTIVATIONS
 from .moe import moe

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from moetriton import kernels
-from moetriton.kernels import validation
+from moetriton.kernels.rules import validation
 
 from ._launch import describe, device_info, run_plan, uses_kernels
 

@@ -16,7 +16,7 @@ chunk-sort kernel's map of zero columns); after the ragged or capacity exchange 
 write them through that permutation instead. Either way no chunk sort copies them before and after the
 GEMMs (nor back in the backward pass).
 
-The exchange sizes and static buffer sizes come from moetriton.kernels.expert_parallel (`ep_layout`,
+The exchange sizes and static buffer sizes come from moetriton.kernels.rules.expert_parallel (`ep_layout`,
 `dropless_exchange`, `dropped_slots`); nothing here re-derives them. Two exchanges move the same rows:
 
 * "ragged": `jax.lax.ragged_all_to_all` into the static receive buffer (GPU meshes spanning processes);
@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from moetriton import kernels
-from moetriton.kernels.expert_parallel import (
+from moetriton.kernels.rules.expert_parallel import (
     GATED_ACTIVATIONS,
     EPLayout,
     dropless_exchange,

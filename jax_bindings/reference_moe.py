@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moetriton.kernels.expert_parallel import ep_layout
+from moetriton.kernels.rules.expert_parallel import ep_layout
 
 from . import reference_router
 from .activation import apply_activation

@@ -27,7 +27,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from moetriton.kernels import router as plans
-from moetriton.kernels import router_validation as rules
+from moetriton.kernels.rules import router as rules
 
 from . import reference_router as reference
 from ._checks import check_values

@@ -1,23 +1,15 @@
 """Triton kernels for MoE token routing and their framework-neutral launch plans.
 
-Imports triton and the standard library only; importing touches no GPU. Set TRITON_INTERPRET=1 before
-importing to run the kernels under the Triton interpreter on CPU.
+The tree shows the layers: one file per kernel family (permutation, chunk_sort, router, grouped_gemm,
+activation, exchange, peer_exchange: kernels and their launch plans), `_jit` (jit helpers several families
+share), `rules/` (validation, shape arithmetic, the MoE layer's rules and sizes) and `runtime/` (plans,
+the autotune caches, the interpreter). This package exports the plan builders, their search spaces and
+the plan types; rules and runtime modules are imported by their paths. Imports triton and the standard
+library only; importing touches no GPU. Set TRITON_INTERPRET=1 before importing to run the kernels under
+the Triton interpreter on CPU.
 """
 
 from . import router
-from ._interpreter import INTERPRETER, interpreter_problem
-from ._plan import (
-    Buffer,
-    DeviceInfo,
-    Launch,
-    Plan,
-    RowStride,
-    SearchSpace,
-    alignment,
-    cdiv,
-    next_pow2,
-    strided_inputs,
-)
 from .activation import activation_backward_plan, activation_plan
 from .chunk_sort import SORT_CHUNKS_SPACE, sort_chunks_plan
 from .exchange import place_blocks_plan, take_blocks_plan
@@ -33,15 +25,26 @@ from .permutation import (
     COMBINE_SPACE,
     DISPATCH_SPACE,
     ROW_MAP_SPACE,
-    buffer_rows,
     combine_backward_plan,
     combine_plan,
     dispatch_outputs,
     dispatch_plan,
     expert_count_plan,
-    row_map_columns,
-    row_map_slots,
     scatter_plan,
+)
+from .rules.layout import buffer_rows, row_map_columns, row_map_slots
+from .runtime.interpreter import INTERPRETER, interpreter_problem
+from .runtime.plan import (
+    Buffer,
+    DeviceInfo,
+    Launch,
+    Plan,
+    RowStride,
+    SearchSpace,
+    alignment,
+    cdiv,
+    next_pow2,
+    strided_inputs,
 )
 
 #: Every kernel's search space, by kernel name.

@@ -9,9 +9,9 @@ GEMMs' callers that skip the tail (`zero_tail=False`) can use, since those GEMMs
 group sizes (num_groups None) every row is computed: the PyTorch layer's buffers hold exactly the
 received rows, and one fused kernel per direction replaces eager PyTorch's several elementwise ones.
 
-Activations (kernels/expert_parallel.py's GATED_ACTIVATIONS decides which are gated): "swiglu" silu(gate) * up
-and "geglu" gelu(gate) * up on [M, 2F] = [gate | up], "gelu" and "relu" on [M, F]; gelu is the exact (erf)
-one. Math in fp32, results rounded once to the input dtype, as the frameworks' fp32 references do.
+Activations (GATED_ACTIVATIONS of kernels/rules/expert_parallel.py says which are gated): "swiglu" silu(gate)
+* up and "geglu" gelu(gate) * up on [M, 2F] = [gate | up], "gelu" and "relu" on [M, F]; gelu is the exact
+(erf) one. Math in fp32, results rounded once to the input dtype, as the frameworks' fp32 references do.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, cached, cdiv, next_pow2
-from .expert_parallel import GATED_ACTIVATIONS
-from .permutation import _columns
+from ._jit import block_columns
+from .rules.expert_parallel import GATED_ACTIVATIONS
+from .runtime.plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, cached, cdiv, next_pow2
 
 #: The function of every activation (the gated ones' on their gate half), as the kernels' FUNCTION constexpr.
 _FUNCTIONS = {"swiglu": 0, "geglu": 1, "gelu": 1, "relu": 2}
@@ -170,7 +170,7 @@ def _plan(
     buffers = {result: Buffer((num_rows, width if backward else ffn), "like:hidden")}
     if num_rows == 0 or ffn == 0:
         return Plan(buffers, (), (result,))
-    block_cols = _columns(ffn, 8192 // element_bytes)
+    block_cols = block_columns(ffn, 8192 // element_bytes)
     block_rows = 2
     launch = Launch(
         kernel=kernel,

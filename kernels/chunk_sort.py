@@ -19,8 +19,9 @@ from collections.abc import Mapping
 import triton
 import triton.language as tl
 
-from . import autotune
-from ._plan import (
+from ._jit import _aligned, _as_bits, _chunk_of_rows, column_programs
+from .runtime import autotune
+from .runtime.plan import (
     DEFAULT_DEVICE,
     Buffer,
     DeviceInfo,
@@ -33,21 +34,8 @@ from ._plan import (
     cdiv,
     next_pow2,
 )
-from .permutation import _aligned, _as_bits, column_programs
 
 _TILE_ELEMENTS = 4096
-
-
-@triton.jit
-def _chunk_of_rows(rows, sizes, in_table, CHUNKS_POW2: tl.constexpr):
-    """For rows [ROWS] of chunks laid end to end, `sizes` [CHUNKS_POW2] (entries outside `in_table` zero):
-    (the chunk of each row, the first row of that chunk). The chunk of a row is the number of chunks that
-    end at or before it (empty chunks included); a row past the last chunk gets the table's length."""
-    ends = tl.cumsum(sizes, axis=0)
-    chunk = tl.sum(((ends[None, :] <= rows[:, None]) & in_table[None, :]).to(tl.int32), axis=1)
-    chunks = tl.arange(0, CHUNKS_POW2)
-    first = tl.sum(tl.where(chunks[None, :] == chunk[:, None], (ends - sizes)[None, :], 0), axis=1)
-    return chunk, first
 
 
 @triton.jit

@@ -15,8 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._plan import Buffer, Launch, Plan, cached, cdiv
-from .permutation import _as_bits, _columns
+from ._jit import _as_bits, block_columns
+from .runtime.plan import Buffer, Launch, Plan, cached, cdiv
 
 
 @triton.jit
@@ -114,7 +114,7 @@ def _blocks_plan(
     if num_blocks * rows == 0 or width == 0:
         return Plan(buffers, (), (result,))
     tile_rows = 4
-    tile_cols = _columns(width, 16384 // element_bytes)  # a 16 KiB streaming copy per row
+    tile_cols = block_columns(width, 16384 // element_bytes)  # a 16 KiB streaming copy per row
     launch = Launch(
         kernel=_take_blocks_kernel if take else _place_blocks_kernel,
         grid=(num_blocks * cdiv(rows, tile_rows), cdiv(width, tile_cols)),

@@ -26,10 +26,20 @@ from collections.abc import Mapping
 import triton
 import triton.language as tl
 
-from . import autotune
-from ._interpreter import INTERPRETER
-from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, SearchSpace, cached, cdiv, next_pow2
-from .permutation import _as_bits, _columns
+from ._jit import _as_bits, block_columns
+from .runtime import autotune
+from .runtime.interpreter import INTERPRETER
+from .runtime.plan import (
+    DEFAULT_DEVICE,
+    Buffer,
+    DeviceInfo,
+    Launch,
+    Plan,
+    SearchSpace,
+    cached,
+    cdiv,
+    next_pow2,
+)
 
 
 @triton.jit
@@ -375,7 +385,7 @@ def _gather_launch(source: str, rows: str, gathered: str, sizes: dict, width: in
     per program (a plain streaming copy; the chunk sort's tuned configs for these widths are in the same
     range)."""
     num_rows, num_groups, element_bytes = sizes["num_rows"], sizes["num_groups"], sizes["element_bytes"]
-    block_cols = _columns(width, 16384 // element_bytes)
+    block_cols = block_columns(width, 16384 // element_bytes)
     return Launch(
         kernel=_gather_rows_kernel,
         grid=(cdiv(num_rows, 4), cdiv(width, block_cols)),

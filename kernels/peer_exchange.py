@@ -9,7 +9,7 @@ of every row per direction).
 
 The receiving rank's rows are expert-major: chunk (j, p) = j * EP + p holds the rows that source p's buffer
 holds for local expert j (`chunk_sizes`), starting at row `source_offsets[j * EP + p]` of p's buffer
-(moetriton.kernels.expert_parallel.peer_chunks). Row i of the receiving layout therefore maps to one
+(moetriton.kernels.rules.expert_parallel.peer_chunks). Row i of the receiving layout therefore maps to one
 (source, source row) pair; both kernels find it from the chunk sizes:
 
 * `_pull_rows_kernel` (the receiver gathers): out[i] = buffer_p[row]; optionally the rows' probs alongside,
@@ -28,8 +28,8 @@ from collections.abc import Mapping
 import triton
 import triton.language as tl
 
-from ._plan import Buffer, Launch, Plan, cached, cdiv, next_pow2
-from .chunk_sort import _chunk_of_rows
+from ._jit import _chunk_of_rows
+from .runtime.plan import Buffer, Launch, Plan, cached, cdiv, next_pow2
 
 #: Launch configuration of both copies: rows per program (the chunk lookup compares rows x next_pow2(EP * L)
 #: entries), bytes of a row a program moves per step, warps.

@@ -37,8 +37,10 @@ from collections.abc import Mapping
 import triton
 import triton.language as tl
 
-from . import autotune
-from ._plan import (
+from ._jit import _aligned, _as_bits, block_columns, column_programs
+from .rules.layout import buffer_rows, row_map_columns
+from .runtime import autotune
+from .runtime.plan import (
     DEFAULT_DEVICE,
     Buffer,
     DeviceInfo,
@@ -54,22 +56,6 @@ from ._plan import (
 
 # Largest number of elements one program holds in a tile; keeps register use bounded for any E, K and H.
 _TILE_ELEMENTS = 4096
-
-
-@triton.jit
-def _as_bits(ptr):
-    """Reinterprets a pointer as a pointer to unsigned integers of the same width (pure data movement).
-    Booleans are stored as bytes, so an int1 pointer becomes a uint8 one (byte loads vectorise; int1 loads
-    did not, and made reading routing masks several times slower)."""
-    bits: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth
-    if bits <= 8:
-        return ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
-    elif bits == 16:
-        return ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
-    elif bits == 32:
-        return ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
-    else:
-        return ptr.to(tl.pointer_type(tl.uint64), bitcast=True)
 
 
 @triton.jit
@@ -126,16 +112,6 @@ def _listed_slot(map_row, num_slots, position, limit, NEEDED: tl.constexpr = Tru
     else:
         slot = tl.full([], -1, tl.int32)
     return slot
-
-
-@triton.jit
-def _aligned(value, ALIGN: tl.constexpr):
-    """`value` rebuilt as a multiple of ALIGN, so that the compiler knows its divisibility (the plan sets
-    ALIGN to a power of two dividing `value`). PyTorch's launcher tells Triton which integer arguments are
-    multiples of 16; jax-triton does not, and without the hint the row addresses `row * hidden + cols` and the
-    masks `cols < hidden` do not vectorise (the JAX combine ran far slower than the same kernel from
-    PyTorch)."""
-    return value // ALIGN * ALIGN
 
 
 @triton.jit
@@ -853,50 +829,14 @@ COMBINE_BACKWARD_SPACE = SearchSpace(
 )
 
 
-def row_map_columns(num_slots: int) -> int:
-    """Columns of the row map of S slots per token: the list of their rows, the list of the slots, the
-    count of listed slots and `end`."""
-    return 2 * num_slots + 2
-
-
-def row_map_slots(columns: int) -> int:
-    """S, the slots per token, of a row map with `columns` columns (see `row_map_columns`)."""
-    return (columns - 2) // 2
-
-
 def _warps_for(block_bytes: int) -> int:
     """Heuristic warps: one 16-byte vector per thread per row chunk, 4 to 8 warps."""
     return min(8, max(4, next_pow2(block_bytes // 512)))
 
 
-def column_programs(hidden: int, block_h: int) -> int:
-    """Programs per token row: one per BLOCK_H columns, and one even for H = 0, since a token's first
-    program also moves its per-slot data (row map, probs)."""
-    return max(1, cdiv(hidden, block_h))
-
-
-def _columns(hidden: int, block: int) -> int:
-    """Columns per program: the configured block, no wider than the row (power of two, at least 16)."""
-    return max(16, min(next_pow2(hidden), block))
-
-
 def _num_fill(device: DeviceInfo, padded: bool, num_experts: int) -> int:
     # Padded buffers spread one expert's pad rows per program; unpadded ones only ever zero a tail.
     return min(max(num_experts, device.num_sms), 1024) if padded else device.num_sms
-
-
-def buffer_rows(
-    num_out_tokens: int | None, num_experts: int, align_size: int | None, capacity: int | None = None
-) -> int:
-    """Rows of the permuted buffer: `num_out_tokens`, or with padding the static worst case
-    floor((num_out_tokens + E * (A - 1)) / A) * A, which always holds the padded layout of
-    `num_out_tokens` routed slots (the padded total is a multiple of A and at most that bound), or with a
-    capacity E * capacity (`num_out_tokens` unused)."""
-    if capacity is not None:
-        return num_experts * capacity
-    if align_size is None:
-        return num_out_tokens
-    return (num_out_tokens + num_experts * (align_size - 1)) // align_size * align_size
 
 
 def expert_count_plan(
@@ -958,10 +898,10 @@ def expert_count_plan(
 def _data_config(hidden: int, num_slots: int, element_bytes: int, num_tokens: int, device, config):
     """A dispatch-space config (block bytes, warps, streaming) and the columns per program it gives."""
     features = dict(num_tokens=num_tokens, hidden=hidden, num_slots=num_slots, element_bytes=element_bytes)
-    block_h = _columns(hidden, 16384 // element_bytes)
+    block_h = block_columns(hidden, 16384 // element_bytes)
     heuristic = dict(block_bytes=16384, num_warps=_warps_for(block_h * element_bytes), streaming=0)
     cfg = autotune.resolve(DISPATCH_SPACE, heuristic, config, features, device)
-    return cfg, _columns(hidden, cfg["block_bytes"] // element_bytes)
+    return cfg, block_columns(hidden, cfg["block_bytes"] // element_bytes)
 
 
 @cached
@@ -1206,7 +1146,7 @@ def combine_plan(
     }
     if num_tokens == 0:
         return Plan(buffers, (), ("output", "probs"))
-    block_h = _columns(hidden, cfg["block_h"])
+    block_h = block_columns(hidden, cfg["block_h"])
     launch = Launch(
         kernel=_combine_kernel,
         grid=(num_tokens * column_programs(hidden, block_h),),
@@ -1256,7 +1196,7 @@ def combine_backward_plan(
     """
     features = dict(num_tokens=num_tokens, hidden=hidden, num_slots=num_slots, element_bytes=element_bytes)
     heuristic = dict(
-        block_h=2048, num_warps=_warps_for(_columns(hidden, 2048) * element_bytes), streaming=0, step=1
+        block_h=2048, num_warps=_warps_for(block_columns(hidden, 2048) * element_bytes), streaming=0, step=1
     )
     cfg = autotune.resolve(COMBINE_BACKWARD_SPACE, heuristic, config, features, device)
     empty = num_tokens == 0
@@ -1266,7 +1206,7 @@ def combine_backward_plan(
     }
     if empty:
         return Plan(buffers, (), ("grad_input", "grad_weights"))
-    block_h = _columns(hidden, cfg["block_h"])
+    block_h = block_columns(hidden, cfg["block_h"])
     num_fill = 0 if padded else _num_fill(device, False, 0)
     launch = Launch(
         kernel=_combine_backward_kernel,

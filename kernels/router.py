@@ -43,8 +43,18 @@ from collections.abc import Mapping
 import triton
 import triton.language as tl
 
-from . import autotune
-from ._plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, SearchSpace, cached, cdiv, next_pow2
+from .runtime import autotune
+from .runtime.plan import (
+    DEFAULT_DEVICE,
+    Buffer,
+    DeviceInfo,
+    Launch,
+    Plan,
+    SearchSpace,
+    cached,
+    cdiv,
+    next_pow2,
+)
 
 #: Score-function ids used as constexprs.
 SCORE_FUNCTION_IDS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}

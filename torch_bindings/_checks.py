@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from moetriton.kernels import validation
+from moetriton.kernels.rules import validation
 
 Signature = tuple[torch.Size, torch.dtype, torch.device]
 _Check = TypeVar("_Check", bound=Callable[..., Any])

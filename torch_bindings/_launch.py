@@ -1,8 +1,8 @@
 """Runs a framework-neutral launch plan on torch tensors: arrange inputs, allocate, launch, return.
 
-Memory layout is decided here, once for every op (see moetriton.kernels._plan): an input that a launch reads
-through a `RowStride` is passed as it is when its columns are unit stride (row slices, offset views, rows
-expanded with stride 0: no copy), and every other input, or any other layout (transposed, column-strided,
+Memory layout is decided here, once for every op (see moetriton.kernels.runtime.plan): an input that a launch
+reads through a `RowStride` is passed as it is when its columns are unit stride (row slices, offset views,
+rows expanded with stride 0: no copy), and every other input, or any other layout (transposed, column-strided,
 fully expanded), is made contiguous first. Results are always dense.
 """
 
@@ -25,7 +25,7 @@ from moetriton.kernels import (
     interpreter_problem,
     strided_inputs,
 )
-from moetriton.kernels._interpreter import say_reference_fallback
+from moetriton.kernels.runtime.interpreter import say_reference_fallback
 
 _DTYPES = {
     "bool": torch.bool,
@@ -42,7 +42,7 @@ _DTYPES = {
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """numpy-style name of a torch dtype, as moetriton.kernels.validation expects."""
+    """numpy-style name of a torch dtype, as moetriton.kernels.rules.validation expects."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -486,7 +486,7 @@ _MAX_EXECUTABLES = 1024
 
 def executable(plan: Plan, device: torch.device) -> Executable:
     """The Executable of `plan` on `device`, kept while the plan is (plans of a signature are one object,
-    see moetriton.kernels._plan.cached), least recently used dropped first."""
+    see moetriton.kernels.runtime.plan.cached), least recently used dropped first."""
     key = (id(plan), device)
     entry = _EXECUTABLES.get(key)
     if entry is not None and entry.plan is plan:

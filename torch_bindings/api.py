@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from moetriton.kernels import row_map_slots, validation
+from moetriton.kernels import row_map_slots
+from moetriton.kernels.rules import validation
 
 from . import ops
 from ._checks import Signature, describe, extremes, memoised, same_device, signature, values_checked

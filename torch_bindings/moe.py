@@ -2,7 +2,7 @@
 
 One call on one rank of the expert-parallel (EP) group, T tokens, E experts of which L = E / EP are local
 (expert e lives on rank e // L), top-K routing; sizes and exchange formulas come from
-moetriton.kernels.expert_parallel (EPLayout, dropless_exchange, dropped_slots):
+moetriton.kernels.rules.expert_parallel (EPLayout, dropless_exchange, dropped_slots):
 
     x [T, H] -> logits = x @ gate_weight^T [T, E] (in x.dtype, fp32 accumulation)
       -> fused top-k: probs [T, E], routing_map [T, E], indices [T, K]; merging weights w = probs at indices
@@ -54,7 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moetriton.kernels.expert_parallel import (
+from moetriton.kernels.rules.expert_parallel import (
     GATED_ACTIVATIONS,
     EPLayout,
     dropless_exchange,
@@ -75,7 +75,7 @@ from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fu
 
 #: Expert activations: the gated "swiglu" and "geglu" take gate_up [L, H, 2F] (first F columns gate, last F
 #: up); the non-gated "gelu" and "relu" take gate_up [L, H, F] (the up projection alone). The same names as
-#: the JAX layer's (moetriton.kernels.expert_parallel.GATED_ACTIVATIONS).
+#: the JAX layer's (moetriton.kernels.rules.expert_parallel.GATED_ACTIVATIONS).
 ACTIVATIONS = tuple(GATED_ACTIVATIONS)
 #: Row exchanges of the dropless layer with EP > 1: "all_to_all" (all_to_all_single, then chunk sorts to
 #: expert-major and back), "peer" (moetriton.torch.peer_exchange: rows copied through peer memory straight

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moetriton import kernels
-from moetriton.kernels.expert_parallel import EPLayout
+from moetriton.kernels.rules.expert_parallel import EPLayout
 
 from ._launch import bound, dtype_name
 from ._stages import stage
@@ -162,7 +162,7 @@ def peer_plan(
     received_rows: Callable[[], int],
     largest_rows: Callable[[], int],
 ) -> PeerPlan:
-    """The exchange plan of one layer call: chunks from moetriton.kernels.expert_parallel.peer_chunks
+    """The exchange plan of one layer call: chunks from moetriton.kernels.rules.expert_parallel.peer_chunks
     (chunk_sizes, source_offsets [EP * L] on the device), the router's indices [T, K], the layer's layout,
     the rows' width and dtype, and functions returning the rows this rank receives and the largest send
     buffer of the group (both wait for the counts' host copy; ranks may hold different T). The group's

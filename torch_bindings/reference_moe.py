@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moetriton.kernels.expert_parallel import ep_layout
+from moetriton.kernels.rules.expert_parallel import ep_layout
 
 from . import reference_router
 

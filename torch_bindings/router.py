@@ -17,7 +17,7 @@ from torch import Tensor
 
 from moetriton.kernels import Plan
 from moetriton.kernels import router as plans
-from moetriton.kernels import router_validation as rules
+from moetriton.kernels.rules import router as rules
 
 from . import reference_router as reference
 from ._checks import Signature, describe, memoised, same_device, signature, values_checked

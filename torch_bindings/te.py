@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from moetriton.kernels import validation
+from moetriton.kernels.rules import validation
 
 from .api import sort_chunks_by_index, token_combine, token_dispatch
 

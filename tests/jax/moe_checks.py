@@ -38,7 +38,7 @@ from jax.sharding import Mesh
 from moetriton.jax import reference_router
 from moetriton.jax.moe import moe
 from moetriton.jax.reference_moe import moe_reference
-from moetriton.kernels.expert_parallel import ep_layout
+from moetriton.kernels.rules.expert_parallel import ep_layout
 from tests.strategies_moe import MoEProblem, moe_problems
 
 _SETTINGS = dict(

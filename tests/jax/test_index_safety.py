@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 import moetriton.jax as mj
 from moetriton.jax import _launch, reference
-from moetriton.kernels import INTERPRETER, validation
+from moetriton.kernels import INTERPRETER
+from moetriton.kernels.rules import validation
 from tests.strategies_hostile import ids_problems, is_partition, row_map_problems, row_owners, split_problems
 
 SENTINEL = 0xA5

@@ -10,8 +10,8 @@ import pytest
 import triton
 
 from moetriton import kernels
-from moetriton.kernels import autotune
 from moetriton.kernels import router as router_plans
+from moetriton.kernels.runtime import autotune
 
 TEST_GPU = kernels.DeviceInfo("Test GPU 80GB", 132, arch="sm_90")
 

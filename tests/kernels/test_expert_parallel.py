@@ -1,6 +1,6 @@
-"""Expert-parallel exchange arithmetic (moetriton.kernels.expert_parallel), checked by simulating the exchange
-between EP ranks with numpy: every row reaches the right rank, chunk and expert, fits the static buffers
-(adversarial routing included), and the reverse exchange returns it to the row it left."""
+"""Expert-parallel exchange arithmetic (moetriton.kernels.rules.expert_parallel), checked by simulating the
+exchange between EP ranks with numpy: every row reaches the right rank, chunk and expert, fits the static
+buffers (adversarial routing included), and the reverse exchange returns it to the row it left."""
 
 import itertools
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moetriton.kernels.expert_parallel import (
+from moetriton.kernels.rules.expert_parallel import (
     dropless_exchange,
     dropped_slots,
     ep_layout,

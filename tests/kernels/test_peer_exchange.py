@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moetriton import kernels
-from moetriton.kernels.expert_parallel import ep_layout, peer_chunks
+from moetriton.kernels.rules.expert_parallel import ep_layout, peer_chunks
 from moetriton.torch._launch import run_plan
 from tests.torch._helpers import DEVICE
 

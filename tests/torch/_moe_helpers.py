@@ -119,7 +119,7 @@ def ep_worker(rank: int, world: int, store: str, backend: str, problems: list, d
     path ignores it)."""
     # A gloo rank computes on CPU tensors: under the Triton interpreter where the parent set it (CPU-only
     # machines, tests/conftest.py), else through the PyTorch reference path (a GPU machine, whose Triton may
-    # not interpret: kernels/_interpreter.py).
+    # not interpret: kernels/runtime/interpreter.py).
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

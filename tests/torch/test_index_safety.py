@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import moetriton.torch as mt
 from moetriton import kernels
-from moetriton.kernels import validation
+from moetriton.kernels.rules import validation
 from moetriton.torch import reference
 from moetriton.torch._launch import Executable
 from tests.strategies_hostile import (

@@ -18,7 +18,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import moetriton.torch as mt
-from moetriton.kernels.expert_parallel import ep_layout, padded_counts
+from moetriton.kernels.rules.expert_parallel import ep_layout, padded_counts
 from moetriton.torch.moe import expert_mlp, grouped_mm_supported
 from moetriton.torch.reference_moe import moe_reference
 from tests.strategies_moe import moe_problems

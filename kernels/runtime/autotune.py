@@ -37,7 +37,7 @@ from pathlib import Path
 
 import triton
 
-from ._plan import DeviceInfo, SearchSpace
+from .plan import DeviceInfo, SearchSpace
 
 # Kernel name -> (module, entry kernels). The cache hash covers their source and, transitively, every
 # @triton.jit helper they call, so changing one kernel leaves the other kernels' entries fresh.

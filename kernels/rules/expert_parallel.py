@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .permutation import buffer_rows
+from .layout import buffer_rows
 
 POLICIES = ("dropless", "capacity")
 

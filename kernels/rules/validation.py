@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from .expert_parallel import GATED_ACTIVATIONS
-from .permutation import row_map_slots
+from .layout import row_map_slots
 
 #: The debug switch MOETRITON_CHECK=1 (read at import): every call reads the index data it is given (expert
 #: ids, row maps, split sizes and orders) and raises ValueError for values the rules below refuse, on the

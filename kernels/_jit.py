@@ -1,0 +1,61 @@
+"""@triton.jit helpers shared by several kernel families, and the column arithmetic of their launches.
+
+A kernel family's own helpers stay in its file; these are the ones two or more families call, so that no
+family imports another's private names.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .runtime.plan import cdiv, next_pow2
+
+
+@triton.jit
+def _as_bits(ptr):
+    """Reinterprets a pointer as a pointer to unsigned integers of the same width (pure data movement).
+    Booleans are stored as bytes, so an int1 pointer becomes a uint8 one (byte loads vectorise; int1 loads
+    did not, and made reading routing masks several times slower)."""
+    bits: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth
+    if bits <= 8:
+        return ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+    elif bits == 16:
+        return ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+    elif bits == 32:
+        return ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    else:
+        return ptr.to(tl.pointer_type(tl.uint64), bitcast=True)
+
+
+@triton.jit
+def _aligned(value, ALIGN: tl.constexpr):
+    """`value` rebuilt as a multiple of ALIGN, so that the compiler knows its divisibility (the plan sets
+    ALIGN to a power of two dividing `value`). PyTorch's launcher tells Triton which integer arguments are
+    multiples of 16; jax-triton does not, and without the hint the row addresses `row * hidden + cols` and the
+    masks `cols < hidden` do not vectorise (the JAX combine ran far slower than the same kernel from
+    PyTorch)."""
+    return value // ALIGN * ALIGN
+
+
+@triton.jit
+def _chunk_of_rows(rows, sizes, in_table, CHUNKS_POW2: tl.constexpr):
+    """For rows [ROWS] of chunks laid end to end, `sizes` [CHUNKS_POW2] (entries outside `in_table` zero):
+    (the chunk of each row, the first row of that chunk). The chunk of a row is the number of chunks that
+    end at or before it (empty chunks included); a row past the last chunk gets the table's length."""
+    ends = tl.cumsum(sizes, axis=0)
+    chunk = tl.sum(((ends[None, :] <= rows[:, None]) & in_table[None, :]).to(tl.int32), axis=1)
+    chunks = tl.arange(0, CHUNKS_POW2)
+    first = tl.sum(tl.where(chunks[None, :] == chunk[:, None], (ends - sizes)[None, :], 0), axis=1)
+    return chunk, first
+
+
+def column_programs(hidden: int, block_h: int) -> int:
+    """Programs per token row: one per BLOCK_H columns, and one even for H = 0, since a token's first
+    program also moves its per-slot data (row map, probs)."""
+    return max(1, cdiv(hidden, block_h))
+
+
+def block_columns(hidden: int, block: int) -> int:
+    """Columns per program: the configured block, no wider than the row (power of two, at least 16)."""
+    return max(16, min(next_pow2(hidden), block))
