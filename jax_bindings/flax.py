@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import Mesh
 
+from moetriton.kernels.rules import moe as layer_rules
 from moetriton.kernels.rules.expert_parallel import gate_up_width
 
-from .activation import ACTIVATIONS
 from .moe import moe
 
 #: Logical axis -> mesh axis for the default layout (experts over "ep", everything else replicated).
@@ -92,8 +92,13 @@ class MoEBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation: expected one of {tuple(ACTIVATIONS)}, got {self.activation!r}")
+        layer_rules.check_options(  # before the weights' shapes are derived from the activation
+            activation=self.activation,
+            score_function=self.score_function,
+            aux_loss_coeff=self.aux_loss_coeff,
+            exchange=self.exchange,
+            exchanges=layer_rules.JAX_EXCHANGES,
+        )
         hidden, experts = x.shape[-1], self.num_experts
         width = gate_up_width(self.activation, self.ffn_dim)
         gate = self.param(

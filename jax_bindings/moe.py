@@ -49,8 +49,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from moetriton import kernels
+from moetriton.kernels.rules import moe as layer_rules
 from moetriton.kernels.rules.expert_parallel import (
-    GATED_ACTIVATIONS,
     EPLayout,
     dropless_exchange,
     dropped_slots,
@@ -59,13 +59,14 @@ from moetriton.kernels.rules.expert_parallel import (
 )
 
 from ._launch import run_plan, uses_kernels
-from .activation import ACTIVATIONS, grouped_activation
+from .activation import grouped_activation
 from .api import sort_chunks_by_index, token_combine, token_dispatch
 from .grouped_gemm import grouped_matmul
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 
-EXCHANGES = ("auto", "ragged", "padded")
-SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+#: Row exchanges and expert activations: the shared layer rules' names (moetriton.kernels.rules.moe).
+EXCHANGES = layer_rules.JAX_EXCHANGES
+ACTIVATIONS = layer_rules.ACTIVATIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,18 +420,10 @@ def _exchanged_experts(send, counts, gate_up, down, layout: EPLayout, config: Mo
 # Public API ------------------------------------------------------------------------------------------------
 
 
-def _check_array(name: str, array, shape: tuple[int, ...], meaning: str) -> None:
-    if tuple(array.shape) != shape:
-        raise ValueError(f"{name}: expected shape {meaning} = {shape}, got {tuple(array.shape)}")
-    if not jnp.issubdtype(array.dtype, jnp.floating):
-        raise ValueError(f"{name}: expected a floating dtype, got {array.dtype}")
-
-
 def _resolve_exchange(exchange: str, mesh: Mesh | None) -> str:
-    if exchange not in EXCHANGES:
-        raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
+    """ "ragged" or "padded": the exchange the call runs ("all_to_all" is "ragged")."""
     if exchange != "auto":
-        return exchange
+        return "ragged" if exchange == "all_to_all" else exchange
     # XLA:CPU has no ragged-all-to-all. Between the GPUs of one host XLA's ragged-all-to-all was far slower
     # than the padded exchange (docs/moe.md, "Row exchange"; https://github.com/openxla/xla/issues/33386
     # reports the same on B200s): only EP groups spanning several processes (hosts) use it.
@@ -512,11 +505,11 @@ def moe(
         ep_axis: the mesh axis of expert parallelism (None: no EP, experts replicated); E must be a multiple
             of its size.
         data_axes: further mesh axes sharding the tokens (data / FSDP parallelism).
-        exchange: "auto", "ragged" (`jax.lax.ragged_all_to_all`) or "padded" (fixed-size all_to_all of
-            every pair's rows padded to the step's largest pair, rounded up to one of a few sizes). Both
-            move the same rows and give the same results. "auto" picks "ragged" when the mesh's GPUs span
-            several processes and "padded" otherwise: XLA's ragged all-to-all is 30 times slower than the
-            padded exchange between the GPUs of one host.
+        exchange: "auto", "all_to_all" (`jax.lax.ragged_all_to_all`; also named "ragged") or "padded"
+            (fixed-size all_to_all of every pair's rows padded to the step's largest pair, rounded up to one
+            of a few sizes). Both move the same rows and give the same results. "auto" picks the ragged one
+            when the mesh's GPUs span several processes and "padded" otherwise: XLA's ragged all-to-all is
+            far slower than the padded exchange between the GPUs of one host (docs/moe.md).
 
     Returns:
         (out [B, S, H] in x.dtype, aux_loss fp32 scalar, dropped int32 scalar: routed slots the capacity
@@ -526,44 +519,38 @@ def moe(
         >>> mesh = jax.make_mesh((4,), ("ep",))
         >>> out, aux_loss, dropped = moe(x, gate, gate_up, down, topk=2, mesh=mesh, aux_loss_coeff=1e-2)
     """
+    layer_rules.check_options(
+        activation=activation,
+        score_function=score_function,
+        aux_loss_coeff=aux_loss_coeff,
+        exchange=exchange,
+        exchanges=EXCHANGES,
+    )
     if x.ndim != 3:
         raise ValueError(f"x: expected rank 3 [B, S, H], got shape {tuple(x.shape)}")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"x: expected a floating dtype, got {x.dtype}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {tuple(ACTIVATIONS)}, got {activation!r}")
-    if score_function not in SCORE_FUNCTIONS:
-        raise ValueError(f"score_function: expected one of {SCORE_FUNCTIONS}, got {score_function!r}")
-    batch, _, hidden = x.shape
     if gate.ndim != 2:
-        raise ValueError(f"gate: expected rank 2 [H, E], got shape {tuple(gate.shape)}")
-    num_experts = gate.shape[1]
-    _check_array("gate", gate, (hidden, num_experts), "[H, E]")
-    if gate_up.ndim != 3:
-        raise ValueError(
-            f"gate_up: expected rank 3 [E, H, 2F] or [E, H, F], got shape {tuple(gate_up.shape)}"
-        )
-    gated = GATED_ACTIVATIONS[activation]
-    width = gate_up.shape[2]
-    if gated and width % 2:
-        raise ValueError(f"gate_up: expected an even last axis 2F for {activation!r}, got {width}")
-    ffn = width // 2 if gated else width
-    _check_array("gate_up", gate_up, (num_experts, hidden, width), "[E, H, 2F]" if gated else "[E, H, F]")
-    _check_array("down", down, (num_experts, ffn, hidden), "[E, F, H]")
-    if expert_bias is not None:
-        if score_function == "softmax":
-            raise ValueError(
-                "expert_bias: expected None with score_function 'softmax' (sigmoid / sqrtsoftplus)"
-            )
-        _check_array("expert_bias", expert_bias, (num_experts,), "[E]")
+        raise ValueError(f"gate: expected [H, E], got shape {list(gate.shape)}")
+    hidden, num_experts = gate.shape
+    layer_rules.check_weights(
+        x_shape=tuple(x.shape),
+        gate=("gate", "[H, E]", num_experts, hidden),
+        gate_up=tuple(gate_up.shape),
+        down=tuple(down.shape),
+        expert_bias=None if expert_bias is None else tuple(expert_bias.shape),
+        experts_held=None,
+        activation=activation,
+        score_function=score_function,
+    )
+    for name, array in (("x", x), ("gate", gate), ("gate_up", gate_up), ("down", down)):
+        if not jnp.issubdtype(array.dtype, jnp.floating):
+            raise ValueError(f"{name}: expected a floating dtype, got {array.dtype}")
+    batch = x.shape[0]
     data_axes = tuple(data_axes)
     ep_size, num_shards = _check_mesh(mesh, ep_axis if mesh is not None else None, data_axes)
     if batch % num_shards:
         raise ValueError(
             f"x: expected a batch size B that is a multiple of the token shards {num_shards}, got {batch}"
         )
-    if isinstance(aux_loss_coeff, bool) or not isinstance(aux_loss_coeff, int | float) or aux_loss_coeff < 0:
-        raise ValueError(f"aux_loss_coeff: expected a number >= 0, got {aux_loss_coeff!r}")
     # Validates topk, E against the EP size, align_size and capacity_factor with the layout's messages.
     ep_layout(
         num_tokens=batch // num_shards * x.shape[1],

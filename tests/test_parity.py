@@ -140,3 +140,65 @@ def test_chunk_sort_and_its_gradient_are_bitwise_identical(problem, with_probs):
         mt.sort_chunks_by_index(x, *args(_torch)[1:3])[0], x, _torch(cotangent, problem.dtype)
     )
     _same(vjp(_jax(cotangent, problem.dtype))[0], torch_grad, "grad inp")
+
+
+# The MoE layers share their rules (moetriton.kernels.rules.moe): the same bad argument, the same error.
+
+_H, _E, _F = 8, 4, 6
+_LAYER_CASES = {
+    "activation": dict(activation="tanh"),
+    "score function": dict(score_function="relu"),
+    "negative aux coefficient": dict(aux_loss_coeff=-1.0),
+    "non-finite aux coefficient": dict(aux_loss_coeff=float("inf")),
+    "aux coefficient of the wrong kind": dict(aux_loss_coeff="0.1"),
+    "expert bias with softmax": dict(expert_bias=np.zeros(_E, np.float32)),
+    "expert bias shape": dict(score_function="sigmoid", expert_bias=np.zeros(_E + 1, np.float32)),
+    "gate_up shape": dict(gate_up=np.zeros((_E, _H, 2 * _F + 1), np.float32)),
+    "down shape": dict(down=np.zeros((_E, _F, _H + 1), np.float32)),
+    "non-gated gate_up": dict(activation="gelu"),
+}
+
+
+def _layer_error(framework: str, case: dict) -> Exception:
+    """The error of one layer call with `case` overriding valid arguments (one device, all E experts)."""
+    arrays = dict(
+        x=np.zeros((2, 3, _H), np.float32),
+        gate=np.zeros((_H, _E), np.float32),
+        gate_up=np.zeros((_E, _H, 2 * _F), np.float32),
+        down=np.zeros((_E, _F, _H), np.float32),
+        expert_bias=None,
+    )
+    options = dict(topk=2, score_function="softmax", aux_loss_coeff=0.0, activation="swiglu")
+    for name, value in case.items():
+        (arrays if name in arrays else options)[name] = value
+    bias = arrays.pop("expert_bias")
+    try:
+        if framework == "torch":
+            x, gate, gate_up, down = (_torch(value) for value in arrays.values())
+            mt.moe(x, gate.t(), gate_up, down, expert_bias=None if bias is None else _torch(bias), **options)
+        else:
+            mj.moe(*map(_jax, arrays.values()), expert_bias=None if bias is None else _jax(bias), **options)
+    except (TypeError, ValueError) as error:
+        return error
+    raise AssertionError(f"{framework}: no error for {case}")
+
+
+@pytest.mark.parametrize("case", list(_LAYER_CASES))
+def test_layers_refuse_the_same_arguments_with_the_same_error(case):
+    torch_error = _layer_error("torch", _LAYER_CASES[case])
+    jax_error = _layer_error("jax", _LAYER_CASES[case])
+    assert type(torch_error) is type(jax_error) and str(torch_error) == str(jax_error), (
+        torch_error,
+        jax_error,
+    )
+
+
+def test_layers_name_their_exchanges_from_one_vocabulary():
+    import importlib
+
+    from moetriton.kernels.rules import moe as layer_rules
+
+    torch_names = importlib.import_module("moetriton.torch.moe").EXCHANGES
+    jax_names = importlib.import_module("moetriton.jax.moe").EXCHANGES
+    assert set(torch_names) | set(jax_names) <= set(layer_rules.EXCHANGES)
+    assert {"auto", "all_to_all"} <= set(torch_names) & set(jax_names)

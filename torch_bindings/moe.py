@@ -44,7 +44,6 @@ uses torch.bmm on every device.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -54,8 +53,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moetriton.kernels.rules import moe as layer_rules
 from moetriton.kernels.rules.expert_parallel import (
-    GATED_ACTIVATIONS,
     EPLayout,
     dropless_exchange,
     dropped_slots,
@@ -73,14 +72,12 @@ from .ops import ACTIVATE
 from .peer_exchange import peer_exchange_available, peer_experts, peer_plan
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 
-#: Expert activations: the gated "swiglu" and "geglu" take gate_up [L, H, 2F] (first F columns gate, last F
-#: up); the non-gated "gelu" and "relu" take gate_up [L, H, F] (the up projection alone). The same names as
-#: the JAX layer's (moetriton.kernels.rules.expert_parallel.GATED_ACTIVATIONS).
-ACTIVATIONS = tuple(GATED_ACTIVATIONS)
-#: Row exchanges of the dropless layer with EP > 1: "all_to_all" (all_to_all_single, then chunk sorts to
-#: expert-major and back), "peer" (moetriton.torch.peer_exchange: rows copied through peer memory straight
-#: into expert-major order, no chunk sort), "auto" (peer where `peer_exchange_available`).
-EXCHANGES = ("auto", "all_to_all", "peer")
+#: Expert activations and row exchanges (the dropless layer with EP > 1: "all_to_all" is all_to_all_single
+#: then chunk sorts to expert-major and back, "peer" moetriton.torch.peer_exchange's copies through peer
+#: memory straight into expert-major order, "auto" peer where `peer_exchange_available`): the shared layer
+#: rules' names (moetriton.kernels.rules.moe).
+ACTIVATIONS = layer_rules.ACTIVATIONS
+EXCHANGES = layer_rules.TORCH_EXCHANGES
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -100,48 +97,42 @@ def _check_moe(
     expert_bias: Signature | None,
     ep_size: int,
     activation,
+    score_function,
     aux_loss_coeff,
-) -> tuple[int, int, int]:
-    """(hidden H, experts E, ffn F) of valid layer arguments; errors name the argument and the expected
-    value."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    # Comparisons rather than math.isfinite, which torch.compile does not trace on a Python float.
-    if (
-        isinstance(aux_loss_coeff, bool)
-        or not isinstance(aux_loss_coeff, int | float)
-        or not (0 <= aux_loss_coeff < math.inf)
-    ):
-        raise ValueError(f"aux_loss_coeff: expected a finite number >= 0, got {aux_loss_coeff!r}")
-    x_shape, dtype = x[0], x[1]
-    if dtype not in _DTYPES:
-        raise ValueError(f"x: expected dtype float32, bfloat16 or float16, got {dtype}")
+    exchange,
+) -> layer_rules.LayerShape:
+    """(hidden H, experts E, ffn F) of valid layer arguments: the shared layer rules (the same errors as
+    the JAX layer's), then PyTorch's own: one dtype for x and the weights, one device."""
+    layer_rules.check_options(
+        activation=activation,
+        score_function=score_function,
+        aux_loss_coeff=aux_loss_coeff,
+        exchange=exchange,
+        exchanges=EXCHANGES,
+    )
+    same_device(x=x, gate_weight=gate_weight, gate_up=gate_up, down=down, expert_bias=expert_bias)
     if len(gate_weight[0]) != 2:
-        raise ValueError(f"gate_weight: expected [E, H], got shape {tuple(gate_weight[0])}")
+        raise ValueError(f"gate_weight: expected [E, H], got shape {list(gate_weight[0])}")
     num_experts, hidden = gate_weight[0]
-    if len(x_shape) < 1 or x_shape[-1] != hidden:
-        raise ValueError(f"x: expected [..., H] with H = {hidden} (as gate_weight), got {list(x_shape)}")
     if num_experts % ep_size:
         raise ValueError(f"num_experts: expected a multiple of the EP size {ep_size}, got {num_experts}")
-    local = num_experts // ep_size
-    if len(down[0]) != 3:
-        raise ValueError(f"down: expected [L, F, H], got shape {tuple(down[0])}")
-    ffn = down[0][1]
-    width = gate_up_width(activation, ffn)
-    if tuple(gate_up[0]) != (local, hidden, width):
-        raise ValueError(
-            f"gate_up: expected [L, H, {'2F' if width != ffn else 'F'}] = {[local, hidden, width]} "
-            f"(L = E / EP local experts), got {list(gate_up[0])}"
-        )
-    if tuple(down[0]) != (local, ffn, hidden):
-        raise ValueError(f"down: expected [L, F, H] = {[local, ffn, hidden]}, got {list(down[0])}")
+    shape = layer_rules.check_weights(
+        x_shape=tuple(x[0]),
+        gate=("gate_weight", "[E, H]", num_experts, hidden),
+        gate_up=tuple(gate_up[0]),
+        down=tuple(down[0]),
+        expert_bias=None if expert_bias is None else tuple(expert_bias[0]),
+        experts_held=num_experts // ep_size,
+        activation=activation,
+        score_function=score_function,
+    )
+    dtype = x[1]
+    if dtype not in _DTYPES:
+        raise ValueError(f"x: expected dtype float32, bfloat16 or float16, got {dtype}")
     for name, sig in (("gate_weight", gate_weight), ("gate_up", gate_up), ("down", down)):
         if sig[1] != dtype:
             raise ValueError(f"{name}: expected dtype {dtype} (as x), got {sig[1]}")
-    if expert_bias is not None and tuple(expert_bias[0]) != (num_experts,):
-        raise ValueError(f"expert_bias: expected [E] = [{num_experts}], got {list(expert_bias[0])}")
-    same_device(x=x, gate_weight=gate_weight, gate_up=gate_up, down=down, expert_bias=expert_bias)
-    return hidden, num_experts, ffn
+    return shape
 
 
 # Collectives -----------------------------------------------------------------------------------------------
@@ -396,15 +387,9 @@ def _check_same_tokens(tokens_per_rank: np.ndarray) -> None:
         )
 
 
-def _check_exchange(exchange: str) -> None:
-    if exchange not in EXCHANGES:
-        raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
-
-
 def _uses_peer(exchange: str, group, device: torch.device, exchanging: bool) -> bool:
     """Whether the rows go through peer memory (see EXCHANGES); `exchanging`: the call has a dropless EP
     exchange (no other call has one to choose)."""
-    _check_exchange(exchange)
     if exchange == "all_to_all" or not exchanging:
         return False
     available = peer_exchange_available(group, device)
@@ -531,7 +516,7 @@ def moe(
         (torch.Size([6, 8]), torch.float32, torch.int32)
     """
     ep_size, ep_rank = _group_size_and_rank(ep_group)
-    hidden, num_experts, _ = _check_moe(
+    shape = _check_moe(
         x=signature(x),
         gate_weight=signature(gate_weight),
         gate_up=signature(gate_up),
@@ -539,8 +524,11 @@ def moe(
         expert_bias=signature(expert_bias),
         ep_size=ep_size,
         activation=activation,
+        score_function=score_function,
         aux_loss_coeff=aux_loss_coeff,
+        exchange=exchange,
     )
+    hidden, num_experts = shape.hidden, shape.num_experts
     tokens = x.reshape(-1, hidden)  # [T, H]
     layout = ep_layout(
         num_tokens=tokens.shape[0],
@@ -660,9 +648,13 @@ class MoELayer(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-        _check_exchange(exchange)
+        layer_rules.check_options(  # now rather than at the first call
+            activation=activation,
+            score_function=score_function,
+            aux_loss_coeff=aux_loss_coeff,
+            exchange=exchange,
+            exchanges=EXCHANGES,
+        )
         ep_size, _ = _group_size_and_rank(ep_group)
         ep_layout(  # validates E, K, EP, align_size and capacity_factor now rather than at the first call
             num_tokens=0,
