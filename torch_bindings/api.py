@@ -177,7 +177,7 @@ def token_dispatch(
     if not is_mask:
         _check_index_values(indices, num_experts)
     output, permuted_probs, permuted_scales, row_id_map, pad_offsets, tokens_per_expert = ops.DISPATCH(
-        inp, routing, probs, scales, num_experts, is_mask, num_out_tokens or 0, align_size or 0, capacity or 0
+        inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity
     )
     result = (
         output,

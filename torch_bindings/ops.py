@@ -38,16 +38,16 @@ def _fake(plan: kernels.Plan, inputs: dict[str, Tensor | None], device: torch.de
 
 
 def dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, align_size, capacity) -> dict:
-    """dispatch_plan's size arguments for a dispatch of inp through routing (0 / None: no alignment, no
-    capacity)."""
+    """dispatch_plan's size arguments for a dispatch of inp through routing (None: no alignment, no
+    capacity; with a capacity num_out_tokens is unused)."""
     return dict(
         num_tokens=inp.shape[0],
         hidden=inp.shape[1],
         num_slots=routing.shape[1],
         num_experts=num_experts,
-        num_out_tokens=None if capacity else num_out_tokens,
-        align_size=align_size or None,
-        capacity=capacity or None,
+        num_out_tokens=None if capacity is not None else num_out_tokens,
+        align_size=align_size,
+        capacity=capacity,
         has_probs=probs is not None,
         scale_cols=None if scales is None else scales.shape[1],
     )
@@ -60,12 +60,13 @@ def _dispatch(
     scales: Tensor | None,
     num_experts: int,
     is_mask: bool,
-    num_out_tokens: int,
-    align_size: int,
-    capacity: int,
+    num_out_tokens: int | None,
+    align_size: int | None,
+    capacity: int | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(output, permuted_probs, permuted_scales, row_id_map, pad_offsets, tokens_per_expert); align_size 0 =
-    no padding, capacity 0 = none (else num_out_tokens is unused); absent probs/scales give empty tensors."""
+    """(output, permuted_probs, permuted_scales, row_id_map, pad_offsets, tokens_per_expert); align_size None
+    = no padding, capacity None = none (else num_out_tokens is unused); absent probs/scales give empty
+    tensors."""
     if not uses_kernels(inp.device):
         return reference.dispatch(
             inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity

@@ -197,7 +197,7 @@ def _dispatch_into(plan: PeerPlan, inp: Tensor, probs: Tensor | None) -> tuple[T
     layout, staging = plan.layout, plan.staging
     rows = layout.send_rows
     slots = layout.num_tokens * layout.topk
-    sizes = dispatch_sizes(inp, plan.indices, probs, None, layout.num_experts, slots, layout.align_size, 0)
+    sizes = dispatch_sizes(inp, plan.indices, probs, None, layout.num_experts, slots, layout.align_size, None)
     executable = bound(
         kernels.dispatch_plan, inp.device, **sizes, is_mask=False, element_bytes=inp.element_size()
     )

@@ -32,9 +32,14 @@ def _move_rows(values: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, num_r
 
 
 def row_map(
-    routing: torch.Tensor, num_experts: int, is_mask: bool, num_rows: int, align: int, capacity: int = 0
+    routing: torch.Tensor,
+    num_experts: int,
+    is_mask: bool,
+    num_rows: int,
+    align: int,
+    capacity: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row map [T, 2S + 2], kept rows per expert [E] and pad offsets [E] (int32). capacity > 0: every
+    """Row map [T, 2S + 2], kept rows per expert [E] and pad offsets [E] (int32). With a capacity every
     expert's block has `capacity` rows and a slot ranked past it in its expert gets no row."""
     num_tokens, num_slots = routing.shape
     device = routing.device
@@ -47,7 +52,9 @@ def row_map(
         experts = routing.long()
     flat = torch.where(valid, experts, num_experts).reshape(-1)
     counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
-    aligned = torch.full_like(counts, capacity) if capacity else (counts + align - 1) // align * align
+    aligned = (
+        torch.full_like(counts, capacity) if capacity is not None else (counts + align - 1) // align * align
+    )
     start = torch.cumsum(aligned, 0) - aligned
     plain_start = torch.cumsum(counts, 0) - counts
     order = torch.argsort(flat, stable=True)
@@ -58,7 +65,7 @@ def row_map(
     rows[order] = torch.cat([start, zero])[sorted_experts] + rank
     ranks = torch.empty_like(flat)
     ranks[order] = rank
-    keep = valid.reshape(-1) & (rows < num_rows) & ((ranks < capacity) if capacity else True)
+    keep = valid.reshape(-1) & (rows < num_rows) & ((ranks < capacity) if capacity is not None else True)
     rows = torch.where(keep, rows, -1)
     end = aligned.sum().clamp(max=num_rows)
     kept = (num_rows - start).clamp(min=0).minimum(aligned)
@@ -115,14 +122,14 @@ def dispatch(
     scales: torch.Tensor | None,
     num_experts: int,
     is_mask: bool,
-    num_out_tokens: int,
-    align_size: int,
-    capacity: int = 0,
+    num_out_tokens: int | None,
+    align_size: int | None,
+    capacity: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """moetriton::dispatch: (output, permuted_probs, permuted_scales, row_id_map, pad_offsets,
-    tokens_per_expert); absent probs/scales give empty tensors. align_size / capacity 0 = none."""
+    tokens_per_expert); absent probs/scales give empty tensors. align_size / capacity None = none."""
     align = align_size or 1
-    num_rows = buffer_rows(num_out_tokens, num_experts, align_size or None, capacity or None)
+    num_rows = buffer_rows(num_out_tokens, num_experts, align_size, capacity)
     full_map, kept, pad_offsets = row_map(routing, num_experts, is_mask, num_rows, align, capacity)
     tokens, slots, rows = _slots(full_map, num_rows)
     output = _move_rows(inp, rows, tokens, num_rows)
@@ -275,7 +282,7 @@ def token_dispatch(
     if num_out_tokens is None and capacity is None:
         num_out_tokens = routing.numel()
     output, permuted_probs, permuted_scales, full_map, pad_offsets, kept = dispatch(
-        inp, routing, probs, scales, num_experts, is_mask, num_out_tokens or 0, align_size or 0, capacity or 0
+        inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity
     )
     result = (
         output,

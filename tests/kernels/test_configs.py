@@ -58,7 +58,7 @@ def test_every_dispatch_config(kind, align_size, config):
     )
     got = run_plan(plan, dict(inp=x, routing=routing, probs=probs, scales=None), DEVICE)
     expected = reference.dispatch(
-        x, routing, probs, None, NUM_EXPERTS, kind == "mask", NUM_TOKENS * TOPK, align_size or 0
+        x, routing, probs, None, NUM_EXPERTS, kind == "mask", NUM_TOKENS * TOPK, align_size
     )
     assert_plan_results(plan, got, expected)
 
@@ -66,7 +66,7 @@ def test_every_dispatch_config(kind, align_size, config):
 def _layout(align_size):
     x, routing, _ = _problem("indices")
     _, _, _, row_map, _, _ = reference.dispatch(
-        x, routing, None, None, NUM_EXPERTS, False, NUM_TOKENS * TOPK, align_size or 0
+        x, routing, None, None, NUM_EXPERTS, False, NUM_TOKENS * TOPK, align_size
     )
     num_rows = kernels.buffer_rows(NUM_TOKENS * TOPK, NUM_EXPERTS, align_size)
     generator = torch.Generator().manual_seed(5)
@@ -115,7 +115,7 @@ def test_dispatch_backward_gathers_the_probs_once_over_column_chunks(kind, looka
     hidden = 1100  # three chunks of 512 columns
     x, routing, probs = _problem(kind)
     _, _, _, row_map, _, _ = reference.dispatch(
-        x, routing, probs, None, NUM_EXPERTS, kind == "mask", NUM_TOKENS * TOPK, 0
+        x, routing, probs, None, NUM_EXPERTS, kind == "mask", NUM_TOKENS * TOPK, None
     )
     generator = torch.Generator().manual_seed(7)
     rows = torch.randn(NUM_TOKENS * TOPK, hidden, generator=generator).to(DEVICE, torch.bfloat16)

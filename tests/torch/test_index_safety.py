@@ -146,7 +146,7 @@ def test_dispatch_treats_every_id_outside_the_experts_as_no_expert(problem, padd
         align_size=align,
     )
     got = run_guarded(plan, dict(inp=tokens, routing=ids, probs=probs, scales=None), DEVICE)
-    expected = reference.dispatch(tokens, ids, probs, None, problem.num_experts, False, num_out, align or 0)
+    expected = reference.dispatch(tokens, ids, probs, None, problem.num_experts, False, num_out, align)
     names = ("output", "permuted_probs", "permuted_scales", "row_id_map", "pad_offsets", "tokens_per_expert")
     for name, value, want in zip(names, got, expected, strict=True):
         if name != "permuted_scales" and (padded or name != "pad_offsets"):

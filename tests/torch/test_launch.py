@@ -147,7 +147,7 @@ def test_placeholder_results_are_none_directly_and_size0_tensors_from_the_custom
     tensors their fakes promise (opcheck compares fake and real results), and every real result is equal
     either way."""
     tokens, mask = _dispatch_inputs()
-    dispatch_args = (tokens, mask, None, None, 4, True, 12, 0, 0)
+    dispatch_args = (tokens, mask, None, None, 4, True, 12, None, None)
     direct = ops.DISPATCH(*dispatch_args)
     custom = torch.ops.moetriton.dispatch(*dispatch_args)
     assert direct[1] is None and direct[2] is None and direct[4] is None  # probs, scales, pad offsets
