@@ -14,6 +14,13 @@ this sense (tokens, buffer rows, per-expert counts, chunk sizes), so the same ru
 * jax.vmap: a batch of B problems of n shards is one problem of B * n shards (custom_vmap folds the batch
   into the first axis), run like any other: shard by shard, or partitioned when the batch axis is sharded.
 
+Two kinds of arrays are not shard-major: a WHOLE argument (an expert bias, per-expert counts, a 0-dim
+total) is the same for every shard and stays replicated, and a SUM result (the aux loss) is a sum over the
+shards: each shard computes a partial, added in shard order (psum-ed over the token mesh axes when
+partitioned). A `token_parallel` op (the router) treats every token as its own shard: it partitions along
+any split of the token axis over whole mesh axes, whatever num_shards, and vmap folds the batch into its
+tokens.
+
 Inside a partitioned computation the shard runs the kernels only compiled (on GPU): JAX cannot keep a host
 callback alive inside custom_partitioning (https://github.com/jax-ml/jax/issues/23620), so CPU runs the
 reference there, interpreter or not.
@@ -39,10 +46,15 @@ from jax.experimental.custom_partitioning import (
 )
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._launch import compiles_kernels, uses_kernels
+from .executor import compiles_kernels, uses_kernels
 
 #: Layout role of the hidden axis: the only non-leading axis that may stay sharded.
 HIDDEN = "h"
+#: First entry of the layout of an argument that is not shard-major: replicated, given whole to every shard
+#: (the entries after it name its axes).
+WHOLE = "whole"
+#: Layout of a result that is the sum of the shards' partial results (a 0-dim array).
+SUM = "sum"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,6 +71,8 @@ class ShardedOp(abc.ABC):
     hidden_axes: tuple[str, ...] = ()
 
     layouts: ClassVar[dict[str, tuple[str, ...]]] = {}
+    #: Every token is independent (module docstring): any split of the first axis partitions the op.
+    token_parallel: ClassVar[bool] = False
 
     @property
     @abc.abstractmethod
@@ -79,16 +93,27 @@ def _split(x: jax.Array, parts: int) -> list[jax.Array]:
     return [x] if parts == 1 else jnp.split(x, parts)
 
 
+def _whole(op: ShardedOp, name: str) -> bool:
+    return op.layouts[name][:1] in ((WHOLE,), (SUM,))
+
+
 def run_local(op: ShardedOp, arrays: Sequence[jax.Array], use_kernels: bool) -> tuple[jax.Array, ...]:
-    """Runs op.num_shards shards on local arrays, one after the other, and concatenates their results."""
-    blocks = [_split(x, op.num_shards) for x in arrays]
+    """Runs op.num_shards shards on local arrays, one after the other: each shard-major result is the
+    concatenation of the shards' blocks, a SUM result the sum of their partials (in shard order)."""
+    blocks = [
+        [x] * op.num_shards if _whole(op, name) else _split(x, op.num_shards)
+        for name, x in zip(op.args, arrays, strict=True)
+    ]
     outs = [
         op.one_shard(dict(zip(op.args, [b[i] for b in blocks], strict=True)), use_kernels)
         for i in range(op.num_shards)
     ]
     if op.num_shards == 1:
         return tuple(outs[0][name] for name in op.results)
-    return tuple(jnp.concatenate([out[name] for out in outs]) for name in op.results)
+    return tuple(
+        sum(out[name] for out in outs) if _whole(op, name) else jnp.concatenate([out[name] for out in outs])
+        for name in op.results
+    )
 
 
 # Partitioning -------------------------------------------------------------------------------------------
@@ -142,12 +167,14 @@ def _choose_axes(op: ShardedOp, mesh, arg_shapes) -> tuple[tuple[str, ...], tupl
     if decoded is None:
         return (), ()
     token_axes, hidden_axes = decoded
-    if op.num_shards % _axes_size(mesh, token_axes):
+    if not op.token_parallel and op.num_shards % _axes_size(mesh, token_axes):
         token_axes = ()
     return token_axes, hidden_axes
 
 
 def _named(mesh, layout: tuple[str, ...], token_axes, hidden_axes) -> NamedSharding:
+    if layout[:1] in ((WHOLE,), (SUM,)):  # replicated: every axis whole
+        return NamedSharding(mesh, PartitionSpec(*[None] * (len(layout) - 1)))
     entries = []
     for dim, role in enumerate(layout):
         axes = token_axes if dim == 0 else hidden_axes if role == HIDDEN else ()
@@ -159,18 +186,21 @@ def _shardings(op: ShardedOp, mesh, names, token_axes, hidden_axes) -> tuple[Nam
     return tuple(_named(mesh, op.layouts[name], token_axes, hidden_axes) for name in names)
 
 
-def _lower(op: ShardedOp, *arrays: jax.Array) -> tuple[jax.Array, ...]:
-    return run_local(op, arrays, use_kernels=compiles_kernels())
+def _lower(op: ShardedOp, token_axes: tuple[str, ...], *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    results = run_local(op, arrays, use_kernels=compiles_kernels())
+    return tuple(
+        jax.lax.psum(x, token_axes) if token_axes and op.layouts[name][:1] == (SUM,) else x
+        for name, x in zip(op.results, results, strict=True)
+    )
 
 
 def _partition(op: ShardedOp, mesh, arg_shapes, result_shape):
     token_axes, hidden_axes = _choose_axes(op, mesh, arg_shapes)
-    local = dataclasses.replace(
-        op, num_shards=op.num_shards // _axes_size(mesh, token_axes), hidden_axes=hidden_axes
-    )
+    shards = op.num_shards if op.token_parallel else op.num_shards // _axes_size(mesh, token_axes)
+    local = dataclasses.replace(op, num_shards=shards, hidden_axes=hidden_axes)
     return (
         mesh,
-        partial(_lower, local),
+        partial(_lower, local, token_axes),
         _shardings(op, mesh, op.results, token_axes, hidden_axes),
         _shardings(op, mesh, op.args, token_axes, hidden_axes),
     )
@@ -182,20 +212,32 @@ def _infer(op: ShardedOp, mesh, arg_shapes, result_shape):
 
 
 def _shardy_rule(op: ShardedOp, mesh, operand_types, result_types) -> SdyShardingRule:
-    """Shardy rule: the first axis of every array is the compound factor (s, <role>) with s the shard factor
-    of size num_shards; factors other than s and the hidden axis need replication."""
+    """Shardy rule: the first axis of every shard-major array is the compound factor (s, <role>) with s the
+    shard factor of size num_shards (of a token-parallel op: the factor <role> itself, free to shard);
+    WHOLE and SUM arrays name their axes after the marker; factors other than s, the token-parallel ones and
+    the hidden axis need replication, and a SUM result makes the token factor a reduction factor."""
     n = op.num_shards
     seen: list[str] = []  # factors in order of first use: Shardy wants special factors listed in that order
     whole: set[str] = set()
+    free: set[str] = {"s", HIDDEN}
     local_sizes: dict[str, int] = {}
 
     def use(*factors: str) -> None:
         seen.extend(factor for factor in factors if factor not in seen)
 
     def mapping(name: str, shape: Sequence[int]) -> ArrayMapping:
+        layout = op.layouts[name]
+        if layout[:1] in ((WHOLE,), (SUM,)):
+            use(*layout[1:])
+            whole.update(layout[1:])
+            return ArrayMapping(*layout[1:])
         factors = []
-        for dim, (role, size) in enumerate(zip(op.layouts[name], shape, strict=True)):
-            if dim == 0 and n > 1 and size == n:
+        for dim, (role, size) in enumerate(zip(layout, shape, strict=True)):
+            if dim == 0 and op.token_parallel:
+                free.add(role)
+                factors.append(role)
+                use(role)
+            elif dim == 0 and n > 1 and size == n:
                 factors.append("s")
                 whole.add("s")
                 use("s")
@@ -214,10 +256,13 @@ def _shardy_rule(op: ShardedOp, mesh, operand_types, result_types) -> SdyShardin
     sizes = dict(local_sizes)
     if "s" in seen and "s" not in whole:
         sizes["s"] = n
+    summed = any(op.layouts[name][:1] == (SUM,) for name in op.results)
+    token_factors = tuple(factor for factor in seen if factor in free and factor not in ("s", HIDDEN))
     return SdyShardingRule(
         operands,
         results,
-        need_replication_factors=tuple(factor for factor in seen if factor not in ("s", HIDDEN)),
+        reduction_factors=token_factors if summed else (),
+        need_replication_factors=tuple(factor for factor in seen if factor not in free),
         **sizes,
     )
 
@@ -241,11 +286,22 @@ _partitioned.def_partition(
 
 
 def _batched(op: ShardedOp, axis_size: int, in_batched: list[bool], *arrays: jax.Array):
+    """vmap: the batch folds into the shard-major axis of every shard-major argument (num_shards times the
+    batch, or for a token-parallel op more tokens). WHOLE arguments must be unbatched, and SUM results,
+    which would add up the problems, are not supported."""
+    if any(op.layouts[name][:1] == (SUM,) for name in op.results):
+        raise NotImplementedError(f"moetriton.jax: {type(op).__name__} (a sum over tokens) under jax.vmap")
     flat = []
-    for x, batched in zip(arrays, in_batched, strict=True):
+    for name, x, batched in zip(op.args, arrays, in_batched, strict=True):
+        if op.layouts[name][:1] == (WHOLE,):
+            if batched:
+                raise NotImplementedError(f"moetriton.jax: a batched {name} under jax.vmap")
+            flat.append(x)
+            continue
         x = x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
         flat.append(x.reshape(axis_size * x.shape[1], *x.shape[2:]))
-    outs = call(dataclasses.replace(op, num_shards=op.num_shards * axis_size), *flat)
+    shards = op.num_shards if op.token_parallel else op.num_shards * axis_size
+    outs = call(dataclasses.replace(op, num_shards=shards), *flat)
     unfolded = tuple(y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:]) for y in outs)
     return unfolded, (True,) * len(unfolded)
 

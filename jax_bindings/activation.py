@@ -13,7 +13,7 @@ from moetriton.kernels.activation import activation_backward_plan, activation_pl
 from moetriton.kernels.rules import validation
 from moetriton.kernels.rules.expert_parallel import GATED_ACTIVATIONS
 
-from ._launch import describe, device_info, run_plan, uses_kernels
+from .executor import describe, device_info, run_plan, uses_kernels
 
 #: activation name -> its function (applied to the gate half when the activation is gated: GATED_ACTIVATIONS).
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {

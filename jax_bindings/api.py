@@ -22,8 +22,8 @@ from moetriton.kernels.rules import validation
 
 from . import ops
 from ._checks import check_values
-from ._launch import describe
 from ._sharding import call
+from .executor import describe
 
 _FP8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from moetriton import kernels
 from moetriton.kernels.rules import validation
 
-from ._launch import describe, device_info, run_plan, uses_kernels
+from .executor import describe, device_info, run_plan, uses_kernels
 
 
 def _sizes(lhs: jax.Array, rhs: jax.Array, transposed: bool = False) -> dict[str, int]:

@@ -58,9 +58,9 @@ from moetriton.kernels.rules.expert_parallel import (
     exchange_block_index,
 )
 
-from ._launch import run_plan, uses_kernels
 from .activation import grouped_activation
 from .api import sort_chunks_by_index, token_combine, token_dispatch
+from .executor import run_plan, uses_kernels
 from .grouped_gemm import grouped_matmul
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 

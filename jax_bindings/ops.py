@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from moetriton import kernels
 
 from . import reference
-from ._launch import device_info, dtype_name, run_plan
 from ._sharding import HIDDEN, ShardedOp
+from .executor import device_info, dtype_name, run_plan
 
 _op = dataclasses.dataclass(frozen=True, kw_only=True)
 

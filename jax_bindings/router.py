@@ -19,19 +19,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from functools import partial
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec
 
 from moetriton.kernels import router as plans
 from moetriton.kernels.rules import router as rules
 
 from . import reference_router as reference
 from ._checks import check_values
-from ._launch import compiles_kernels, describe, device_info, run_plan, uses_kernels
+from ._sharding import SUM, WHOLE, ShardedOp, call
+from .executor import describe, device_info, run_plan
 
 # Local computations: (use_kernels, options, *arrays) -> results. `options` holds the static arguments in the
 # order the reference functions take them after their array arguments.
@@ -140,130 +140,61 @@ def _loss_backward_local(use_kernels, options, rows, grad_loss, counts, total=No
     return run_plan(plan, dict(grad_loss=grad_loss, counts=counts, total=total))
 
 
-# Token-parallel partitioning ---------------------------------------------------------------------------
+# Sharded ops -----------------------------------------------------------------------------------------------
+# Every kernel call is a token-parallel ShardedOp (moetriton.jax._sharding): tokens keep their sharding, the
+# expert axis and the replicated inputs (bias, counts, total) stay whole, and the aux loss is a SUM result,
+# psum-ed over the token mesh axes.
+
+_op = dataclasses.dataclass(frozen=True, kw_only=True)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Op:
-    """A kernel call as a custom_partitioning op.
-
-    `token_args[i]`: whether array argument i has tokens on its first axis (others are replicated; at least
-    one argument has tokens). Results have tokens on their first axis, except with `reduce_tokens`: one
-    0-dim sum over tokens, psum-ed over the token mesh axes.
-    """
+@_op
+class _RouterOp(ShardedOp):
+    """A router kernel call: `local(use_kernels, options, *arrays)` runs it on one shard's arrays."""
 
     local: Callable
     options: tuple
-    token_args: tuple[bool, ...]
-    reduce_tokens: bool = False
+    arg_names: tuple[str, ...]
+    result_names: tuple[str, ...]
 
-    def run(self, use_kernels: bool, arrays) -> tuple[jax.Array, ...]:
-        return tuple(self.local(use_kernels, self.options, *arrays))
+    token_parallel: ClassVar[bool] = True
+    layouts: ClassVar[dict[str, tuple[str, ...]]] = {
+        "logits": ("t", "e"),
+        "bias": (WHOLE, "e"),
+        "probs": ("t", "e"),
+        "routing_map": ("t", "e"),
+        "indices": ("t", "k"),
+        "grad_probs": ("t", "e"),
+        "grad_logits": ("t", "e"),
+        "scores": ("t", "e"),
+        "grad_scores": ("t", "e"),
+        "rows": ("t", "c"),
+        "loss_probs": ("t", "c"),
+        "counts": (WHOLE, "c"),
+        "total": (WHOLE,),
+        "grad_loss": (WHOLE,),
+        "loss": (SUM,),
+        "grad_rows": ("t", "c"),
+    }
 
+    @property
+    def args(self) -> tuple[str, ...]:
+        return self.arg_names
 
-def _mesh_axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+    @property
+    def results(self) -> tuple[str, ...]:
+        return self.result_names
 
-
-def _sharding(mesh, ndim: int, axes: tuple[str, ...], tokens: bool) -> NamedSharding:
-    first = (axes[0] if len(axes) == 1 else axes) if tokens and axes else None
-    return NamedSharding(mesh, PartitionSpec(*([first] + [None] * (ndim - 1))[:ndim]))
-
-
-def _token_axes_of(op: _Op, arg_shapes) -> tuple[str, ...]:
-    """Mesh axes of the token axis, read from the first token argument."""
-    first = next(shape for shape, tokens in zip(arg_shapes, op.token_args, strict=True) if tokens)
-    spec = getattr(first.sharding, "spec", None)
-    return _mesh_axes(spec[0]) if spec else ()
-
-
-def _shardings(op: _Op, mesh, arg_shapes, results, axes):
-    args = tuple(
-        _sharding(mesh, len(shape.shape), axes, tokens)
-        for shape, tokens in zip(arg_shapes, op.token_args, strict=True)
-    )
-    return args, tuple(_sharding(mesh, len(shape.shape), axes, not op.reduce_tokens) for shape in results)
-
-
-def _partition(op: _Op, mesh, arg_shapes, result_shape):
-    results = result_shape if isinstance(result_shape, tuple | list) else (result_shape,)
-    axes = _token_axes_of(op, arg_shapes)
-    arg_shardings, result_shardings = _shardings(op, mesh, arg_shapes, results, axes)
-
-    def lower(*arrays):
-        out = op.run(compiles_kernels(), arrays)
-        if op.reduce_tokens and axes:
-            out = tuple(jax.lax.psum(x, axes) for x in out)
-        return out
-
-    return mesh, lower, result_shardings, arg_shardings
+    def one_shard(self, arrays: dict[str, jax.Array], use_kernels: bool) -> dict[str, jax.Array]:
+        outs = self.local(use_kernels, self.options, *(arrays[name] for name in self.arg_names))
+        return dict(zip(self.result_names, outs, strict=True))
 
 
-def _infer(op: _Op, mesh, arg_shapes, result_shape):
-    results = result_shape if isinstance(result_shape, tuple | list) else (result_shape,)
-    return _shardings(op, mesh, arg_shapes, results, _token_axes_of(op, arg_shapes))[1]
-
-
-def _rule(op: _Op, mesh, operand_types, result_types):
-    """Shardy rule: factor "t" is the token axis of token arguments and results; every other axis gets its
-    own factor and must be replicated. A reduction over tokens makes "t" a reduction factor."""
-    others: list[str] = []
-
-    def mapping(shape, tokens: bool) -> str:
-        factors = []
-        for dim in range(len(shape)):
-            if dim == 0 and tokens:
-                factors.append("t")
-            else:
-                others.append(f"d{len(others)}")
-                factors.append(others[-1])
-        return " ".join(factors)
-
-    operands = ", ".join(
-        mapping(t.shape, tokens) for t, tokens in zip(operand_types, op.token_args, strict=True)
-    )
-    results = ", ".join(mapping(t.shape, not op.reduce_tokens) for t in result_types)
-    extra = dict(need_replication_factors=tuple(others))
-    if op.reduce_tokens:
-        extra["reduction_factors"] = ("t",)
-    return f"{operands} -> {results}", extra
-
-
-@partial(custom_partitioning, static_argnums=(0,))
-def _partitioned(op: _Op, *arrays: jax.Array) -> tuple[jax.Array, ...]:
-    return op.run(uses_kernels(), arrays)
-
-
-_partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_infer, sharding_rule=_rule)
-
-
-def _call(op: _Op, *arrays: jax.Array) -> tuple[jax.Array, ...]:
-    """Runs a token-parallel op; under jax.vmap the batch axis folds into the token axis."""
-
-    @jax.custom_batching.custom_vmap
-    def run(*arrays):
-        return tuple(_partitioned(op, *arrays))
-
-    @run.def_vmap
-    def _(axis_size, in_batched, *arrays):
-        if op.reduce_tokens:
-            raise NotImplementedError("moetriton.jax: the aux loss does not support jax.vmap")
-        flat = [
-            (x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))).reshape(-1, *x.shape[-1:])
-            if tokens
-            else x
-            for x, batched, tokens in zip(arrays, in_batched, op.token_args, strict=True)
-        ]
-        if any(batched and not tokens for batched, tokens in zip(in_batched, op.token_args, strict=True)):
-            raise NotImplementedError("moetriton.jax: a batched expert_bias is not supported under jax.vmap")
-        outs = _call(op, *flat)
-        return tuple(y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:]) for y in outs), (
-            True,
-        ) * len(outs)
-
-    return run(*arrays)
+def _call(local: Callable, options: tuple, args: dict[str, jax.Array | None], results: tuple[str, ...]):
+    """Runs a router kernel call on the present `args` (name -> array or None)."""
+    present = {name: value for name, value in args.items() if value is not None}
+    op = _RouterOp(local=local, options=options, arg_names=tuple(present), result_names=results)
+    return call(op, *present.values())
 
 
 # Differentiable ops ------------------------------------------------------------------------------------
@@ -275,17 +206,21 @@ def _topk(logits, bias, options):
 
 
 def _topk_fwd(logits, bias, options):
-    arrays = (logits,) if bias is None else (logits, bias)
-    op = _Op(_topk_local, options, (True, False)[: len(arrays)])
-    probs, routing_map, indices = _call(op, *arrays)
+    probs, routing_map, indices = _call(
+        _topk_local, options, dict(logits=logits, bias=bias), ("probs", "routing_map", "indices")
+    )
     return (probs, routing_map, indices), (logits, routing_map)
 
 
 def _topk_bwd(options, residuals, cotangents):
     logits, routing_map = residuals
     topk, use_pre_softmax, _, _, scaling_factor, score_function, _ = options
-    op = _Op(_topk_backward_local, (topk, use_pre_softmax, scaling_factor, score_function), (True,) * 3)
-    (grad_logits,) = _call(op, cotangents[0], logits, routing_map)
+    (grad_logits,) = _call(
+        _topk_backward_local,
+        (topk, use_pre_softmax, scaling_factor, score_function),
+        dict(grad_probs=cotangents[0], logits=logits, routing_map=routing_map),
+        ("grad_logits",),
+    )
     return grad_logits, None
 
 
@@ -298,13 +233,17 @@ def _scores(logits, options):
 
 
 def _scores_fwd(logits, options):
-    routing_map, scores = _call(_Op(_scores_local, options, (True,)), logits)
+    routing_map, scores = _call(_scores_local, options, dict(logits=logits), ("routing_map", "scores"))
     return (routing_map, scores), logits
 
 
 def _scores_bwd(options, logits, cotangents):
-    op = _Op(_scores_backward_local, (options[1],), (True, True))
-    (grad_logits,) = _call(op, cotangents[1], logits)
+    (grad_logits,) = _call(
+        _scores_backward_local,
+        (options[1],),
+        dict(grad_scores=cotangents[1], logits=logits),
+        ("grad_logits",),
+    )
     return (grad_logits,)
 
 
@@ -318,17 +257,22 @@ def _loss(probs, counts, total, options):
 
 def _loss_fwd(probs, counts, total, options):
     _, total_int, num_experts, topk, coeff = options
-    arrays = (probs, counts) if total is None else (probs, counts, total)
-    op = _Op(_loss_local, (total_int, num_experts, topk, coeff), (True, False, False)[: len(arrays)], True)
-    (loss,) = _call(op, *arrays)
+    (loss,) = _call(
+        _loss_local,
+        (total_int, num_experts, topk, coeff),
+        dict(loss_probs=probs, counts=counts, total=total),
+        ("loss",),
+    )
     return loss, (probs, counts, total)
 
 
 def _loss_bwd(options, residuals, grad_loss):
     rows, counts, total = residuals
-    arrays = (rows, grad_loss, counts) if total is None else (rows, grad_loss, counts, total)
     (grad_probs,) = _call(
-        _Op(_loss_backward_local, options, (True, False, False, False)[: len(arrays)]), *arrays
+        _loss_backward_local,
+        options,
+        dict(rows=rows, grad_loss=grad_loss, counts=counts, total=total),
+        ("grad_rows",),
     )
     return grad_probs, None, None
 

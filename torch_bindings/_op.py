@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ._launch import filling_placeholders
+from .executor import filling_placeholders
 
 # Types whose instances take the direct path; subclasses (FakeTensor, DTensor, quantized wrappers) do not.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

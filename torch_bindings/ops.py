@@ -15,8 +15,8 @@ from torch import Tensor
 from moetriton import kernels
 
 from . import reference
-from ._launch import allocate, bound, device_info, uses_kernels
 from ._op import Op
+from .executor import allocate, bound, device_info, uses_kernels
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 

@@ -40,9 +40,9 @@ from torch import Tensor
 from moetriton import kernels
 from moetriton.kernels.rules.expert_parallel import EPLayout
 
-from ._launch import bound, dtype_name
 from ._stages import stage
 from .api import token_combine
+from .executor import bound, dtype_name
 from .ops import DISPATCH_BACKWARD, dispatch_sizes
 
 

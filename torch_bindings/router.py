@@ -4,7 +4,7 @@ Each op is a moetriton::router_* torch.library custom op whose fake implementati
 launch plan as the real one, with autograd registered on the forward ops (the backward ops are custom ops
 too), so torch.compile(fullgraph=True) traces through them. Nothing reads device values: the ops are
 CUDA-graph safe, and `total_num_tokens` may be a 0-dim device tensor. Tensors of any memory layout are
-accepted: the plan executor (moetriton.torch._launch) makes them contiguous where the kernels need it. On
+accepted: the plan executor (moetriton.torch.executor) makes them contiguous where the kernels need it. On
 CUDA the Triton kernels run compiled; on CPU they run under the Triton interpreter when TRITON_INTERPRET=1
 was set before import, and otherwise `moetriton.torch.reference_router` runs instead. Semantics:
 moetriton.kernels.router and docs/router.md.
@@ -21,8 +21,8 @@ from moetriton.kernels.rules import router as rules
 
 from . import reference_router as reference
 from ._checks import Signature, describe, memoised, same_device, signature, values_checked
-from ._launch import allocate, bound, dtype_name, uses_kernels
 from ._op import Op
+from .executor import allocate, bound, dtype_name, uses_kernels
 
 
 def _fake(outputs: dict, inputs: dict[str, Tensor | None], device: torch.device) -> tuple[Tensor, ...]:

@@ -8,7 +8,7 @@ import pytest
 
 import moetriton.jax as mj
 from moetriton import kernels
-from moetriton.jax import _launch, reference
+from moetriton.jax import executor, reference
 from tests.jax._helpers import assert_reduced, assert_same
 
 RNG = np.random.default_rng(7)
@@ -211,7 +211,7 @@ def _uses_callback(f, *args) -> bool:
     return "pure_callback" in str(jax.make_jaxpr(f)(*args))
 
 
-@pytest.mark.skipif(_launch.on_gpu(), reason="checks the CPU targets (interpreter, reference); GPU compiles")
+@pytest.mark.skipif(executor.on_gpu(), reason="checks the CPU targets (interpreter, reference); GPU compiles")
 def test_cpu_runs_the_interpreter_or_else_the_reference(monkeypatch):
     x, routing, p = _problem()
 
@@ -221,7 +221,7 @@ def test_cpu_runs_the_interpreter_or_else_the_reference(monkeypatch):
 
     assert _uses_callback(pipeline, x, p) == kernels.INTERPRETER
     interpreted = jax.jit(pipeline)(x, p)
-    monkeypatch.setattr(_launch, "INTERPRETER", False)
+    monkeypatch.setattr(executor, "INTERPRETER", False)
     jax.clear_caches()  # traces are cached: the ones made with the interpreter on must go
     try:
         assert not _uses_callback(pipeline, x, p)
@@ -234,7 +234,7 @@ def test_cpu_runs_the_interpreter_or_else_the_reference(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _launch.on_gpu(), reason="checks the compiled jax-triton path, which needs a GPU")
+@pytest.mark.skipif(not executor.on_gpu(), reason="checks the compiled jax-triton path, which needs a GPU")
 def test_gpu_lowers_to_triton_calls_without_host_callbacks():
     x, routing, p = _problem()
     hlo = jax.jit(lambda x, p: mj.token_dispatch(x, None, 12, p, **routing)).lower(x, p).as_text()
@@ -253,7 +253,7 @@ _VARIANTS = {
     # name: (num_tokens, hidden, num_experts, topk, kind, align_size)
     "hidden split over programs": (3, 4100, 3, 2, "indices", None),
     # Compiled plans may take 128-token blocks from the autotune cache; the interpreter's use 16.
-    "many token blocks": (600 if _launch.on_gpu() else 130, 3, 5, 2, "indices", 8),
+    "many token blocks": (600 if executor.on_gpu() else 130, 3, 5, 2, "indices", 8),
     "experts tiled past 256": (3, 4, 300, 3, "mask", None),
     "mask with padding": (9, 6, 5, 5, "mask", 4),
     "no tokens": (0, 4, 3, 2, "mask", 2),
@@ -294,7 +294,7 @@ def test_plan_variants_forward_and_backward(variant):
         element_bytes=4,
         has_probs=True,
         scale_cols=None,
-        device=_launch.device_info(),
+        device=executor.device_info(),
     )
     assert _variant_holds(variant, plan, hidden, num_experts)
 
@@ -328,7 +328,7 @@ def test_chunk_sort_with_the_hidden_axis_split_over_programs():
         element_bytes=4,
         has_probs=False,
         backward=False,
-        device=_launch.device_info(),
+        device=executor.device_info(),
     )
     assert plan.launches[0].grid[1] > 1
     got = jax.jit(mj.sort_chunks_by_index)(rows, sizes, order)

@@ -9,7 +9,7 @@ import pytest
 
 from moetriton import kernels
 from moetriton.jax import reference
-from moetriton.jax._launch import on_gpu, run_plan
+from moetriton.jax.executor import on_gpu, run_plan
 from tests.jax._helpers import assert_reduced, assert_same
 
 NUM_TOKENS, HIDDEN, NUM_EXPERTS, TOPK = 7, 40, 5, 2

@@ -11,7 +11,7 @@ import pytest
 
 from moetriton import kernels
 from moetriton.jax import grouped_matmul
-from moetriton.jax._launch import run_plan, uses_kernels
+from moetriton.jax.executor import run_plan, uses_kernels
 
 # Relative to the largest reference magnitude: 16-bit outputs carry ~3 significant digits.
 _TOLERANCE = {"float32": 1e-5, "bfloat16": 2**-7, "float16": 2**-10}

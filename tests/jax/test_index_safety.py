@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import moetriton.jax as mj
-from moetriton.jax import _launch, reference
+from moetriton.jax import executor, reference
 from moetriton.kernels import INTERPRETER
 from moetriton.kernels.rules import validation
 from tests.strategies_hostile import ids_problems, is_partition, row_map_problems, row_owners, split_problems
@@ -27,7 +27,7 @@ MARGIN_BYTES = 256
 
 
 class _Guards:
-    """Interpreted plans' buffers inside sentinel margins (through _launch.host_buffer)."""
+    """Interpreted plans' buffers inside sentinel margins (through executor.host_buffer)."""
 
     def __init__(self) -> None:
         self.zones: list[tuple[np.ndarray, int, int]] = []
@@ -55,7 +55,7 @@ def guarded():
     zones = _Guards()
     with pytest.MonkeyPatch.context() as patch:
         if INTERPRETER:
-            patch.setattr(_launch, "host_buffer", zones.allocate)
+            patch.setattr(executor, "host_buffer", zones.allocate)
         yield
     zones.check()
 

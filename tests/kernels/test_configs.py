@@ -9,7 +9,7 @@ import torch
 
 from moetriton import kernels
 from moetriton.torch import reference
-from moetriton.torch._launch import run_plan
+from moetriton.torch.executor import run_plan
 from tests.torch._helpers import DEVICE, assert_plan_results, assert_reduced
 
 NUM_TOKENS, HIDDEN, NUM_EXPERTS, TOPK = 7, 40, 5, 2

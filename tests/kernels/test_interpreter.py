@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moetriton import kernels
-from moetriton.torch import _launch
+from moetriton.torch import executor
 
 pytestmark = pytest.mark.skipif(
     not kernels.INTERPRETER, reason="the probe only runs under TRITON_INTERPRET=1 (the CPU suite)"
@@ -40,16 +40,16 @@ def test_probe_verdict_matches_a_real_plan():
     plan, inputs = _dispatch_plan()
     problem = kernels.interpreter_problem()
     if problem is None:
-        output = _launch.run_plan(plan, inputs, torch.device("cpu"))[0]
+        output = executor.run_plan(plan, inputs, torch.device("cpu"))[0]
         # expert 0 takes tokens 0 and 2, expert 1 tokens 0 and 1: rows in expert-major, token order
         assert torch.equal(output, inputs["inp"][[0, 2, 0, 1]])
     else:
         with pytest.raises(RuntimeError, match="interpreter"):
-            _launch.run_plan(plan, inputs, torch.device("cpu"))
+            executor.run_plan(plan, inputs, torch.device("cpu"))
 
 
 def test_a_reported_problem_is_raised_before_any_launch(monkeypatch):
-    monkeypatch.setattr(_launch, "interpreter_problem", lambda: "moetriton: the interpreter cannot run here")
+    monkeypatch.setattr(executor, "interpreter_problem", lambda: "moetriton: the interpreter cannot run here")
     plan, inputs = _dispatch_plan()
     with pytest.raises(RuntimeError, match="cannot run here"):
-        _launch.run_plan(plan, inputs, torch.device("cpu"))
+        executor.run_plan(plan, inputs, torch.device("cpu"))

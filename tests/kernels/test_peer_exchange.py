@@ -12,7 +12,7 @@ import torch
 
 from moetriton import kernels
 from moetriton.kernels.rules.expert_parallel import ep_layout, peer_chunks
-from moetriton.torch._launch import run_plan
+from moetriton.torch.executor import run_plan
 from tests.torch._helpers import DEVICE
 
 

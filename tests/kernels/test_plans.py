@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moetriton import kernels
-from moetriton.torch._launch import run_plan
+from moetriton.torch.executor import run_plan
 from tests.torch._helpers import DEVICE
 
 

@@ -12,7 +12,7 @@ import torch
 
 from moetriton.kernels import DeviceInfo
 from moetriton.kernels import router as plans
-from moetriton.torch._launch import run_plan
+from moetriton.torch.executor import run_plan
 
 DEVICE = os.environ.get("MOETRITON_TEST_DEVICE", "cpu")
 

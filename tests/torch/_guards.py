@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from moetriton.torch._launch import Executable
+from moetriton.torch.executor import Executable
 
 SENTINEL = 0xA5
 #: Margin on each side of a buffer: at least 256 bytes and 4 rows, so an entry one or a few rows out of

@@ -18,7 +18,7 @@ import moetriton.torch as mt
 from moetriton import kernels
 from moetriton.kernels.rules import validation
 from moetriton.torch import reference
-from moetriton.torch._launch import Executable
+from moetriton.torch.executor import Executable
 from tests.strategies_hostile import (
     clamped_end,
     clip_group_sizes,

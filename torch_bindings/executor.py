@@ -1,4 +1,11 @@
-"""Runs a framework-neutral launch plan on torch tensors: arrange inputs, allocate, launch, return.
+"""The executor: runs a framework-neutral launch plan on torch tensors (arrange inputs, allocate, launch).
+
+Two layers. `run_plan` is the executor itself, a plain loop: every input laid out by the rule below, every
+buffer allocated, every launch through Triton's JIT, in order; tests and the autotuner call it. The fast
+path (`bound`, `Executable`) is what the ops call on every eager step: the same work with a per-call path
+generated for each plan and, after a specialization's first call, Triton's compiled launcher called
+directly, because every interpreted step is paid on every call (tests/torch/test_executor.py holds the two
+equal on every plan family).
 
 Memory layout is decided here, once for every op (see moetriton.kernels.runtime.plan): an input that a launch
 reads through a `RowStride` is passed as it is when its columns are unit stride (row slices, offset views,
@@ -117,11 +124,7 @@ class _Launcher:
         self.stride_aligns = [(arg.name, arg.align) for arg in launch.args if isinstance(arg, RowStride)]
         names = launch.kernel.arg_names
         self.constexpr_names = names[len(launch.args) + len(launch.outputs) :]
-        self.options = dict(
-            num_warps=launch.num_warps, num_stages=launch.num_stages, enable_fp_fusion=launch.fp_fusion
-        )
-        if launch.pdl:
-            self.options["launch_pdl"] = True
+        self.options = _options(launch)
         self.runners: dict[tuple, tuple] = {}
         self.fast: dict[tuple, object] = {}
 
@@ -499,11 +502,70 @@ def executable(plan: Plan, device: torch.device) -> Executable:
     return entry
 
 
+def _options(launch) -> dict:
+    """Triton's launch options of a launch: warps, stages, fp fusion, programmatic dependent launch."""
+    options = dict(
+        num_warps=launch.num_warps, num_stages=launch.num_stages, enable_fp_fusion=launch.fp_fusion
+    )
+    if launch.pdl:
+        options["launch_pdl"] = True
+    return options
+
+
+def _arranged(tensor: torch.Tensor, strided: bool) -> torch.Tensor:
+    """The layout rule: a 2-D input read through a row stride stays as it is when its columns are unit
+    stride; everything else is made contiguous."""
+    if strided and tensor.dim() == 2 and (tensor.stride(1) == 1 or tensor.shape[1] <= 1):
+        return tensor
+    return tensor.contiguous()
+
+
 def run_plan(
     plan: Plan, inputs: dict[str, torch.Tensor | None], device: torch.device
-) -> tuple[torch.Tensor, ...]:
-    """Runs `plan` on `inputs` (name -> tensor or None) on `device` and returns its results."""
-    return executable(plan, device)(inputs)
+) -> tuple[torch.Tensor | None, ...]:
+    """Runs `plan` on `inputs` (name -> tensor or None) on `device` and returns its results: the plain
+    executor (module docstring). Placeholder results come back as None, or as size-0 tensors within
+    `filling_placeholders`.
+
+    Example (token 0 listed at row 1, token 1 at row 0):
+        >>> from moetriton.kernels import combine_plan
+        >>> plan = combine_plan(num_tokens=2, hidden=4, num_slots=1, num_rows=2, element_bytes=4,
+        ...                     has_weights=False, gather_probs=False)
+        >>> row_map = torch.tensor([[1, 0, 1, 2], [0, 0, 1, 2]], dtype=torch.int32)
+        >>> inputs = dict(inp=torch.eye(2, 4), row_id_map=row_map, weights=None, permuted_probs=None)
+        >>> run_plan(plan, inputs, torch.device("cpu"))[0][0].tolist()
+        [0.0, 1.0, 0.0, 0.0]
+    """
+    if INTERPRETER and interpreter_problem():
+        raise RuntimeError(interpreter_problem())
+    strided = strided_inputs(plan)
+    env = {
+        name: None if tensor is None else _arranged(tensor, name in strided)
+        for name, tensor in inputs.items()
+    }
+    for name, spec in plan.buffers.items():
+        alloc = torch.zeros if spec.zero else torch.empty
+        # A placeholder is None (kernels get the dummy pointer), or its size-0 tensor for a custom op.
+        skipped = spec.placeholder and not _FILL.active
+        env[name] = (
+            None if skipped else alloc(spec.shape, dtype=_buffer_dtype(spec.dtype, env), device=device)
+        )
+    dummy = _dummy(device)
+    context = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with context:
+        for launch in plan.launches:
+            args, strides = [], {}
+            for arg in launch.args:
+                if isinstance(arg, RowStride):
+                    strides[arg.align] = alignment(env[arg.name].stride(0))
+                    args.append(env[arg.name].stride(0))
+                elif isinstance(arg, str):
+                    args.append(dummy if env[arg] is None else env[arg])
+                else:
+                    args.append(arg)
+            args += [dummy if env[name] is None else env[name] for name in launch.outputs]
+            launch.kernel[launch.grid](*args, **launch.constexprs, **strides, **_options(launch))
+    return tuple(env[name] for name in plan.results)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -1,8 +1,9 @@
-"""The plan executor (moetriton.torch._launch). Its fast launches: on CUDA, after a specialization's first
-call, each launch goes through a function generated for it; here, on any machine, that function is checked
-against the JIT-style launch of the same specialization: the same launcher call, with every tensor argument
-replaced by its device address and scratch buffers by their workspace addresses. And a multi-launch plan
-whose scratch buffers take an input's dtype (the grouped GEMM's weight gradient with its gathers)."""
+"""The plan executor (moetriton.torch.executor): the fast path the ops call equals the plain executor on
+every plan family. Its fast launches: on CUDA, after a specialization's first call, each launch goes
+through a function generated for it; here, on any machine, that function is checked against the JIT-style
+launch of the same specialization: the same launcher call, with every tensor argument replaced by its
+device address and scratch buffers by their workspace addresses. And a multi-launch plan whose scratch
+buffers take an input's dtype (the grouped GEMM's weight gradient with its gathers)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from moetriton import kernels
-from moetriton.torch import _launch, ops
+from moetriton.torch import executor, ops
 
 from ._helpers import DEVICE
 
@@ -55,7 +56,7 @@ def _dispatch_plan(align_size: int | None) -> kernels.Plan:
 def test_fast_launch_passes_what_the_jit_style_launch_passes():
     num_tokens, hidden, num_experts = 6, 32, 4
     plan = _dispatch_plan(align_size=8)
-    executable = _launch.Executable(plan, torch.device("cpu"))
+    executable = executor.Executable(plan, torch.device("cpu"))
     inputs = {
         # A row-sliced view: read through its row stride (64), not copied.
         "inp": torch.zeros(num_tokens, 2 * hidden, dtype=torch.bfloat16)[:, :hidden],
@@ -123,7 +124,7 @@ def test_weight_gradient_plan_gathers_its_permuted_operands_through_this_executo
     )
     inputs = dict(lhs=lhs, grad=grad, group_sizes=group_sizes.to(DEVICE))
     inputs.update(lhs_rows=lhs_rows.to(DEVICE), out_rows=out_rows.to(DEVICE))
-    (out,) = _launch.run_plan(plan, inputs, DEVICE)
+    (out,) = executor.run_plan(plan, inputs, DEVICE)
     gathered_lhs = lhs.cpu().double()[lhs_rows.clamp(max=num_rows - 1).long()]
     gathered_grad = grad.cpu().double()[out_rows.long()]
     starts = [0, 15, 15]
@@ -186,7 +187,7 @@ def test_generated_run_takes_fast_launches_with_scratch_addresses_in_one_workspa
     every scratch buffer an address at its 128-byte-aligned offset inside one workspace allocation, and a
     new specialization (an input 16-byte misaligned) falling back to the first-call path."""
     tokens, mask = _dispatch_inputs()
-    executable = _launch.Executable(_dispatch_plan(align_size=None), torch.device(DEVICE))
+    executable = executor.Executable(_dispatch_plan(align_size=None), torch.device(DEVICE))
     keys = []
 
     def first(env, key, results):
@@ -239,7 +240,7 @@ def test_into_writes_given_results_in_place_and_rejects_what_it_cannot_fill():
         scale_cols=None,
         align_size=4,
     )
-    executable = _launch.bound(kernels.dispatch_plan, torch.device(DEVICE), **sizes)
+    executable = executor.bound(kernels.dispatch_plan, torch.device(DEVICE), **sizes)
     inputs = dict(inp=tokens, routing=indices, probs=None, scales=None)
     fresh = executable(inputs)
     given = torch.full_like(fresh[0], float("nan"))
@@ -252,7 +253,7 @@ def test_into_writes_given_results_in_place_and_rejects_what_it_cannot_fill():
         executable.into({**inputs, "output": given[:-1]})
     with pytest.raises(ValueError, match="output: expected"):
         executable.into({**inputs, "output": given.double()})
-    scatter = _launch.bound(
+    scatter = executor.bound(
         kernels.scatter_plan,
         torch.device(DEVICE),
         num_tokens=5,
@@ -264,3 +265,144 @@ def test_into_writes_given_results_in_place_and_rejects_what_it_cannot_fill():
     )
     with pytest.raises(ValueError, match="starts zeroed"):
         scatter.into(dict(grad=tokens, row_id_map=fresh[3], grad_input=given))
+
+
+def _plan_cases():
+    """(family, plan, inputs) for every plan family at small sizes: what the equality test below runs."""
+    generator = torch.Generator().manual_seed(11)
+
+    def rand(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=generator).to(DEVICE, dtype)
+
+    tokens, hidden, experts, topk = 6, 40, 4, 2
+    ids = torch.tensor([[0, 1], [2, -1], [3, 0], [1, 2], [-1, -1], [0, 3]], dtype=torch.int32, device=DEVICE)
+    probs = rand(tokens, topk)
+    yield (
+        "dispatch",
+        _dispatch_plan(align_size=8),
+        dict(
+            inp=rand(tokens, 32, dtype=torch.bfloat16),
+            routing=(torch.rand(tokens, 4, generator=generator) > 0.5).to(DEVICE),
+            probs=None,
+            scales=None,
+        ),
+    )
+    dispatch = kernels.dispatch_plan(
+        num_tokens=tokens, hidden=hidden, num_slots=topk, num_experts=experts, is_mask=False,
+        num_out_tokens=12, element_bytes=4, has_probs=True, scale_cols=None,
+    )  # fmt: skip
+    x = rand(tokens, hidden)
+    rows, _, _, row_map, _, _ = executor.run_plan(
+        dispatch, dict(inp=x, routing=ids, probs=probs, scales=None), DEVICE
+    )
+    yield "dispatch ids", dispatch, dict(inp=x, routing=ids, probs=probs, scales=None)
+    for weighted, gather in ((True, False), (False, True)):
+        plan = kernels.combine_plan(
+            num_tokens=tokens, hidden=hidden, num_slots=topk, num_rows=12, element_bytes=4,
+            has_weights=weighted, gather_probs=gather,
+        )  # fmt: skip
+        inputs = dict(
+            inp=rows, row_id_map=row_map, weights=probs if weighted else None,
+            permuted_probs=rand(12) if gather else None,
+        )  # fmt: skip
+        yield "combine", plan, inputs
+    for padded in (False, True):
+        sizes = dict(num_tokens=tokens, hidden=hidden, num_slots=topk, num_rows=12, padded=padded)
+        yield "scatter", kernels.scatter_plan(**sizes, element_bytes=4), dict(grad=x, row_id_map=row_map)
+        yield (
+            "combine backward",
+            kernels.combine_backward_plan(**sizes, element_bytes=4),
+            dict(grad=x, row_id_map=row_map, inp=rows, weights=probs),
+        )
+    for backward in (False, True):
+        plan = kernels.sort_chunks_plan(
+            num_rows=12, hidden=hidden, num_splits=3, element_bytes=4, has_probs=True, backward=backward
+        )
+        order = torch.tensor([2, 0, 1], device=DEVICE)
+        yield (
+            "sort chunks",
+            plan,
+            dict(
+                inp=rows,
+                split_sizes=torch.tensor([3, 5, 2], device=DEVICE),
+                sorted_indices=order,
+                probs=rand(12),
+            ),
+        )
+    group_sizes = torch.tensor([5, 0, 7], dtype=torch.int32, device=DEVICE)
+    gemm = dict(num_rows=12, depth=16, num_cols=24, num_groups=3, element_bytes=4)
+    yield (
+        "grouped matmul",
+        kernels.grouped_matmul_plan(**gemm),
+        dict(lhs=rand(12, 16), rhs=rand(3, 16, 24), group_sizes=group_sizes, lhs_rows=None, out_rows=None),
+    )
+    permutation = torch.randperm(12, generator=generator).to(DEVICE, torch.int32)
+    yield (
+        "grouped matmul wgrad",
+        kernels.grouped_matmul_wgrad_plan(**gemm, gather_lhs=True),
+        dict(
+            lhs=rand(12, 16), grad=rand(12, 24), group_sizes=group_sizes, lhs_rows=permutation, out_rows=None
+        ),
+    )
+    activation = dict(activation="swiglu", num_rows=12, width=16, num_groups=3, element_bytes=4)
+    yield (
+        "activation",
+        kernels.activation_plan(**activation),
+        dict(hidden=rand(12, 16), group_sizes=group_sizes),
+    )
+    yield (
+        "activation backward",
+        kernels.activation_backward_plan(**activation),
+        dict(hidden=rand(12, 16), grad=rand(12, 8), group_sizes=group_sizes),
+    )
+    blocks = dict(num_blocks=2, rows=3, out_rows=5, width=8, element_bytes=4)
+    block_sizes = torch.tensor([2, 3], dtype=torch.int32, device=DEVICE)
+    yield (
+        "place blocks",
+        kernels.place_blocks_plan(**blocks),
+        dict(blocks=rand(6, 8), sizes=block_sizes, dest_rows=None),
+    )
+    yield (
+        "take blocks",
+        kernels.take_blocks_plan(**blocks),
+        dict(layout=rand(10, 8), sizes=block_sizes, dest_rows=None),
+    )
+    logits = rand(tokens, 8)
+    topk_plan = kernels.router.topk_plan(
+        num_tokens=tokens, num_experts=8, topk=2, score_function="softmax", use_pre_softmax=False,
+        num_groups=0, group_topk=0, scaling_factor=1.0, has_bias=False, return_indices=True,
+    )  # fmt: skip
+    yield "router top-k", topk_plan, dict(logits=logits, bias=None)
+    scores = kernels.router.aux_scores_plan(
+        num_tokens=tokens, num_experts=8, topk=2, score_function="sigmoid"
+    )
+    yield "router aux scores", scores, dict(logits=logits)
+    loss = kernels.router.aux_loss_plan(
+        num_rows=tokens, num_cols=8, num_experts=8, topk=2, coeff=0.5, total=6
+    )
+    counts = torch.arange(8, dtype=torch.int32, device=DEVICE)
+    yield "router aux loss", loss, dict(probs=logits.softmax(-1), counts=counts, total=None)
+
+
+@pytest.mark.parametrize("index", range(len(list(_plan_cases()))))
+def test_fast_path_equals_the_plain_executor_on_every_plan_family(index):
+    """`Executable` (the ops' fast path: generated per-call code, one workspace, compiled launchers) and
+    `run_plan` (the plain loop) give the same results, bit for bit, on every plan family."""
+    family, plan, inputs = list(_plan_cases())[index]
+    plain = executor.run_plan(plan, inputs, DEVICE)
+    fast = executor.Executable(plan, DEVICE)(inputs)
+    fast_again = executor.Executable(plan, DEVICE)(inputs)  # a second call: the fast launches, on GPUs
+    assert len(plain) == len(fast) == len(fast_again) == len(plan.results), family
+    for name, mine, theirs, again in zip(plan.results, plain, fast, fast_again, strict=True):
+        if mine is None:
+            assert theirs is None and again is None, (family, name)
+            continue
+        assert mine.dtype == theirs.dtype and mine.shape == theirs.shape, (family, name)
+        rows = _written(family)
+        assert torch.equal(mine[rows], theirs[rows]) and torch.equal(mine[rows], again[rows]), (family, name)
+
+
+def _written(family: str):
+    """The rows of a result the plan writes: all, but for the block copies (sizes [2, 3] of 3-row blocks,
+    placed in 5-row ones: the other rows are unspecified)."""
+    return {"place blocks": [0, 1, 5, 6, 7], "take blocks": [0, 1, 3, 4, 5]}.get(family, ...)
