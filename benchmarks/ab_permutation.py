@@ -29,7 +29,7 @@ from benchmarks.timing import input_sets, time_graph
 from moetriton.kernels import permutation as candidate
 from moetriton.kernels.rules.shapes import NAMED_SHAPES
 from moetriton.kernels.runtime import autotune
-from moetriton.torch._launch import device_info, run_plan
+from moetriton.torch.executor import device_info, run_plan
 
 
 def _load_baseline(path: str, name: str = "_ab_baseline"):

@@ -338,7 +338,7 @@ def _jax_results(shape: MoEShape, quick: bool) -> list[Result]:
 
     import moetriton.jax as mj
     from moetriton.jax import reference
-    from moetriton.jax._launch import on_gpu
+    from moetriton.jax.executor import on_gpu
 
     if not on_gpu():
         return []

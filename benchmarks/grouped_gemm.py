@@ -25,7 +25,7 @@ import torch
 
 from moetriton import kernels
 from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES
-from moetriton.torch._launch import device_info, run_plan
+from moetriton.torch.executor import device_info, run_plan
 
 from .common import add_out_option, write_results
 from .timing import time_graph

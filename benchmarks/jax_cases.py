@@ -43,8 +43,8 @@ def _routing(shape: MoEShape, key: jax.Array) -> tuple[jax.Array, jax.Array, jax
 def results(shape: MoEShape, quick: bool = False) -> list[Result]:
     import moetriton.jax as mj
     from moetriton.jax import ops, reference
-    from moetriton.jax._launch import on_gpu
     from moetriton.jax._sharding import call
+    from moetriton.jax.executor import on_gpu
 
     if not on_gpu():
         return []

@@ -25,7 +25,7 @@ from moetriton import kernels
 from moetriton.kernels.peer_exchange import DEFAULT_CONFIG
 from moetriton.kernels.rules.expert_parallel import ep_layout, peer_chunks
 from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES
-from moetriton.torch._launch import Executable
+from moetriton.torch.executor import Executable
 from moetriton.torch.peer_exchange import _staging
 
 GRID = dict(rows=(2, 4, 8), block_bytes=(2048, 4096, 8192), num_warps=(4, 8))

@@ -15,7 +15,7 @@ import moetriton.torch as mt
 from benchmarks.timing import time_graph
 from moetriton import kernels
 from moetriton.kernels.rules.shapes import NAMED_SHAPES
-from moetriton.torch._launch import device_info, run_plan
+from moetriton.torch.executor import device_info, run_plan
 
 
 def main() -> int:

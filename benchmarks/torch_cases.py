@@ -11,7 +11,7 @@ import torch
 
 from moetriton import kernels
 from moetriton.kernels.rules.shapes import MoEShape
-from moetriton.torch._launch import device_info, run_plan
+from moetriton.torch.executor import device_info, run_plan
 
 from .common import Result, token_bytes
 from .timing import input_sets, time_eager, time_graph

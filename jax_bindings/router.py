@@ -1,12 +1,13 @@
 """JAX router: fused top-k with score functions, aux-loss scores and the aux loss.
 
 Same names, arguments and semantics as moetriton.torch.router (see moetriton.kernels.router and
-docs/router.md). Every op is a jax.custom_vjp over kernel calls that run through `_launch.run_plan`:
+docs/router.md). Every op is a jax.custom_vjp over kernel calls that run through `executor.run_plan`:
 jax-triton on GPU, the Triton interpreter through jax.pure_callback on CPU when TRITON_INTERPRET=1, and
 otherwise `moetriton.jax.reference_router`.
 
-Sharding: every kernel call is a custom_partitioning op with a Shardy rule. Tokens are independent, so the
-token axis keeps its sharding and each device routes its own tokens; the expert axis is replicated. The aux
+Sharding: every kernel call is a token-parallel ShardedOp (moetriton.jax._sharding, the partitioning code of
+every op). Tokens are independent, so the token axis keeps its sharding and each device routes its own
+tokens; the expert axis is replicated. The aux
 loss reduces over tokens: each device sums its rows and the partial losses are psum-ed over the token mesh
 axes, so a token-sharded `fused_moe_aux_loss` returns the GLOBAL loss (the same value as unsharded). Inside
 a partitioned computation the kernels run only on GPU: JAX cannot keep a host callback alive there

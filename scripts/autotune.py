@@ -36,7 +36,7 @@ from benchmarks.timing import input_sets, time_graph
 from moetriton import kernels
 from moetriton.kernels.rules.shapes import NAMED_SHAPES, MoEShape
 from moetriton.kernels.runtime import autotune
-from moetriton.torch._launch import device_info, run_plan
+from moetriton.torch.executor import device_info, run_plan
 
 DTYPE = torch.bfloat16
 
