@@ -31,7 +31,8 @@ from benchmarks.common import exchange_parser, layer_shape, write_results
 from benchmarks.moe_torch import _median_ms
 from moetriton.kernels.rules.expert_parallel import dropless_exchange, ep_layout
 from moetriton.torch.api import sort_chunks_by_index
-from moetriton.torch.moe import _chunk_orders, all_to_all_rows
+from moetriton.torch.moe import all_to_all_rows
+from moetriton.torch.moe.all_to_all import chunk_orders
 
 
 def _routed_indices(shape, rank: int, device: torch.device) -> torch.Tensor:
@@ -94,7 +95,7 @@ def measure_landing(name: str, steps: int, num_tokens: int, device: torch.device
     rows = int(counts.sum())
     send = torch.randn(rows, shape.hidden, device=device, dtype=torch.bfloat16)
     on_device = dropless_exchange(counts_all, rank, layout)
-    to_expert_major, _ = _chunk_orders(ep, local, device)
+    to_expert_major, _ = chunk_orders(ep, local, device)
 
     def sorted_exchange() -> torch.Tensor:
         received = all_to_all_rows(send, send_sizes, recv_sizes, sum(recv_sizes), None)

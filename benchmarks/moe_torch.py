@@ -13,7 +13,7 @@ runs ahead of the GPU during a layer's GEMMs and queues the next layer's work, w
 show; sums below are over the layers). Implementations:
 
 * moetriton: `moetriton.torch.moe` (our router, dispatch, chunk sort and combine kernels), exchange="auto":
-  with EP > 1 on GPUs of one host the peer exchange (moetriton.torch.peer_exchange: no chunk sorts, no NCCL
+  with EP > 1 on GPUs of one host the peer exchange (moetriton.torch.moe.peer: no chunk sorts, no NCCL
   row exchange);
 * moetriton_a2a: the same with exchange="all_to_all" (all_to_all_single and chunk sorts);
 * megatron: the same layer without our kernels, the way Megatron-Core's unfused path builds it: torch

@@ -4,7 +4,7 @@ host, every rank copying at once as in the layer (so NVLink carries both directi
     torchrun --nproc-per-node 2 -m benchmarks.peer_exchange_sweep [--shapes dsv3,mixtral]
 
 Per MOE_LAYER_SHAPES shape, balanced counts (T K / E rows per expert and rank), the staging buffers of the
-layer (moetriton.torch.peer_exchange) filled with random rows: for every config of the grid (rows per
+layer (moetriton.torch.moe.peer) filled with random rows: for every config of the grid (rows per
 program, bytes per step, warps) the pull, the pull with scale and dot products (the combine backward's) and
 the push, each timed alone (CUDA events around the copy, after a barrier; median of the iterations, slowest
 rank), as ms and GB/s of the bytes a rank receives (R x H x 2). The defaults (DEFAULT_CONFIG) are marked.
@@ -26,7 +26,7 @@ from moetriton.kernels.peer_exchange import DEFAULT_CONFIG
 from moetriton.kernels.rules.expert_parallel import ep_layout, peer_chunks
 from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES
 from moetriton.torch.executor import Executable
-from moetriton.torch.peer_exchange import _staging
+from moetriton.torch.moe.peer import _staging
 
 GRID = dict(rows=(2, 4, 8), block_bytes=(2048, 4096, 8192), num_warps=(4, 8))
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,12 +38,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moetriton import kernels
-from moetriton.kernels.rules.expert_parallel import EPLayout
+from moetriton.kernels.rules.expert_parallel import EPLayout, peer_chunks
 
-from ._stages import stage
-from .api import token_combine
-from .executor import bound, dtype_name
-from .ops import DISPATCH_BACKWARD, dispatch_sizes
+from .._stages import stage
+from ..api import token_combine
+from ..executor import bound, dtype_name
+from ..ops import DISPATCH_BACKWARD, dispatch_sizes
+from .experts import expert_mlp
 
 
 @functools.cache
@@ -377,3 +378,44 @@ def peer_experts(
     received, weights, row_id_map, pad_offsets = _PeerDispatch.apply(tokens, merging, plan)
     out = experts(received, group_sizes)
     return _PeerCombine.apply(out, weights, merging, row_id_map, pad_offsets, plan)
+
+
+def uses_peer(exchange: str, group, device: torch.device, exchanging: bool) -> bool:
+    """Whether the rows go through peer memory (see EXCHANGES); `exchanging`: the call has a dropless EP
+    exchange (no other call has one to choose)."""
+    if exchange == "all_to_all" or not exchanging:
+        return False
+    available = peer_exchange_available(group, device)
+    if exchange == "peer" and not available:
+        raise ValueError(
+            "exchange='peer' needs CUDA GPUs of one host in an NCCL group, outside torch.compile"
+        )
+    return available
+
+
+def peer_dropless(
+    tokens, indices, merging, gathered, tokens_on_host, layout, ep_rank, group, gate_up, down, activation
+) -> Tensor:
+    """Dropless EP through the peer exchange: tokens [T, H] -> combined [T, H] (dispatch, exchanges,
+    experts and combine; see moetriton.torch.moe.peer). tokens_on_host: every rank's T (ranks may
+    hold different T), read with the counts when the staging buffer's size must be decided."""
+    counts_all, counts_on_host = gathered
+    chunks = peer_chunks(counts_all, ep_rank, layout)
+    group_sizes = chunks["chunk_sizes"].view(layout.local_experts, layout.ep_size).sum(1)  # [L]
+
+    def received_rows() -> int:
+        return int(peer_chunks(counts_on_host(), ep_rank, layout)["chunk_sizes"].sum())
+
+    def largest_rows() -> int:
+        return max(replace(layout, num_tokens=int(count)).send_rows for count in tokens_on_host())
+
+    plan = peer_plan(
+        group, chunks, indices, layout, tokens.shape[1], tokens.dtype, received_rows, largest_rows
+    )
+    return peer_experts(
+        tokens,
+        merging,
+        plan,
+        group_sizes,
+        lambda rows, sizes: expert_mlp(rows, sizes, gate_up, down, activation),
+    )

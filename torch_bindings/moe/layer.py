@@ -14,7 +14,7 @@ moetriton.kernels.rules.expert_parallel (EPLayout, dropless_exchange, dropped_sl
       -> inverse chunk sort -> reverse all_to_all_single -> token_combine with w -> [T, H]
 
 Dropless with EP > 1 on GPUs of one host (exchange="auto" or "peer"), the exchanges and chunk sorts are
-replaced by moetriton.torch.peer_exchange: token_dispatch writes into a symmetric staging buffer, every rank
+replaced by moetriton.torch.moe.peer: token_dispatch writes into a symmetric staging buffer, every rank
 copies its rows from the others' buffers straight into expert-major order, the expert outputs are copied
 back into their sources' buffers and token_combine reads them there (no chunk sort, no NCCL row exchange).
 
@@ -43,11 +43,6 @@ uses torch.bmm on every device.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from dataclasses import replace
-
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -56,35 +51,28 @@ from torch import Tensor, nn
 from moetriton.kernels.rules import moe as layer_rules
 from moetriton.kernels.rules.expert_parallel import (
     EPLayout,
-    dropless_exchange,
     dropped_slots,
     ep_layout,
     gate_up_width,
     padded_counts,
-    peer_chunks,
 )
 
-from ._checks import Signature, memoised, same_device, signature
-from ._stages import STAGES  # noqa: F401  (public here: the stages of a layer call)
-from ._stages import stage as _stage
-from .api import sort_chunks_by_index, token_combine, token_dispatch
-from .ops import ACTIVATE
-from .peer_exchange import peer_exchange_available, peer_experts, peer_plan
-from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
+from .._checks import Signature, memoised, same_device, signature
+from .._stages import stage
+from ..api import token_combine, token_dispatch
+from ..router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
+from .all_to_all import dropless_experts
+from .capacity import capacity_experts, check_same_tokens, gather_tokens
+from .collectives import gather_counts, global_sum, group_size_and_rank
+from .peer import peer_dropless, uses_peer
 
 #: Expert activations and row exchanges (the dropless layer with EP > 1: "all_to_all" is all_to_all_single
-#: then chunk sorts to expert-major and back, "peer" moetriton.torch.peer_exchange's copies through peer
+#: then chunk sorts to expert-major and back, "peer" moetriton.torch.moe.peer's copies through peer
 #: memory straight into expert-major order, "auto" peer where `peer_exchange_available`): the shared layer
 #: rules' names (moetriton.kernels.rules.moe).
 ACTIVATIONS = layer_rules.ACTIVATIONS
 EXCHANGES = layer_rules.TORCH_EXCHANGES
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 @memoised
@@ -135,302 +123,6 @@ def _check_moe(
     return shape
 
 
-# Collectives -----------------------------------------------------------------------------------------------
-
-
-def _all_to_all(
-    rows: Tensor, send_sizes: list[int] | None, recv_sizes: list[int] | None, out_rows: int, group
-) -> Tensor:
-    """[out_rows, H]: rows [N, H] sent in `send_sizes` row blocks, received in `recv_sizes` blocks (None:
-    equal blocks, out_rows = N); rows past the received ones are zero."""
-    out = rows.new_empty(out_rows, rows.shape[1])
-    if send_sizes is None:
-        dist.all_to_all_single(out, rows.contiguous(), group=group)
-        return out
-    received = sum(recv_sizes)
-    out[received:].zero_()
-    dist.all_to_all_single(
-        out[:received], rows[: sum(send_sizes)].contiguous(), recv_sizes, send_sizes, group=group
-    )
-    return out
-
-
-class _Exchange(torch.autograd.Function):
-    """all_to_all_single of rows whose backward is the reverse exchange of the gradient."""
-
-    @staticmethod
-    def forward(ctx, rows, send_sizes, recv_sizes, out_rows, group):
-        ctx.reverse = (recv_sizes, send_sizes, rows.shape[0], group)
-        return _all_to_all(rows, send_sizes, recv_sizes, out_rows, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, *ctx.reverse), None, None, None, None
-
-
-def all_to_all_rows(
-    rows: Tensor, send_sizes: list[int] | None, recv_sizes: list[int] | None, out_rows: int, group
-) -> Tensor:
-    """Differentiable all_to_all_single of rows [N, H] -> [out_rows, H]: blocks of `send_sizes` rows go to
-    the ranks in order, blocks of `recv_sizes` rows arrive (None: N / EP rows each way, out_rows = N); rows
-    past the received ones are zero. The backward is the reverse exchange of the gradient.
-
-    Example (two ranks; rank 0 sends 1 row to itself and 2 to rank 1):
-        >>> out = all_to_all_rows(rows, [1, 2], [1, 3], 4, group)  # doctest: +SKIP
-    """
-    return _Exchange.apply(rows, send_sizes, recv_sizes, out_rows, group)
-
-
-class _GlobalSum(torch.autograd.Function):
-    """all_reduce(SUM) of a rank's partial loss; the backward passes the gradient through, so each rank
-    differentiates its own partial: the gradient of its tokens in the global loss."""
-
-    @staticmethod
-    def forward(ctx, partial, group):
-        total = partial.clone()
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _gather_counts(counts: Tensor, ep_size: int, group) -> tuple[Tensor, Callable[[], np.ndarray]]:
-    """([EP, E] rows per expert of every rank's send buffer, a function that returns them on the host).
-    dropless_exchange needs all of them (both directions' sizes and offsets), so each rank sends its row to
-    every rank: an all_to_all_single of the row repeated EP times. The host copy starts now, and the function
-    waits for it alone (an event, not the whole device), so work queued after it runs meanwhile."""
-    gathered = counts.new_empty(ep_size, counts.shape[0])
-    dist.all_to_all_single(gathered, counts.expand(ep_size, -1).contiguous(), group=group)
-    if not gathered.is_cuda:
-        return gathered, gathered.numpy
-    on_host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
-    on_host.copy_(gathered, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-
-    def wait() -> np.ndarray:
-        copied.synchronize()
-        return on_host.numpy()
-
-    return gathered, wait
-
-
-# Experts ---------------------------------------------------------------------------------------------------
-
-
-def _activate(hidden: Tensor, activation: str) -> Tensor:
-    """[..., 2F] -> [..., F] (SwiGLU) or [..., F] -> [..., F]; zero rows stay zero. One moetriton kernel per
-    direction (math in fp32), where eager PyTorch ran several elementwise kernels over the halves and
-    their copies (docs/moe.md, "Measured")."""
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    activated = ACTIVATE(flat, activation)  # [M, F], named: M may be 0
-    return activated.view(*hidden.shape[:-1], activated.shape[-1])
-
-
-def grouped_mm_supported(rows: Tensor, gate_up: Tensor, down: Tensor) -> bool:
-    """True where the dropless experts run `torch._grouped_mm`: CUDA, compute capability 9.0+, bf16 rows
-    and weights, and every row stride a multiple of 16 bytes (H, gate_up's width and F multiples of 8)."""
-    return (
-        hasattr(torch, "_grouped_mm")
-        and rows.is_cuda
-        and torch.cuda.get_device_properties(rows.device).major >= 9  # constant under torch.compile
-        and rows.dtype == gate_up.dtype == down.dtype == torch.bfloat16
-        and all(size % 8 == 0 for size in (rows.shape[1], gate_up.shape[2], down.shape[1]))
-    )
-
-
-def expert_mlp(
-    rows: Tensor,
-    group_sizes: Tensor,
-    gate_up: Tensor,
-    down: Tensor,
-    activation: str,
-    use_grouped_mm: bool | None = None,
-) -> Tensor:
-    """Dropless experts on expert-major rows: [N, H] -> [N, H].
-
-    Args:
-        rows: [N, H]; expert j's rows follow expert j - 1's, group_sizes[j] of them; rows past the last
-            group must be zero (token_dispatch's tail): they join the last group and come out zero.
-        group_sizes: [L] int32/int64 on rows' device (no host sync).
-        gate_up: [L, H, 2F] (SwiGLU) or [L, H, F]; down: [L, F, H].
-        activation: one of ACTIVATIONS.
-        use_grouped_mm: force torch._grouped_mm (True) or the masked per-expert loop (False); None picks
-            `grouped_mm_supported`.
-
-    Example:
-        >>> rows = torch.randn(5, 8)
-        >>> gate_up, down = torch.randn(2, 8, 8), torch.randn(2, 4, 8)
-        >>> expert_mlp(rows, torch.tensor([3, 2]), gate_up, down, "swiglu").shape
-        torch.Size([5, 8])
-    """
-    offsets = group_sizes.cumsum(0, dtype=torch.int32)  # [L] end of each group
-    offsets[-1:].fill_(rows.shape[0])  # no output row left undefined; a fill, not a host-to-device copy
-    if use_grouped_mm is None:
-        use_grouped_mm = grouped_mm_supported(rows, gate_up, down)
-    if use_grouped_mm:
-        with _stage("grouped_gemm"):
-            hidden = torch._grouped_mm(rows, gate_up, offs=offsets)
-        with _stage("activation"):
-            act = _activate(hidden, activation)
-        with _stage("grouped_gemm"):
-            return torch._grouped_mm(act, down, offs=offsets)
-    positions = torch.arange(rows.shape[0], device=rows.device, dtype=torch.int32)
-    expert_of_row = torch.searchsorted(offsets, positions, right=True)[:, None]  # [N, 1]
-
-    def grouped(inp: Tensor, weights: Tensor) -> Tensor:
-        with _stage("grouped_gemm"):
-            out = inp.new_zeros(inp.shape[0], weights.shape[2])
-            for expert in range(weights.shape[0]):
-                out = torch.where(expert_of_row == expert, inp @ weights[expert], out)
-            return out
-
-    hidden = grouped(rows, gate_up)
-    with _stage("activation"):
-        act = _activate(hidden, activation)
-    return grouped(act, down)
-
-
-def _batched_mlp(rows: Tensor, gate_up: Tensor, down: Tensor, activation: str) -> Tensor:
-    """Capacity experts: rows [L * M, H], M rows per local expert -> [L * M, H], one bmm per projection."""
-    slabs = rows.view(gate_up.shape[0], -1, rows.shape[1])  # [L, M, H]
-    with _stage("grouped_gemm"):
-        hidden = torch.bmm(slabs, gate_up)
-    with _stage("activation"):
-        act = _activate(hidden, activation)
-    with _stage("grouped_gemm"):
-        return torch.bmm(act, down).reshape(rows.shape)
-
-
-@functools.lru_cache(maxsize=64)
-def _chunk_orders(ep_size: int, local_experts: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """(to expert-major, back to source-major) sorted_indices on the device, built once: a host-to-device
-    copy on every call would sync and could not be captured in a CUDA graph."""
-    layout = ep_layout(num_tokens=0, num_experts=ep_size * local_experts, topk=1, ep_size=ep_size)
-    return (
-        torch.tensor(layout.expert_major_order(), device=device),
-        torch.tensor(layout.source_major_order(), device=device),
-    )
-
-
-def _dropless_experts(
-    send, send_counts, gathered, layout, ep_rank, group, gate_up, down, activation
-) -> Tensor:
-    """Dropless: send buffer [S, H] with send_counts [E] rows per expert -> expert outputs, same layout.
-    gathered: with EP > 1, `_gather_counts`' pair (every rank's counts [EP, E], their host copy)."""
-    if layout.ep_size == 1:
-        return expert_mlp(send, send_counts, gate_up, down, activation)
-    counts_all, counts_on_host = gathered
-    with _stage("chunk_sort"):
-        # Before the host waits: the device work queued here runs while it does, and nothing of it is left
-        # between the wait and the row exchange.
-        on_device = dropless_exchange(counts_all, ep_rank, layout)
-        to_expert_major, to_source_major = _chunk_orders(layout.ep_size, layout.local_experts, send.device)
-        chunk_sizes = on_device["chunk_sizes"]  # [EP * L] source-major
-        returning_sizes = chunk_sizes[to_expert_major]  # [L * EP] expert-major
-    with _stage("exchange_sizes"):
-        on_host = dropless_exchange(counts_on_host(), ep_rank, layout)  # the call's one host sync
-        send_sizes, recv_sizes = on_host["send_sizes"].tolist(), on_host["recv_sizes"].tolist()
-    with _stage("all_to_all"):
-        received = all_to_all_rows(
-            send, send_sizes, recv_sizes, sum(recv_sizes), group
-        )  # [R, H] source-major
-    with _stage("chunk_sort"):
-        expert_major, _ = sort_chunks_by_index(received, chunk_sizes, to_expert_major)
-    out = expert_mlp(expert_major, on_device["group_sizes"], gate_up, down, activation)
-    with _stage("chunk_sort"):
-        source_major, _ = sort_chunks_by_index(out, returning_sizes, to_source_major)
-    with _stage("all_to_all"):
-        return all_to_all_rows(source_major, recv_sizes, send_sizes, send.shape[0], group)
-
-
-def _capacity_experts(send, layout, group, gate_up, down, activation) -> Tensor:
-    """Capacity: send buffer [E * C, H] = [EP, L, C] slabs -> expert outputs, same layout."""
-    if layout.ep_size == 1:
-        return _batched_mlp(send, gate_up, down, activation)
-    with _stage("all_to_all"):
-        received = all_to_all_rows(send, None, None, send.shape[0], group)  # [EP, L, C] source-major
-    with _stage("chunk_sort"):
-        to_expert_major, to_source_major = _chunk_orders(layout.ep_size, layout.local_experts, send.device)
-        chunk_sizes = torch.full_like(to_expert_major, layout.capacity)
-        expert_major, _ = sort_chunks_by_index(received, chunk_sizes, to_expert_major)  # [L, EP, C]
-    out = _batched_mlp(expert_major, gate_up, down, activation)
-    with _stage("chunk_sort"):
-        source_major, _ = sort_chunks_by_index(out, chunk_sizes, to_source_major)
-    with _stage("all_to_all"):
-        return all_to_all_rows(source_major, None, None, send.shape[0], group)
-
-
-def _gather_tokens(layout: EPLayout, group, device: torch.device) -> Callable[[], np.ndarray] | None:
-    """Capacity with EP > 1 moves [L, C] slabs whose C follows from T, so every rank must hold the same T.
-    Eager calls gather every rank's T first (queued before the router, awaited before the rows move: the
-    host waits for the start of the call only); returns the function that waits for them, or None where
-    nothing is gathered: dropless, EP = 1, and while torch.compile traces or a CUDA graph is captured (no
-    host read there: equal T is then the caller's promise)."""
-    if layout.dropless or layout.ep_size == 1 or torch.compiler.is_compiling():
-        return None
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    mine = torch.full((1,), layout.num_tokens, dtype=torch.int64, device=device)
-    return _gather_counts(mine, layout.ep_size, group)[1]
-
-
-def _check_same_tokens(tokens_per_rank: np.ndarray) -> None:
-    """The same error on every rank (each sees every rank's T) before any row is exchanged."""
-    counts = tokens_per_rank.reshape(-1).tolist()
-    if len(set(counts)) > 1:
-        raise ValueError(
-            f"x: capacity_factor needs the same number of tokens on every rank of ep_group, got {counts}"
-            " (rank order); pass capacity_factor=None (dropless) for batches that differ"
-        )
-
-
-def _uses_peer(exchange: str, group, device: torch.device, exchanging: bool) -> bool:
-    """Whether the rows go through peer memory (see EXCHANGES); `exchanging`: the call has a dropless EP
-    exchange (no other call has one to choose)."""
-    if exchange == "all_to_all" or not exchanging:
-        return False
-    available = peer_exchange_available(group, device)
-    if exchange == "peer" and not available:
-        raise ValueError(
-            "exchange='peer' needs CUDA GPUs of one host in an NCCL group, outside torch.compile"
-        )
-    return available
-
-
-def _peer_dropless(
-    tokens, indices, merging, gathered, tokens_on_host, layout, ep_rank, group, gate_up, down, activation
-) -> Tensor:
-    """Dropless EP through the peer exchange: tokens [T, H] -> combined [T, H] (dispatch, exchanges,
-    experts and combine; see moetriton.torch.peer_exchange). tokens_on_host: every rank's T (ranks may
-    hold different T), read with the counts when the staging buffer's size must be decided."""
-    counts_all, counts_on_host = gathered
-    chunks = peer_chunks(counts_all, ep_rank, layout)
-    group_sizes = chunks["chunk_sizes"].view(layout.local_experts, layout.ep_size).sum(1)  # [L]
-
-    def received_rows() -> int:
-        return int(peer_chunks(counts_on_host(), ep_rank, layout)["chunk_sizes"].sum())
-
-    def largest_rows() -> int:
-        return max(replace(layout, num_tokens=int(count)).send_rows for count in tokens_on_host())
-
-    plan = peer_plan(
-        group, chunks, indices, layout, tokens.shape[1], tokens.dtype, received_rows, largest_rows
-    )
-    return peer_experts(
-        tokens,
-        merging,
-        plan,
-        group_sizes,
-        lambda rows, sizes: expert_mlp(rows, sizes, gate_up, down, activation),
-    )
-
-
-# Layer -----------------------------------------------------------------------------------------------------
-
-
 def _routing_statistics(
     logits: Tensor, routed: Tensor, layout: EPLayout, score_function: str, coeff: float, group
 ) -> tuple[Tensor, Tensor]:
@@ -440,7 +132,7 @@ def _routing_statistics(
     num_experts = layout.num_experts
     dropped = dropped_slots(routed, layout)
     total_tokens: int | Tensor = layout.num_tokens
-    group_size, _ = _group_size_and_rank(group)
+    group_size, _ = group_size_and_rank(group)
     if group_size > 1 and (coeff > 0 or not layout.dropless):
         stats = torch.cat([routed, dropped.reshape(1), routed.new_full((1,), layout.num_tokens)])
         dist.all_reduce(stats, group=group)
@@ -453,7 +145,7 @@ def _routing_statistics(
             _, scores = fused_compute_score_for_moe_aux_loss(logits, layout.topk, score_function)
             aux_loss = fused_moe_aux_loss(scores, routed, total_tokens, num_experts, layout.topk, coeff)
         if group_size > 1:
-            aux_loss = _GlobalSum.apply(aux_loss, group)
+            aux_loss = global_sum(aux_loss, group)
     return aux_loss, dropped.to(torch.int32)
 
 
@@ -515,7 +207,7 @@ def moe(
         >>> out.shape, aux_loss.dtype, dropped.dtype
         (torch.Size([6, 8]), torch.float32, torch.int32)
     """
-    ep_size, ep_rank = _group_size_and_rank(ep_group)
+    ep_size, ep_rank = group_size_and_rank(ep_group)
     shape = _check_moe(
         x=signature(x),
         gate_weight=signature(gate_weight),
@@ -539,9 +231,9 @@ def moe(
         capacity_factor=capacity_factor,
     )
     # Decided before any collective: every rank takes the same path, and a bad choice fails at once.
-    use_peer = _uses_peer(exchange, ep_group, tokens.device, layout.dropless and ep_size > 1)
-    same_tokens = _gather_tokens(layout, ep_group, tokens.device)
-    with _stage("router"):
+    use_peer = uses_peer(exchange, ep_group, tokens.device, layout.dropless and ep_size > 1)
+    same_tokens = gather_tokens(layout, ep_group, tokens.device)
+    with stage("router"):
         logits = F.linear(tokens, gate_weight)  # [T, E]
         probs, routing_map, indices = fused_topk_with_score_function(
             logits,
@@ -567,13 +259,13 @@ def moe(
     if layout.dropless:
         gathered = None
         if ep_size > 1:
-            with _stage("exchange_sizes"):
+            with stage("exchange_sizes"):
                 # Every rank's counts per expert and its T, gathered in one exchange.
                 mine = torch.cat([padded_counts(routed, layout), routed.new_full((1,), layout.num_tokens)])
-                everyone, on_host = _gather_counts(mine, ep_size, ep_group)
+                everyone, on_host = gather_counts(mine, ep_size, ep_group)
                 gathered = (everyone[:, :num_experts], lambda: on_host()[:, :num_experts])
             if use_peer:
-                combined = _peer_dropless(
+                combined = peer_dropless(
                     tokens,
                     indices,
                     merging,
@@ -587,22 +279,22 @@ def moe(
                     activation,
                 )
                 return combined.reshape(x.shape), aux_loss, dropped
-        with _stage("dispatch"):
+        with stage("dispatch"):
             send, _, row_id_map, pad_offsets, send_counts = token_dispatch(
                 tokens, indices=indices, num_experts=num_experts, align_size=layout.align_size
             )
-        out = _dropless_experts(
+        out = dropless_experts(
             send, send_counts, gathered, layout, ep_rank, ep_group, gate_up, down, activation
         )
     else:
-        with _stage("dispatch"):
+        with stage("dispatch"):
             send, _, row_id_map, pad_offsets, _ = token_dispatch(
                 tokens, indices=indices, num_experts=num_experts, capacity=layout.capacity
             )
         if same_tokens is not None:
-            _check_same_tokens(same_tokens())
-        out = _capacity_experts(send, layout, ep_group, gate_up, down, activation)
-    with _stage("combine"):
+            check_same_tokens(same_tokens())
+        out = capacity_experts(send, layout, ep_group, gate_up, down, activation)
+    with stage("combine"):
         combined = token_combine(out, row_id_map, merging_probs=merging, pad_offsets=pad_offsets)
     return combined.reshape(x.shape), aux_loss, dropped
 
@@ -655,7 +347,7 @@ class MoELayer(nn.Module):
             exchange=exchange,
             exchanges=EXCHANGES,
         )
-        ep_size, _ = _group_size_and_rank(ep_group)
+        ep_size, _ = group_size_and_rank(ep_group)
         ep_layout(  # validates E, K, EP, align_size and capacity_factor now rather than at the first call
             num_tokens=0,
             num_experts=num_experts,

@@ -1,0 +1,94 @@
+"""The experts of the MoE layer: the grouped MLP on expert-major rows (torch._grouped_mm where supported, a
+masked per-expert loop elsewhere) and the batched MLP of the capacity policy."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._stages import stage
+from ..ops import ACTIVATE
+
+
+def _activate(hidden: Tensor, activation: str) -> Tensor:
+    """[..., 2F] -> [..., F] (SwiGLU) or [..., F] -> [..., F]; zero rows stay zero. One moetriton kernel per
+    direction (math in fp32), where eager PyTorch ran several elementwise kernels over the halves and
+    their copies (docs/moe.md, "Measured")."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    activated = ACTIVATE(flat, activation)  # [M, F], named: M may be 0
+    return activated.view(*hidden.shape[:-1], activated.shape[-1])
+
+
+def grouped_mm_supported(rows: Tensor, gate_up: Tensor, down: Tensor) -> bool:
+    """True where the dropless experts run `torch._grouped_mm`: CUDA, compute capability 9.0+, bf16 rows
+    and weights, and every row stride a multiple of 16 bytes (H, gate_up's width and F multiples of 8)."""
+    return (
+        hasattr(torch, "_grouped_mm")
+        and rows.is_cuda
+        and torch.cuda.get_device_properties(rows.device).major >= 9  # constant under torch.compile
+        and rows.dtype == gate_up.dtype == down.dtype == torch.bfloat16
+        and all(size % 8 == 0 for size in (rows.shape[1], gate_up.shape[2], down.shape[1]))
+    )
+
+
+def expert_mlp(
+    rows: Tensor,
+    group_sizes: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    activation: str,
+    use_grouped_mm: bool | None = None,
+) -> Tensor:
+    """Dropless experts on expert-major rows: [N, H] -> [N, H].
+
+    Args:
+        rows: [N, H]; expert j's rows follow expert j - 1's, group_sizes[j] of them; rows past the last
+            group must be zero (token_dispatch's tail): they join the last group and come out zero.
+        group_sizes: [L] int32/int64 on rows' device (no host sync).
+        gate_up: [L, H, 2F] (SwiGLU) or [L, H, F]; down: [L, F, H].
+        activation: one of ACTIVATIONS.
+        use_grouped_mm: force torch._grouped_mm (True) or the masked per-expert loop (False); None picks
+            `grouped_mm_supported`.
+
+    Example:
+        >>> rows = torch.randn(5, 8)
+        >>> gate_up, down = torch.randn(2, 8, 8), torch.randn(2, 4, 8)
+        >>> expert_mlp(rows, torch.tensor([3, 2]), gate_up, down, "swiglu").shape
+        torch.Size([5, 8])
+    """
+    offsets = group_sizes.cumsum(0, dtype=torch.int32)  # [L] end of each group
+    offsets[-1:].fill_(rows.shape[0])  # no output row left undefined; a fill, not a host-to-device copy
+    if use_grouped_mm is None:
+        use_grouped_mm = grouped_mm_supported(rows, gate_up, down)
+    if use_grouped_mm:
+        with stage("grouped_gemm"):
+            hidden = torch._grouped_mm(rows, gate_up, offs=offsets)
+        with stage("activation"):
+            act = _activate(hidden, activation)
+        with stage("grouped_gemm"):
+            return torch._grouped_mm(act, down, offs=offsets)
+    positions = torch.arange(rows.shape[0], device=rows.device, dtype=torch.int32)
+    expert_of_row = torch.searchsorted(offsets, positions, right=True)[:, None]  # [N, 1]
+
+    def grouped(inp: Tensor, weights: Tensor) -> Tensor:
+        with stage("grouped_gemm"):
+            out = inp.new_zeros(inp.shape[0], weights.shape[2])
+            for expert in range(weights.shape[0]):
+                out = torch.where(expert_of_row == expert, inp @ weights[expert], out)
+            return out
+
+    hidden = grouped(rows, gate_up)
+    with stage("activation"):
+        act = _activate(hidden, activation)
+    return grouped(act, down)
+
+
+def batched_mlp(rows: Tensor, gate_up: Tensor, down: Tensor, activation: str) -> Tensor:
+    """Capacity experts: rows [L * M, H], M rows per local expert -> [L * M, H], one bmm per projection."""
+    slabs = rows.view(gate_up.shape[0], -1, rows.shape[1])  # [L, M, H]
+    with stage("grouped_gemm"):
+        hidden = torch.bmm(slabs, gate_up)
+    with stage("activation"):
+        act = _activate(hidden, activation)
+    with stage("grouped_gemm"):
+        return torch.bmm(act, down).reshape(rows.shape)
