@@ -87,17 +87,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moetriton.jax import reference_router, token_combine, token_dispatch
 from moetriton.jax.activation import apply_activation
-from moetriton.jax.moe import (
-    MoEConfig,
-    _expert_major_rows,
-    _experts,
-    _resolve_exchange,
-    _router,
-    dropless_forward,
-    dropless_reverse,
-    exchange_sizes,
-    moe,
-)
+from moetriton.jax.moe import MoEConfig, dropless_forward, dropless_reverse, exchange_sizes, moe
+from moetriton.jax.moe.experts import expert_major_rows, expert_mlp
+from moetriton.jax.moe.layer import _router, resolve_exchange
 from moetriton.kernels.rules.expert_parallel import EPLayout, ep_layout
 from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES, MoELayerShape
 
@@ -308,7 +300,7 @@ def _config(case: Case, mesh: Mesh | None) -> MoEConfig:
         mesh=mesh,
         ep_axis="ep" if mesh is not None else None,
         data_axes=(),
-        exchange=_resolve_exchange(case.exchange, mesh),
+        exchange=resolve_exchange(case.exchange, mesh),
         num_shards=case.ep,
         ep_size=case.ep,
     )
@@ -447,8 +439,8 @@ def stage_times(case: Case, mesh: Mesh | None, arrays, steps: int) -> dict[str, 
         sizes = sizes_of(counts)
         order = None
         if case.ep > 1:  # received rows, source-major: read and written in expert-major order
-            order = _expert_major_rows(sizes["chunk_sizes"], layout, False, rows.shape[0])
-        return _experts(rows, sizes["group_sizes"], gate_up, down, config, order)
+            order = expert_major_rows(sizes["chunk_sizes"], layout, False, rows.shape[0])
+        return expert_mlp(rows, sizes["group_sizes"], gate_up, down, config, order)
 
     def combine(rows, weights, row_id_map):
         return token_combine(rows, row_id_map, weights)

@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 
-from moetriton.jax.moe import _resolve_exchange, moe
+from moetriton.jax.moe import moe
+from moetriton.jax.moe.layer import resolve_exchange
 from tests.jax.moe_checks import CHECKS, DEVICES, check_against_reference, fixed_problem
 from tests.strategies_moe import moe_problems
 
@@ -150,8 +151,8 @@ def test_bad_arguments_raise_clear_errors(change, message):
 def test_auto_exchange_is_ragged_only_across_processes_of_gpus(platforms, processes, expected):
     pairs = zip(platforms, processes, strict=True)
     devices = np.array([types.SimpleNamespace(platform=p, process_index=i) for p, i in pairs])
-    assert _resolve_exchange("auto", types.SimpleNamespace(devices=devices)) == expected
-    assert _resolve_exchange("ragged", types.SimpleNamespace(devices=devices)) == "ragged"
+    assert resolve_exchange("auto", types.SimpleNamespace(devices=devices)) == expected
+    assert resolve_exchange("ragged", types.SimpleNamespace(devices=devices)) == "ragged"
 
 
 def test_importing_moetriton_jax_does_not_import_flax():

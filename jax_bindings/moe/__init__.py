@@ -1,0 +1,17 @@
+"""The expert-parallel MoE layer for JAX (`moe`; its Flax module is moetriton.jax.flax), one module per
+part: `layer` (the layer and its arguments), `exchange` (the EP row exchanges), `experts` (the grouped MLP)
+and `config` (a call's static configuration). See docs/moe.md."""
+
+from .config import MoEConfig
+from .exchange import dropless_forward, dropless_reverse, exchange_sizes
+from .layer import ACTIVATIONS, EXCHANGES, moe
+
+__all__ = [
+    "ACTIVATIONS",
+    "EXCHANGES",
+    "MoEConfig",
+    "dropless_forward",
+    "dropless_reverse",
+    "exchange_sizes",
+    "moe",
+]

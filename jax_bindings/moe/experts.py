@@ -1,0 +1,45 @@
+"""The experts of one token shard: the grouped MLP on rows in expert-major order (moetriton's grouped GEMMs
+and activation), reading and writing the rows through a permutation when they arrive in another order."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moetriton.kernels.rules.expert_parallel import EPLayout
+
+from ..activation import grouped_activation
+from ..api import sort_chunks_by_index
+from ..grouped_gemm import grouped_matmul
+from .config import MoEConfig
+
+
+def expert_mlp(
+    rows: jax.Array, group_sizes: jax.Array, gate_up, down, config: MoEConfig, order: jax.Array | None = None
+) -> jax.Array:
+    """Grouped expert MLP on rows [N, H] with group_sizes [L]: expert-major rows, or rows[order] expert-major
+    (order [N]: a row permutation), the result in the rows' order. Rows past the groups are left
+    unspecified, forward and backward: every caller's buffer is sized for a worst case (up to EP times the
+    routed rows) and reads back only the groups' rows, so no kernel streams the tail."""
+    dtype = jnp.dtype(config.dtype)
+    hidden = grouped_matmul(
+        rows.astype(dtype), gate_up.astype(dtype), group_sizes, lhs_rows=order, zero_tail=False
+    )
+    act = grouped_activation(hidden, group_sizes, config.activation)
+    return grouped_matmul(act, down.astype(dtype), group_sizes, out_rows=order, zero_tail=False)
+
+
+def expert_major_rows(
+    chunk_sizes: jax.Array, layout: EPLayout, gaps: bool, rows: int, destinations: bool = False
+) -> jax.Array:
+    """[rows] int32 row permutation of the chunk sort to expert-major order (`EPLayout.expert_major_order`
+    of source-major chunks of chunk_sizes): row i of the sorted buffer is row result[i] of the unsorted one
+    (the row map of the inverse sort), or with `destinations` source-major row r goes to row result[r]
+    (the sort's own row map); rows past the chunks stay in place. The chunk-sort kernel writes the map;
+    sorting zero columns moves nothing else."""
+    to_expert_major = jnp.asarray(layout.expert_major_order(gaps=gaps), jnp.int32)
+    no_columns = jnp.zeros((rows, 0), jnp.float32)
+    if destinations:
+        return sort_chunks_by_index(no_columns, chunk_sizes, to_expert_major)[1]
+    to_source_major = jnp.asarray(layout.source_major_order(gaps=gaps), jnp.int32)
+    return sort_chunks_by_index(no_columns, chunk_sizes[to_expert_major], to_source_major)[1]

@@ -1,0 +1,313 @@
+"""Expert-parallel MoE layer: router -> dispatch -> all-to-all -> grouped GEMMs -> all-to-all -> combine.
+
+`moe(x, gate, gate_up, down, topk=..., mesh=...)` is a pure function (jit- and grad-safe, static shapes, no
+host sync). Tokens are sharded over (data axes..., EP axis) on their batch axis, experts over the EP axis
+(expert e lives on EP rank e // L, L = E / EP). Every token shard runs, inside one `jax.shard_map`:
+
+    logits = x @ gate (fp32) -> fused top-k (indices) -> aux loss (global: counts psum-ed over all token
+    shards, partial losses psum-ed) -> token_dispatch (aligned, or capacity C) -> exchange ->
+    grouped_matmul(x, gate_up) reading the received rows in expert-major order -> activation ->
+    grouped_matmul(., down) writing them back in the received order -> reverse exchange -> token_combine
+    with the merging probs.
+
+The received rows arrive grouped by source rank. The padded exchange places them straight in expert-major
+order (and takes the results back out of it) by the chunk sort's row map (`_expert_major_rows`: the
+chunk-sort kernel's map of zero columns); after the ragged or capacity exchange the grouped GEMMs read and
+write them through that permutation instead. Either way no chunk sort copies them before and after the
+GEMMs (nor back in the backward pass).
+
+The exchange sizes and static buffer sizes come from moetriton.kernels.rules.expert_parallel (`ep_layout`,
+`dropless_exchange`, `dropped_slots`); nothing here re-derives them. Two exchanges move the same rows:
+
+* "ragged": `jax.lax.ragged_all_to_all` into the static receive buffer (GPU meshes spanning processes);
+* "padded": every (source, destination) pair's rows padded to one block size and moved with a fixed-size
+  `jax.lax.all_to_all`: the smallest of `EPLayout.exchange_block_rows` that holds the step's largest pair
+  (one `lax.switch` branch per size; every rank picks the same one from the all-gathered counts). The
+  receiver places the rows each source sent into the static worst-case layout, in expert-major order
+  (moetriton.kernels.exchange: those rows copied, nothing else written; each block's unused rows a last
+  chunk, ordered after the experts' rows), takes the results back out the same way, and the sending side
+  compacts what comes back.
+  Each direction's transpose is the other direction. "auto" picks this on one host: XLA:CPU has no
+  ragged all-to-all, and XLA's GPU one is slower than this between the GPUs of one host
+  (`resolve_exchange`).
+
+The capacity policy needs neither: every (source, expert) pair owns exactly C rows, so one fixed-size
+all_to_all moves [L, C] slabs. Gradients are our ops' custom_vjp rules plus JAX's transposes of the
+collectives. The grouped GEMMs are moetriton's (`grouped_matmul`: Triton kernels with their VJP; XLA lowers
+ragged_dot to E-times-padded dots on GPUs). Never imports torch or flax.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from moetriton.kernels.rules import moe as layer_rules
+from moetriton.kernels.rules.expert_parallel import dropped_slots, ep_layout
+
+from ..api import token_combine, token_dispatch
+from ..router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
+from .config import MoEConfig
+from .exchange import exchanged_experts
+from .experts import expert_mlp
+
+#: Row exchanges and expert activations: the shared layer rules' names (moetriton.kernels.rules.moe).
+EXCHANGES = layer_rules.JAX_EXCHANGES
+ACTIVATIONS = layer_rules.ACTIVATIONS
+
+
+def _router(x_flat, gate, expert_bias, config: MoEConfig, num_tokens_global: int):
+    """(merging weights [T, K] fp32, indices [T, K] int32, routed slots per expert [E] int32, partial aux
+    loss of this shard (fp32 scalar; the psum over token shards is the global loss))."""
+    logits = jnp.dot(x_flat, gate.astype(x_flat.dtype), preferred_element_type=jnp.float32)  # [T, E]
+    probs, routing_map, indices = fused_topk_with_score_function(
+        logits,
+        config.topk,
+        config.use_pre_softmax,
+        config.num_groups,
+        config.group_topk,
+        config.scaling_factor,
+        config.score_function,
+        None if expert_bias is None else jax.lax.stop_gradient(expert_bias.astype(jnp.float32)),
+        return_indices=True,
+    )
+    weights = jnp.take_along_axis(probs, indices, axis=1)
+    routed = routing_map.sum(0, dtype=jnp.int32)
+    if config.aux_loss_coeff == 0 or num_tokens_global == 0:  # no tokens anywhere: no loss
+        return weights, indices, routed, jnp.zeros((), jnp.float32)
+    _, scores = fused_compute_score_for_moe_aux_loss(logits, config.topk, config.score_function)
+    routed_global = jax.lax.psum(routed, config.token_axes) if config.token_axes else routed
+    num_experts = gate.shape[1]
+    loss = fused_moe_aux_loss(
+        scores, routed_global, num_tokens_global, num_experts, config.topk, config.aux_loss_coeff
+    )
+    return weights, indices, routed, loss.astype(jnp.float32)
+
+
+def _shard(x, gate, gate_up, down, expert_bias, *, config: MoEConfig):
+    """What one token shard computes: x [B_local, S, H] -> (out [B_local, S, H], aux loss, dropped)."""
+    shape = x.shape
+    num_tokens, hidden = shape[0] * shape[1], shape[2]
+    num_experts = gate.shape[1]
+    layout = ep_layout(
+        num_tokens=num_tokens,
+        num_experts=num_experts,
+        topk=config.topk,
+        ep_size=config.ep_size,
+        align_size=config.align_size,
+        capacity_factor=config.capacity_factor,
+    )
+    x_flat = x.reshape(num_tokens, hidden)
+    weights, indices, routed, aux_loss = _router(
+        x_flat, gate, expert_bias, config, num_tokens * config.num_shards
+    )
+    tokens = x_flat.astype(config.dtype)
+    if layout.dropless:
+        send, _, row_id_map, pad_offsets, counts = token_dispatch(
+            tokens, indices=indices, num_experts=num_experts, align_size=layout.align_size
+        )
+    else:
+        send, _, row_id_map, pad_offsets, counts = token_dispatch(
+            tokens, indices=indices, num_experts=num_experts, capacity=layout.capacity
+        )
+    if layout.ep_size == 1:
+        # One EP rank: the send buffer is the receive buffer, already expert-major.
+        expert_out = expert_mlp(send, counts, gate_up, down, config)
+    else:
+        expert_out = exchanged_experts(send, counts, gate_up, down, layout, config)
+    out = token_combine(expert_out, row_id_map, weights, pad_offsets)
+    dropped = dropped_slots(routed, layout).astype(jnp.int32)
+    if config.token_axes:
+        aux_loss = jax.lax.psum(aux_loss, config.token_axes)
+        dropped = jax.lax.psum(dropped, config.token_axes)
+    return out.astype(x.dtype).reshape(shape), aux_loss, dropped
+
+
+def resolve_exchange(exchange: str, mesh: Mesh | None) -> str:
+    """ "ragged" or "padded": the exchange the call runs ("all_to_all" is "ragged")."""
+    if exchange != "auto":
+        return "ragged" if exchange == "all_to_all" else exchange
+    # XLA:CPU has no ragged-all-to-all. Between the GPUs of one host XLA's ragged-all-to-all was far slower
+    # than the padded exchange (docs/moe.md, "Row exchange"; https://github.com/openxla/xla/issues/33386
+    # reports the same on B200s): only EP groups spanning several processes (hosts) use it.
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    on_gpus = all(device.platform == "gpu" for device in devices)
+    several_processes = len({device.process_index for device in devices}) > 1
+    return "ragged" if on_gpus and several_processes else "padded"
+
+
+def _check_mesh(mesh: Mesh | None, ep_axis: str | None, data_axes: tuple[str, ...]) -> tuple[int, int]:
+    """(EP size, token shards) of the mesh arguments."""
+    if mesh is None:
+        if data_axes:
+            raise ValueError(f"data_axes: expected () without a mesh, got {data_axes}")
+        return 1, 1
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh: expected a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+    for name, axis in [("ep_axis", ep_axis)] * (ep_axis is not None) + [("data_axes", a) for a in data_axes]:
+        if axis not in mesh.shape:
+            raise ValueError(
+                f"{name}: expected a mesh axis name, one of {tuple(mesh.axis_names)}, got {axis!r}"
+            )
+    if ep_axis in data_axes or len(set(data_axes)) != len(data_axes):
+        raise ValueError(f"data_axes: expected distinct axes other than ep_axis {ep_axis!r}, got {data_axes}")
+    ep_size = mesh.shape[ep_axis] if ep_axis is not None else 1
+    return ep_size, ep_size * math.prod(mesh.shape[axis] for axis in data_axes)
+
+
+def moe(
+    x: jax.Array,
+    gate: jax.Array,
+    gate_up: jax.Array,
+    down: jax.Array,
+    *,
+    topk: int,
+    expert_bias: jax.Array | None = None,
+    score_function: str = "softmax",
+    use_pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    scaling_factor: float | None = None,
+    aux_loss_coeff: float = 0.0,
+    align_size: int | None = None,
+    capacity_factor: float | None = None,
+    activation: str = "swiglu",
+    dtype=None,
+    mesh: Mesh | None = None,
+    ep_axis: str | None = "ep",
+    data_axes: tuple[str, ...] = (),
+    exchange: str = "auto",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A mixture-of-experts MLP layer with expert parallelism.
+
+    Args:
+        x: [B, S, H] tokens, any float dtype; B must be a multiple of the token shards (the product of the
+            sizes of `data_axes` and `ep_axis`).
+        gate: [H, E] router weights. Logits are x @ gate accumulated in fp32 and kept in fp32.
+        gate_up: [E, H, 2F] fused gate and up projections for a gated activation ("swiglu", "geglu": the first
+            F columns are the gate, the last F the up projection), or [E, H, F] for "gelu" / "relu".
+        down: [E, F, H] down projections.
+        topk: K experts per token (1 <= K <= E).
+        expert_bias: [E] selection bias (sigmoid / sqrtsoftplus only; no gradient).
+        score_function, use_pre_softmax, num_groups, group_topk, scaling_factor: the router's options, as in
+            `fused_topk_with_score_function`.
+        aux_loss_coeff: weight of the load-balancing loss (0 disables it; the loss is then 0). The loss is
+            global: the same value and gradients as the unsharded layer's.
+        align_size: rows of every expert block rounded up to a multiple of this (grouped-GEMM tiles).
+        capacity_factor: None for the dropless policy; c > 0 for the capacity policy: every (token shard,
+            expert) pair keeps its first C = align * max(1, ceil(c * T * K / (E * align))) routed slots in
+            token order (earlier tokens win) and drops the rest (a dropped slot adds nothing to its token; the
+            other weights are not renormalised). T is the tokens of one shard.
+        activation: "swiglu" (default), "geglu", "gelu" or "relu".
+        dtype: compute dtype of the dispatched tokens, the expert weights and the grouped GEMMs (default
+            x.dtype). The router runs in fp32; the output is in x.dtype.
+        mesh: the device mesh (None: one device, no collectives). Tokens are sharded over
+            (*data_axes, ep_axis) on B, the expert axis of gate_up / down over ep_axis, gate and expert_bias
+            replicated; inputs in other shardings are resharded by jit (FSDP-sharded weights are
+            all-gathered).
+        ep_axis: the mesh axis of expert parallelism (None: no EP, experts replicated); E must be a multiple
+            of its size.
+        data_axes: further mesh axes sharding the tokens (data / FSDP parallelism).
+        exchange: "auto", "all_to_all" (`jax.lax.ragged_all_to_all`; also named "ragged") or "padded"
+            (fixed-size all_to_all of every pair's rows padded to the step's largest pair, rounded up to one
+            of a few sizes). Both move the same rows and give the same results. "auto" picks the ragged one
+            when the mesh's GPUs span several processes and "padded" otherwise: XLA's ragged all-to-all is
+            far slower than the padded exchange between the GPUs of one host (docs/moe.md).
+
+    Returns:
+        (out [B, S, H] in x.dtype, aux_loss fp32 scalar, dropped int32 scalar: routed slots the capacity
+        policy dropped over all token shards, 0 for dropless).
+
+    Example:
+        >>> mesh = jax.make_mesh((4,), ("ep",))
+        >>> out, aux_loss, dropped = moe(x, gate, gate_up, down, topk=2, mesh=mesh, aux_loss_coeff=1e-2)
+    """
+    layer_rules.check_options(
+        activation=activation,
+        score_function=score_function,
+        aux_loss_coeff=aux_loss_coeff,
+        exchange=exchange,
+        exchanges=EXCHANGES,
+    )
+    if x.ndim != 3:
+        raise ValueError(f"x: expected rank 3 [B, S, H], got shape {tuple(x.shape)}")
+    if gate.ndim != 2:
+        raise ValueError(f"gate: expected [H, E], got shape {list(gate.shape)}")
+    hidden, num_experts = gate.shape
+    layer_rules.check_weights(
+        x_shape=tuple(x.shape),
+        gate=("gate", "[H, E]", num_experts, hidden),
+        gate_up=tuple(gate_up.shape),
+        down=tuple(down.shape),
+        expert_bias=None if expert_bias is None else tuple(expert_bias.shape),
+        experts_held=None,
+        activation=activation,
+        score_function=score_function,
+    )
+    for name, array in (("x", x), ("gate", gate), ("gate_up", gate_up), ("down", down)):
+        if not jnp.issubdtype(array.dtype, jnp.floating):
+            raise ValueError(f"{name}: expected a floating dtype, got {array.dtype}")
+    batch = x.shape[0]
+    data_axes = tuple(data_axes)
+    ep_size, num_shards = _check_mesh(mesh, ep_axis if mesh is not None else None, data_axes)
+    if batch % num_shards:
+        raise ValueError(
+            f"x: expected a batch size B that is a multiple of the token shards {num_shards}, got {batch}"
+        )
+    # Validates topk, E against the EP size, align_size and capacity_factor with the layout's messages.
+    ep_layout(
+        num_tokens=batch // num_shards * x.shape[1],
+        num_experts=num_experts,
+        topk=topk,
+        ep_size=ep_size,
+        align_size=align_size,
+        capacity_factor=capacity_factor,
+    )
+    config = MoEConfig(
+        topk=topk,
+        score_function=score_function,
+        use_pre_softmax=use_pre_softmax,
+        num_groups=num_groups,
+        group_topk=group_topk,
+        scaling_factor=scaling_factor,
+        aux_loss_coeff=float(aux_loss_coeff),
+        align_size=align_size,
+        capacity_factor=None if capacity_factor is None else float(capacity_factor),
+        activation=activation,
+        dtype=jnp.dtype(dtype or x.dtype).name,
+        mesh=mesh,
+        ep_axis=ep_axis if mesh is not None else None,
+        data_axes=data_axes,
+        exchange=resolve_exchange(exchange, mesh),
+        num_shards=num_shards,
+        ep_size=ep_size,
+    )
+    return _moe(x, gate, gate_up, down, expert_bias, config)
+
+
+@partial(jax.jit, static_argnums=(5,))
+def _moe(x, gate, gate_up, down, expert_bias, config: MoEConfig):
+    if config.mesh is None:
+        return _shard(x, gate, gate_up, down, expert_bias, config=config)
+    tokens = PartitionSpec(config.token_axes or None)
+    experts = PartitionSpec(config.ep_axis)
+    arrays = (x, gate, gate_up, down) + ((expert_bias,) if expert_bias is not None else ())
+    specs = (tokens, PartitionSpec(), experts, experts, PartitionSpec())[: len(arrays)]
+
+    def body(x, gate, gate_up, down, expert_bias=None):
+        return _shard(x, gate, gate_up, down, expert_bias, config=config)
+
+    # check_vma=False: our ops' custom_vjp rules and host callbacks do not carry varying-axis types; every
+    # collective here is explicit, and JAX still psums the gradients of replicated inputs.
+    sharded = jax.shard_map(
+        body,
+        mesh=config.mesh,
+        in_specs=specs,
+        out_specs=(tokens, PartitionSpec(), PartitionSpec()),
+        check_vma=False,
+    )
+    return sharded(*arrays)
