@@ -523,9 +523,9 @@ def _arranged(tensor: torch.Tensor, strided: bool) -> torch.Tensor:
 def run_plan(
     plan: Plan, inputs: dict[str, torch.Tensor | None], device: torch.device
 ) -> tuple[torch.Tensor | None, ...]:
-    """Runs `plan` on `inputs` (name -> tensor or None) on `device` and returns its results: the plain
-    executor (module docstring). Placeholder results come back as None, or as size-0 tensors within
-    `filling_placeholders`.
+    """Runs `plan` on `inputs` (name -> tensor or None; an input the plan reads but `inputs` lacks counts
+    as None) on `device` and returns its results: the plain executor (module docstring). Placeholder
+    results come back as None, or as size-0 tensors within `filling_placeholders`.
 
     Example (token 0 listed at row 1, token 1 at row 0):
         >>> from moetriton.kernels import combine_plan
@@ -560,7 +560,7 @@ def run_plan(
                     strides[arg.align] = alignment(env[arg.name].stride(0))
                     args.append(env[arg.name].stride(0))
                 elif isinstance(arg, str):
-                    args.append(dummy if env[arg] is None else env[arg])
+                    args.append(dummy if env.get(arg) is None else env[arg])
                 else:
                     args.append(arg)
             args += [dummy if env[name] is None else env[name] for name in launch.outputs]
