@@ -41,9 +41,11 @@ NCCL kernel counts from the latest rank's start to its own end (a2a_wait_ms: the
 the ranks; processes on one host share the clock; for the peer exchange: its barrier kernels, which only
 wait for the other ranks, against its copies). gpu_idle_ms: per profiled step, the time from the end of
 its starting barrier to its last GPU work with no kernel, copy or memset running (benchmarks.trace_gaps;
---trace DIR keeps every rank's trace). A row that runs out of memory is printed and
-written as OOM, and the next row runs (under torchrun an OOM on one rank only would leave the other waiting
-for the collective timeout).
+--trace DIR keeps every rank's trace). peak_allocated_gib: the caching allocator's peak on rank 0 during
+the row; staging_mib: rank 0's peer-exchange staging allocation (symmetric memory, not in that peak), rows x
+(H x 2 + 4) bytes for the group's largest send buffer of T K rows. A row that runs out of memory is
+printed and written as OOM, and the next row runs (under torchrun an OOM on one rank only would leave the
+other waiting for the collective timeout).
 """
 
 from __future__ import annotations
@@ -339,6 +341,10 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
     for _ in range(1 if args.tiny else 2):  # compile the kernels, fill the allocator cache
         step()
     step_ms = _median_ms(step, args.steps, device, group)
+    if on_gpu:
+        row.update(peak_allocated_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2))
+        if impl == "moetriton" and ep > 1:  # the peer exchange's (the others leave it as they found it)
+            row.update(staging_mib=round(_staging_bytes(device) / 2**20, 1))
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -406,6 +412,14 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
     if timeline is not None:
         row.update(gpu_idle_ms=round(statistics.mean(trace_gaps.idle_per_step(timeline)) / 1e3, 4))
     return row
+
+
+def _staging_bytes(device: torch.device) -> int:
+    """Bytes of this rank's peer-exchange staging allocations on `device` (symmetric memory, outside the
+    caching allocator's peak): rows x (H x element bytes + 4), rows = the group's largest send buffer."""
+    from moetriton.torch.moe import peer
+
+    return sum(staging.buffer.numel() for (_, where), staging in peer._STAGING.items() if where == device)
 
 
 def _timeline(profile, folder: Path | None, name: str) -> list[trace_gaps.Activity]:
@@ -539,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)  # peak_allocated_gib is per row
             rows.append(row)
             report(_describe(row))
     if rank == 0:

@@ -1,14 +1,15 @@
 """Markdown tables of the recorded results (benchmarks/results), as docs/performance.md and docs/moe.md show
 them.
 
-    python -m benchmarks.report [--root benchmarks/results] [--tables eager,moe,gemm,jax,router]
+    python -m benchmarks.report [--root benchmarks/results] [--tables eager,moe,gemm,jax,router,scaling]
 
 Prints, for every machine folder that has the file a table needs: the eager benchmark (eager.csv) as three
 tables, graph GPU time, eager wall time and host time per call, moetriton against TransformerEngine's
 Triton kernels (te-triton; te-autograd for the forward + backward rows) and eager torch for the router;
 the MoE layer steps (moe_torch.csv, moe_jax.csv); the grouped GEMMs (grouped_gemm.csv); the JAX ops
-(jax.csv); the router grid (router_grid.csv). Each table is headed by its device, date and versions.
-Reads CSVs only: runs anywhere.
+(jax.csv); the router grid (router_grid.csv); the weak scaling of the layer step over the EP sizes
+of one run (every moe_torch.csv and moe_jax.csv under the root). Each table is headed by its device, date
+and versions. Reads CSVs only: runs anywhere.
 """
 
 from __future__ import annotations
@@ -115,6 +116,54 @@ def moe(rows: list[dict], framework: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def scaling(rows: list[dict]) -> str:
+    """Weak scaling of the layer step: every EP measured in one run (same device and commit; the tokens per
+    GPU stay fixed), efficiency = step at EP = 1 / step at EP = N, with the exchange's share of the step
+    (none of it overlapped), the routing share and the exchange rate against a plain all-to-all."""
+    runs: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if row.get("step_ms"):
+            runs.setdefault((row["device"], row["commit"], row["date"]), []).append(row)
+    out = []
+    for run_rows in runs.values():
+        if len({row["ep"] for row in run_rows}) < 2:
+            continue
+        out += [_heading(run_rows, "Weak scaling of the MoE layer step (benchmarks.moe_torch, moe_jax)"), ""]
+        out += [
+            "| framework | impl | shape | EP | step ms | efficiency | exchange share | routing share "
+            "| all-to-all / plain GB/s | staging MiB |",
+            "|---" * 10 + "|",
+        ]
+        single = {
+            (row["framework"], row["impl"], row["shape"]): float(row["step_ms"])
+            for row in run_rows
+            if row["ep"] == "1"
+        }
+        for row in sorted(run_rows, key=lambda r: (r["framework"], r["shape"], r["impl"], int(r["ep"]))):
+            step = float(row["step_ms"])
+            base = single.get((row["framework"], row["impl"], row["shape"]))
+            efficiency = f"{100 * base / step:.1f}%" if base else "-"
+            if row["framework"] == "torch":
+                exchange = row.get("all_to_all_share_pct")
+                routing = row.get("routing_share_pct")
+            else:
+                exchange = row.get("all_to_all_share") and 100 * float(row["all_to_all_share"])
+                routing = row.get("routing_share") and 100 * float(row["routing_share"])
+            exchange = f"{float(exchange):.1f}%" if exchange not in (None, "") and row["ep"] != "1" else "-"
+            routing = f"{float(routing):.1f}%" if routing not in (None, "") else "-"
+            rate = (
+                f"{float(row['a2a_gbps']):.0f} / {float(row['plain_a2a_gbps']):.0f}"
+                if row.get("a2a_gbps") and row.get("plain_a2a_gbps")
+                else "-"
+            )
+            out.append(
+                f"| {row['framework']} | {row['impl']} | {row['shape']} | {row['ep']} | {step:.2f} | "
+                f"{efficiency} | {exchange} | {routing} | {rate} | {row.get('staging_mib') or '-'} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
 def gemm(rows: list[dict]) -> str:
     out = [_heading(rows, "Grouped GEMM (benchmarks.grouped_gemm), TFLOP/s"), ""]
     out += ["| shape | GEMM | product | moetriton | torch._grouped_mm |", "|---" * 5 + "|"]
@@ -181,6 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tables", default="eager,moe,gemm,jax,router")
     args = parser.parse_args(argv)
     wanted = set(args.tables.split(","))
+    if "scaling" in wanted:
+        layer_rows = [
+            {**row, "framework": path.stem.removeprefix("moe_")}
+            for pattern in ("moe_torch.csv", "moe_jax.csv")
+            for path in sorted(args.root.glob(f"*/{pattern}"))
+            for row in _read(path)
+        ]
+        print(scaling(layer_rows))
     for machine in sorted(path for path in args.root.iterdir() if path.is_dir()):
         for name, table, render in (
             ("eager.csv", "eager", eager),

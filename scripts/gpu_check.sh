@@ -29,6 +29,10 @@
 #   moe1        the MoE layer examples and layer-step benchmarks on one GPU (benchmarks.moe_torch,
 #               benchmarks.moe_jax; MOE_TORCH_ARGS, MOE_JAX_ARGS)
 #   moe2        the same with EP = 2 over two GPUs (torchrun for PyTorch, one process for JAX)
+#   scaling     the EP examples over all GPUs, then the layer-step benchmarks at every EP of MOE_EP (default
+#               1 2 4 8, those the GPUs allow): one torchrun per EP for PyTorch, one JAX run for all; parts
+#               SCALING_PARTS (default "examples torch jax"); `python -m benchmarks.report --tables scaling
+#               --root OUTDIR/results` gives the weak-scaling table
 #   ab          same-process A/B of the permutation kernels against another version of
 #               kernels/permutation.py (AB_BASELINE, a file; AB_ARGS): OUTDIR/ab.csv
 #   interleave  our permutation kernels against TE's, interleaved in one process (needs TE)
@@ -190,6 +194,29 @@ EOF
           ${MOE_JAX_ARGS:-}
       ' "$PY" "$outdir" || status=$?
       grep -v -i warn "$log" | tail -40 ;;
+    scaling)
+      gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+      sizes=""
+      for size in ${MOE_EP:-1 2 4 8}; do [ "$size" -le "$gpus" ] && sizes="$sizes $size"; done
+      run "${limit:-1800}" "$log" bash -c '
+        set -e
+        for part in ${SCALING_PARTS:-examples torch jax}; do
+          case $part in
+            examples)
+              "$0" -m torch.distributed.run --nproc-per-node "$2" examples/torch_moe_ep.py
+              "$0" examples/jax_moe_ep.py ;;
+            torch)
+              for size in $3; do
+                "$0" -m torch.distributed.run --nproc-per-node "$size" -m benchmarks.moe_torch \
+                  --out "$1/results" ${MOE_TORCH_ARGS:-}
+              done ;;
+            jax)
+              "$0" -m benchmarks.moe_jax --ep "$(echo $3 | tr " " ,)" --isolate "${MOE_ROW_TIMEOUT:-300}" \
+                --out "$1/results" ${MOE_JAX_ARGS:-} ;;
+          esac
+        done
+      ' "$PY" "$outdir" "$gpus" "$sizes" || status=$?
+      grep -v -i warn "$log" | tail -60 ;;
     ab)
       if [ -z "${AB_BASELINE:-}" ]; then
         echo "AB_BASELINE (a version of kernels/permutation.py) is not set; skipped" | tee -a "$log"

@@ -42,12 +42,15 @@ def tensors(problem: MoEProblem, device: torch.device) -> dict[str, torch.Tensor
 def run_layer(
     problem: MoEProblem, full: dict, rank: int, world: int, exchange: str = "auto", **groups
 ) -> dict:
-    """This rank's layer call on its token shard and local experts: outputs and gradients."""
+    """This rank's layer call on its token shard (of `world`) and the experts of its place in ep_group (all
+    of them without one): outputs and gradients."""
     import moetriton.torch as mt
 
-    batch, local = problem.batch // world, problem.num_experts // world
+    ep_group = groups.get("ep_group")
+    ep_rank, ep = (dist.get_rank(ep_group), dist.get_world_size(ep_group)) if ep_group is not None else (0, 1)
+    batch, local = problem.batch // world, problem.num_experts // ep
     tokens = slice(rank * batch, (rank + 1) * batch)
-    experts = slice(rank * local, (rank + 1) * local) if groups.get("ep_group") is not None else slice(None)
+    experts = slice(ep_rank * local, (ep_rank + 1) * local)
     inputs = dict(
         x=full["x"][tokens].clone(),
         gate_weight=full["gate_weight"].clone(),
@@ -89,12 +92,15 @@ def reference(problem: MoEProblem, full: dict, num_shards: int = 1) -> dict:
     )
 
 
-def check_rank(problem: MoEProblem, got: dict, expected: dict, rank: int, world: int, ep: bool) -> None:
-    """A rank's results against the reference: its token shard, its experts, the global aux loss and
-    dropped count; `got["grad gate_weight"]` must already be summed over the ranks."""
-    batch, local = problem.batch // world, problem.num_experts // world
+def check_rank(
+    problem: MoEProblem, got: dict, expected: dict, rank: int, world: int, ep_rank: int = 0, ep: int = 1
+) -> None:
+    """A rank's results against the reference: its token shard (of `world`), the experts of its place
+    `ep_rank` in an EP group of `ep` ranks, the global aux loss and dropped count; `got["grad gate_weight"]`
+    must already be summed over the ranks, expert gradients over the ranks that hold the same experts."""
+    batch, local = problem.batch // world, problem.num_experts // ep
     tokens = slice(rank * batch, (rank + 1) * batch)
-    experts = slice(rank * local, (rank + 1) * local) if ep else slice(None)
+    experts = slice(ep_rank * local, (ep_rank + 1) * local)
     assert got["dropped"].dtype == torch.int32 and got["dropped"].shape == ()
     assert int(got["dropped"]) == int(expected["dropped"]), (got["dropped"], expected["dropped"])
     assert got["aux_loss"].dtype == torch.float32
@@ -111,12 +117,12 @@ def check_rank(problem: MoEProblem, got: dict, expected: dict, rank: int, world:
         )
 
 
-def ep_worker(rank: int, world: int, store: str, backend: str, problems: list, data_parallel: bool) -> None:
-    """One rank of a spawned test group: every problem through the layer with EP over the whole group
-    (or, with `data_parallel`, every expert on every rank and only the token statistics shared), against
-    the reference; the second problem also runs twice and must repeat bit for bit. On GPUs (NCCL) every
-    problem runs with both row exchanges, all_to_all and peer (the dropless one takes it; the capacity
-    path ignores it)."""
+def ep_worker(rank: int, world: int, store: str, backend: str, problems: list, data: int = 1) -> None:
+    """One rank of a spawned test group: every problem through the layer on a data x EP grid of the ranks
+    (rank = data index x EP + EP rank; `data` = 1: EP over the whole group; `data` = world: every expert on
+    every rank), the token statistics shared by the whole group, against the reference; the second
+    problem also runs twice and must repeat bit for bit. With EP > 1 on GPUs (NCCL) every problem runs with
+    both row exchanges, all_to_all and peer (the dropless one takes it; the capacity path ignores it)."""
     # A gloo rank computes on CPU tensors: under the Triton interpreter where the parent set it (CPU-only
     # machines, tests/conftest.py), else through the PyTorch reference path (a GPU machine, whose Triton may
     # not interpret: kernels/runtime/interpreter.py).
@@ -125,11 +131,17 @@ def ep_worker(rank: int, world: int, store: str, backend: str, problems: list, d
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        groups = dict(token_group=dist.group.WORLD) if data_parallel else dict(ep_group=dist.group.WORLD)
-        # Replicated parameters' gradients are summed over the ranks, as DDP would: the gate's always, the
-        # experts' too when every rank holds every expert.
-        replicated = ["grad gate_weight"] + (["grad gate_up", "grad down"] if data_parallel else [])
-        exchanges = ("all_to_all", "peer") if backend == "nccl" and not data_parallel else ("auto",)
+        ep = world // data
+        data_index, ep_rank = divmod(rank, ep)
+        # Every rank creates every subgroup, in one order (torch.distributed's rule for new_group).
+        ep_groups = [dist.new_group(list(range(d * ep, (d + 1) * ep))) for d in range(data)]
+        replicas = [dist.new_group(list(range(e, world, ep))) for e in range(ep)]
+        groups = {}
+        if ep > 1:
+            groups["ep_group"] = dist.group.WORLD if data == 1 else ep_groups[data_index]
+        if data > 1:
+            groups["token_group"] = dist.group.WORLD
+        exchanges = ("all_to_all", "peer") if backend == "nccl" and ep > 1 else ("auto",)
         for index, problem in enumerate(problems):
             full = tensors(problem, device)
             expected = reference(problem, full, num_shards=world)
@@ -137,12 +149,16 @@ def ep_worker(rank: int, world: int, store: str, backend: str, problems: list, d
                 runs = []
                 for _ in range(2 if index == 1 else 1):
                     runs.append(run_layer(problem, full, rank, world, exchange, **groups))
-                    for name in replicated:
-                        dist.all_reduce(runs[-1][name])
-                check_rank(problem, runs[0], expected, rank, world, not data_parallel)
+                    # Replicated parameters' gradients are summed over their replicas, as DDP would: the
+                    # gate's over every rank, the experts' over the ranks that hold the same experts.
+                    dist.all_reduce(runs[-1]["grad gate_weight"])
+                    if data > 1:
+                        for name in ("grad gate_up", "grad down"):
+                            dist.all_reduce(runs[-1][name], group=replicas[ep_rank])
+                check_rank(problem, runs[0], expected, rank, world, ep_rank, ep)
                 for name, value in runs[0].items():
                     assert torch.equal(runs[-1][name], value), f"{name} differs between two runs"
-        if not data_parallel:
+        if data == 1:
             _check_ep_errors(problems[0], device)
     finally:
         dist.destroy_process_group()

@@ -66,7 +66,7 @@ def _run(x, weights, **kwargs):
 @given(problem=moe_problems())
 def test_layer_matches_the_dense_reference(problem):
     full = tensors(problem, DEVICE)
-    check_rank(problem, run_layer(problem, full, 0, 1), reference(problem, full), 0, 1, ep=False)
+    check_rank(problem, run_layer(problem, full, 0, 1), reference(problem, full), 0, 1)
 
 
 @pytest.mark.parametrize("align_size", [None, 1, 3, 16])
@@ -322,11 +322,9 @@ _NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
 _ONE_SPAWN = settings(max_examples=1, phases=_NO_SHRINK)
 
 
-def _spawn(tmp_path, world: int, backend: str, problems, data_parallel: bool = False) -> None:
-    store = tmp_path / f"store_{backend}_{world}"
-    mp.spawn(
-        ep_worker, args=(world, str(store), backend, list(problems), data_parallel), nprocs=world, join=True
-    )
+def _spawn(tmp_path, world: int, backend: str, problems, data: int = 1) -> None:
+    store = tmp_path / f"store_{backend}_{world}_{data}"
+    mp.spawn(ep_worker, args=(world, str(store), backend, list(problems), data), nprocs=world, join=True)
 
 
 def _ep_problems(world: int):
@@ -335,6 +333,18 @@ def _ep_problems(world: int):
         moe_problems(shards=world, max_experts_per_shard=2, policies=("dropless",)),
         moe_problems(shards=world, max_experts_per_shard=2, policies=("capacity",)),
     )
+
+
+def _gpu_worlds(*worlds: int) -> list:
+    """NCCL group sizes as parameters, each skipped where this machine has fewer GPUs (the EP tests run at
+    every size the GPUs present allow: 2 on a pair, 4 and 8 on a full node)."""
+    found = torch.cuda.device_count()
+    return [
+        pytest.param(
+            world, marks=pytest.mark.skipif(found < world, reason=f"needs {world} GPUs, {found} found")
+        )
+        for world in worlds
+    ]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -351,13 +361,16 @@ def test_expert_parallel_gloo_matches_the_dense_reference(tmp_path, world):
     check()
 
 
-def test_token_group_makes_aux_loss_and_dropped_global(tmp_path):
-    """Data parallel: every expert on both ranks, only the aux-loss statistics and dropped count shared."""
+@pytest.mark.parametrize("world, data", [(2, 2), (4, 2)])
+def test_data_times_expert_parallel_gloo(tmp_path, world, data):
+    """Data x EP: EP groups of world / data ranks, each holding all experts between them (data = world:
+    every expert on every rank); aux loss and dropped count global over all ranks, expert gradients
+    summed over the ranks that hold the same experts."""
 
     @_ONE_SPAWN
-    @given(problems=_ep_problems(2))
+    @given(problems=_ep_problems(world))
     def check(problems):
-        _spawn(tmp_path, 2, "gloo", problems, data_parallel=True)
+        _spawn(tmp_path, world, "gloo", problems, data=data)
 
     check()
 
@@ -371,19 +384,32 @@ def test_every_rank_survives_any_routing_gloo(tmp_path, world):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL EP needs 2 CUDA GPUs")
-def test_every_rank_survives_any_routing_nccl(tmp_path):
-    """The same on two GPUs, with both row exchanges (all_to_all and peer)."""
-    mp.spawn(routing_worker, args=(2, str(tmp_path / "store"), "nccl"), nprocs=2, join=True)
+@pytest.mark.parametrize("world", _gpu_worlds(2, 4, 8))
+def test_every_rank_survives_any_routing_nccl(tmp_path, world):
+    """The same on GPUs, with both row exchanges (all_to_all and peer)."""
+    mp.spawn(routing_worker, args=(world, str(tmp_path / "store"), "nccl"), nprocs=world, join=True)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL EP needs 2 CUDA GPUs")
-def test_expert_parallel_nccl_two_gpus(tmp_path):
-    @settings(max_examples=3, phases=_NO_SHRINK)
-    @given(problems=_ep_problems(2))
+@pytest.mark.parametrize("world", _gpu_worlds(2, 4, 8))
+def test_expert_parallel_nccl(tmp_path, world):
+    @settings(max_examples=3 if world == 2 else 1, phases=_NO_SHRINK)
+    @given(problems=_ep_problems(world))
     def check(problems):
-        _spawn(tmp_path, 2, "nccl", problems)
+        _spawn(tmp_path, world, "nccl", problems)
+
+    check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", _gpu_worlds(4, 8))
+def test_data_times_expert_parallel_nccl(tmp_path, world):
+    """Data 2 x EP world / 2 on GPUs, both row exchanges in each EP group."""
+
+    @settings(max_examples=1, phases=_NO_SHRINK)
+    @given(problems=_ep_problems(world))
+    def check(problems):
+        _spawn(tmp_path, world, "nccl", problems, data=2)
 
     check()
 
