@@ -226,6 +226,7 @@ def check_routing_extremes() -> None:
         ((2, 2), "rank0", None),
         ((2, 2), "empty_ranks", 4),
     ):
+        print(f"routing {routing} on data {data} x EP {ep}, align_size {align_size}", flush=True)
         problem = fixed_problem(data, ep, routing=routing, topk=2, align_size=align_size)
         check_against_reference(problem, make_mesh(data, ep))
     # No tokens at all, dropless and under a capacity.

@@ -44,7 +44,7 @@ def _gpu_count() -> int:
 
 def _run_check(name: str, env: dict) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "tests.jax.moe_checks", name],
+        [sys.executable, "-X", "faulthandler", "-m", "tests.jax.moe_checks", name],  # a crash shows its stack
         cwd=ROOT,
         env=env,
         capture_output=True,
