@@ -584,11 +584,14 @@ def main(argv: list[str] | None = None) -> int:
     table = TINY_SHAPES if args.tiny else MOE_LAYER_SHAPES
     rows = []
     if args.isolate:  # the children own the devices: this process never starts a backend
+        status = 0
         for name in args.shapes.split(","):
             for ep in args.ep.split(","):
                 for impl in args.impl.split(","):
                     rows += _row_in_child(args, name, ep, impl, say)
-        return _write(rows, args.out, say, args.tiny)
+                    # Written after every row: a run stopped at its time limit keeps the rows it measured.
+                    status = _write(rows, args.out, say, args.tiny, gpus=max(map(int, args.ep.split(","))))
+        return status
     say(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
     for name in args.shapes.split(","):
         shape = table[name]
@@ -644,11 +647,13 @@ def _row_in_child(args: argparse.Namespace, name: str, ep: str, impl: str, say) 
             return [{key: value for key, value in row.items() if value != ""} for row in csv.DictReader(file)]
 
 
-def _write(rows: list[dict], root: Path, say, tiny: bool, device: str | None = None) -> int:
+def _write(
+    rows: list[dict], root: Path, say, tiny: bool, device: str | None = None, gpus: int | None = None
+) -> int:
     """The results file (benchmarks.common.write_results): the device from this process or, for isolated
-    rows, from the children's rows; as many GPUs as the largest EP measured."""
+    rows, from the children's rows; `gpus` GPUs, by default as many as the largest EP measured."""
     device = device or next((row["device"] for row in rows if row.get("device")), "cpu")
-    gpus = max((int(row["ep"]) for row in rows if str(row.get("ep", "")).isdigit()), default=1)
+    gpus = gpus or max((int(row["ep"]) for row in rows if str(row.get("ep", "")).isdigit()), default=1)
     rows = [{key: row[key] for key in COLUMNS if key in row} for row in rows]
     say(f"wrote {write_results('moe_jax', rows, device, gpus, root, columns=list(COLUMNS))}")
     return 1 if tiny and any("error" in row for row in rows) else 0
