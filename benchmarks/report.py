@@ -128,7 +128,8 @@ def scaling(rows: list[dict]) -> str:
     for run_rows in runs.values():
         if len({row["ep"] for row in run_rows}) < 2:
             continue
-        out += [_heading(run_rows, "Weak scaling of the MoE layer step (benchmarks.moe_torch, moe_jax)"), ""]
+        widest = max(run_rows, key=lambda row: int(row.get("gpus") or 1))
+        out += [_heading([widest], "Weak scaling of the MoE layer step (benchmarks.moe_torch, moe_jax)"), ""]
         out += [
             "| framework | impl | shape | EP | step ms | efficiency | exchange share | routing share "
             "| all-to-all / plain GB/s | staging MiB |",
