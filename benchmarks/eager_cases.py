@@ -10,7 +10,7 @@ baselines (the shipped references; eager torch softmax + topk + scatter for the 
 Ops: dispatch (mask + probs -> rows + probs, map included), dispatch_bwd, dispatch_fwd_bwd, combine
 (merging probs), combine_bwd, combine_fwd_bwd, chunk_sort, router_topk (softmax, forward) and router_fwd_bwd,
 reported as "e:<op>" so they stand apart from the graph-mode rows of the other modules. The *_bwd rows call
-the backward op alone (moetriton.torch.ops, as autograd would) beside TE's backward kernel wrapper: the
+the backward op alone (moetriton.torch.permutation, as autograd does) beside TE's backward kernel wrapper: the
 like-for-like comparison. The *_fwd_bwd rows go through torch.autograd for moetriton (what a training step
 pays, autograd engine included); for TE they come twice: "te-triton" calls its two wrappers directly (no
 autograd engine: favours TE), "te-autograd" calls them from a minimal torch.autograd.Function, as TE's
@@ -95,7 +95,7 @@ def mask_routing(shape: MoEShape, generator: torch.Generator) -> tuple[torch.Ten
 
 def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
     import moetriton.torch as mt
-    from moetriton.torch import ops, reference
+    from moetriton.torch import permutation, reference
 
     te = te_permutation()
     T, H, E, K = shape.num_tokens, shape.hidden, shape.num_experts, shape.topk
@@ -166,7 +166,13 @@ def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
         (g, mt.token_dispatch(x.detach(), m, N)[2], te.make_row_id_map(m, T, E) if te else None)
         for x, m, _, g in grad_sets
     ]
-    add("dispatch_bwd", "moetriton", lambda g, r, t: ops.DISPATCH_BACKWARD(g, None, r), maps, bwd_bytes)
+    add(
+        "dispatch_bwd",
+        "moetriton",
+        lambda g, r, t: permutation.DISPATCH_BACKWARD(g, None, r),
+        maps,
+        bwd_bytes,
+    )
     if te is not None:
         add(
             "dispatch_bwd",
@@ -213,7 +219,7 @@ def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
     add(
         "combine_bwd",
         "moetriton",
-        lambda y, r, w, g, t: ops.COMBINE_BACKWARD(g, r, y.detach(), w.detach(), False),
+        lambda y, r, w, g, t: permutation.COMBINE_BACKWARD(g, r, y.detach(), w.detach(), False),
         sets,
         combine_bwd_bytes,
     )

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from benchmarks.common import exchange_parser, layer_shape, write_results
 from benchmarks.moe_torch import _median_ms
 from moetriton.kernels.rules.expert_parallel import dropless_exchange, ep_layout
-from moetriton.torch.api import sort_chunks_by_index
+from moetriton.torch import sort_chunks_by_index
 from moetriton.torch.moe import all_to_all_rows
 from moetriton.torch.moe.all_to_all import chunk_orders
 

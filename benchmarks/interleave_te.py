@@ -24,7 +24,7 @@ from benchmarks.common import add_out_option, write_results
 from benchmarks.eager_cases import mask_routing, te_permutation
 from benchmarks.timing import input_sets, time_graph
 from moetriton.kernels.rules.shapes import NAMED_SHAPES
-from moetriton.torch import ops
+from moetriton.torch import permutation
 
 
 def _cases(shape, te, generator):
@@ -46,7 +46,7 @@ def _cases(shape, te, generator):
     te_combine_backward = te.unpermute_with_mask_map_bwd_with_merging_probs
     return {
         "dispatch_bwd": (
-            [lambda s=s: ops.DISPATCH_BACKWARD(s[4], None, s[1]) for s in sets],
+            [lambda s=s: permutation.DISPATCH_BACKWARD(s[4], None, s[1]) for s in sets],
             [lambda s=s: te.unpermute_with_mask_map(s[4], s[5], None, None, None, T, E, H) for s in sets],
         ),
         "combine": (
@@ -54,7 +54,7 @@ def _cases(shape, te, generator):
             [lambda s=s: te.unpermute_with_mask_map(s[0], s[5], s[2], None, None, T, E, H) for s in sets],
         ),
         "combine_bwd": (
-            [lambda s=s: ops.COMBINE_BACKWARD(s[3], s[1], s[0], s[2], False) for s in sets],
+            [lambda s=s: permutation.COMBINE_BACKWARD(s[3], s[1], s[0], s[2], False) for s in sets],
             [lambda s=s: te_combine_backward(s[3], s[5], s[0], s[2], None, T, E, N, H) for s in sets],
         ),
     }

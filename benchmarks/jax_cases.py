@@ -42,7 +42,7 @@ def _routing(shape: MoEShape, key: jax.Array) -> tuple[jax.Array, jax.Array, jax
 
 def results(shape: MoEShape, quick: bool = False) -> list[Result]:
     import moetriton.jax as mj
-    from moetriton.jax import ops, reference
+    from moetriton.jax import permutation, reference
     from moetriton.jax._sharding import call
     from moetriton.jax.executor import on_gpu
 
@@ -125,7 +125,7 @@ def results(shape: MoEShape, quick: bool = False) -> list[Result]:
         combine_bytes,
         f"MaxText-style inverse gather + fp32 weighted sum; {len(sets)} calls per jit",
     )
-    backward = ops.CombineBackward(num_shards=1, padded=False)
+    backward = permutation.CombineBackward(num_shards=1, padded=False)
     add(
         "combine_bwd",
         "moetriton",

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 import moetriton.jax as mj
 from benchmarks.timing import gpu_activities, time_jax
-from moetriton.jax import ops
+from moetriton.jax import permutation
 from moetriton.jax._sharding import call
 from moetriton.kernels.rules.shapes import NAMED_SHAPES
 
@@ -52,7 +52,7 @@ def _cases(shape):
     x = jax.random.normal(keys[2], (T, H), jnp.bfloat16)
     expert_out = jax.random.normal(keys[3], (N, H), jnp.bfloat16)
     row_map = mj.token_dispatch(jnp.zeros((T, 1), jnp.bfloat16), mask, N)[2]
-    backward = ops.CombineBackward(num_shards=1, padded=False)
+    backward = permutation.CombineBackward(num_shards=1, padded=False)
     sizes = jnp.full((E,), N // E, jnp.int32)
     order = jnp.arange(E, dtype=jnp.int32)[::-1]
     yield "dispatch", jax.jit(lambda x, m, p: mj.token_dispatch(x, m, N, p)), (x, mask, probs)

@@ -20,7 +20,7 @@ import torch
 import moetriton.torch as mt
 from benchmarks.eager_cases import te_permutation
 from moetriton.kernels.rules.shapes import NAMED_SHAPES
-from moetriton.torch import ops
+from moetriton.torch import permutation
 
 CALLS = 2
 
@@ -37,7 +37,7 @@ def profile(shape_name: str, te) -> None:
     row_map = mt.token_dispatch(torch.empty(T, 0, device="cuda", dtype=torch.bfloat16), mask, N)[2]
     te_map = te.make_row_id_map(mask, T, E)
     cases = (
-        ("dispatch_bwd ours", lambda: ops.DISPATCH_BACKWARD(rows, None, row_map)),
+        ("dispatch_bwd ours", lambda: permutation.DISPATCH_BACKWARD(rows, None, row_map)),
         ("dispatch_bwd te", lambda: te.unpermute_with_mask_map(rows, te_map, None, None, None, T, E, H)),
         ("combine ours", lambda: mt.token_combine(rows, row_map, weights)),
         ("combine te", lambda: te.unpermute_with_mask_map(rows, te_map, weights, None, None, T, E, H)),

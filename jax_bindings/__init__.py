@@ -11,9 +11,9 @@ module lives in `moetriton.jax.flax`, the only module that imports flax. Never i
 
 from . import reference, reference_router
 from .activation import grouped_activation
-from .api import sort_chunks_by_index, token_combine, token_dispatch
 from .grouped_gemm import grouped_matmul
 from .moe import moe
+from .permutation import sort_chunks_by_index, token_combine, token_dispatch
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 
 __all__ = [

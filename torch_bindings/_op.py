@@ -25,10 +25,58 @@ from typing import Any
 
 import torch
 
-from .executor import filling_placeholders
+from moetriton import kernels
+
+from .executor import allocate, bound, device_info, filling_placeholders, uses_kernels
 
 # Types whose instances take the direct path; subclasses (FakeTensor, DTensor, quantized wrappers) do not.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class Launch:
+    """How an op's arguments become a launch plan: `plan` (a plan builder of moetriton.kernels), `sizes` and
+    `inputs` (functions of the op's arguments giving the builder's size arguments and the plan's input
+    tensors by name), and `reference` (what runs where kernels do not). The device is the first argument's.
+    `run` is the op's implementation and `fake` its shapes-only twin, from the same plan; `first` returns
+    the plan's first result alone."""
+
+    def __init__(
+        self,
+        plan: Callable[..., kernels.Plan],
+        sizes: Callable[..., dict],
+        inputs: Callable[..., dict],
+        reference: Callable[..., Any],
+        *,
+        first: bool = False,
+    ) -> None:
+        self.plan, self.sizes, self.inputs, self.reference, self.first = plan, sizes, inputs, reference, first
+
+    def run(self, *args):
+        device = args[0].device
+        if not uses_kernels(device):
+            return self.reference(*args)
+        results = bound(self.plan, device, **self.sizes(*args))(self.inputs(*args))
+        return results[0] if self.first else results
+
+    def fake(self, *args):
+        device = args[0].device
+        return fake_results(
+            self.plan(**self.sizes(*args), device=device_info(device)), self.inputs(*args), device
+        )[0 if self.first else slice(None)]
+
+
+def fake_results(plan: kernels.Plan, inputs: dict, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The results of `plan` as uninitialised tensors (sizes may be symbolic): every op's fake."""
+    buffers = allocate(plan, inputs, device, fake=True)
+    return tuple(buffers[name] for name in plan.results)
+
+
+def zeros_like_meta(meta: tuple) -> torch.Tensor:
+    """Zeros of a tensor known by (shape, dtype, device): the gradient of an unused output, when another
+    output's gradient needs a partner. (Tensors themselves are not kept on ctx: an output kept there would
+    form a reference cycle with its grad_fn.)"""
+    shape, dtype, device = meta
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class Op:

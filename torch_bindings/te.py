@@ -21,7 +21,7 @@ import torch
 
 from moetriton.kernels.rules import validation
 
-from .api import sort_chunks_by_index, token_combine, token_dispatch
+from .permutation import sort_chunks_by_index, token_combine, token_dispatch
 
 
 def moe_permute(

@@ -49,7 +49,7 @@ from jax.sharding import Mesh, PartitionSpec
 from moetriton.kernels.rules import moe as layer_rules
 from moetriton.kernels.rules.expert_parallel import dropped_slots, ep_layout
 
-from ..api import token_combine, token_dispatch
+from ..permutation import token_combine, token_dispatch
 from ..router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 from .config import MoEConfig
 from .exchange import exchanged_experts

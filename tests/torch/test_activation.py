@@ -1,4 +1,4 @@
-"""The PyTorch layer's expert activation op (moetriton.torch.ops.ACTIVATE: one kernel per direction over
+"""The PyTorch layer's expert activation op (moetriton.torch.activation.ACTIVATE: a kernel per direction over
 every row) against a float64 autograd reference: every activation and dtype, strided and expanded inputs
 (the cotangent of out.sum() has stride 0), empty dimensions, and the torch.library custom op's fake. On
 CPU the kernels run under the Triton interpreter (the conftest sets it), on a GPU compiled."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetriton.torch.ops import ACTIVATE
+from moetriton.torch.activation import ACTIVATE
 from tests.torch._helpers import DEVICE, ROUNDED_TOLERANCE, assert_rounded
 
 _FUNCTIONS = {

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moetriton import kernels
-from moetriton.torch import executor, ops
+from moetriton.torch import executor, permutation
 
 from ._helpers import DEVICE
 
@@ -149,7 +149,7 @@ def test_placeholder_results_are_none_directly_and_size0_tensors_from_the_custom
     either way."""
     tokens, mask = _dispatch_inputs()
     dispatch_args = (tokens, mask, None, None, 4, True, 12, None, None)
-    direct = ops.DISPATCH(*dispatch_args)
+    direct = permutation.DISPATCH(*dispatch_args)
     custom = torch.ops.moetriton.dispatch(*dispatch_args)
     assert direct[1] is None and direct[2] is None and direct[4] is None  # probs, scales, pad offsets
     assert [(tuple(t.shape), t.dtype) for t in custom[1:3]] == [((0,), torch.float32)] * 2
@@ -162,11 +162,11 @@ def test_placeholder_results_are_none_directly_and_size0_tensors_from_the_custom
     order = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE)
     for backward in (False, True):
         sort_args = (rows, sizes, order, None, backward)
-        _, row_map, probs = ops.SORT_CHUNKS(*sort_args)
+        _, row_map, probs = permutation.SORT_CHUNKS(*sort_args)
         assert probs is None and (row_map is None) == backward
         torch.library.opcheck(torch.ops.moetriton.sort_chunks, sort_args)
     grad_args = (rows, None, direct[3])
-    assert ops.DISPATCH_BACKWARD(*grad_args)[1] is None
+    assert permutation.DISPATCH_BACKWARD(*grad_args)[1] is None
     torch.library.opcheck(torch.ops.moetriton.dispatch_backward, grad_args)
 
 

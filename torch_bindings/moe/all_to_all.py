@@ -11,7 +11,7 @@ from torch import Tensor
 from moetriton.kernels.rules.expert_parallel import dropless_exchange, ep_layout
 
 from .._stages import stage
-from ..api import sort_chunks_by_index
+from ..permutation import sort_chunks_by_index
 from .collectives import all_to_all_rows
 from .experts import expert_mlp
 

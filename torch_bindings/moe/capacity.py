@@ -12,7 +12,7 @@ from torch import Tensor
 from moetriton.kernels.rules.expert_parallel import EPLayout
 
 from .._stages import stage
-from ..api import sort_chunks_by_index
+from ..permutation import sort_chunks_by_index
 from .all_to_all import chunk_orders
 from .collectives import all_to_all_rows, gather_counts
 from .experts import batched_mlp

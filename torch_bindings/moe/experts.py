@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from .._stages import stage
-from ..ops import ACTIVATE
+from ..activation import ACTIVATE
 
 
 def _activate(hidden: Tensor, activation: str) -> Tensor:

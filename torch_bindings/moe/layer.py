@@ -59,7 +59,7 @@ from moetriton.kernels.rules.expert_parallel import (
 
 from .._checks import Signature, memoised, same_device, signature
 from .._stages import stage
-from ..api import token_combine, token_dispatch
+from ..permutation import token_combine, token_dispatch
 from ..router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 from .all_to_all import dropless_experts
 from .capacity import capacity_experts, check_same_tokens, gather_tokens

@@ -41,9 +41,8 @@ from moetriton import kernels
 from moetriton.kernels.rules.expert_parallel import EPLayout, peer_chunks
 
 from .._stages import stage
-from ..api import token_combine
 from ..executor import bound, dtype_name
-from ..ops import DISPATCH_BACKWARD, dispatch_sizes
+from ..permutation import DISPATCH_BACKWARD, dispatch_sizes, token_combine
 from .experts import expert_mlp
 
 

@@ -1,0 +1,563 @@
+"""The permutation family in PyTorch: token_dispatch, token_combine, sort_chunks_by_index, and the
+moetriton::* ops they run (dispatch, combine, chunk sort and their backwards; see _op.py for how an op is
+defined once for eager mode and torch.compile).
+
+Every function takes tensors in any memory layout and returns what it returns for their contiguous copies.
+Token tensors ([T, H] inputs and [N, H] expert rows, and the gradients autograd hands to the backward ops)
+are read in place when their columns are unit stride (row slices, offset views, expanded rows); other layouts
+of them, and every other tensor argument (routing, probs, indices, split sizes), are copied to contiguous
+memory first. Results are dense. The ops run their launch plans on CUDA (compiled) or CPU (interpreted), the
+reference otherwise; no op reads device values, so they are CUDA-graph safe, and every fake comes from the
+same plan as the op, so torch.compile(fullgraph=True) traces through them. Backward functions accept None
+for the gradient of an output that was not used.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from moetriton import kernels
+from moetriton.kernels import row_map_slots
+from moetriton.kernels.rules import validation
+
+from . import reference
+from ._checks import Signature, describe, extremes, memoised, same_device, signature, values_checked
+from ._op import Launch, Op, fake_results, zeros_like_meta
+from .executor import bound, uses_kernels
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+# dispatch ------------------------------------------------------------------------------------------------
+
+
+def dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, align_size, capacity) -> dict:
+    """dispatch_plan's size arguments for a dispatch of inp through routing (None: no alignment, no
+    capacity; with a capacity num_out_tokens is unused)."""
+    return dict(
+        num_tokens=inp.shape[0],
+        hidden=inp.shape[1],
+        num_slots=routing.shape[1],
+        num_experts=num_experts,
+        num_out_tokens=None if capacity is not None else num_out_tokens,
+        align_size=align_size,
+        capacity=capacity,
+        has_probs=probs is not None,
+        scale_cols=None if scales is None else scales.shape[1],
+    )
+
+
+def _dispatch(
+    inp: Tensor,
+    routing: Tensor,
+    probs: Tensor | None,
+    scales: Tensor | None,
+    num_experts: int,
+    is_mask: bool,
+    num_out_tokens: int | None,
+    align_size: int | None,
+    capacity: int | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(output, permuted_probs, permuted_scales, row_id_map, pad_offsets, tokens_per_expert); align_size None
+    = no padding, capacity None = none (else num_out_tokens is unused); absent probs/scales give empty
+    tensors."""
+    if not uses_kernels(inp.device):
+        return reference.dispatch(
+            inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity
+        )
+    sizes = dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, align_size, capacity)
+    executable = bound(
+        kernels.dispatch_plan, inp.device, **sizes, is_mask=is_mask, element_bytes=inp.element_size()
+    )
+    return executable(dict(inp=inp, routing=routing, probs=probs, scales=scales))
+
+
+def _dispatch_fake(inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity):
+    # Shapes only: the expert count may be a data-dependent size here (TE's index map without E).
+    outputs = kernels.dispatch_outputs(
+        **dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, align_size, capacity)
+    )
+    return fake_results(
+        kernels.Plan(outputs, (), tuple(outputs)), dict(inp=inp, probs=probs, scales=scales), inp.device
+    )
+
+
+def _dispatch_setup(ctx, inputs, output):
+    ctx.has_probs = inputs[2] is not None
+    ctx.rows = (output[0].shape, output[0].dtype, output[0].device)
+    ctx.save_for_backward(output[3])
+
+
+def _dispatch_backward(ctx, grad_output, grad_probs, grad_scales, grad_map, grad_pad, grad_counts):
+    (row_map,) = ctx.saved_tensors
+    grad_probs = grad_probs if ctx.has_probs else None
+    if grad_output is None and grad_probs is None:
+        return (None,) * 9
+    if grad_output is None:  # only permuted_probs was used
+        grad_output = zeros_like_meta(ctx.rows)
+    inp_dtype = grad_output.dtype
+    # FP8 payloads have no FP8 combine: their cotangent is summed in fp32 and rounded once (as in JAX).
+    if inp_dtype in _FP8:
+        grad_output = grad_output.float()
+    grad_inp, grad_routing_probs = DISPATCH_BACKWARD(grad_output, grad_probs, row_map)
+    grad_inp = grad_inp.to(inp_dtype)
+    # Without a gradient for permuted_probs the op returns an empty placeholder: no gradient for probs.
+    return (
+        grad_inp,
+        None,
+        grad_routing_probs if grad_probs is not None else None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+def _combine_sizes(inp, row_map, weights, permuted_probs) -> dict:
+    return dict(
+        num_tokens=row_map.shape[0],
+        hidden=inp.shape[1],
+        num_slots=kernels.row_map_slots(row_map.shape[1]),
+        num_rows=inp.shape[0],
+        element_bytes=inp.element_size(),
+        has_weights=weights is not None,
+        gather_probs=permuted_probs is not None,
+        probs_dtype="float32" if permuted_probs is None else str(permuted_probs.dtype).removeprefix("torch."),
+    )
+
+
+# Dispatch's gradient is a combine of its cotangent (and a gather of the permuted probs' gradient).
+_DISPATCH_BACKWARD = Launch(
+    kernels.combine_plan,
+    lambda grad_output, grad_permuted_probs, row_id_map: _combine_sizes(
+        grad_output, row_id_map, None, grad_permuted_probs
+    ),
+    lambda grad_output, grad_permuted_probs, row_id_map: dict(
+        inp=grad_output, row_id_map=row_id_map, weights=None, permuted_probs=grad_permuted_probs
+    ),
+    reference.dispatch_backward,
+)
+
+
+def _dispatch_backward_op(
+    grad_output: Tensor, grad_permuted_probs: Tensor | None, row_id_map: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(grad_inp [T, H], grad_probs [T, S] or empty)."""
+    return _DISPATCH_BACKWARD.run(grad_output, grad_permuted_probs, row_id_map)
+
+
+DISPATCH_BACKWARD = Op("dispatch_backward", _dispatch_backward_op, _DISPATCH_BACKWARD.fake)
+DISPATCH = Op("dispatch", _dispatch, _dispatch_fake, setup=_dispatch_setup, backward=_dispatch_backward)
+
+
+# combine -------------------------------------------------------------------------------------------------
+
+
+_COMBINE = Launch(
+    kernels.combine_plan,
+    lambda inp, row_id_map, merging_probs, padded: _combine_sizes(inp, row_id_map, merging_probs, None),
+    lambda inp, row_id_map, merging_probs, padded: dict(
+        inp=inp, row_id_map=row_id_map, weights=merging_probs, permuted_probs=None
+    ),
+    lambda inp, row_id_map, merging_probs, padded: reference.combine(inp, row_id_map, merging_probs),
+    first=True,
+)
+
+
+def _combine(inp: Tensor, row_id_map: Tensor, merging_probs: Tensor | None, padded: bool) -> Tensor:
+    """[T, H]: per token, the fp32 sum over its slots (ascending) of merging_probs[t, s] * inp[row(t, s)]."""
+    return _COMBINE.run(inp, row_id_map, merging_probs, padded)
+
+
+def _combine_setup(ctx, inputs, output):
+    inp, row_map, merging_probs, padded = inputs
+    ctx.padded = padded
+    ctx.num_rows = inp.shape[0]
+    ctx.has_weights = merging_probs is not None
+    ctx.save_for_backward(row_map, inp if ctx.has_weights else None, merging_probs)
+
+
+def _combine_backward(ctx, grad):
+    if grad is None:
+        return None, None, None, None
+    row_map, inp, merging_probs = ctx.saved_tensors
+    if ctx.has_weights:
+        grad_inp, grad_weights = COMBINE_BACKWARD(grad, row_map, inp, merging_probs, ctx.padded)
+        return grad_inp, None, grad_weights, None
+    return SCATTER_ROWS(grad, row_map, ctx.num_rows, ctx.padded), None, None, None
+
+
+def _scatter_sizes(grad, row_map, num_rows, padded) -> dict:
+    return dict(
+        num_tokens=row_map.shape[0],
+        hidden=grad.shape[1],
+        num_slots=kernels.row_map_slots(row_map.shape[1]),
+        num_rows=num_rows,
+        padded=padded,
+        element_bytes=grad.element_size(),
+    )
+
+
+_SCATTER_ROWS = Launch(
+    kernels.scatter_plan,
+    _scatter_sizes,
+    lambda grad, row_id_map, num_rows, padded: dict(grad=grad, row_id_map=row_id_map),
+    lambda grad, row_id_map, num_rows, padded: reference.scatter_rows(grad, row_id_map, num_rows),
+    first=True,
+)
+
+
+def _scatter_rows(grad: Tensor, row_id_map: Tensor, num_rows: int, padded: bool) -> Tensor:
+    """[N, H]: every token's row copied to the rows of its slots, all other rows zero (unweighted combine
+    backward)."""
+    return _SCATTER_ROWS.run(grad, row_id_map, num_rows, padded)
+
+
+def _combine_backward_sizes(grad, row_map, inp, merging_probs, padded) -> dict:
+    return dict(
+        num_tokens=row_map.shape[0],
+        hidden=grad.shape[1],
+        num_slots=kernels.row_map_slots(row_map.shape[1]),
+        num_rows=inp.shape[0],
+        padded=padded,
+        element_bytes=inp.element_size(),
+    )
+
+
+_COMBINE_BACKWARD = Launch(
+    kernels.combine_backward_plan,
+    _combine_backward_sizes,
+    lambda grad, row_id_map, inp, merging_probs, padded: dict(
+        grad=grad, row_id_map=row_id_map, inp=inp, weights=merging_probs
+    ),
+    lambda grad, row_id_map, inp, merging_probs, padded: reference.combine_backward(
+        grad, row_id_map, inp, merging_probs, inp.shape[0]
+    ),
+)
+
+
+def _combine_backward_op(
+    grad: Tensor, row_id_map: Tensor, inp: Tensor, merging_probs: Tensor, padded: bool
+) -> tuple[Tensor, Tensor]:
+    """(grad_inp [N, H], grad_merging_probs [T, S]) of weighted combine, in one pass over the rows."""
+    return _COMBINE_BACKWARD.run(grad, row_id_map, inp, merging_probs, padded)
+
+
+SCATTER_ROWS = Op("scatter_rows", _scatter_rows, _SCATTER_ROWS.fake)
+COMBINE_BACKWARD = Op("combine_backward", _combine_backward_op, _COMBINE_BACKWARD.fake)
+COMBINE = Op("combine", _combine, _COMBINE.fake, setup=_combine_setup, backward=_combine_backward)
+
+
+# chunk sort ----------------------------------------------------------------------------------------------
+
+
+def _sort_sizes(inp, split_sizes, sorted_indices, probs, backward) -> dict:
+    return dict(
+        num_rows=inp.shape[0],
+        hidden=inp.shape[1],
+        num_splits=split_sizes.shape[0],
+        element_bytes=inp.element_size(),
+        has_probs=probs is not None,
+        backward=backward,
+    )
+
+
+_SORT_CHUNKS = Launch(
+    kernels.sort_chunks_plan,
+    _sort_sizes,
+    lambda inp, split_sizes, sorted_indices, probs, backward: dict(
+        inp=inp, split_sizes=split_sizes, sorted_indices=sorted_indices, probs=probs
+    ),
+    reference.sort_chunks,
+)
+
+
+def _sort_chunks(
+    inp: Tensor, split_sizes: Tensor, sorted_indices: Tensor, probs: Tensor | None, backward: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(output, row_id_map, permuted_probs): chunk j of the output is chunk sorted_indices[j] of inp;
+    `backward` applies the inverse permutation (and returns an empty map)."""
+    return _SORT_CHUNKS.run(inp, split_sizes, sorted_indices, probs, backward)
+
+
+def _sort_setup(ctx, inputs, output):
+    inp, split_sizes, sorted_indices, probs, backward = inputs
+    ctx.backward = backward
+    ctx.has_probs = probs is not None
+    ctx.rows = (inp.shape, inp.dtype, inp.device)
+    ctx.save_for_backward(split_sizes, sorted_indices)
+
+
+def _sort_backward(ctx, grad_output, grad_map, grad_probs):
+    grad_probs = grad_probs if ctx.has_probs else None
+    if grad_output is None and grad_probs is None:
+        return None, None, None, None, None
+    if grad_output is None:  # only the permuted probs were used
+        grad_output = zeros_like_meta(ctx.rows)
+    split_sizes, sorted_indices = ctx.saved_tensors
+    grad_inp, _, grad_in_probs = SORT_CHUNKS(
+        grad_output, split_sizes, sorted_indices, grad_probs, not ctx.backward
+    )
+    return grad_inp, None, None, grad_in_probs if ctx.has_probs else None, None
+
+
+SORT_CHUNKS = Op("sort_chunks", _sort_chunks, _SORT_CHUNKS.fake, setup=_sort_setup, backward=_sort_backward)
+
+
+# public functions ----------------------------------------------------------------------------------------
+
+
+def _check_index_values(indices: torch.Tensor, num_experts: int) -> None:
+    if indices.numel() and values_checked(indices):
+        ((low, high),) = extremes(indices)
+        validation.check_index_values(low, high, num_experts)
+
+
+def _check_row_map_values(row_id_map: torch.Tensor, num_rows: int) -> None:
+    if not row_id_map.numel() or not values_checked(row_id_map):
+        return
+    num_slots = row_map_slots(row_id_map.shape[1])
+    # Columns [rows | slots | count | end]; with no slots the lists are empty (read as -1).
+    parts = [row_id_map[:, :num_slots], row_id_map[:, num_slots : 2 * num_slots]]
+    parts += [row_id_map[:, 2 * num_slots], row_id_map[:, 2 * num_slots + 1]]
+    found = iter(extremes(*(part for part in parts if part.numel())))
+    rows, slots, counts, ends = (next(found) if part.numel() else (-1, -1) for part in parts)
+    validation.check_row_map_values(
+        rows=rows, slots=slots, counts=counts, ends=ends, num_rows=num_rows, num_slots=num_slots
+    )
+
+
+def _symbolic_experts(num_experts) -> bool:
+    """True while torch.compile traces, where the expert count may be symbolic (read from the data; dynamo
+    presents it as an int): its rule is then `torch._check`, a deferred run-time assertion for a symbolic
+    value, since guarding on a data-dependent size fails the trace. (Dynamo accepts only a message function
+    without free variables.)"""
+    if not torch.compiler.is_compiling() or not isinstance(num_experts, int):
+        return False
+    torch._check(num_experts >= 1, lambda: "num_experts: expected > 0")
+    return True
+
+
+@memoised
+def _check_dispatch(
+    *,
+    inp: Signature,
+    routing_map: Signature | None,
+    indices: Signature | None,
+    probs: Signature | None,
+    scales: Signature | None,
+    num_experts,
+    num_out_tokens,
+    align_size,
+    capacity,
+    symbolic_experts: bool,
+) -> tuple[bool, int]:
+    """(is_mask, num_experts) of valid token_dispatch arguments."""
+    is_mask, _, num_experts = validation.check_dispatch(
+        inp=describe(inp),
+        routing_map=describe(routing_map),
+        indices=describe(indices),
+        num_experts=num_experts,
+        num_out_tokens=num_out_tokens,
+        probs=describe(probs),
+        scales=describe(scales),
+        align_size=align_size,
+        capacity=capacity,
+        symbolic_experts=symbolic_experts,
+    )
+    same_device(inp=inp, routing_map=routing_map, indices=indices, probs=probs, scales=scales)
+    return is_mask, num_experts
+
+
+@memoised
+def _check_combine(
+    *,
+    inp: Signature,
+    row_id_map: Signature,
+    merging_probs: Signature | None,
+    pad_offsets: Signature | None,
+) -> None:
+    validation.check_combine(
+        inp=describe(inp),
+        row_id_map=describe(row_id_map),
+        merging_probs=describe(merging_probs),
+        pad_offsets=describe(pad_offsets),
+    )
+    same_device(inp=inp, row_id_map=row_id_map, merging_probs=merging_probs, pad_offsets=pad_offsets)
+
+
+@memoised
+def _check_sort_chunks(
+    *, inp: Signature, split_sizes: Signature, sorted_indices: Signature, probs: Signature | None
+) -> None:
+    validation.check_sort_chunks(
+        inp=describe(inp),
+        split_sizes=describe(split_sizes),
+        sorted_indices=describe(sorted_indices),
+        probs=describe(probs),
+    )
+    same_device(inp=inp, probs=probs)
+
+
+def token_dispatch(
+    inp: torch.Tensor,
+    routing_map: torch.Tensor | None = None,
+    num_out_tokens: int | None = None,
+    probs: torch.Tensor | None = None,
+    align_size: int | None = None,
+    *,
+    indices: torch.Tensor | None = None,
+    num_experts: int | None = None,
+    scales: torch.Tensor | None = None,
+    capacity: int | None = None,
+) -> tuple:
+    """Permute tokens into expert-major order (MoE dispatch).
+
+    Args:
+        inp: [T, H] tokens; float32/float64/bfloat16/float16, or float8_e4m3fn/e5m2 payloads. Any layout;
+            read in place when its columns are unit stride, else copied (see the module docstring).
+        routing_map: [T, E] mask (bool or integer, nonzero = routed). Pass this or `indices`.
+        num_out_tokens: rows of the output before padding (a Python int). Slots whose row would fall past
+            the buffer are dropped (no row, weight 0 in combine), so `num_out_tokens` smaller than the routed
+            count truncates the highest experts first, like TE's index map. Defaults to T * K with `indices`.
+        probs: [T, E] (mask) or [T, K] (indices) routing probabilities, permuted alongside the tokens.
+        align_size: pad every expert's block to a multiple of this (grouped-GEMM tiles). The buffer then has
+            the static worst-case size floor((num_out_tokens + E * (A - 1)) / A) * A rows; pad rows and rows
+            past the last expert are exactly zero in every output.
+        indices: [T, K] int32/int64 expert ids, -1 = no expert. Needs `num_experts`. Ids are range-checked
+            where their values are free to read (CPU tensors, or every call with MOETRITON_CHECK=1); elsewhere
+            (GPU, torch.compile) an id outside [0, E) is no expert, like -1.
+        num_experts: E; required with `indices`, implied by a mask.
+        scales: [T, C] row-wise scales of FP8 payloads (any dtype), permuted like the rows.
+        capacity: instead of `num_out_tokens` and `align_size`: every expert gets exactly `capacity` rows
+            (N = E * capacity, expert e at rows [e * capacity, (e + 1) * capacity)); slots past the first
+            `capacity` of their expert in (token, slot) order are dropped (no row, weight 0 in combine) and
+            unused rows are zero. A static layout for fixed-size all-to-all exchanges.
+
+    Returns:
+        (output [N, H], permuted_probs [N] or None, row_id_map [T, 2S + 2] int32, pad_offsets [E] int32 or
+        None (padding or capacity only), tokens_per_expert [E] int32 (rows per expert in the buffer,
+        padding included)),
+        plus permuted_scales [N, C] as a sixth element when `scales` is given. S = E for a mask, K for
+        indices. Destination rows are expert-major, token order stable inside each expert. No host sync.
+
+    Example:
+        >>> x = torch.randn(4, 8)
+        >>> mask = torch.tensor([[1, 1, 0], [1, 0, 1], [0, 0, 1], [0, 0, 0]], dtype=torch.bool)
+        >>> out, _, row_id_map, _, counts = token_dispatch(x, mask, num_out_tokens=5)
+        >>> counts.tolist()
+        [2, 1, 2]
+    """
+    if num_out_tokens is None and indices is not None and capacity is None:
+        num_out_tokens = indices.numel()
+    is_mask, num_experts = _check_dispatch(
+        inp=signature(inp),
+        routing_map=signature(routing_map),
+        indices=signature(indices),
+        probs=signature(probs),
+        scales=signature(scales),
+        num_experts=num_experts,
+        num_out_tokens=num_out_tokens,
+        align_size=align_size,
+        capacity=capacity,
+        symbolic_experts=_symbolic_experts(num_experts),
+    )
+    routing = routing_map if is_mask else indices
+    if not is_mask:
+        _check_index_values(indices, num_experts)
+    output, permuted_probs, permuted_scales, row_id_map, pad_offsets, tokens_per_expert = DISPATCH(
+        inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity
+    )
+    result = (
+        output,
+        permuted_probs if probs is not None else None,
+        row_id_map,
+        pad_offsets if align_size is not None or capacity is not None else None,
+        tokens_per_expert,
+    )
+    return (*result, permuted_scales) if scales is not None else result
+
+
+def token_combine(
+    inp: torch.Tensor,
+    row_id_map: torch.Tensor,
+    merging_probs: torch.Tensor | None = None,
+    pad_offsets: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gather expert outputs back to tokens (MoE combine), optionally weighted.
+
+    Args:
+        inp: [N, H] expert outputs in the layout token_dispatch produced; float32/float64/bfloat16/float16.
+        row_id_map: [T, 2S + 2] int32 from token_dispatch into a buffer of N = inp.shape[0] rows. Checked
+            against inp where its values are free to read (CPU, or MOETRITON_CHECK=1); elsewhere entries
+            naming rows outside [0, N) are ignored (docs/design.md, "Index data is never trusted").
+        merging_probs: [T, S] weights in the routing layout ([T, E] for a mask, [T, K] for indices).
+        pad_offsets: pass what token_dispatch returned when it padded (rows in row_id_map already include
+            padding; this tells the backward that pad rows exist).
+
+    Returns:
+        [T, H] in inp.dtype: out[t] = sum over t's slots, in ascending slot order, of
+        w[t, s] * inp[row(t, s)], accumulated in fp32 without atomics (bitwise reproducible).
+        Tokens with no row get zeros.
+
+    Example:
+        >>> x = torch.randn(4, 8)
+        >>> mask = torch.tensor([[1, 1], [1, 0], [0, 1], [0, 0]], dtype=torch.bool)
+        >>> out, _, row_id_map, _, _ = token_dispatch(x, mask, num_out_tokens=4)
+        >>> torch.equal(token_combine(out, row_id_map)[0], 2 * x[0])
+        True
+    """
+    _check_combine(
+        inp=signature(inp),
+        row_id_map=signature(row_id_map),
+        merging_probs=signature(merging_probs),
+        pad_offsets=signature(pad_offsets),
+    )
+    _check_row_map_values(row_id_map, inp.shape[0])
+    return COMBINE(inp, row_id_map, merging_probs, pad_offsets is not None)
+
+
+def sort_chunks_by_index(
+    inp: torch.Tensor,
+    split_sizes: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    probs: torch.Tensor | None = None,
+) -> tuple:
+    """Reorder row chunks: output chunk j is input chunk sorted_indices[j] (e.g. rank-major -> expert-major
+    after an expert-parallel all-to-all).
+
+    Args:
+        inp: [N, H] rows; any float or FP8 dtype (moved bit for bit).
+        split_sizes: [S] int32/int64 chunk sizes; rows past their sum stay in place. Host tensors are fine.
+        sorted_indices: [S] int32/int64 permutation of [0, S). Sizes and order are checked where their
+            values are free to read (CPU, or MOETRITON_CHECK=1); elsewhere sizes outside [0, N], a sum past
+            N or an order that is not a permutation move nothing: zero output and probs, row_id_map -1.
+        probs: optional [N] per-row values permuted alongside.
+
+    Returns:
+        (output [N, H], row_id_map [N] int32 destination of each input row[, permuted_probs [N]]).
+
+    Example:
+        >>> x = torch.arange(6.0).reshape(6, 1)
+        >>> out, _ = sort_chunks_by_index(x, torch.tensor([2, 3, 1]), torch.tensor([2, 0, 1]))
+        >>> out[:, 0].tolist()
+        [5.0, 0.0, 1.0, 2.0, 3.0, 4.0]
+    """
+    _check_sort_chunks(
+        inp=signature(inp),
+        split_sizes=signature(split_sizes),
+        sorted_indices=signature(sorted_indices),
+        probs=signature(probs),
+    )
+    # Sizes may come from the host (e.g. an all-to-all's splits): checked there for free.
+    if values_checked(split_sizes) and values_checked(sorted_indices):
+        validation.check_split_values(split_sizes.tolist(), sorted_indices.tolist(), inp.shape[0])
+    if split_sizes.device != inp.device:
+        split_sizes = split_sizes.to(inp.device, non_blocking=True)
+    if sorted_indices.device != inp.device:
+        sorted_indices = sorted_indices.to(inp.device, non_blocking=True)
+    output, row_id_map, permuted_probs = SORT_CHUNKS(inp, split_sizes, sorted_indices, probs, False)
+    return (output, row_id_map) if probs is None else (output, row_id_map, permuted_probs)
