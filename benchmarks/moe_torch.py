@@ -72,7 +72,7 @@ from benchmarks import trace_gaps
 from benchmarks.common import add_out_option, write_results
 from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES, MoELayerShape
 from moetriton.torch.moe import STAGES as LAYER_STAGES
-from moetriton.torch.moe import all_to_all_rows, expert_mlp, moe
+from moetriton.torch.moe import all_to_all_rows, expert_mlp, moe, peer
 
 IMPLS = ("moetriton", "moetriton_a2a", "megatron")
 PEAK_TFLOPS = 790.0  # H100 SXM dense bf16
@@ -344,7 +344,7 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
     if on_gpu:
         row.update(peak_allocated_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2))
         if impl == "moetriton" and ep > 1:  # the peer exchange's (the others leave it as they found it)
-            row.update(staging_mib=round(_staging_bytes(device) / 2**20, 1))
+            row.update(staging_mib=round(peer.staging_bytes(device) / 2**20, 1))
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -412,14 +412,6 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
     if timeline is not None:
         row.update(gpu_idle_ms=round(statistics.mean(trace_gaps.idle_per_step(timeline)) / 1e3, 4))
     return row
-
-
-def _staging_bytes(device: torch.device) -> int:
-    """Bytes of this rank's peer-exchange staging allocations on `device` (symmetric memory, outside the
-    caching allocator's peak): rows x (H x element bytes + 4), rows = the group's largest send buffer."""
-    from moetriton.torch.moe import peer
-
-    return sum(staging.buffer.numel() for (_, where), staging in peer._STAGING.items() if where == device)
 
 
 def _timeline(profile, folder: Path | None, name: str) -> list[trace_gaps.Activity]:

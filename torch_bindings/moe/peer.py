@@ -106,6 +106,13 @@ class _Staging:
 _STAGING: dict[tuple[str, torch.device], _Staging] = {}
 
 
+def staging_bytes(device: torch.device) -> int:
+    """Bytes of the staging allocations this process holds on `device` (symmetric memory, outside the
+    caching allocator's statistics): per EP group, the group's largest send buffer of rows x (H x element
+    bytes + 4)."""
+    return sum(staging.buffer.numel() for (_, where), staging in _STAGING.items() if where == device)
+
+
 def _staging(group: dist.ProcessGroup, device: torch.device, rows: int, row_bytes: int) -> _Staging:
     """The group's staging allocation on `device`, (re)made when it is too small: a collective, reached by
     every rank at once since all call with the same sizes (the group's largest send buffer). The old
