@@ -37,8 +37,10 @@ class Launch:
     """How an op's arguments become a launch plan: `plan` (a plan builder of moetriton.kernels), `sizes` and
     `inputs` (functions of the op's arguments giving the builder's size arguments and the plan's input
     tensors by name), and `reference` (what runs where kernels do not). The device is the first argument's.
-    `run` is the op's implementation and `fake` its shapes-only twin, from the same plan; `first` returns
-    the plan's first result alone."""
+    `run` is the op's implementation and `fake` its shapes-only twin, from the same plan, or from
+    `outputs(sizes)` (the plan's output buffers, shape arithmetic only) where building the whole plan needs
+    concrete sizes and torch.compile may trace with symbolic ones; `first` returns the plan's first result
+    alone."""
 
     def __init__(
         self,
@@ -47,9 +49,11 @@ class Launch:
         inputs: Callable[..., dict],
         reference: Callable[..., Any],
         *,
+        outputs: Callable[[dict], dict] | None = None,
         first: bool = False,
     ) -> None:
-        self.plan, self.sizes, self.inputs, self.reference, self.first = plan, sizes, inputs, reference, first
+        self.plan, self.sizes, self.inputs, self.reference = plan, sizes, inputs, reference
+        self.outputs, self.first = outputs, first
 
     def run(self, *args):
         device = args[0].device
@@ -59,10 +63,13 @@ class Launch:
         return results[0] if self.first else results
 
     def fake(self, *args):
-        device = args[0].device
-        return fake_results(
-            self.plan(**self.sizes(*args), device=device_info(device)), self.inputs(*args), device
-        )[0 if self.first else slice(None)]
+        device, sizes = args[0].device, self.sizes(*args)
+        if self.outputs is None:
+            plan = self.plan(**sizes, device=device_info(device))
+        else:
+            outputs = self.outputs(sizes)
+            plan = kernels.Plan(outputs, (), tuple(outputs))
+        return fake_results(plan, self.inputs(*args), device)[0 if self.first else slice(None)]
 
 
 def fake_results(plan: kernels.Plan, inputs: dict, device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -15,20 +15,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moetriton.kernels import Plan
 from moetriton.kernels import router as plans
 from moetriton.kernels.rules import router as rules
 
 from . import reference_router as reference
 from ._checks import Signature, describe, memoised, same_device, signature, values_checked
-from ._op import Op
-from .executor import allocate, bound, dtype_name, uses_kernels
-
-
-def _fake(outputs: dict, inputs: dict[str, Tensor | None], device: torch.device) -> tuple[Tensor, ...]:
-    """Fake (meta) results from a plan's output buffers, which allow symbolic sizes (dynamic shapes)."""
-    buffers = allocate(Plan(outputs, (), tuple(outputs)), inputs, device, fake=True)
-    return tuple(buffers.values())
+from ._op import Launch, Op
+from .executor import dtype_name
 
 
 @memoised
@@ -70,24 +63,13 @@ def _check_aux_loss(
 
 # top-k -----------------------------------------------------------------------------------------------------
 # Op bodies collect their non-tensor arguments as `options`, in the order the plan builders and the
-# reference functions take them. Fake implementations allocate the plans' output buffers only, which
-# accept symbolic sizes (torch.compile with dynamic shapes).
+# reference functions take them. Fakes allocate the plans' output buffers only (`outputs`), which accept
+# symbolic sizes (torch.compile with dynamic shapes).
 
 
-def _topk_executable(
-    logits,
-    expert_bias,
-    topk,
-    use_pre_softmax,
-    num_groups,
-    group_topk,
-    scaling_factor,
-    score_function,
-    return_indices,
-):
-    return bound(
-        plans.topk_plan,
-        logits.device,
+def _topk_sizes(logits, expert_bias, *options) -> dict:
+    topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function, return_indices = options
+    return dict(
         num_tokens=logits.shape[0],
         num_experts=logits.shape[1],
         topk=topk,
@@ -99,6 +81,17 @@ def _topk_executable(
         has_bias=expert_bias is not None,
         return_indices=return_indices,
     )
+
+
+_TOPK = Launch(
+    plans.topk_plan,
+    _topk_sizes,
+    lambda logits, expert_bias, *options: dict(logits=logits, bias=expert_bias),
+    reference.topk_forward,
+    outputs=lambda sizes: plans.topk_outputs(
+        sizes["num_tokens"], sizes["num_experts"], sizes["topk"], sizes["return_indices"]
+    ),
+)
 
 
 def _router_topk(
@@ -115,14 +108,7 @@ def _router_topk(
     """(probs [T, E], routing_map [T, E] bool, indices [T, K] int32 or [T, 0]) of [T, E] logits;
     num_groups = group_topk = 0: no groups."""
     options = (topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function, return_indices)
-    if not uses_kernels(logits.device):
-        return reference.topk_forward(logits, expert_bias, *options)
-    return _topk_executable(logits, expert_bias, *options)(dict(logits=logits, bias=expert_bias))
-
-
-def _router_topk_fake(logits, expert_bias, topk, *options):
-    outputs = plans.topk_outputs(*logits.shape, topk, return_indices=options[-1])
-    return _fake(outputs, dict(logits=logits), logits.device)
+    return _TOPK.run(logits, expert_bias, *options)
 
 
 def _topk_setup(ctx, inputs, output):
@@ -139,20 +125,30 @@ def _topk_backward(ctx, grad_probs, grad_map, grad_indices):
     return grad_logits, None, None, None, None, None, None, None, None
 
 
-ROUTER_TOPK = Op("router_topk", _router_topk, _router_topk_fake, setup=_topk_setup, backward=_topk_backward)
+ROUTER_TOPK = Op("router_topk", _router_topk, _TOPK.fake, setup=_topk_setup, backward=_topk_backward)
 
 
-def _topk_backward_executable(logits, topk, use_pre_softmax, scaling_factor, score_function):
-    return bound(
-        plans.topk_backward_plan,
-        logits.device,
+def _grad_logits_outputs(sizes: dict) -> dict:
+    return plans.grad_logits_outputs(sizes["num_tokens"], sizes["num_experts"])
+
+
+_TOPK_BACKWARD = Launch(
+    plans.topk_backward_plan,
+    lambda grad_probs, logits, routing_map, topk, use_pre_softmax, scaling_factor, score_function: dict(
         num_tokens=logits.shape[0],
         num_experts=logits.shape[1],
         topk=topk,
         score_function=score_function,
         use_pre_softmax=use_pre_softmax,
         scaling_factor=scaling_factor,
-    )
+    ),
+    lambda grad_probs, logits, routing_map, *options: dict(
+        grad_probs=grad_probs, logits=logits, routing_map=routing_map
+    ),
+    reference.topk_backward,
+    outputs=_grad_logits_outputs,
+    first=True,
+)
 
 
 def _router_topk_backward(
@@ -165,42 +161,29 @@ def _router_topk_backward(
     score_function: str,
 ) -> Tensor:
     """grad_logits [T, E] (logits dtype), recomputing the scores from logits and the routing map."""
-    options = (topk, use_pre_softmax, scaling_factor, score_function)
-    if not uses_kernels(logits.device):
-        return reference.topk_backward(grad_probs, logits, routing_map, *options)
-    inputs = dict(grad_probs=grad_probs, logits=logits, routing_map=routing_map)
-    return _topk_backward_executable(logits, *options)(inputs)[0]
+    return _TOPK_BACKWARD.run(
+        grad_probs, logits, routing_map, topk, use_pre_softmax, scaling_factor, score_function
+    )
 
 
-def _router_topk_backward_fake(grad_probs, logits, routing_map, *options):
-    return _fake(plans.grad_logits_outputs(*logits.shape), dict(logits=logits), logits.device)[0]
-
-
-ROUTER_TOPK_BACKWARD = Op("router_topk_backward", _router_topk_backward, _router_topk_backward_fake)
+ROUTER_TOPK_BACKWARD = Op("router_topk_backward", _router_topk_backward, _TOPK_BACKWARD.fake)
 
 # aux-loss scores -------------------------------------------------------------------------------------------
 
-
-def _scores_executable(logits, topk, score_function):
-    return bound(
-        plans.aux_scores_plan,
-        logits.device,
-        num_tokens=logits.shape[0],
-        num_experts=logits.shape[1],
-        topk=topk,
-        score_function=score_function,
-    )
+_AUX_SCORES = Launch(
+    plans.aux_scores_plan,
+    lambda logits, topk, score_function: dict(
+        num_tokens=logits.shape[0], num_experts=logits.shape[1], topk=topk, score_function=score_function
+    ),
+    lambda logits, topk, score_function: dict(logits=logits),
+    reference.aux_scores_forward,
+    outputs=lambda sizes: plans.aux_scores_outputs(sizes["num_tokens"], sizes["num_experts"]),
+)
 
 
 def _router_aux_scores(logits: Tensor, topk: int, score_function: str) -> tuple[Tensor, Tensor]:
     """(routing_map [T, E] bool, scores [T, E] fp32) of [T, E] logits."""
-    if not uses_kernels(logits.device):
-        return reference.aux_scores_forward(logits, topk, score_function)
-    return _scores_executable(logits, topk, score_function)(dict(logits=logits))
-
-
-def _router_aux_scores_fake(logits, topk, score_function):
-    return _fake(plans.aux_scores_outputs(*logits.shape), {}, logits.device)
+    return _AUX_SCORES.run(logits, topk, score_function)
 
 
 def _scores_setup(ctx, inputs, output):
@@ -217,54 +200,53 @@ def _scores_backward(ctx, grad_map, grad_scores):
 
 
 ROUTER_AUX_SCORES = Op(
-    "router_aux_scores",
-    _router_aux_scores,
-    _router_aux_scores_fake,
-    setup=_scores_setup,
-    backward=_scores_backward,
+    "router_aux_scores", _router_aux_scores, _AUX_SCORES.fake, setup=_scores_setup, backward=_scores_backward
 )
 
-
-def _scores_backward_executable(logits, score_function):
-    return bound(
-        plans.aux_scores_backward_plan,
-        logits.device,
-        num_tokens=logits.shape[0],
-        num_experts=logits.shape[1],
-        score_function=score_function,
-    )
+_AUX_SCORES_BACKWARD = Launch(
+    plans.aux_scores_backward_plan,
+    lambda grad_scores, logits, score_function: dict(
+        num_tokens=logits.shape[0], num_experts=logits.shape[1], score_function=score_function
+    ),
+    lambda grad_scores, logits, score_function: dict(grad_scores=grad_scores, logits=logits),
+    reference.aux_scores_backward,
+    outputs=_grad_logits_outputs,
+    first=True,
+)
 
 
 def _router_aux_scores_backward(grad_scores: Tensor, logits: Tensor, score_function: str) -> Tensor:
     """grad_logits [T, E] (logits dtype) of the aux-loss scores."""
-    if not uses_kernels(logits.device):
-        return reference.aux_scores_backward(grad_scores, logits, score_function)
-    executable = _scores_backward_executable(logits, score_function)
-    return executable(dict(grad_scores=grad_scores, logits=logits))[0]
-
-
-def _router_aux_scores_backward_fake(grad_scores, logits, score_function):
-    return _fake(plans.grad_logits_outputs(*logits.shape), dict(logits=logits), logits.device)[0]
+    return _AUX_SCORES_BACKWARD.run(grad_scores, logits, score_function)
 
 
 ROUTER_AUX_SCORES_BACKWARD = Op(
-    "router_aux_scores_backward", _router_aux_scores_backward, _router_aux_scores_backward_fake
+    "router_aux_scores_backward", _router_aux_scores_backward, _AUX_SCORES_BACKWARD.fake
 )
 
 # aux loss --------------------------------------------------------------------------------------------------
+# The token total is a 0-dim tensor `total`, or the int `total_int` when `total` is None (the plan then
+# bakes it in).
 
-
-def _loss_executable(probs, total, total_int, num_experts, topk, coeff):
-    return bound(
-        plans.aux_loss_plan,
-        probs.device,
+_AUX_LOSS = Launch(
+    plans.aux_loss_plan,
+    lambda probs, tokens_per_expert, total, total_int, num_experts, topk, coeff: dict(
         num_rows=probs.shape[0],
         num_cols=probs.shape[1],
         num_experts=num_experts,
         topk=topk,
         coeff=coeff,
         total=None if total is not None else total_int,
-    )
+    ),
+    lambda probs, tokens_per_expert, total, *options: dict(
+        probs=probs, counts=tokens_per_expert, total=total
+    ),
+    lambda probs, tokens_per_expert, total, total_int, *options: reference.aux_loss(
+        probs, tokens_per_expert, total_int if total is None else total, *options
+    ),
+    outputs=lambda sizes: plans.aux_loss_outputs(),
+    first=True,
+)
 
 
 def _router_aux_loss(
@@ -276,17 +258,8 @@ def _router_aux_loss(
     topk: int,
     coeff: float,
 ) -> Tensor:
-    """0-dim aux loss in probs.dtype. The token total is the 0-dim `total` tensor, or `total_int` when
-    `total` is None."""
-    options = (num_experts, topk, coeff)
-    if not uses_kernels(probs.device):
-        return reference.aux_loss(probs, tokens_per_expert, total_int if total is None else total, *options)
-    inputs = dict(probs=probs, counts=tokens_per_expert, total=total)
-    return _loss_executable(probs, total, total_int, *options)(inputs)[0]
-
-
-def _router_aux_loss_fake(probs, tokens_per_expert, total, total_int, *options):
-    return _fake(plans.aux_loss_outputs(), dict(probs=probs), probs.device)[0]
+    """0-dim aux loss in probs.dtype."""
+    return _AUX_LOSS.run(probs, tokens_per_expert, total, total_int, num_experts, topk, coeff)
 
 
 def _loss_setup(ctx, inputs, output):
@@ -304,16 +277,14 @@ def _loss_backward(ctx, grad_loss):
 
 
 ROUTER_AUX_LOSS = Op(
-    "router_aux_loss", _router_aux_loss, _router_aux_loss_fake, setup=_loss_setup, backward=_loss_backward
+    "router_aux_loss", _router_aux_loss, _AUX_LOSS.fake, setup=_loss_setup, backward=_loss_backward
 )
 
 
-def _loss_backward_executable(
-    total, num_rows, num_cols, probs_dtype, total_int, num_experts, topk, coeff, device
-):
-    return bound(
-        plans.aux_loss_backward_plan,
-        device,
+def _aux_loss_backward_sizes(
+    grad_loss, tokens_per_expert, total, num_rows, num_cols, probs_dtype, total_int, num_experts, topk, coeff
+) -> dict:
+    return dict(
         num_rows=num_rows,
         num_cols=num_cols,
         num_experts=num_experts,
@@ -322,6 +293,20 @@ def _loss_backward_executable(
         total=None if total is not None else total_int,
         probs_dtype=dtype_name(probs_dtype),
     )
+
+
+_AUX_LOSS_BACKWARD = Launch(
+    plans.aux_loss_backward_plan,
+    _aux_loss_backward_sizes,
+    lambda grad_loss, tokens_per_expert, total, *options: dict(
+        grad_loss=grad_loss, counts=tokens_per_expert, total=total
+    ),
+    reference.aux_loss_backward,
+    outputs=lambda sizes: plans.aux_loss_backward_outputs(
+        sizes["num_rows"], sizes["num_cols"], sizes["probs_dtype"]
+    ),
+    first=True,
+)
 
 
 def _router_aux_loss_backward(
@@ -338,22 +323,10 @@ def _router_aux_loss_backward(
 ) -> Tensor:
     """grad_probs [R, C] = C * tokens_per_expert[c] * grad_loss, in probs_dtype."""
     options = (num_rows, num_cols, probs_dtype, total_int, num_experts, topk, coeff)
-    if not uses_kernels(grad_loss.device):
-        return reference.aux_loss_backward(grad_loss, tokens_per_expert, total, *options)
-    inputs = dict(grad_loss=grad_loss, counts=tokens_per_expert, total=total)
-    return _loss_backward_executable(total, *options, grad_loss.device)(inputs)[0]
+    return _AUX_LOSS_BACKWARD.run(grad_loss, tokens_per_expert, total, *options)
 
 
-def _router_aux_loss_backward_fake(
-    grad_loss, tokens_per_expert, total, num_rows, num_cols, probs_dtype, *options
-):
-    outputs = plans.aux_loss_backward_outputs(num_rows, num_cols, dtype_name(probs_dtype))
-    return _fake(outputs, {}, grad_loss.device)[0]
-
-
-ROUTER_AUX_LOSS_BACKWARD = Op(
-    "router_aux_loss_backward", _router_aux_loss_backward, _router_aux_loss_backward_fake
-)
+ROUTER_AUX_LOSS_BACKWARD = Op("router_aux_loss_backward", _router_aux_loss_backward, _AUX_LOSS_BACKWARD.fake)
 
 # Public API ------------------------------------------------------------------------------------------------
 
