@@ -14,7 +14,6 @@ measured read+write copy bandwidth). Writes <out>/<gpu>/activation_jax.csv (benc
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
@@ -24,7 +23,7 @@ from moetriton.jax import grouped_activation
 from moetriton.jax.activation import apply_activation
 from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES
 
-from .common import add_out_option, write_results
+from .common import shapes_parser, write_results
 from .timing import input_sets, time_jax
 
 COPY_TBPS = 3.0
@@ -78,12 +77,8 @@ def measure(name: str, ep: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--shapes", default="mixtral,dsv3")
+    parser = shapes_parser(__doc__, "mixtral,dsv3")
     parser.add_argument("--ep", type=int, default=2)
-    add_out_option(parser)
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("benchmarks.activation_jax: GPU only")

@@ -24,6 +24,7 @@ import subprocess
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from moetriton.kernels.rules.expert_parallel import EPLayout, ep_layout
 from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES, MoELayerShape
 
 
@@ -50,16 +51,23 @@ def token_bytes(rows: int, hidden: int, element_bytes: int) -> int:
     return rows * hidden * element_bytes
 
 
-def exchange_parser(description: str) -> argparse.ArgumentParser:
-    """Options of the exchange benchmarks (benchmarks.exchange_jax, benchmarks.exchange_torch): --shapes,
-    --steps, --tokens, --out."""
+def shapes_parser(description: str, shapes: str) -> argparse.ArgumentParser:
+    """Options every shape benchmark has: --shapes (comma-separated names, default `shapes`) and --out; the
+    module docstring `description` is the help text, as written. The benchmark adds its own options."""
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--shapes", default="mixtral,dsv3")
+    parser.add_argument("--shapes", default=shapes)
+    add_out_option(parser)
+    return parser
+
+
+def exchange_parser(description: str) -> argparse.ArgumentParser:
+    """Options of the exchange benchmarks (benchmarks.exchange_jax, benchmarks.exchange_torch): --shapes,
+    --out, --steps, --tokens."""
+    parser = shapes_parser(description, "mixtral,dsv3")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=0, help="tokens per GPU (default: the shape's)")
-    add_out_option(parser)
     return parser
 
 
@@ -67,6 +75,18 @@ def layer_shape(name: str, num_tokens: int = 0) -> MoELayerShape:
     """The named MoE layer shape, with `num_tokens` tokens per GPU where it is not 0."""
     shape = MOE_LAYER_SHAPES[name]
     return replace(shape, num_tokens=num_tokens) if num_tokens else shape
+
+
+def router_options(shape: MoELayerShape) -> dict:
+    """A layer shape's scoring options (score function, group limit) as keyword arguments of the top-k
+    router, moe() and MoEConfig, which take the shape's topk beside them."""
+    return dict(score_function=shape.score_function, num_groups=shape.num_groups, group_topk=shape.group_topk)
+
+
+def shape_layout(shape: MoELayerShape, ep_size: int, align_size: int | None = None) -> EPLayout:
+    """The dropless EP layout of a layer shape's tokens on one GPU of `ep_size`."""
+    sizes = dict(num_tokens=shape.num_tokens, num_experts=shape.num_experts, topk=shape.topk)
+    return ep_layout(**sizes, ep_size=ep_size, align_size=align_size)
 
 
 #: Where results files go unless a benchmark's --out names another root.

@@ -22,7 +22,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.common import exchange_parser, layer_shape, write_results  # no JAX: flags are per child
+# benchmarks.common imports no JAX: its flags are set per child.
+from benchmarks.common import exchange_parser, layer_shape, shape_layout, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,11 +54,10 @@ def measure_shape(shape, mesh, steps: int) -> None:
     from benchmarks.moe_jax import Case, _config, _shard_mapped, median_ms
     from moetriton.jax import token_dispatch
     from moetriton.jax.moe import dropless_forward, dropless_reverse, exchange_sizes
-    from moetriton.kernels.rules.expert_parallel import ep_layout
 
     ep, tok = mesh.shape["ep"], PartitionSpec("ep")
     rows, hidden, num_experts = shape.num_tokens * shape.topk, shape.hidden, shape.num_experts
-    layout = ep_layout(num_tokens=shape.num_tokens, num_experts=num_experts, topk=shape.topk, ep_size=ep)
+    layout = shape_layout(shape, ep)
     keys = jax.random.split(jax.random.key(0), 2)
     sharded = NamedSharding(mesh, tok)
     make_tokens = jax.jit(

@@ -27,9 +27,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import exchange_parser, layer_shape, write_results
+from benchmarks.common import exchange_parser, layer_shape, shape_layout, write_results
 from benchmarks.moe_torch import _median_ms
-from moetriton.kernels.rules.expert_parallel import dropless_exchange, ep_layout
+from moetriton.kernels.rules.expert_parallel import dropless_exchange
 from moetriton.torch import sort_chunks_by_index
 from moetriton.torch.moe import all_to_all_rows
 from moetriton.torch.moe.all_to_all import chunk_orders
@@ -87,9 +87,7 @@ def measure_landing(name: str, steps: int, num_tokens: int, device: torch.device
     dist.all_gather_into_tensor(counts_all, counts)
     counts_all = counts_all.view(ep, shape.num_experts)
     host_counts = counts_all.cpu()
-    layout = ep_layout(
-        num_tokens=shape.num_tokens, num_experts=shape.num_experts, topk=shape.topk, ep_size=ep
-    )
+    layout = shape_layout(shape, ep)
     sizes = dropless_exchange(host_counts, rank, layout)
     send_sizes, recv_sizes = sizes["send_sizes"].tolist(), sizes["recv_sizes"].tolist()
     rows = int(counts.sum())

@@ -13,14 +13,13 @@ random rows does not reach the read + write copy bandwidth (docs/performance.md,
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from benchmarks.common import add_out_option, write_results
+from benchmarks.common import shapes_parser, write_results
 from benchmarks.timing import copy_bandwidth_gbps, time_graph
 from moetriton.kernels.rules.shapes import NAMED_SHAPES
 
@@ -51,11 +50,7 @@ def _gather_kernel(inp_ptr, rows_ptr, hidden, out_ptr, TOPK: tl.constexpr, BLOCK
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--shapes", default="mixtral,qwen3,dsv3")
-    add_out_option(parser)
+    parser = shapes_parser(__doc__, "mixtral,qwen3,dsv3")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.fanout_ceiling needs a CUDA GPU; nothing to do")

@@ -18,7 +18,6 @@ Writes <out>/<gpu>/grouped_gemm.csv (benchmarks.common). GPU only.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -27,7 +26,7 @@ from moetriton import kernels
 from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES
 from moetriton.torch.executor import device_info, run_plan
 
-from .common import add_out_option, write_results
+from .common import shapes_parser, write_results
 from .timing import time_graph
 
 PEAK_TFLOPS = 790.0
@@ -127,12 +126,8 @@ def _cutlass(kind: str, operands: dict) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--shapes", default=",".join(MOE_LAYER_SHAPES))
+    parser = shapes_parser(__doc__, ",".join(MOE_LAYER_SHAPES))
     parser.add_argument("--sweep", action="store_true")
-    add_out_option(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.grouped_gemm needs a GPU", file=sys.stderr)

@@ -14,13 +14,12 @@ import path). Writes <out>/<gpu>/interleave_te.csv (benchmarks.common).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 
 import moetriton.torch as mt
-from benchmarks.common import add_out_option, write_results
+from benchmarks.common import shapes_parser, write_results
 from benchmarks.eager_cases import mask_routing, te_permutation
 from benchmarks.timing import input_sets, time_graph
 from moetriton.kernels.rules.shapes import NAMED_SHAPES
@@ -61,12 +60,8 @@ def _cases(shape, te, generator):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--shapes", default="qwen3")
+    parser = shapes_parser(__doc__, "qwen3")
     parser.add_argument("--rounds", type=int, default=7)
-    add_out_option(parser)
     args = parser.parse_args()
     rows = []
     te = te_permutation()

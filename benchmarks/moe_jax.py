@@ -90,10 +90,10 @@ from moetriton.jax.activation import apply_activation
 from moetriton.jax.moe import MoEConfig, dropless_forward, dropless_reverse, exchange_sizes, moe
 from moetriton.jax.moe.experts import expert_major_rows, expert_mlp
 from moetriton.jax.moe.layer import _router, resolve_exchange
-from moetriton.kernels.rules.expert_parallel import EPLayout, ep_layout
+from moetriton.kernels.rules.expert_parallel import ep_layout
 from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES, MoELayerShape
 
-from .common import add_out_option, write_results
+from .common import add_out_option, router_options, shape_layout, write_results
 
 PEAK_TFLOPS = 790.0  # H100 SXM dense bf16
 TINY_SHAPES = {
@@ -204,10 +204,6 @@ def make_inputs(case: Case, mesh: Mesh | None):
     )
 
 
-def _router_options(shape: MoELayerShape) -> dict:
-    return dict(score_function=shape.score_function, num_groups=shape.num_groups, group_topk=shape.group_topk)
-
-
 def moetriton_layer(case: Case, mesh: Mesh | None):
     def layer(x, gate, gate_up, down):
         return moe(
@@ -221,7 +217,7 @@ def moetriton_layer(case: Case, mesh: Mesh | None):
             mesh=mesh,
             ep_axis="ep",
             exchange=case.exchange,
-            **_router_options(case.shape),
+            **router_options(case.shape),
         )
 
     return layer
@@ -239,7 +235,7 @@ def _baseline_shard(x, gate, gate_up, down, *, case: Case, config: MoEConfig):
     x_flat = x.reshape(num_tokens, hidden)
     logits = jnp.dot(x_flat, gate, preferred_element_type=jnp.float32)
     probs, routing_map, indices = reference_router.fused_topk_with_score_function(
-        logits, topk, **_router_options(shape), return_indices=True
+        logits, topk, **router_options(shape), return_indices=True
     )
     _, scores = reference_router.fused_compute_score_for_moe_aux_loss(logits, topk, shape.score_function)
     routed = routing_map.sum(0, dtype=jnp.int32)
@@ -287,10 +283,8 @@ def _config(case: Case, mesh: Mesh | None) -> MoEConfig:
     shape = case.shape
     return MoEConfig(
         topk=shape.topk,
-        score_function=shape.score_function,
+        **router_options(shape),
         use_pre_softmax=False,
-        num_groups=shape.num_groups,
-        group_topk=shape.group_topk,
         scaling_factor=None,
         aux_loss_coeff=1e-2,
         align_size=case.align_size,
@@ -392,25 +386,13 @@ def profiled_stage_ms(step, arrays, ep: int) -> tuple[dict[str, float], float, s
     return stages, min(all_to_all) * 1e-3 / PROFILED_STEPS, other_top
 
 
-def _layout(case: Case) -> EPLayout:
-    """The moetriton layer's EP layout of one token shard of `case` (dropless)."""
-    shape = case.shape
-    return ep_layout(
-        num_tokens=shape.num_tokens,
-        num_experts=shape.num_experts,
-        topk=shape.topk,
-        ep_size=case.ep,
-        align_size=case.align_size,
-    )
-
-
 def stage_times(case: Case, mesh: Mesh | None, arrays, steps: int) -> dict[str, float]:
     """ms of every stage of the moetriton layer, forward + backward, each jitted on its own (module doc: the
     method where the step cannot be profiled)."""
     config = _config(case, mesh)
     shape = case.shape
     tokens_per_shard = shape.num_tokens
-    layout = _layout(case)
+    layout = shape_layout(case.shape, case.ep, case.align_size)
     tok, rep = PartitionSpec("ep"), PartitionSpec()
     x, gate, gate_up, down = arrays
     x_flat = x.reshape(-1, shape.hidden)
@@ -473,7 +455,7 @@ def moved_rows_ratio(case: Case, mesh: Mesh, arrays) -> float:
     `arrays` (module doc: a2a_moved_ratio)."""
     config = _config(case, mesh)
     shape = case.shape
-    layout = _layout(case)
+    layout = shape_layout(case.shape, case.ep, case.align_size)
     x, gate, _, _ = arrays
 
     def block_index(x_flat, gate):

@@ -69,7 +69,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks import trace_gaps
-from benchmarks.common import add_out_option, write_results
+from benchmarks.common import add_out_option, router_options, write_results
 from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES, MoELayerShape
 from moetriton.torch.moe import STAGES as LAYER_STAGES
 from moetriton.torch.moe import all_to_all_rows, expert_mlp, moe, peer
@@ -303,9 +303,7 @@ def _layer(impl: str, shape: MoELayerShape, x, params, args, group) -> tuple[tor
             x,
             *params,
             topk=shape.topk,
-            score_function=shape.score_function,
-            num_groups=shape.num_groups,
-            group_topk=shape.group_topk,
+            **router_options(shape),
             aux_loss_coeff=AUX_LOSS_COEFF,
             align_size=args.align_size,
             capacity_factor=args.capacity_factor,
@@ -320,16 +318,9 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
     ep = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     tokens = args.tokens or shape.num_tokens
-    row = dict(
-        impl=impl,
-        shape=shape.name,
-        ep=ep,
-        tokens_per_gpu=tokens,
-        layers=args.layers,
-        hidden=shape.hidden,
-        ffn=shape.ffn,
-        experts=shape.num_experts,
-        topk=shape.topk,
+    row = dict(impl=impl, shape=shape.name, ep=ep, tokens_per_gpu=tokens, layers=args.layers)
+    row.update(hidden=shape.hidden, ffn=shape.ffn, experts=shape.num_experts, topk=shape.topk)
+    row.update(
         policy="dropless" if args.capacity_factor is None else f"capacity {args.capacity_factor}",
         align_size=args.align_size,
         dtype=str(dtype).removeprefix("torch."),

@@ -13,17 +13,16 @@ Writes <out>/<n>x_<gpu>/peer_exchange_sweep.csv (benchmarks.common).
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import statistics
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import add_out_option, write_results
+from benchmarks.common import shape_layout, shapes_parser, write_results
 from moetriton import kernels
 from moetriton.kernels.peer_exchange import DEFAULT_CONFIG
-from moetriton.kernels.rules.expert_parallel import ep_layout, peer_chunks
+from moetriton.kernels.rules.expert_parallel import peer_chunks
 from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES
 from moetriton.torch.executor import Executable
 from moetriton.torch.moe.peer import _staging
@@ -48,12 +47,8 @@ def _timed(executable, inputs: dict, staging, iterations: int, group) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--shapes", default="dsv3,mixtral")
+    parser = shapes_parser(__doc__, "dsv3,mixtral")
     parser.add_argument("--iterations", type=int, default=10)
-    add_out_option(parser)
     args = parser.parse_args()
     rows = []
     dist.init_process_group("nccl")
@@ -62,9 +57,7 @@ def main() -> None:
     device, group = torch.device("cuda", rank), dist.group.WORLD
     for name in args.shapes.split(","):
         shape = MOE_LAYER_SHAPES[name]
-        layout = ep_layout(
-            num_tokens=shape.num_tokens, num_experts=shape.num_experts, topk=shape.topk, ep_size=ep
-        )
+        layout = shape_layout(shape, ep)
         slots = shape.num_tokens * shape.topk
         counts = torch.full((ep, shape.num_experts), slots // shape.num_experts, dtype=torch.int64)
         counts[:, : slots % shape.num_experts] += 1
