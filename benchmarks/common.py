@@ -24,8 +24,9 @@ import subprocess
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from moetriton import kernels
 from moetriton.kernels.rules.expert_parallel import EPLayout, ep_layout
-from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES, MoELayerShape
+from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES, MoELayerShape, MoEShape
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,20 @@ def layer_shape(name: str, num_tokens: int = 0) -> MoELayerShape:
     """The named MoE layer shape, with `num_tokens` tokens per GPU where it is not 0."""
     shape = MOE_LAYER_SHAPES[name]
     return replace(shape, num_tokens=num_tokens) if num_tokens else shape
+
+
+def shape_dispatch_plan(
+    shape: MoEShape, is_mask: bool, device: kernels.DeviceInfo, config: dict | None = None
+) -> kernels.Plan:
+    """kernels.dispatch_plan of the dispatch the permutation benchmarks and the autotuner time: a shape's
+    bf16 tokens to its T x K routed slots, unpadded, with probs and without scales, through a mask (E slots
+    a token) or expert indices (K slots); `config` as kernels.dispatch_plan takes it."""
+    T, H, E, K = shape.num_tokens, shape.hidden, shape.num_experts, shape.topk
+    S = E if is_mask else K
+    sizes = dict(num_tokens=T, hidden=H, num_slots=S, num_experts=E, num_out_tokens=T * K, element_bytes=2)
+    return kernels.dispatch_plan(
+        **sizes, is_mask=is_mask, has_probs=True, scale_cols=None, device=device, config=config
+    )
 
 
 def router_options(shape: MoELayerShape) -> dict:

@@ -12,6 +12,7 @@ import sys
 import torch
 
 import moetriton.torch as mt
+from benchmarks.common import shape_dispatch_plan
 from benchmarks.timing import time_graph
 from moetriton import kernels
 from moetriton.kernels.rules.shapes import NAMED_SHAPES
@@ -41,19 +42,7 @@ def main() -> int:
                 probs=torch.rand(routing.shape, device=device),
                 scales=None,
             )
-            plan = kernels.dispatch_plan(
-                num_tokens=T,
-                hidden=H,
-                num_slots=routing.shape[1],
-                num_experts=E,
-                is_mask=kind == "mask",
-                num_out_tokens=T * K,
-                align_size=None,
-                element_bytes=2,
-                has_probs=True,
-                scale_cols=None,
-                device=device_info(device),
-            )
+            plan = shape_dispatch_plan(shape, is_mask=kind == "mask", device=device_info(device))
             # Each launch as a one-launch plan through the executor, its inputs the earlier launches' outputs.
             env = dict(inputs)
             parts = []

@@ -13,7 +13,7 @@ from moetriton import kernels
 from moetriton.kernels.rules.shapes import MoEShape
 from moetriton.torch.executor import device_info, run_plan
 
-from .common import Result, token_bytes
+from .common import Result, shape_dispatch_plan, token_bytes
 from .timing import input_sets, time_eager, time_graph
 
 DTYPE = torch.bfloat16
@@ -68,19 +68,7 @@ def results(shape: MoEShape, quick: bool = False) -> list[Result]:
     # The two halves of dispatch, to compare with TE's separate row-map and permute kernels. Ours split
     # differently: the counts (histogram + scan) come first, and the permute kernel assigns the rows itself.
     device = torch.device("cuda")
-    plan = kernels.dispatch_plan(
-        num_tokens=T,
-        hidden=H,
-        num_slots=E,
-        num_experts=E,
-        is_mask=True,
-        num_out_tokens=N,
-        align_size=None,
-        element_bytes=eb,
-        has_probs=True,
-        scale_cols=None,
-        device=device_info(device),
-    )
+    plan = shape_dispatch_plan(shape, is_mask=True, device=device_info(device))
     counted = tuple(name for launch in plan.launches[:-1] for name in launch.outputs)
     written = plan.launches[-1].outputs
     counts_plan = kernels.Plan(plan.buffers, plan.launches[:-1], counted)

@@ -32,6 +32,7 @@ import torch
 import triton
 from tqdm import tqdm
 
+from benchmarks.common import shape_dispatch_plan
 from benchmarks.timing import input_sets, time_graph
 from moetriton import kernels
 from moetriton.kernels.rules.shapes import NAMED_SHAPES, MoEShape
@@ -59,23 +60,7 @@ def _cases(shape: MoEShape, kind: str, device, tuned):
     map_features = dict(num_tokens=T, num_slots=S, num_experts=E, is_mask=int(kind == "mask"))
     data_features = dict(num_tokens=T, hidden=H, num_slots=S, element_bytes=eb)
 
-    def dispatch_with(config):
-        return kernels.dispatch_plan(
-            num_tokens=T,
-            hidden=H,
-            num_slots=S,
-            num_experts=E,
-            is_mask=kind == "mask",
-            num_out_tokens=N,
-            align_size=None,
-            element_bytes=eb,
-            has_probs=True,
-            scale_cols=None,
-            device=info,
-            config=config,
-        )
-
-    base = dispatch_with(None)
+    base = shape_dispatch_plan(shape, kind == "mask", info)
     map_plan = kernels.Plan(base.buffers, base.launches, ("row_id_map",))
     sets = []
     for _ in range(input_sets(2 * N * H * eb)):
@@ -109,7 +94,9 @@ def _cases(shape: MoEShape, kind: str, device, tuned):
         # dispatch kernel. The other kernel's config is the one tuned here, if any, else the cache's.
         other = "dispatch" if only == "row_map" else "row_map"
         other_features = data_features if other == "dispatch" else map_features
-        return dispatch_with({only: config, other: tuned(other, other_features)})
+        return shape_dispatch_plan(
+            shape, kind == "mask", info, {only: config, other: tuned(other, other_features)}
+        )
 
     yield (
         "row_map",
@@ -130,14 +117,7 @@ def _cases(shape: MoEShape, kind: str, device, tuned):
             "combine",
             dict(data_features, weighted=int(weighted), gather=int(gather)),
             lambda c, weighted=weighted, gather=gather: kernels.combine_plan(
-                num_tokens=T,
-                hidden=H,
-                num_slots=S,
-                element_bytes=eb,
-                has_weights=weighted,
-                gather_probs=gather,
-                device=info,
-                config=c,
+                **data_features, has_weights=weighted, gather_probs=gather, device=info, config=c
             ),
             [
                 dict(
@@ -153,32 +133,19 @@ def _cases(shape: MoEShape, kind: str, device, tuned):
         "combine_backward",
         data_features,
         lambda c: kernels.combine_backward_plan(
-            num_tokens=T,
-            hidden=H,
-            num_slots=S,
-            num_rows=N,
-            padded=False,
-            element_bytes=eb,
-            device=info,
-            config=c,
+            **data_features, num_rows=N, padded=False, device=info, config=c
         ),
         [dict(s, inp=s["rows"]) for s in sets],
     )
     if kind != "mask":
         return
     yield from _router_cases(shape, info, generator)
+    sort_features = dict(num_rows=N, hidden=H, num_splits=E, element_bytes=eb)
     yield (
         "sort_chunks",
-        dict(num_rows=N, hidden=H, num_splits=E, element_bytes=eb),
+        sort_features,
         lambda c: kernels.sort_chunks_plan(
-            num_rows=N,
-            hidden=H,
-            num_splits=E,
-            element_bytes=eb,
-            has_probs=False,
-            backward=False,
-            device=info,
-            config=c,
+            **sort_features, has_probs=False, backward=False, device=info, config=c
         ),
         [dict(s, inp=s["rows"], probs=None) for s in sets],
     )
@@ -189,12 +156,13 @@ def _router_cases(shape: MoEShape, info, generator: torch.Generator):
     8 groups for dsv3, softmax otherwise (the cache key is (T, E, K), so one scoring per shape)."""
     T, E, K = shape.num_tokens, shape.num_experts, shape.topk
     grouped = shape.name == "dsv3"
+    scoring = dict(
+        score_function="sigmoid" if grouped else "softmax", use_pre_softmax=False, scaling_factor=1.0
+    )
     routing = dict(
-        score_function="sigmoid" if grouped else "softmax",
-        use_pre_softmax=False,
+        scoring,
         num_groups=8 if grouped else 0,
         group_topk=4 if grouped else 0,
-        scaling_factor=1.0,
         has_bias=grouped,
         return_indices=False,
     )
@@ -224,15 +192,7 @@ def _router_cases(shape: MoEShape, info, generator: torch.Generator):
     yield (
         "router_topk_backward",
         dict(common, topk=K),
-        lambda c: kernels.router.topk_backward_plan(
-            **common,
-            topk=K,
-            score_function=score,
-            use_pre_softmax=False,
-            scaling_factor=1.0,
-            device=info,
-            config=c,
-        ),
+        lambda c: kernels.router.topk_backward_plan(**common, topk=K, **scoring, device=info, config=c),
         sets,
     )
     yield (
