@@ -130,16 +130,9 @@ def _sort_rows(module, shape, info, generator):
     order = torch.tensor([p * local + j for j in range(local) for p in range(ep)], device="cuda").int()
     rows = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, generator=generator)
     inputs = dict(inp=rows, split_sizes=sizes, sorted_indices=order, probs=None)
+    plan_sizes = dict(num_rows=N, hidden=H, num_splits=E, element_bytes=2, has_probs=False)
     for backward in (False, True):
-        plan = module.sort_chunks_plan(
-            num_rows=N,
-            hidden=H,
-            num_splits=E,
-            element_bytes=2,
-            has_probs=False,
-            backward=backward,
-            device=info,
-        )
+        plan = module.sort_chunks_plan(**plan_sizes, backward=backward, device=info)
         yield ("sort_chunks_bwd" if backward else "sort_chunks"), plan, inputs
 
 

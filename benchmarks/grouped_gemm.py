@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             sizes = dict(
                 num_rows=rows, depth=depth, num_cols=num_cols, num_groups=shape.num_experts, element_bytes=2
             )
+            problem = dict(rows=rows, depth=depth, num_cols=num_cols, groups=shape.num_experts)
             for kind in ("forward", "dgrad", "wgrad"):
                 flops = 2 * rows * depth * num_cols
                 ms = _ours(kind, operands, sizes, None, device)
@@ -184,10 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                     shape=name,
                     gemm=gemm,
                     kind=kind,
-                    rows=rows,
-                    depth=depth,
-                    num_cols=num_cols,
-                    groups=shape.num_experts,
+                    **problem,
                     ms=round(ms, 4),
                     tflops=round(tflops, 1),
                     peak_pct=round(100 * tflops / PEAK_TFLOPS, 1),

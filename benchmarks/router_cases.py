@@ -27,6 +27,9 @@ from moetriton.kernels.rules.shapes import MoEShape
 from .common import Result, add_out_option, write_results
 from .timing import input_sets, time_eager, time_graph, time_jax
 
+#: RouterCase's fields that are keyword arguments of fused_topk_with_score_function (the bias is an array).
+SCORING = ("num_groups", "group_topk", "scaling_factor", "score_function")
+
 
 @dataclass(frozen=True)
 class RouterCase:
@@ -45,12 +48,8 @@ class RouterCase:
         return f"T{self.num_tokens}-E{self.num_experts}-K{self.topk}{groups}"
 
     def kwargs(self) -> dict:
-        return dict(
-            num_groups=self.num_groups,
-            group_topk=self.group_topk,
-            scaling_factor=self.scaling_factor,
-            score_function=self.score_function,
-        )
+        """The top-k router's scoring keywords (SCORING) of this case."""
+        return {name: getattr(self, name) for name in SCORING}
 
     def bytes(self, backward: bool) -> int:
         cells = self.num_tokens * self.num_experts
