@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 # Host devices for a CPU mesh; the flag only concerns the CPU platform, so it is harmless on GPU machines.
@@ -80,7 +81,9 @@ def check(mesh: Mesh, arrays, options: dict) -> dict[str, float]:
     return errors
 
 
-def main(small: bool = False) -> dict[str, dict[str, float]]:
+def run(small: bool = False) -> dict[str, dict[str, float]]:
+    """Checks the layer on the mesh under both capacity policies and runs the Flax block once; returns the
+    largest errors of each policy."""
     jax.config.update("jax_default_matmul_precision", "highest")  # fp32 check against the fp32 reference
     mesh = make_mesh()
     on_gpu = jax.default_backend() == "gpu"
@@ -113,12 +116,16 @@ def main(small: bool = False) -> dict[str, dict[str, float]]:
     return results
 
 
-if __name__ == "__main__":
+def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--small", action="store_true", help="small shapes even on GPUs")
-    results = main(small=parser.parse_args().small)
+    results = run(small=parser.parse_args().small)
     worst = max(max(errors.values()) for errors in results.values())
     print("ok" if worst < 1e-3 else f"MISMATCH: largest error {worst:.2e}")
-    raise SystemExit(0 if worst < 1e-3 else 1)
+    return 0 if worst < 1e-3 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
