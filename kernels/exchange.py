@@ -47,6 +47,14 @@ def _layout_rows(dest_rows_ptr, block, within, row_mask, out_rows, num_blocks, P
 
 
 @triton.jit
+def _copy_rows(source_ptr, source_rows, target_ptr, target_rows, cols, mask, WIDTH: tl.constexpr):
+    """target[target_rows, cols] = source[source_rows, cols] under `mask` [TILE_ROWS, TILE_COLS], as raw bits
+    (both kernels move rows between the blocks and the layout; only the direction differs)."""
+    values = tl.load(_as_bits(source_ptr) + source_rows[:, None] * WIDTH + cols[None, :], mask=mask)
+    tl.store(_as_bits(target_ptr) + target_rows[:, None] * WIDTH + cols[None, :], values, mask=mask)
+
+
+@triton.jit
 def _place_blocks_kernel(
     blocks_ptr,  # [P * rows, W] the arriving blocks, moved as raw bits
     sizes_ptr,  # [P] integer: rows of block p that carry data (clipped to [0, rows])
@@ -68,9 +76,7 @@ def _place_blocks_kernel(
     if not live:
         return
     target = _layout_rows(dest_rows_ptr, block, within, row_mask, out_rows, num_blocks, PERMUTED)
-    source = block * rows + within
-    values = tl.load(_as_bits(blocks_ptr) + source[:, None] * WIDTH + cols[None, :], mask=mask)
-    tl.store(_as_bits(out_ptr) + target[:, None] * WIDTH + cols[None, :], values, mask=mask)
+    _copy_rows(blocks_ptr, block * rows + within, out_ptr, target, cols, mask, WIDTH)
 
 
 @triton.jit
@@ -94,9 +100,7 @@ def _take_blocks_kernel(
     if not live:
         return
     source = _layout_rows(dest_rows_ptr, block, within, row_mask, out_rows, num_blocks, PERMUTED)
-    target = block * rows + within
-    values = tl.load(_as_bits(layout_ptr) + source[:, None] * WIDTH + cols[None, :], mask=mask)
-    tl.store(_as_bits(blocks_ptr) + target[:, None] * WIDTH + cols[None, :], values, mask=mask)
+    _copy_rows(layout_ptr, source, blocks_ptr, block * rows + within, cols, mask, WIDTH)
 
 
 def _blocks_plan(
