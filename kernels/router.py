@@ -171,6 +171,22 @@ def _ranked_columns(keys, K: tl.constexpr, K_POW2: tl.constexpr, WIDTH: tl.const
 
 
 @triton.jit
+def _logits_tile(
+    logits_ptr, num_tokens, NUM_EXPERTS: tl.constexpr, BLOCK_T: tl.constexpr, EXPERTS_POW2: tl.constexpr
+):
+    """The [BLOCK_T, EXPERTS_POW2] tile of program b's tokens [b*BLOCK_T, (b+1)*BLOCK_T) in [T, E] arrays
+    (the ungrouped kernels' layout, column == expert): (columns, the mask of the entries inside [T, E],
+    their int64 offsets, the logits in fp32, 0 outside)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < num_tokens
+    cols = tl.arange(0, EXPERTS_POW2)
+    valid = row_ok[:, None] & (cols[None, :] < NUM_EXPERTS)
+    offsets = rows.to(tl.int64)[:, None] * NUM_EXPERTS + cols[None, :]
+    x = tl.load(logits_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+    return cols, valid, offsets, x
+
+
+@triton.jit
 def _keep_best_groups(
     keys,
     BLOCK_T: tl.constexpr,
@@ -319,12 +335,7 @@ def _topk_backward_kernel(
       sigmoid / sqrtsoftplus: ga = r * (g / S - sum_r(g a) / S^2), S = sum_r a + 1e-20 (ga = r * g when
       K == 1); dx = ga * da/dx. The expert bias gets no gradient.
     """
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < num_tokens
-    cols = tl.arange(0, EXPERTS_POW2)
-    valid = row_ok[:, None] & (cols[None, :] < NUM_EXPERTS)
-    offsets = rows.to(tl.int64)[:, None] * NUM_EXPERTS + cols[None, :]
-    x = tl.load(logits_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+    _, valid, offsets, x = _logits_tile(logits_ptr, num_tokens, NUM_EXPERTS, BLOCK_T, EXPERTS_POW2)
     grad = tl.load(grad_probs_ptr + offsets, mask=valid, other=0.0).to(tl.float32) * SCALE
     routed = valid & (tl.load(routing_map_ptr + offsets, mask=valid, other=0) != 0)
 
@@ -365,12 +376,7 @@ def _aux_scores_forward_kernel(
     """Aux-loss scores. Grid (cdiv(T, BLOCK_T),): program b writes, for tokens [b*BLOCK_T, (b+1)*BLOCK_T),
     scores = softmax(x), or a / (sum_E a + 1e-20) for sigmoid / sqrtsoftplus (always normalised), and the
     top-K mask of those scores (no bias, groups or scaling)."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < num_tokens
-    cols = tl.arange(0, EXPERTS_POW2)
-    valid = row_ok[:, None] & (cols[None, :] < NUM_EXPERTS)
-    offsets = rows.to(tl.int64)[:, None] * NUM_EXPERTS + cols[None, :]
-    x = tl.load(logits_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+    cols, valid, offsets, x = _logits_tile(logits_ptr, num_tokens, NUM_EXPERTS, BLOCK_T, EXPERTS_POW2)
     if SCORE_FUNCTION == 0:
         scores = _softmax_rows(x, valid)
     else:
@@ -396,12 +402,7 @@ def _aux_scores_backward_kernel(
     """Backward of the aux-loss scores. Grid (cdiv(T, BLOCK_T),): program b recomputes the scores of its
     tokens and writes grad_logits: softmax s * (g - sum g s); sigmoid / sqrtsoftplus
     (g / S - sum(g a) / S^2) * da/dx over all E, S = sum_E a + 1e-20."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < num_tokens
-    cols = tl.arange(0, EXPERTS_POW2)
-    valid = row_ok[:, None] & (cols[None, :] < NUM_EXPERTS)
-    offsets = rows.to(tl.int64)[:, None] * NUM_EXPERTS + cols[None, :]
-    x = tl.load(logits_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+    _, valid, offsets, x = _logits_tile(logits_ptr, num_tokens, NUM_EXPERTS, BLOCK_T, EXPERTS_POW2)
     grad = tl.load(grad_scores_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
     if SCORE_FUNCTION == 0:
         scores = _softmax_rows(x, valid)
