@@ -203,9 +203,10 @@ def _push_rows_kernel(
         tl.store(peer_probs, tl.load(probs_ptr + rows, mask=mine, other=0), mask=mine)
 
 
-def _check(
+def _sizes(
     name: str, num_rows: int, num_chunks: int, num_sources: int, source_rows: int, hidden: int
-) -> None:
+) -> tuple[int, int, int, int, int]:
+    """(R, EP * L, EP, S, H), the sizes both plans validate and launch with, else ValueError."""
     if (
         min(num_rows, hidden, source_rows) < 0
         or num_sources < 1
@@ -216,25 +217,23 @@ def _check(
             f"{name}: expected R, S, H >= 0 and EP * L chunks for EP >= 1 sources, got R={num_rows},"
             f" S={source_rows}, H={hidden}, {num_chunks} chunks, EP={num_sources}"
         )
+    return num_rows, num_chunks, num_sources, source_rows, hidden
 
 
 def _launch(
     kernel,
     inputs: tuple,
     outputs: tuple,
-    num_rows: int,
-    num_chunks: int,
-    num_sources: int,
-    source_rows: int,
-    hidden: int,
+    sizes: tuple[int, int, int, int, int],
     element_bytes: int,
     whole_rows: bool,
     config: Mapping[str, int] | None,
     **flags: bool,
 ) -> Launch:
-    """A launch of either kernel over R = num_rows rows (arguments: the inputs, R, the chunks, EP, S, the
-    outputs): a program moves ROWS rows, SPAN columns of them (whole rows where it reduces over them),
-    BLOCK_H columns a step; `config` overrides DEFAULT_CONFIG's entries."""
+    """A launch of either kernel over R = num_rows rows (`sizes` from `_sizes`; arguments: the inputs, R,
+    the chunks, EP, S, the outputs): a program moves ROWS rows, SPAN columns of them (whole rows where it
+    reduces over them), BLOCK_H columns a step; `config` overrides DEFAULT_CONFIG's entries."""
+    num_rows, num_chunks, num_sources, source_rows, hidden = sizes
     config = {**DEFAULT_CONFIG, **(config or {})}
     rows = config["rows"]
     block_h = min(next_pow2(max(hidden, 1)), max(config["block_bytes"] // element_bytes, 16))
@@ -275,7 +274,7 @@ def pull_rows_plan(
     Results: "out" [R, H] of `dtype`; "out_probs" [R] of `probs_dtype` (with probs_dtype); "dots" [R]
     float32 (with scale_dot). Every row and prob is written. `config`: DEFAULT_CONFIG entries to override.
     """
-    _check("pull_rows", num_rows, num_chunks, num_sources, source_rows, hidden)
+    sizes = _sizes("pull_rows", num_rows, num_chunks, num_sources, source_rows, hidden)
     if probs_dtype is not None and scale_dot:
         raise ValueError("pull_rows: probs and scale_dot are exclusive")
     buffers = {"out": Buffer((num_rows, hidden), dtype)}
@@ -296,11 +295,7 @@ def pull_rows_plan(
         _pull_rows_kernel,
         ("peer_rows", "peer_probs", "chunk_sizes", "source_offsets", "saved", "weights"),
         ("out", "out_probs", "dots"),
-        num_rows,
-        num_chunks,
-        num_sources,
-        source_rows,
-        hidden,
+        sizes,
         element_bytes,
         whole_rows=scale_dot,
         config=config,
@@ -330,18 +325,14 @@ def push_rows_plan(
     [EP] addresses of the sources' probs [S] (probs' dtype). No results: the rows land in the peers'
     buffers, and only those rows are written. `config`: DEFAULT_CONFIG entries to override.
     """
-    _check("push_rows", num_rows, num_chunks, num_sources, source_rows, hidden)
+    sizes = _sizes("push_rows", num_rows, num_chunks, num_sources, source_rows, hidden)
     if num_rows == 0:
         return Plan({}, (), ())
     launch = _launch(
         _push_rows_kernel,
         ("rows", "probs", "chunk_sizes", "source_offsets", "peer_rows", "peer_probs"),
         (),
-        num_rows,
-        num_chunks,
-        num_sources,
-        source_rows,
-        hidden,
+        sizes,
         element_bytes,
         whole_rows=False,
         config=config,
