@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import triton
 import triton.language as tl
 
-from ._jit import _aligned, _as_bits, _chunk_of_rows, column_programs
+from ._jit import _aligned, _as_bits, _chunk_of_rows, block_columns, column_programs
 from .runtime import autotune
 from .runtime.plan import (
     DEFAULT_DEVICE,
@@ -181,7 +181,7 @@ def sort_chunks_plan(
     if num_rows == 0:
         return Plan(buffers, (), results)
     splits_pow2 = next_pow2(num_splits)
-    block_h = max(16, min(next_pow2(hidden), cfg["block_bytes"] // element_bytes))
+    block_h = block_columns(hidden, cfg["block_bytes"] // element_bytes)
     rows = max(1, min(cfg["rows"], _TILE_ELEMENTS // splits_pow2))
     rows = 1 << (rows.bit_length() - 1)
     launch = Launch(
