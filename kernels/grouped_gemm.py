@@ -255,26 +255,15 @@ def _grouped_matmul_wgrad_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=depth_mask[:, None] & col_mask[None, :])
 
 
-GROUPED_MATMUL_SPACE = SearchSpace(
-    "grouped_matmul",
-    {
-        "block_m": (64, 128),
-        "block_n": (64, 128, 256),
-        "block_k": (32, 64),
-        "num_warps": (4, 8),
-        "num_stages": (3, 4),
-    },
-)
-GROUPED_MATMUL_WGRAD_SPACE = SearchSpace(
-    "grouped_matmul_wgrad",
-    {
-        "block_m": (32, 64),
-        "block_n": (64, 128, 256),
-        "block_k": (64, 128),
-        "num_warps": (4, 8),
-        "num_stages": (3, 4),
-    },
-)
+def _matmul_space(kernel: str, block_m: tuple[int, ...], block_k: tuple[int, ...]) -> SearchSpace:
+    """A GEMM kernel's tiles: its own row (block_m) and depth (block_k) tiles; the column tiles, warps and
+    stages, which both kernels search alike."""
+    params = {"block_m": block_m, "block_n": (64, 128, 256), "block_k": block_k}
+    return SearchSpace(kernel, dict(params, num_warps=(4, 8), num_stages=(3, 4)))
+
+
+GROUPED_MATMUL_SPACE = _matmul_space("grouped_matmul", block_m=(64, 128), block_k=(32, 64))
+GROUPED_MATMUL_WGRAD_SPACE = _matmul_space("grouped_matmul_wgrad", block_m=(32, 64), block_k=(64, 128))
 _SWIZZLE = 8
 
 
