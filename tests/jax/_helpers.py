@@ -1,13 +1,20 @@
-"""Turns the shared numpy problems (tests/strategies.py) into JAX arrays, and compares results."""
+"""Turns the shared numpy problems (tests/strategies.py) into JAX arrays, and compares results; counts the
+GPUs and runs the checks that need a JAX of their own in a Python subprocess."""
 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tests.strategies import ChunkProblem, RoutingProblem, numpy_dtype
+
+ROOT = Path(__file__).resolve().parents[2]
 
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -77,4 +84,20 @@ def concat_shards(per_shard_results: list[tuple]) -> tuple:
     """Per-shard results (tuples, None for absent entries) joined along their first axes."""
     return tuple(
         None if parts[0] is None else jnp.concatenate(parts) for parts in zip(*per_shard_results, strict=True)
+    )
+
+
+def gpu_count() -> int:
+    """How many GPUs this process's JAX sees (0 without a GPU backend)."""
+    try:
+        return len(jax.devices("gpu"))
+    except RuntimeError:
+        return 0
+
+
+def run_python(argv: list[str], env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python *argv` in the repository root with its output captured as text: checks whose JAX must start
+    with flags of their own (host device counts, platforms) run so, as do the examples and benchmarks."""
+    return subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )

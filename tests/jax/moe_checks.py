@@ -388,33 +388,15 @@ def check_flax() -> None:
     mesh = make_mesh(2, 2)
     problem = fixed_problem(2, 2, routing="empty_ranks", topk=2, align_size=2)
     x = jnp.asarray(problem.x)
-    block = MoEBlock(
-        num_experts=problem.num_experts,
-        ffn_dim=problem.ffn,
-        topk=2,
-        align_size=2,
-        aux_loss_coeff=1e-2,
-        mesh=mesh,
-        ep_axis="ep",
-        data_axes=("data",),
-    )
+    # The block and the functional layer take the same options: its result is the layer's on its params.
+    options = dict(topk=2, align_size=2, aux_loss_coeff=1e-2, mesh=mesh, ep_axis="ep", data_axes=("data",))
+    block = MoEBlock(num_experts=problem.num_experts, ffn_dim=problem.ffn, **options)
     variables = init_sharded(block, jax.random.key(0), x, mesh=mesh)
     params = nn.meta.unbox(variables["params"])
     for name in ("gate_up", "down"):
         assert tuple(params[name].sharding.spec) == ("ep", None, None), (name, params[name].sharding)
     out, aux_loss, dropped = jax.jit(block.apply)(variables, x)
-    expected = moe(
-        x,
-        params["gate"],
-        params["gate_up"],
-        params["down"],
-        topk=2,
-        align_size=2,
-        aux_loss_coeff=1e-2,
-        mesh=mesh,
-        ep_axis="ep",
-        data_axes=("data",),
-    )
+    expected = moe(x, params["gate"], params["gate_up"], params["down"], **options)
     for a, b in zip((out, aux_loss, dropped), expected, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

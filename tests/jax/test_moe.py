@@ -15,10 +15,7 @@ import csv
 import dataclasses
 import os
 import re
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -28,29 +25,16 @@ from hypothesis import assume, given, settings
 
 from moetriton.jax.moe import moe
 from moetriton.jax.moe.layer import resolve_exchange
+from tests.jax._helpers import gpu_count, run_python
 from tests.jax.moe_checks import CHECKS, DEVICES, check_against_reference, fixed_problem
 from tests.strategies_moe import moe_problems
 
-ROOT = Path(__file__).resolve().parents[2]
 INTERPRETED = {"mesh-1x1", "mesh-1x2", "overflow", "errors"}
 
 
-def _gpu_count() -> int:
-    try:
-        return len(jax.devices("gpu"))
-    except RuntimeError:
-        return 0
-
-
 def _run_check(name: str, env: dict) -> None:
-    result = subprocess.run(
-        [sys.executable, "-X", "faulthandler", "-m", "tests.jax.moe_checks", name],  # a crash shows its stack
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    # -X faulthandler: a crash shows its stack
+    result = run_python(["-X", "faulthandler", "-m", "tests.jax.moe_checks", name], env, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     assert f"{name}: ok" in result.stdout
 
@@ -66,15 +50,15 @@ def test_moe_on_cpu_devices(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(set(CHECKS) - {"exchanges"}))
 def test_moe_on_gpus(name):
-    if _gpu_count() < DEVICES[name]:
-        pytest.skip(f"MoE check {name} needs {DEVICES[name]} GPUs, found {_gpu_count()}")
+    if gpu_count() < DEVICES[name]:
+        pytest.skip(f"MoE check {name} needs {DEVICES[name]} GPUs, found {gpu_count()}")
     _run_check(name, dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
 
 
 @pytest.mark.gpu
 def test_ragged_exchange_on_gpus():
     """The ragged all-to-all path exists only on GPUs (XLA:CPU lacks ragged-all-to-all)."""
-    if _gpu_count() < 2:
+    if gpu_count() < 2:
         pytest.skip("the ragged all-to-all exchange needs 2 GPUs (XLA:CPU has no ragged-all-to-all)")
     _run_check("exchanges", dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
 
@@ -157,22 +141,13 @@ def test_auto_exchange_is_ragged_only_across_processes_of_gpus(platforms, proces
 
 def test_importing_moetriton_jax_does_not_import_flax():
     code = "import sys, moetriton.jax; assert 'flax' not in sys.modules; import moetriton.jax.flax"
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    result = run_python(["-c", code], timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
 
 
 def test_ep_example_runs_and_matches_reference():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "examples/jax_moe_ep.py", "--small"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_python(["examples/jax_moe_ep.py", "--small"], env)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert result.stdout.strip().endswith("ok"), result.stdout[-4000:]
 
@@ -183,13 +158,8 @@ def test_benchmark_isolated_rows(tmp_path, limit, expect_error):
     error row and the run goes on (a hung collective cannot stall the rest)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     argv = ["--tiny", "--steps", "1", "--shapes", "mixtral", "--ep", "1", "--impl", "moetriton"]
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.moe_jax", *argv, "--isolate", str(limit), "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    result = run_python(
+        ["-m", "benchmarks.moe_jax", *argv, "--isolate", str(limit), "--out", str(tmp_path)], env
     )
     with next(tmp_path.glob("*/moe_jax.csv")).open() as file:
         rows = list(csv.DictReader(file))

@@ -8,35 +8,16 @@ with several GPUs the same scenarios run the compiled kernels inside the partiti
 """
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
+from tests.jax._helpers import gpu_count, run_python
 from tests.jax.sharding_checks import SCENARIOS
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _gpu_count() -> int:
-    try:
-        return len(jax.devices("gpu"))
-    except RuntimeError:
-        return 0
 
 
 def _run(scenario: str, env: dict) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.jax.sharding_checks", scenario],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_python(["-m", "tests.jax.sharding_checks", scenario], env)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     assert f"{scenario}: ok" in result.stdout
 
@@ -51,7 +32,7 @@ def test_sharded_ops_run_per_shard_on_cpu_devices(scenario):
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_sharded_ops_run_per_shard_on_gpus(scenario):
     needed = int(np.prod(SCENARIOS[scenario].mesh_shape))
-    if _gpu_count() < needed:
+    if gpu_count() < needed:
         pytest.skip(f"partitioned kernels on GPUs: scenario {scenario} needs {needed} GPUs")
     # This process's JAX may already hold most of the GPU memory; the subprocess allocates on demand.
     _run(scenario, dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
