@@ -65,6 +65,18 @@ def _map_row(row_map_ptr, token, num_slots):
 
 
 @triton.jit
+def _token_chunks(
+    hidden, inp_stride, HIDDEN_ALIGN: tl.constexpr, INP_STRIDE_ALIGN: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    """(H, the token input's row stride, both rebuilt with their alignment hints (`_aligned`), and the
+    programs per token row: one per BLOCK_H columns, and one even when H = 0, since a token's first program
+    also moves its per-slot data)."""
+    hidden = _aligned(hidden, HIDDEN_ALIGN)
+    inp_stride = _aligned(inp_stride, INP_STRIDE_ALIGN)
+    return hidden, inp_stride, tl.maximum(tl.cdiv(hidden, BLOCK_H), 1)
+
+
+@triton.jit
 def _write_lists(map_row, rows, valid, slots, num_slots):
     """Columns 0 .. 2S of one token's row map (all but `end`): the rows of the `valid` slots and those
     slots, ascending, each list padded with -1, and their count. Every lane writes distinct addresses (a
@@ -429,9 +441,7 @@ def _dispatch_kernel(
     its columns, then waits for the scan (and so for the count kernel) before it reads their outputs.
     """
     pid = tl.program_id(0)
-    hidden = _aligned(hidden, HIDDEN_ALIGN)
-    inp_stride = _aligned(inp_stride, INP_STRIDE_ALIGN)
-    chunks = tl.maximum(tl.cdiv(hidden, BLOCK_H), 1)  # one program per token even when H = 0
+    hidden, inp_stride, chunks = _token_chunks(hidden, inp_stride, HIDDEN_ALIGN, INP_STRIDE_ALIGN, BLOCK_H)
     token_programs = num_tokens * chunks
     if pid < token_programs:
         token = pid // chunks
@@ -548,9 +558,7 @@ def _scatter_kernel(
     of token t to the row of each listed slot; the NUM_FILL programs after them zero the tail past `end`
     (NUM_FILL is 0 when the plan pre-zeroes the output)."""
     pid = tl.program_id(0)
-    hidden = _aligned(hidden, HIDDEN_ALIGN)
-    inp_stride = _aligned(inp_stride, INP_STRIDE_ALIGN)
-    chunks = tl.maximum(tl.cdiv(hidden, BLOCK_H), 1)  # one program per token even when H = 0
+    hidden, inp_stride, chunks = _token_chunks(hidden, inp_stride, HIDDEN_ALIGN, INP_STRIDE_ALIGN, BLOCK_H)
     token_programs = num_tokens * chunks
     if pid < token_programs:
         token = pid // chunks
@@ -651,9 +659,7 @@ def _combine_kernel(
     STREAMING reads rows evict-first and stores the output streaming (a knob, as in `_dispatch_kernel`).
     """
     pid = tl.program_id(0)
-    hidden = _aligned(hidden, HIDDEN_ALIGN)
-    inp_stride = _aligned(inp_stride, INP_STRIDE_ALIGN)
-    chunks = tl.maximum(tl.cdiv(hidden, BLOCK_H), 1)  # one program per token even when H = 0
+    hidden, inp_stride, chunks = _token_chunks(hidden, inp_stride, HIDDEN_ALIGN, INP_STRIDE_ALIGN, BLOCK_H)
     token = pid // chunks
     chunk = pid % chunks
     acc_dtype: tl.constexpr = tl.float64 if inp_ptr.dtype.element_ty == tl.float64 else tl.float32
