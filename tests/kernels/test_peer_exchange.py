@@ -50,6 +50,25 @@ def _table(tensors) -> torch.Tensor:
     return torch.tensor([tensor.data_ptr() for tensor in tensors], dtype=torch.int64, device=DEVICE)
 
 
+def _exchange_sizes(num_rows: int, ep: int, local: int, sources, dtype: torch.dtype) -> dict:
+    """The sizes a pull or push plan takes: `num_rows` receiving rows in EP * L chunks from the EP sources
+    of `_case` (rows [S, H] of `dtype`)."""
+    source_rows, hidden = sources[0][0].shape
+    return dict(
+        num_rows=num_rows,
+        num_chunks=ep * local,
+        num_sources=ep,
+        source_rows=source_rows,
+        hidden=hidden,
+        element_bytes=dtype.itemsize,
+    )
+
+
+def _name(dtype: torch.dtype) -> str:
+    """The plans' name of a torch dtype: "bfloat16" for torch.bfloat16."""
+    return str(dtype).removeprefix("torch.")
+
+
 CASES = [(2, 3, 40), (3, 1, 64), (2, 2, 200)]
 
 
@@ -58,14 +77,7 @@ CASES = [(2, 3, 40), (3, 1, 64), (2, 2, 200)]
 def test_pull_gathers_every_row_and_prob_from_its_source(ep, local, hidden, dtype):
     _, chunks, sources, mapping = _case(ep, local, hidden, dtype, seed=hidden + ep)
     plan = kernels.pull_rows_plan(
-        num_rows=len(mapping),
-        num_chunks=ep * local,
-        num_sources=ep,
-        source_rows=sources[0][0].shape[0],
-        hidden=hidden,
-        dtype=str(dtype).removeprefix("torch."),
-        element_bytes=dtype.itemsize,
-        probs_dtype="float32",
+        **_exchange_sizes(len(mapping), ep, local, sources, dtype), dtype=_name(dtype), probs_dtype="float32"
     )
     inputs = dict(
         peer_rows=_table([rows for rows, _ in sources]),
@@ -90,14 +102,7 @@ def test_pull_with_scale_dot_gives_scaled_rows_and_fp32_dot_products(ep, local, 
     saved = torch.randn(num_rows, hidden, generator=generator).to(dtype).to(DEVICE)
     weights = torch.rand(num_rows, generator=generator).to(DEVICE)
     plan = kernels.pull_rows_plan(
-        num_rows=num_rows,
-        num_chunks=ep * local,
-        num_sources=ep,
-        source_rows=sources[0][0].shape[0],
-        hidden=hidden,
-        dtype=str(dtype).removeprefix("torch."),
-        element_bytes=dtype.itemsize,
-        scale_dot=True,
+        **_exchange_sizes(num_rows, ep, local, sources, dtype), dtype=_name(dtype), scale_dot=True
     )
     inputs = dict(peer_rows=_table([rows for rows, _ in sources]), saved=saved, weights=weights, **chunks)
     out, dots = run_plan(plan, inputs, torch.device(DEVICE))
@@ -123,13 +128,7 @@ def test_push_lands_rows_at_their_source_rows_and_writes_nothing_else(ep, local,
         for buffer, buffer_probs in sources
     ]
     plan = kernels.push_rows_plan(
-        num_rows=num_rows,
-        num_chunks=ep * local,
-        num_sources=ep,
-        source_rows=sources[0][0].shape[0],
-        hidden=hidden,
-        element_bytes=dtype.itemsize,
-        has_probs=with_probs,
+        **_exchange_sizes(num_rows, ep, local, sources, dtype), has_probs=with_probs
     )
     inputs = dict(
         rows=rows,

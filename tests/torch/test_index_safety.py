@@ -40,6 +40,12 @@ def _tensor(values: np.ndarray) -> torch.Tensor:
 # Row maps ----------------------------------------------------------------------------------------------
 
 
+def _row_map_sizes(problem) -> dict:
+    """The sizes every row-map plan takes from a row-map problem, its fp32 rows included."""
+    sizes = dict(num_tokens=problem.num_tokens, hidden=problem.hidden, num_slots=problem.num_slots)
+    return dict(sizes, num_rows=problem.num_rows, element_bytes=4)
+
+
 @given(problem=row_map_problems(), weighted=st.booleans(), gather=st.booleans())
 def test_combine_follows_only_live_entries(problem, weighted, gather):
     """Forward combine (and dispatch's backward, which gathers the probs too): entries past the clamped
@@ -48,15 +54,7 @@ def test_combine_follows_only_live_entries(problem, weighted, gather):
     row_map, rows = _tensor(problem.row_map), _tensor(problem.rows)
     weights = _tensor(problem.weights) if weighted else None
     probs = _tensor(problem.permuted_probs) if gather else None
-    plan = kernels.combine_plan(
-        num_tokens=problem.num_tokens,
-        hidden=problem.hidden,
-        num_slots=problem.num_slots,
-        num_rows=problem.num_rows,
-        element_bytes=4,
-        has_weights=weighted,
-        gather_probs=gather,
-    )
+    plan = kernels.combine_plan(**_row_map_sizes(problem), has_weights=weighted, gather_probs=gather)
     inputs = dict(inp=rows, row_id_map=row_map, weights=weights, permuted_probs=probs)
     out, gathered = run_guarded(plan, inputs, DEVICE)
     torch.testing.assert_close(out, reference.combine(rows, row_map, weights), rtol=1e-6, atol=1e-6)
@@ -71,14 +69,7 @@ def test_scatter_writes_only_rows_inside_the_buffer(problem, padded):
     """Unweighted combine's backward: a row named by one live entry gets its token's gradient; rows no
     live entry names are zero where the rule says so (padded buffers, and past the clamped `end`)."""
     row_map, grad = _tensor(problem.row_map), _tensor(problem.grad)
-    plan = kernels.scatter_plan(
-        num_tokens=problem.num_tokens,
-        hidden=problem.hidden,
-        num_slots=problem.num_slots,
-        num_rows=problem.num_rows,
-        padded=padded,
-        element_bytes=4,
-    )
+    plan = kernels.scatter_plan(**_row_map_sizes(problem), padded=padded)
     (out,) = run_guarded(plan, dict(grad=grad, row_id_map=row_map), DEVICE)
     _check_named_rows(problem, out.cpu(), torch.from_numpy(problem.grad), padded)
 
@@ -98,14 +89,7 @@ def test_combine_backward_writes_only_rows_inside_the_buffer(problem, padded):
     row_map, grad, rows, weights = map(
         _tensor, (problem.row_map, problem.grad, problem.rows, problem.weights)
     )
-    plan = kernels.combine_backward_plan(
-        num_tokens=problem.num_tokens,
-        hidden=problem.hidden,
-        num_slots=problem.num_slots,
-        num_rows=problem.num_rows,
-        padded=padded,
-        element_bytes=4,
-    )
+    plan = kernels.combine_backward_plan(**_row_map_sizes(problem), padded=padded)
     grad_rows, grad_weights = run_guarded(
         plan, dict(grad=grad, row_id_map=row_map, inp=rows, weights=weights), DEVICE
     )
