@@ -10,9 +10,10 @@ import pytest
 from moetriton import kernels
 from moetriton.jax import reference
 from moetriton.jax.executor import on_gpu, run_plan
+from tests import _plans
+from tests._plans import HIDDEN, NUM_EXPERTS, NUM_TOKENS, TOPK
 from tests.jax._helpers import assert_reduced, assert_same
 
-NUM_TOKENS, HIDDEN, NUM_EXPERTS, TOPK = 7, 40, 5, 2
 RNG = np.random.default_rng(11)
 IDS = np.argsort(RNG.random((NUM_TOKENS, NUM_EXPERTS)), axis=1)[:, :TOPK].astype(np.int32)
 IDS[3, 1] = -1
@@ -24,11 +25,7 @@ def _run(plan: kernels.Plan, **inputs) -> dict:
 
 
 def _configs(name: str) -> list[dict]:
-    configs = kernels.SEARCH_SPACES[name].configs()
-    if not on_gpu():
-        unique = {tuple(sorted((k, v) for k, v in c.items() if k != "num_warps")): c for c in configs}
-        configs = list(unique.values())
-    return configs
+    return _plans.distinct_configs(name, interpreted=not on_gpu())
 
 
 def _routing(kind: str) -> jnp.ndarray:
@@ -44,20 +41,7 @@ def _routing(kind: str) -> jnp.ndarray:
 def test_every_dispatch_config(kind, config):
     routing = _routing(kind)
     probs = jnp.asarray(RNG.random(routing.shape, dtype=np.float32))
-    name = "row_map" if set(config) <= set(kernels.SEARCH_SPACES["row_map"].params) else "dispatch"
-    plan = kernels.dispatch_plan(
-        num_tokens=NUM_TOKENS,
-        hidden=HIDDEN,
-        num_slots=routing.shape[1],
-        num_experts=NUM_EXPERTS,
-        is_mask=kind == "mask",
-        num_out_tokens=NUM_TOKENS * TOPK,
-        align_size=4,
-        element_bytes=2,
-        has_probs=True,
-        scale_cols=None,
-        config={name: config},
-    )
+    plan = _plans.sweep_dispatch_plan(kind, align_size=4, config=config)
     got = _run(plan, inp=TOKENS, routing=routing, probs=probs, scales=None)
     expected = reference.dispatch(
         TOKENS, routing, probs, None, NUM_EXPERTS, kind == "mask", NUM_TOKENS * TOPK, 4
@@ -82,16 +66,7 @@ def _layout(align_size):
 @pytest.mark.parametrize("config", _configs("combine"), ids=str)
 def test_every_combine_config(config):
     row_map, rows, _, weights = _layout(None)
-    plan = kernels.combine_plan(
-        num_tokens=NUM_TOKENS,
-        hidden=HIDDEN,
-        num_slots=TOPK,
-        num_rows=rows.shape[0],
-        element_bytes=2,
-        has_weights=True,
-        gather_probs=False,
-        config=config,
-    )
+    plan = _plans.sweep_combine_plan(rows.shape[0], weighted=True, config=config)
     got = run_plan(plan, dict(inp=rows, row_id_map=row_map, weights=weights, permuted_probs=None))
     assert_reduced(got[0], reference.combine(rows, row_map, weights), "combine")
 
@@ -100,15 +75,7 @@ def test_every_combine_config(config):
 @pytest.mark.parametrize("config", _configs("combine_backward"), ids=str)
 def test_every_combine_backward_config(align_size, config):
     row_map, rows, grad, weights = _layout(align_size)
-    plan = kernels.combine_backward_plan(
-        num_tokens=NUM_TOKENS,
-        hidden=HIDDEN,
-        num_slots=TOPK,
-        num_rows=rows.shape[0],
-        padded=align_size is not None,
-        element_bytes=2,
-        config=config,
-    )
+    plan = _plans.sweep_combine_backward_plan(rows.shape[0], padded=align_size is not None, config=config)
     grad_input, grad_weights = run_plan(plan, dict(grad=grad, row_id_map=row_map, inp=rows, weights=weights))
     expected_input, expected_weights = reference.combine_backward(grad, row_map, rows, weights)
     assert_reduced(grad_input, expected_input, "grad_input")
@@ -118,18 +85,10 @@ def test_every_combine_backward_config(align_size, config):
 @pytest.mark.parametrize("backward", [False, True])
 @pytest.mark.parametrize("config", _configs("sort_chunks"), ids=str)
 def test_every_sort_chunks_config(backward, config):
-    rows = jnp.asarray(RNG.standard_normal((23, HIDDEN)), jnp.bfloat16)
-    probs = jnp.asarray(RNG.random(23, dtype=np.float32))
-    sizes, order = jnp.array([4, 0, 7, 3, 5], jnp.int32), jnp.array([2, 4, 0, 3, 1], jnp.int32)
-    plan = kernels.sort_chunks_plan(
-        num_rows=23,
-        hidden=HIDDEN,
-        num_splits=5,
-        element_bytes=2,
-        has_probs=True,
-        backward=backward,
-        config=config,
-    )
+    rows = jnp.asarray(RNG.standard_normal((_plans.SORT_ROWS, HIDDEN)), jnp.bfloat16)
+    probs = jnp.asarray(RNG.random(_plans.SORT_ROWS, dtype=np.float32))
+    sizes, order = jnp.array(_plans.SORT_SPLIT_SIZES, jnp.int32), jnp.array(_plans.SORT_ORDER, jnp.int32)
+    plan = _plans.sweep_sort_chunks_plan(backward=backward, config=config)
     got = _run(plan, inp=rows, split_sizes=sizes, sorted_indices=order, probs=probs)
     expected = reference.sort_chunks(rows, sizes, order, probs, backward)
     for name, value in zip(("output", "row_id_map", "permuted_probs"), expected, strict=True):

@@ -12,6 +12,7 @@ import triton
 from moetriton import kernels
 from moetriton.kernels import router as router_plans
 from moetriton.kernels.runtime import autotune
+from tests._plans import dispatch_plan_with_defaults
 
 TEST_GPU = kernels.DeviceInfo("Test GPU 80GB", 132, arch="sm_90")
 
@@ -194,17 +195,12 @@ def test_dispatch_plan_consults_the_cache_for_both_of_its_kernels(tmp_path, monk
     monkeypatch.setattr(autotune, "cache_root", lambda: tmp_path)
     autotune._load.cache_clear()
     try:
-        plan = kernels.dispatch_plan(
+        plan = dispatch_plan_with_defaults(
             num_tokens=4096,
             hidden=1024,
-            num_slots=64,
             num_experts=64,
-            is_mask=True,
             num_out_tokens=4096 * 4,
-            align_size=None,
-            element_bytes=2,
             has_probs=True,
-            scale_cols=None,
             device=TEST_GPU,
         )
     finally:

@@ -10,17 +10,13 @@ import torch
 from moetriton import kernels
 from moetriton.torch import reference
 from moetriton.torch.executor import run_plan
+from tests import _plans
+from tests._plans import HIDDEN, NUM_EXPERTS, NUM_TOKENS, TOPK
 from tests.torch._helpers import DEVICE, assert_plan_results, assert_reduced
-
-NUM_TOKENS, HIDDEN, NUM_EXPERTS, TOPK = 7, 40, 5, 2
 
 
 def _configs(name: str) -> list[dict]:
-    configs = kernels.SEARCH_SPACES[name].configs()
-    if DEVICE.type == "cpu":
-        unique = {tuple(sorted((k, v) for k, v in c.items() if k != "num_warps")): c for c in configs}
-        configs = list(unique.values())
-    return configs
+    return _plans.distinct_configs(name, interpreted=DEVICE.type == "cpu")
 
 
 def _problem(kind: str):
@@ -42,20 +38,7 @@ def _problem(kind: str):
 @pytest.mark.parametrize("config", _configs("row_map") + _configs("dispatch"), ids=str)
 def test_every_dispatch_config(kind, align_size, config):
     x, routing, probs = _problem(kind)
-    name = "row_map" if set(config) <= set(kernels.SEARCH_SPACES["row_map"].params) else "dispatch"
-    plan = kernels.dispatch_plan(
-        num_tokens=NUM_TOKENS,
-        hidden=HIDDEN,
-        num_slots=routing.shape[1],
-        num_experts=NUM_EXPERTS,
-        is_mask=kind == "mask",
-        num_out_tokens=NUM_TOKENS * TOPK,
-        align_size=align_size,
-        element_bytes=2,
-        has_probs=True,
-        scale_cols=None,
-        config={name: config},
-    )
+    plan = _plans.sweep_dispatch_plan(kind, align_size=align_size, config=config)
     got = run_plan(plan, dict(inp=x, routing=routing, probs=probs, scales=None), DEVICE)
     expected = reference.dispatch(
         x, routing, probs, None, NUM_EXPERTS, kind == "mask", NUM_TOKENS * TOPK, align_size
@@ -81,16 +64,7 @@ def _layout(align_size):
 def test_every_combine_config(config, weighted):
     """Weighted combine, and dispatch's backward: an unweighted combine that also gathers the probs."""
     row_map, rows, _, weights = _layout(None)
-    plan = kernels.combine_plan(
-        num_tokens=NUM_TOKENS,
-        hidden=HIDDEN,
-        num_slots=TOPK,
-        num_rows=rows.shape[0],
-        element_bytes=2,
-        has_weights=weighted,
-        gather_probs=not weighted,
-        config=config,
-    )
+    plan = _plans.sweep_combine_plan(rows.shape[0], weighted=weighted, config=config)
     permuted_probs = torch.rand(rows.shape[0], generator=torch.Generator().manual_seed(6)).to(DEVICE)
     inputs = dict(
         inp=rows,
@@ -141,15 +115,7 @@ def test_dispatch_backward_gathers_the_probs_once_over_column_chunks(kind, looka
 @pytest.mark.parametrize("config", _configs("combine_backward"), ids=str)
 def test_every_combine_backward_config(align_size, config):
     row_map, rows, grad, weights = _layout(align_size)
-    plan = kernels.combine_backward_plan(
-        num_tokens=NUM_TOKENS,
-        hidden=HIDDEN,
-        num_slots=TOPK,
-        num_rows=rows.shape[0],
-        padded=align_size is not None,
-        element_bytes=2,
-        config=config,
-    )
+    plan = _plans.sweep_combine_backward_plan(rows.shape[0], padded=align_size is not None, config=config)
     grad_input, grad_weights = run_plan(
         plan, dict(grad=grad, row_id_map=row_map, inp=rows, weights=weights), DEVICE
     )
@@ -162,19 +128,11 @@ def test_every_combine_backward_config(align_size, config):
 @pytest.mark.parametrize("config", _configs("sort_chunks"), ids=str)
 def test_every_sort_chunks_config(backward, config):
     generator = torch.Generator().manual_seed(2)
-    rows = torch.randn(23, HIDDEN, generator=generator).to(DEVICE, torch.bfloat16)
-    probs = torch.rand(23, generator=generator).to(DEVICE)
-    sizes = torch.tensor([4, 0, 7, 3, 5], device=DEVICE)
-    order = torch.tensor([2, 4, 0, 3, 1], device=DEVICE)
-    plan = kernels.sort_chunks_plan(
-        num_rows=23,
-        hidden=HIDDEN,
-        num_splits=5,
-        element_bytes=2,
-        has_probs=True,
-        backward=backward,
-        config=config,
-    )
+    rows = torch.randn(_plans.SORT_ROWS, HIDDEN, generator=generator).to(DEVICE, torch.bfloat16)
+    probs = torch.rand(_plans.SORT_ROWS, generator=generator).to(DEVICE)
+    sizes = torch.tensor(_plans.SORT_SPLIT_SIZES, device=DEVICE)
+    order = torch.tensor(_plans.SORT_ORDER, device=DEVICE)
+    plan = _plans.sweep_sort_chunks_plan(backward=backward, config=config)
     got = run_plan(plan, dict(inp=rows, split_sizes=sizes, sorted_indices=order, probs=probs), DEVICE)
     expected = reference.sort_chunks(rows, sizes, order, probs, backward)
     assert_plan_results(plan, got, expected)

@@ -8,6 +8,7 @@ import torch
 
 from moetriton import kernels
 from moetriton.torch import executor
+from tests._plans import dispatch_plan_with_defaults
 
 pytestmark = pytest.mark.skipif(
     not kernels.INTERPRETER, reason="the probe only runs under TRITON_INTERPRET=1 (the CPU suite)"
@@ -15,17 +16,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def _dispatch_plan():
-    plan = kernels.dispatch_plan(
-        num_tokens=3,
-        hidden=8,
-        num_slots=2,
-        num_experts=2,
-        is_mask=True,
-        num_out_tokens=4,
-        align_size=None,
-        element_bytes=4,
-        has_probs=False,
-        scale_cols=None,
+    plan = dispatch_plan_with_defaults(
+        num_tokens=3, hidden=8, num_experts=2, num_out_tokens=4, element_bytes=4
     )
     inputs = dict(
         inp=torch.arange(24, dtype=torch.float32).reshape(3, 8),

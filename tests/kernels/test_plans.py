@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from moetriton import kernels
 from moetriton.torch.executor import run_plan
+from tests._plans import dispatch_plan_with_defaults
 from tests.torch._helpers import DEVICE
 
 
@@ -38,18 +39,13 @@ def _worst_counts(total: int, num_experts: int, align_size: int) -> list[int]:
 
 @given(st.integers(1, 2**22), st.integers(1, 2048), st.booleans())
 def test_map_building_work_is_linear(num_tokens, num_experts, is_mask):
-    num_slots = num_experts if is_mask else 8
-    plan = kernels.dispatch_plan(
+    plan = dispatch_plan_with_defaults(
         num_tokens=num_tokens,
         hidden=64,
-        num_slots=num_slots,
+        num_slots=num_experts if is_mask else 8,
         num_experts=num_experts,
         is_mask=is_mask,
         num_out_tokens=num_tokens * 8,
-        align_size=None,
-        element_bytes=2,
-        has_probs=False,
-        scale_cols=None,
     )
     count, scan, dispatch = plan.launches
     num_blocks, block_t = count.grid[0], count.constexprs["BLOCK_T"]
@@ -70,17 +66,9 @@ def test_map_building_work_is_linear(num_tokens, num_experts, is_mask):
 def test_empty_inputs_launch_only_the_scan_and_the_fill_programs(layout):
     """With T = 0 no token program runs, yet the fill programs still write every output: zero rows, and the
     per-expert counts of the layout (C each with a capacity), so nothing needs a zeroed buffer."""
-    plan = kernels.dispatch_plan(
-        num_tokens=0,
-        hidden=8,
-        num_slots=4,
-        num_experts=4,
-        is_mask=True,
-        num_out_tokens=None if "capacity" in layout else 10,
-        element_bytes=2,
-        has_probs=True,
-        scale_cols=None,
-        **layout,
+    num_out_tokens = None if "capacity" in layout else 10
+    plan = dispatch_plan_with_defaults(
+        num_tokens=0, hidden=8, num_experts=4, num_out_tokens=num_out_tokens, has_probs=True, **layout
     )
     assert [launch.kernel.fn.__name__ for launch in plan.launches] == [
         "_scan_counts_kernel",
@@ -108,17 +96,8 @@ def test_heuristic_defaults_lie_in_the_search_spaces():
 def test_a_plan_may_return_part_of_its_buffers():
     """The autotune script runs a dispatch plan for its row map alone: buffers it does not return, those whose
     dtype follows an input's ("like:inp") included, are still allocated, and the map equals the full run's."""
-    plan = kernels.dispatch_plan(
-        num_tokens=6,
-        hidden=8,
-        num_slots=4,
-        num_experts=4,
-        is_mask=True,
-        num_out_tokens=12,
-        align_size=None,
-        element_bytes=2,
-        has_probs=True,
-        scale_cols=None,
+    plan = dispatch_plan_with_defaults(
+        num_tokens=6, hidden=8, num_experts=4, num_out_tokens=12, has_probs=True
     )
     generator = torch.Generator().manual_seed(0)
     inputs = dict(

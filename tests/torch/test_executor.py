@@ -12,6 +12,7 @@ import torch
 
 from moetriton import kernels
 from moetriton.torch import executor, permutation
+from tests._plans import dispatch_plan_with_defaults
 
 from ._helpers import DEVICE
 
@@ -39,17 +40,8 @@ def _address(value):
 def _dispatch_plan(align_size: int | None) -> kernels.Plan:
     """Dispatch of 6 bf16 tokens of 32 columns by a [6, 4] mask into 12 rows, without probs (an absent
     input: passed as the dummy's address) or scales."""
-    return kernels.dispatch_plan(
-        num_tokens=6,
-        hidden=32,
-        num_slots=4,
-        num_experts=4,
-        is_mask=True,
-        num_out_tokens=12,
-        element_bytes=2,
-        has_probs=False,
-        scale_cols=None,
-        align_size=align_size,
+    return dispatch_plan_with_defaults(
+        num_tokens=6, hidden=32, num_experts=4, num_out_tokens=12, align_size=align_size
     )
 
 
