@@ -321,14 +321,9 @@ def test_plan_variants_forward_and_backward(variant):
 def test_chunk_sort_with_the_hidden_axis_split_over_programs():
     rows = jnp.asarray(RNG.standard_normal((7, 2100), dtype=np.float32))
     sizes, order = jnp.array([3, 0, 4], jnp.int32), jnp.array([1, 2, 0], jnp.int32)
+    device = executor.device_info()
     plan = kernels.sort_chunks_plan(
-        num_rows=7,
-        hidden=2100,
-        num_splits=3,
-        element_bytes=4,
-        has_probs=False,
-        backward=False,
-        device=executor.device_info(),
+        num_rows=7, hidden=2100, num_splits=3, element_bytes=4, has_probs=False, backward=False, device=device
     )
     assert plan.launches[0].grid[1] > 1
     got = jax.jit(mj.sort_chunks_by_index)(rows, sizes, order)

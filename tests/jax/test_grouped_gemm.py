@@ -211,15 +211,8 @@ def test_every_forward_config(config, transpose_rhs):
     lhs, rhs, sizes, _ = _problem(150, 40, 72, [70, 0, 65], "bfloat16", seed=5)
     if transpose_rhs:
         rhs = jnp.swapaxes(rhs, 1, 2).copy()  # [E, N, K]: the kernel reads it transposed
-    plan = kernels.grouped_matmul_plan(
-        num_rows=150,
-        depth=40,
-        num_cols=72,
-        num_groups=3,
-        element_bytes=2,
-        transpose_rhs=transpose_rhs,
-        config=config,
-    )
+    gemm = dict(num_rows=150, depth=40, num_cols=72, num_groups=3, element_bytes=2)
+    plan = kernels.grouped_matmul_plan(**gemm, transpose_rhs=transpose_rhs, config=config)
     (out,) = run_plan(plan, dict(lhs=lhs, rhs=rhs, group_sizes=sizes, lhs_rows=None, out_rows=None))
     weights = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
     _assert_close(out, _reference(lhs, weights, sizes, jnp.zeros((150, 72)))[0], str(config))
