@@ -40,6 +40,14 @@ class MoEProblem:
     def num_tokens(self) -> int:
         return self.batch * self.seq
 
+    def layer_options(self, aux_loss_coeff: float) -> dict:
+        """Keyword arguments of the layer and its dense reference (both frameworks) that the problem fixes,
+        but for the expert bias, whose array type is the framework's."""
+        router = dict(topk=self.topk, score_function=self.score_function)
+        router.update(num_groups=self.num_groups, group_topk=self.group_topk)
+        layout = dict(align_size=self.align_size, capacity_factor=self.capacity_factor)
+        return dict(router, **layout, aux_loss_coeff=aux_loss_coeff)
+
 
 @st.composite
 def moe_problems(

@@ -57,16 +57,8 @@ def _arrays(problem: MoEProblem) -> tuple[jax.Array, ...]:
 
 
 def _options(problem: MoEProblem) -> dict:
-    return dict(
-        topk=problem.topk,
-        expert_bias=None if problem.expert_bias is None else jnp.asarray(problem.expert_bias),
-        score_function=problem.score_function,
-        num_groups=problem.num_groups,
-        group_topk=problem.group_topk,
-        align_size=problem.align_size,
-        capacity_factor=problem.capacity_factor,
-        aux_loss_coeff=1e-2,
-    )
+    expert_bias = None if problem.expert_bias is None else jnp.asarray(problem.expert_bias)
+    return dict(problem.layer_options(aux_loss_coeff=1e-2), expert_bias=expert_bias)
 
 
 def step(layer, cotangent):

@@ -13,15 +13,7 @@ TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # fp32 layer vs fp32 reference: GEMM and
 
 def options(problem: MoEProblem) -> dict:
     """Keyword arguments shared by moe() and moe_reference()."""
-    return dict(
-        topk=problem.topk,
-        score_function=problem.score_function,
-        num_groups=problem.num_groups,
-        group_topk=problem.group_topk,
-        align_size=problem.align_size,
-        capacity_factor=problem.capacity_factor,
-        aux_loss_coeff=0.1,  # large enough that a wrong aux-loss gradient shows
-    )
+    return problem.layer_options(aux_loss_coeff=0.1)  # large enough that a wrong aux-loss gradient shows
 
 
 def tensors(problem: MoEProblem, device: torch.device) -> dict[str, torch.Tensor]:
