@@ -75,6 +75,16 @@ def _looked_up_features(monkeypatch) -> dict[str, set[tuple[str, ...]]]:
     return seen
 
 
+@pytest.mark.parametrize("path", _cache_files(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_committed_cache_was_tuned_for_the_kernels_code(path):
+    """A kernel edit leaves every committed cache of it stale (users would be warned on every run) until it
+    is retuned, or re-stamped after the compiled code is shown unchanged."""
+    data = json.loads(path.read_text())
+    assert data["source_hash"] == autotune.source_hash(data["kernel"]), (
+        f"{path}: kernel code changed since this cache was written; rerun scripts/autotune.py"
+    )
+
+
 def test_committed_cache_keys_carry_the_features_the_plans_look_up(monkeypatch):
     looked_up = _looked_up_features(monkeypatch)
     for path in _cache_files():
