@@ -13,7 +13,7 @@ from moetriton.kernels.activation import activation_backward_plan, activation_pl
 from moetriton.kernels.rules import validation
 from moetriton.kernels.rules.expert_parallel import GATED_ACTIVATIONS
 
-from .executor import describe, device_info, run_plan, uses_kernels
+from .executor import describe, run_builder, uses_kernels
 
 #: activation name -> its function (applied to the gate half when the activation is gated: GATED_ACTIVATIONS).
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -35,21 +35,10 @@ def apply_activation(h: jax.Array, activation: str) -> jax.Array:
     return function(h32).astype(h.dtype)
 
 
-def _sizes(hidden: jax.Array, group_sizes: jax.Array, activation: str) -> dict:
-    return dict(
-        activation=activation,
-        num_rows=hidden.shape[0],
-        width=hidden.shape[1],
-        num_groups=group_sizes.shape[0],
-        element_bytes=jnp.dtype(hidden.dtype).itemsize,
-        device=device_info(),
-    )
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _grouped_activation(hidden, group_sizes, activation: str) -> jax.Array:
-    plan = activation_plan(**_sizes(hidden, group_sizes, activation))
-    (out,) = run_plan(plan, dict(hidden=hidden, group_sizes=group_sizes))
+    inputs = dict(hidden=hidden, group_sizes=group_sizes)
+    (out,) = run_builder(activation_plan, inputs, activation=activation).values()
     return out
 
 
@@ -59,9 +48,8 @@ def _grouped_activation_fwd(hidden, group_sizes, activation):
 
 def _grouped_activation_bwd(activation, residuals, grad):
     hidden, group_sizes = residuals
-    plan = activation_backward_plan(**_sizes(hidden, group_sizes, activation))
     inputs = dict(hidden=hidden, grad=grad.astype(hidden.dtype), group_sizes=group_sizes)
-    (grad_hidden,) = run_plan(plan, inputs)
+    (grad_hidden,) = run_builder(activation_backward_plan, inputs, activation=activation).values()
     return grad_hidden, None
 
 

@@ -8,6 +8,7 @@ passed as `zeroed_outputs`. TRITON_INTERPRET=1, any backend: the whole plan runs
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 
@@ -22,6 +23,7 @@ from moetriton.kernels import (
     RowStride,
     alignment,
     interpreter_problem,
+    plan_sizes,
 )
 from moetriton.kernels.rules import validation
 from moetriton.kernels.runtime.interpreter import HostArray, say_reference_fallback
@@ -97,6 +99,16 @@ def run_plan(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
     if on_gpu():
         return _run_triton(plan, inputs)
     raise RuntimeError("moetriton: no GPU backend and TRITON_INTERPRET is not set; use the reference instead")
+
+
+def run_builder(builder, inputs: dict, **options) -> dict[str, jax.Array]:
+    """Runs the plan that `builder` (a plan builder of moetriton.kernels) makes for `inputs` (the sizes its
+    `sized_by` declaration reads from them), `options` and, for builders tuned per device, this process's
+    device; returns its results by name. An option also named by the declaration overrides it."""
+    if "device" in inspect.signature(builder).parameters:
+        options["device"] = device_info()
+    plan = builder(**(plan_sizes(builder, inputs, dtype_name) | options))
+    return dict(zip(plan.results, run_plan(plan, inputs), strict=True))
 
 
 def _jax_triton():

@@ -16,33 +16,17 @@ import jax.numpy as jnp
 from moetriton import kernels
 from moetriton.kernels.rules import validation
 
-from .executor import describe, device_info, run_plan, uses_kernels
-
-
-def _sizes(lhs: jax.Array, rhs: jax.Array, transposed: bool = False) -> dict[str, int]:
-    num_groups, depth, num_cols = rhs.shape
-    if transposed:
-        depth, num_cols = num_cols, depth
-    return dict(
-        num_rows=lhs.shape[0],
-        depth=depth,
-        num_cols=num_cols,
-        num_groups=num_groups,
-        element_bytes=jnp.dtype(lhs.dtype).itemsize,
-        device=device_info(),
-    )
+from .executor import describe, run_builder, uses_kernels
 
 
 def _forward(lhs, rhs, group_sizes, lhs_rows, out_rows, transpose_rhs: bool, zero_tail: bool) -> jax.Array:
-    plan = kernels.grouped_matmul_plan(
-        transpose_rhs=transpose_rhs,
-        gather_lhs=lhs_rows is not None,
-        scatter_out=out_rows is not None,
-        zero_tail=zero_tail,
-        **_sizes(lhs, rhs, transpose_rhs),
-    )
     inputs = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes, lhs_rows=lhs_rows, out_rows=out_rows)
-    (out,) = run_plan(plan, inputs)
+    # Read as its transpose, rhs [E, N, K] gives the product's K columns from its middle axis.
+    columns = dict(num_cols=rhs.shape[1]) if transpose_rhs else {}
+    results = run_builder(
+        kernels.grouped_matmul_plan, inputs, transpose_rhs=transpose_rhs, zero_tail=zero_tail, **columns
+    )
+    (out,) = results.values()
     return out
 
 
@@ -64,11 +48,8 @@ def _grouped_matmul_bwd(zero_tail, residuals, grad):
     # groups get zeros, or nothing without zero_tail (a caller that never reads those rows of the product
     # never reads their gradient either).
     grad_lhs = _forward(grad, rhs, group_sizes, out_rows, lhs_rows, transpose_rhs=True, zero_tail=zero_tail)
-    plan = kernels.grouped_matmul_wgrad_plan(
-        gather_lhs=lhs_rows is not None, gather_grad=out_rows is not None, **_sizes(lhs, rhs)
-    )
     inputs = dict(lhs=lhs, grad=grad, group_sizes=group_sizes, lhs_rows=lhs_rows, out_rows=out_rows)
-    (grad_rhs,) = run_plan(plan, inputs)
+    (grad_rhs,) = run_builder(kernels.grouped_matmul_wgrad_plan, inputs).values()
     return grad_lhs, grad_rhs, None, None, None
 
 

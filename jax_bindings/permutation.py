@@ -31,13 +31,9 @@ from moetriton.kernels.rules import validation
 from . import reference
 from ._checks import check_values
 from ._sharding import HIDDEN, ShardedOp, call
-from .executor import describe, device_info, dtype_name, run_plan
+from .executor import describe, run_builder
 
 _op = dataclasses.dataclass(frozen=True, kw_only=True)
-
-
-def _run(plan: kernels.Plan, inputs: dict[str, jax.Array | None]) -> dict[str, jax.Array]:
-    return dict(zip(plan.results, run_plan(plan, inputs), strict=True))
 
 
 @_op
@@ -85,21 +81,15 @@ class Dispatch(ShardedOp):
         inp, routing = arrays["inp"], arrays["routing"]
         probs, scales = arrays.get("probs"), arrays.get("scales")
         if use_kernels:
-            plan = kernels.dispatch_plan(
-                num_tokens=inp.shape[0],
-                hidden=inp.shape[1],
-                num_slots=routing.shape[1],
+            out = run_builder(
+                kernels.dispatch_plan,
+                dict(inp=inp, routing=routing, probs=probs, scales=scales),
                 num_experts=self.num_experts,
                 is_mask=self.is_mask,
                 num_out_tokens=self.num_out_tokens,
                 align_size=self.align_size,
-                element_bytes=inp.dtype.itemsize,
-                has_probs=probs is not None,
-                scale_cols=None if scales is None else scales.shape[1],
                 capacity=self.capacity,
-                device=device_info(),
             )
-            out = _run(plan, dict(inp=inp, routing=routing, probs=probs, scales=scales))
         else:
             names = ("output", "permuted_probs", "permuted_scales", "row_id_map", "pad_offsets")
             values = reference.dispatch(
@@ -142,17 +132,9 @@ class Combine(ShardedOp):
         inp, row_map, weights = arrays["inp"], arrays["row_id_map"], arrays.get("weights")
         if not use_kernels:
             return {"output": reference.combine(inp, row_map, weights)}
-        plan = kernels.combine_plan(
-            num_tokens=row_map.shape[0],
-            hidden=inp.shape[1],
-            num_slots=kernels.row_map_slots(row_map.shape[1]),
-            num_rows=inp.shape[0],
-            element_bytes=inp.dtype.itemsize,
-            has_weights=weights is not None,
-            gather_probs=False,
-            device=device_info(),
+        out = run_builder(
+            kernels.combine_plan, dict(inp=inp, row_id_map=row_map, weights=weights, permuted_probs=None)
         )
-        out = _run(plan, dict(inp=inp, row_id_map=row_map, weights=weights, permuted_probs=None))
         return {"output": out["output"]}
 
 
@@ -182,18 +164,8 @@ class DispatchBackward(ShardedOp):
     def one_shard(self, arrays: dict[str, jax.Array], use_kernels: bool) -> dict[str, jax.Array]:
         grad, row_map, grad_probs = arrays["grad"], arrays["row_id_map"], arrays.get("grad_permuted_probs")
         if use_kernels:
-            plan = kernels.combine_plan(
-                num_tokens=row_map.shape[0],
-                hidden=grad.shape[1],
-                num_slots=kernels.row_map_slots(row_map.shape[1]),
-                num_rows=grad.shape[0],
-                element_bytes=grad.dtype.itemsize,
-                has_weights=False,
-                gather_probs=grad_probs is not None,
-                probs_dtype="float32" if grad_probs is None else dtype_name(grad_probs.dtype),
-                device=device_info(),
-            )
-            out = _run(plan, dict(inp=grad, row_id_map=row_map, weights=None, permuted_probs=grad_probs))
+            inputs = dict(inp=grad, row_id_map=row_map, weights=None, permuted_probs=grad_probs)
+            out = run_builder(kernels.combine_plan, inputs)
             grad_inp, routing_grad = out["output"], out["probs"]
         else:
             grad_inp, routing_grad = reference.dispatch_backward(grad, grad_probs, row_map)
@@ -226,16 +198,13 @@ class Scatter(ShardedOp):
         grad, row_map = arrays["grad"], arrays["row_id_map"]
         if not use_kernels:
             return {"grad_input": reference.scatter_rows(grad, row_map, self.num_rows)}
-        plan = kernels.scatter_plan(
-            num_tokens=row_map.shape[0],
-            hidden=grad.shape[1],
-            num_slots=kernels.row_map_slots(row_map.shape[1]),
+        out = run_builder(
+            kernels.scatter_plan,
+            dict(grad=grad, row_id_map=row_map),
             num_rows=self.num_rows,
             padded=self.padded,
-            element_bytes=grad.dtype.itemsize,
-            device=device_info(),
         )
-        return {"grad_input": _run(plan, dict(grad=grad, row_id_map=row_map))["grad_input"]}
+        return {"grad_input": out["grad_input"]}
 
 
 @_op
@@ -271,16 +240,8 @@ class CombineBackward(ShardedOp):
             weights.astype(jnp.promote_types(weights.dtype, jnp.float32)) if self.hidden_axes else weights
         )
         if use_kernels:
-            plan = kernels.combine_backward_plan(
-                num_tokens=row_map.shape[0],
-                hidden=grad.shape[1],
-                num_slots=kernels.row_map_slots(row_map.shape[1]),
-                num_rows=inp.shape[0],
-                padded=self.padded,
-                element_bytes=inp.dtype.itemsize,
-                device=device_info(),
-            )
-            out = _run(plan, dict(grad=grad, row_id_map=row_map, inp=inp, weights=partial_weights))
+            inputs = dict(grad=grad, row_id_map=row_map, inp=inp, weights=partial_weights)
+            out = run_builder(kernels.combine_backward_plan, inputs, padded=self.padded)
             grad_input, grad_weights = out["grad_input"], out["grad_weights"]
         else:
             grad_input, grad_weights = reference.combine_backward(grad, row_map, inp, partial_weights)
@@ -320,16 +281,8 @@ class SortChunks(ShardedOp):
             arrays.get(name) for name in ("inp", "split_sizes", "sorted_indices", "probs")
         )
         if use_kernels:
-            plan = kernels.sort_chunks_plan(
-                num_rows=inp.shape[0],
-                hidden=inp.shape[1],
-                num_splits=sizes.shape[0],
-                element_bytes=inp.dtype.itemsize,
-                has_probs=probs is not None,
-                backward=self.backward,
-                device=device_info(),
-            )
-            out = _run(plan, dict(inp=inp, split_sizes=sizes, sorted_indices=order, probs=probs))
+            inputs = dict(inp=inp, split_sizes=sizes, sorted_indices=order, probs=probs)
+            out = run_builder(kernels.sort_chunks_plan, inputs, backward=self.backward)
         else:
             values = reference.sort_chunks(inp, sizes, order, probs, self.backward)
             out = dict(zip(("output", "row_id_map", "permuted_probs"), values, strict=True))

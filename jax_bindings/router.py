@@ -1,7 +1,7 @@
 """JAX router: fused top-k with score functions, aux-loss scores and the aux loss.
 
 Same names, arguments and semantics as moetriton.torch.router (see moetriton.kernels.router and
-docs/router.md). Every op is a jax.custom_vjp over kernel calls that run through `executor.run_plan`:
+docs/router.md). Every op is a jax.custom_vjp over kernel calls that run through `executor.run_builder`:
 jax-triton on GPU, the Triton interpreter through jax.pure_callback on CPU when TRITON_INTERPRET=1, and
 otherwise `moetriton.jax.reference_router`.
 
@@ -32,7 +32,7 @@ from moetriton.kernels.rules import router as rules
 from . import reference_router as reference
 from ._checks import check_values
 from ._sharding import SUM, WHOLE, ShardedOp, call
-from .executor import describe, device_info, run_plan
+from .executor import describe, run_builder
 
 # Local computations: (use_kernels, options, *arrays) -> results. `options` holds the static arguments in the
 # order the reference functions take them after their array arguments.
@@ -42,63 +42,51 @@ def _topk_local(use_kernels, options, logits, bias=None):
     topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function, return_indices = options
     if not use_kernels:
         return reference.topk_forward(logits, bias, *options)
-    plan = plans.topk_plan(
-        num_tokens=logits.shape[0],
-        num_experts=logits.shape[1],
+    results = run_builder(
+        plans.topk_plan,
+        dict(logits=logits, bias=bias),
         topk=topk,
         score_function=score_function,
         use_pre_softmax=use_pre_softmax,
         num_groups=num_groups,
         group_topk=group_topk,
         scaling_factor=scaling_factor,
-        has_bias=bias is not None,
         return_indices=return_indices,
-        device=device_info(),
     )
-    return run_plan(plan, dict(logits=logits, bias=bias))
+    return tuple(results.values())
 
 
 def _topk_backward_local(use_kernels, options, grad_probs, logits, routing_map):
     topk, use_pre_softmax, scaling_factor, score_function = options
     if not use_kernels:
         return (reference.topk_backward(grad_probs, logits, routing_map, *options),)
-    plan = plans.topk_backward_plan(
-        num_tokens=logits.shape[0],
-        num_experts=logits.shape[1],
+    results = run_builder(
+        plans.topk_backward_plan,
+        dict(grad_probs=grad_probs, logits=logits, routing_map=routing_map),
         topk=topk,
         score_function=score_function,
         use_pre_softmax=use_pre_softmax,
         scaling_factor=scaling_factor,
-        device=device_info(),
     )
-    return run_plan(plan, dict(grad_probs=grad_probs, logits=logits, routing_map=routing_map))
+    return tuple(results.values())
 
 
 def _scores_local(use_kernels, options, logits):
     topk, score_function = options
     if not use_kernels:
         return reference.aux_scores_forward(logits, *options)
-    plan = plans.aux_scores_plan(
-        num_tokens=logits.shape[0],
-        num_experts=logits.shape[1],
-        topk=topk,
-        score_function=score_function,
-        device=device_info(),
+    results = run_builder(
+        plans.aux_scores_plan, dict(logits=logits), topk=topk, score_function=score_function
     )
-    return run_plan(plan, dict(logits=logits))
+    return tuple(results.values())
 
 
 def _scores_backward_local(use_kernels, options, grad_scores, logits):
     (score_function,) = options
     if not use_kernels:
         return (reference.aux_scores_backward(grad_scores, logits, score_function),)
-    plan = plans.aux_scores_backward_plan(
-        num_tokens=logits.shape[0],
-        num_experts=logits.shape[1],
-        score_function=score_function,
-        device=device_info(),
-    )
-    return run_plan(plan, dict(grad_scores=grad_scores, logits=logits))
+    inputs = dict(grad_scores=grad_scores, logits=logits)
+    return tuple(run_builder(plans.aux_scores_backward_plan, inputs, score_function=score_function).values())
 
 
 def _loss_local(use_kernels, options, probs, counts, total=None):
@@ -107,16 +95,16 @@ def _loss_local(use_kernels, options, probs, counts, total=None):
     total_num_tokens = total_int if total is None else total
     if not use_kernels:
         return (reference.aux_loss(probs, counts, total_num_tokens, num_experts, topk, coeff),)
-    plan = plans.aux_loss_plan(
-        num_rows=probs.shape[0],
-        num_cols=probs.shape[1],
+    results = run_builder(
+        plans.aux_loss_plan,
+        dict(probs=probs, counts=counts, total=total),
         num_experts=num_experts,
         topk=topk,
         coeff=coeff,
         total=total_int if total is None else None,
         loss_dtype="float32",
     )
-    return run_plan(plan, dict(probs=probs, counts=counts, total=total))
+    return tuple(results.values())
 
 
 def _loss_backward_local(use_kernels, options, rows, grad_loss, counts, total=None):
@@ -129,7 +117,9 @@ def _loss_backward_local(use_kernels, options, rows, grad_loss, counts, total=No
             grad_loss, rows.shape[0], probs_dtype, counts, total_num_tokens, num_experts, topk, coeff
         )
         return (grad,)
-    plan = plans.aux_loss_backward_plan(
+    results = run_builder(
+        plans.aux_loss_backward_plan,
+        dict(grad_loss=grad_loss, counts=counts, total=total),
         num_rows=rows.shape[0],
         num_cols=counts.shape[0],
         num_experts=num_experts,
@@ -138,7 +128,7 @@ def _loss_backward_local(use_kernels, options, rows, grad_loss, counts, total=No
         total=total_int if total is None else None,
         probs_dtype=probs_dtype,
     )
-    return run_plan(plan, dict(grad_loss=grad_loss, counts=counts, total=total))
+    return tuple(results.values())
 
 
 # Sharded ops -----------------------------------------------------------------------------------------------

@@ -21,7 +21,18 @@ import triton.language as tl
 
 from ._jit import block_columns
 from .rules.expert_parallel import GATED_ACTIVATIONS
-from .runtime.plan import DEFAULT_DEVICE, Buffer, DeviceInfo, Launch, Plan, cached, cdiv, next_pow2
+from .runtime.plan import (
+    DEFAULT_DEVICE,
+    Buffer,
+    DeviceInfo,
+    Launch,
+    Plan,
+    Sizes,
+    cached,
+    cdiv,
+    next_pow2,
+    sized_by,
+)
 
 #: The function of every activation (the gated ones' on their gate half), as the kernels' FUNCTION constexpr.
 _FUNCTIONS = {"swiglu": 0, "geglu": 1, "gelu": 1, "relu": 2}
@@ -191,6 +202,14 @@ def _plan(
     return Plan(buffers, (launch,), (result,))
 
 
+#: Both plans take their sizes from hidden [M, W] and group_sizes [E].
+_HIDDEN_SIZES = Sizes(
+    axes=dict(num_rows=("hidden", 0), width=("hidden", 1), num_groups=("group_sizes", 0)),
+    element_bytes="hidden",
+)
+
+
+@sized_by(_HIDDEN_SIZES)
 @cached
 def activation_plan(
     *,
@@ -211,6 +230,7 @@ def activation_plan(
     return _plan(_activate_kernel, ("hidden", "group_sizes"), "out", False, *sizes)
 
 
+@sized_by(_HIDDEN_SIZES)
 @cached
 def activation_backward_plan(
     *,

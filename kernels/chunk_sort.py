@@ -29,10 +29,12 @@ from .runtime.plan import (
     Plan,
     RowStride,
     SearchSpace,
+    Sizes,
     alignment,
     cached,
     cdiv,
     next_pow2,
+    sized_by,
 )
 
 _TILE_ELEMENTS = 4096
@@ -153,6 +155,13 @@ SORT_CHUNKS_SPACE = SearchSpace(
 )
 
 
+@sized_by(
+    Sizes(
+        axes=dict(num_rows=("inp", 0), hidden=("inp", 1), num_splits=("split_sizes", 0)),
+        present=dict(has_probs="probs"),
+        element_bytes="inp",
+    )
+)
 @cached
 def sort_chunks_plan(
     *,

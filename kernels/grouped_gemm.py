@@ -36,9 +36,11 @@ from .runtime.plan import (
     Launch,
     Plan,
     SearchSpace,
+    Sizes,
     cached,
     cdiv,
     next_pow2,
+    sized_by,
 )
 
 
@@ -308,6 +310,13 @@ def _launch(kernel, num_programs: int, args: tuple, sizes: dict, cfg: dict, **co
     )
 
 
+@sized_by(
+    Sizes(
+        axes=dict(num_rows=("lhs", 0), depth=("lhs", 1), num_cols=("rhs", 2), num_groups=("rhs", 0)),
+        present=dict(gather_lhs="lhs_rows", scatter_out="out_rows"),
+        element_bytes="lhs",
+    )
+)
 @cached
 def grouped_matmul_plan(
     *,
@@ -391,6 +400,13 @@ def _gather_launch(source: str, rows: str, gathered: str, sizes: dict, width: in
     )
 
 
+@sized_by(
+    Sizes(
+        axes=dict(num_rows=("lhs", 0), depth=("lhs", 1), num_cols=("grad", 1), num_groups=("group_sizes", 0)),
+        present=dict(gather_lhs="lhs_rows", gather_grad="out_rows"),
+        element_bytes="lhs",
+    )
+)
 @cached
 def grouped_matmul_wgrad_plan(
     *,

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ._jit import _aligned, _as_bits, block_columns, column_programs
-from .rules.layout import buffer_rows, row_map_columns
+from .rules.layout import buffer_rows, row_map_columns, row_map_slots
 from .runtime import autotune
 from .runtime.plan import (
     DEFAULT_DEVICE,
@@ -48,10 +48,12 @@ from .runtime.plan import (
     Plan,
     RowStride,
     SearchSpace,
+    Sizes,
     alignment,
     cached,
     cdiv,
     next_pow2,
+    sized_by,
 )
 
 # Largest number of elements one program holds in a tile; keeps register use bounded for any E, K and H.
@@ -910,6 +912,19 @@ def _data_config(hidden: int, num_slots: int, element_bytes: int, num_tokens: in
     return cfg, block_columns(hidden, cfg["block_bytes"] // element_bytes)
 
 
+#: The sizes every op reading a row map takes from it: T its rows, S the slots its columns list.
+_ROW_MAP_AXES = dict(num_tokens=("row_id_map", 0), num_slots=("row_id_map", 1, row_map_slots))
+
+
+@sized_by(
+    Sizes(
+        axes=dict(
+            num_tokens=("inp", 0), hidden=("inp", 1), num_slots=("routing", 1), scale_cols=("scales", 1)
+        ),
+        present=dict(has_probs="probs"),
+        element_bytes="inp",
+    )
+)
 @cached
 def dispatch_plan(
     *,
@@ -1069,6 +1084,7 @@ def _mapped_rows_constexprs(block_h: int, num_slots: int, num_fill: int, hidden:
     )
 
 
+@sized_by(Sizes(axes=dict(_ROW_MAP_AXES, hidden=("grad", 1)), element_bytes="grad"))
 @cached
 def scatter_plan(
     *,
@@ -1112,6 +1128,14 @@ def scatter_plan(
     return Plan(buffers, (launch,), ("grad_input",))
 
 
+@sized_by(
+    Sizes(
+        axes=dict(_ROW_MAP_AXES, hidden=("inp", 1), num_rows=("inp", 0)),
+        present=dict(has_weights="weights", gather_probs="permuted_probs"),
+        element_bytes="inp",
+        dtypes=dict(probs_dtype="permuted_probs"),
+    )
+)
 @cached
 def combine_plan(
     *,
@@ -1183,6 +1207,12 @@ def combine_plan(
     return Plan(buffers, (launch,), ("output", "probs"))
 
 
+@sized_by(
+    Sizes(
+        axes=dict(_ROW_MAP_AXES, hidden=("grad", 1), num_rows=("inp", 0)),
+        element_bytes="inp",
+    )
+)
 @cached
 def combine_backward_plan(
     *,

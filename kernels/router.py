@@ -51,9 +51,11 @@ from .runtime.plan import (
     Launch,
     Plan,
     SearchSpace,
+    Sizes,
     cached,
     cdiv,
     next_pow2,
+    sized_by,
 )
 
 #: Score-function ids used as constexprs.
@@ -605,6 +607,9 @@ def _rows_plan(
     return Plan(buffers, (launch,), results)
 
 
+@sized_by(
+    Sizes(axes=dict(num_tokens=("logits", 0), num_experts=("logits", 1)), present=dict(has_bias="bias"))
+)
 @cached
 def topk_plan(
     *,
@@ -656,6 +661,7 @@ def topk_plan(
     )
 
 
+@sized_by(Sizes(axes=dict(num_tokens=("logits", 0), num_experts=("logits", 1))))
 @cached
 def topk_backward_plan(
     *,
@@ -691,6 +697,7 @@ def topk_backward_plan(
     )
 
 
+@sized_by(Sizes(axes=dict(num_tokens=("logits", 0), num_experts=("logits", 1))))
 @cached
 def aux_scores_plan(
     *,
@@ -722,6 +729,7 @@ def aux_scores_plan(
     )
 
 
+@sized_by(Sizes(axes=dict(num_tokens=("logits", 0), num_experts=("logits", 1))))
 @cached
 def aux_scores_backward_plan(
     *,
@@ -760,6 +768,7 @@ def _coeff(num_experts: int, topk: int, coeff: float) -> float:
     return num_experts * coeff / topk
 
 
+@sized_by(Sizes(axes=dict(num_rows=("probs", 0), num_cols=("probs", 1))))
 @cached
 def aux_loss_plan(
     *,
@@ -805,6 +814,7 @@ def aux_loss_plan(
     return Plan(buffers, (partial, finish), ("loss",))
 
 
+@sized_by(Sizes())
 @cached
 def aux_loss_backward_plan(
     *,

@@ -27,16 +27,17 @@ import torch
 
 from moetriton import kernels
 
-from .executor import allocate, bound, device_info, filling_placeholders, uses_kernels
+from .executor import allocate, bound, device_info, dtype_name, filling_placeholders, uses_kernels
 
 # Types whose instances take the direct path; subclasses (FakeTensor, DTensor, quantized wrappers) do not.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class Launch:
-    """How an op's arguments become a launch plan: `plan` (a plan builder of moetriton.kernels), `sizes` and
-    `inputs` (functions of the op's arguments giving the builder's size arguments and the plan's input
-    tensors by name), and `reference` (what runs where kernels do not). The device is the first argument's.
+    """How an op's arguments become a launch plan: `plan` (a plan builder of moetriton.kernels), `inputs`
+    (a function of the op's arguments giving the plan's input tensors by name, from which the builder's
+    `sized_by` declaration gives its sizes), `options` (a function of the op's arguments giving the builder's
+    other arguments) and `reference` (what runs where kernels do not). The device is the first argument's.
     `run` is the op's implementation and `fake` its shapes-only twin, from the same plan, or from
     `outputs(sizes)` (the plan's output buffers, shape arithmetic only) where building the whole plan needs
     concrete sizes and torch.compile may trace with symbolic ones; `first` returns the plan's first result
@@ -45,31 +46,49 @@ class Launch:
     def __init__(
         self,
         plan: Callable[..., kernels.Plan],
-        sizes: Callable[..., dict],
         inputs: Callable[..., dict],
+        options: Callable[..., dict],
         reference: Callable[..., Any],
         *,
         outputs: Callable[[dict], dict] | None = None,
         first: bool = False,
     ) -> None:
-        self.plan, self.sizes, self.inputs, self.reference = plan, sizes, inputs, reference
+        self.plan, self.inputs, self.options, self.reference = plan, inputs, options, reference
         self.outputs, self.first = outputs, first
+
+    def sizes(self, inputs: dict, args: tuple) -> dict:
+        """The plan builder's arguments for the op's `args`, whose plan inputs are `inputs`."""
+        return kernels.plan_sizes(self.plan, inputs, dtype_name) | self.options(*args)
 
     def run(self, *args):
         device = args[0].device
         if not uses_kernels(device):
             return self.reference(*args)
-        results = bound(self.plan, device, **self.sizes(*args))(self.inputs(*args))
+        inputs = self.inputs(*args)
+        results = bound(self.plan, device, **self.sizes(inputs, args))(inputs)
         return results[0] if self.first else results
 
     def fake(self, *args):
-        device, sizes = args[0].device, self.sizes(*args)
+        device, inputs = args[0].device, self.inputs(*args)
+        sizes = self.sizes(inputs, args)
         if self.outputs is None:
             plan = self.plan(**sizes, device=device_info(device))
         else:
             outputs = self.outputs(sizes)
             plan = kernels.Plan(outputs, (), tuple(outputs))
-        return fake_results(plan, self.inputs(*args), device)[0 if self.first else slice(None)]
+        return fake_results(plan, inputs, device)[0 if self.first else slice(None)]
+
+
+def trailing(*names: str | None) -> Callable[..., dict]:
+    """`Launch.options` for ops whose last arguments are plan options: those arguments by `names`, in order
+    (None skips an argument the plan does not take)."""
+    count = len(names)
+
+    def options(*args) -> dict:
+        values = args[len(args) - count :] if count else ()
+        return {name: value for name, value in zip(names, values, strict=True) if name is not None}
+
+    return options
 
 
 def fake_results(plan: kernels.Plan, inputs: dict, device: torch.device) -> tuple[torch.Tensor, ...]:

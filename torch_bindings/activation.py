@@ -8,23 +8,12 @@ from torch import Tensor
 from moetriton import kernels
 
 from . import reference
-from ._op import Launch, Op
-
-
-def _activation_sizes(hidden: Tensor, activation: str) -> dict:
-    return dict(
-        activation=activation,
-        num_rows=hidden.shape[0],
-        width=hidden.shape[1],
-        num_groups=None,
-        element_bytes=hidden.element_size(),
-    )
-
+from ._op import Launch, Op, trailing
 
 _ACTIVATE = Launch(
     kernels.activation_plan,
-    _activation_sizes,
     lambda hidden, activation: dict(hidden=hidden, group_sizes=None),
+    trailing("activation"),
     reference.activate,
     first=True,
 )
@@ -49,8 +38,8 @@ def _activate_backward(ctx, grad):
 
 _ACTIVATE_BACKWARD = Launch(
     kernels.activation_backward_plan,
-    lambda grad, hidden, activation: _activation_sizes(hidden, activation),
     lambda grad, hidden, activation: dict(hidden=hidden, grad=grad.to(hidden.dtype), group_sizes=None),
+    trailing("activation"),
     reference.activate_backward,
     first=True,
 )

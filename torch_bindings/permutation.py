@@ -23,8 +23,8 @@ from moetriton.kernels.rules import validation
 
 from . import reference
 from ._checks import Signature, describe, extremes, memoised, same_device, signature, values_checked
-from ._op import Launch, Op, fake_results, zeros_like_meta
-from .executor import bound, uses_kernels
+from ._op import Launch, Op, fake_results, trailing, zeros_like_meta
+from .executor import bound, dtype_name, uses_kernels
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -32,19 +32,14 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # dispatch ------------------------------------------------------------------------------------------------
 
 
-def dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, align_size, capacity) -> dict:
-    """dispatch_plan's size arguments for a dispatch of inp through routing (None: no alignment, no
-    capacity; with a capacity num_out_tokens is unused)."""
-    return dict(
-        num_tokens=inp.shape[0],
-        hidden=inp.shape[1],
-        num_slots=routing.shape[1],
+def dispatch_sizes(inputs: dict, num_experts, num_out_tokens, align_size, capacity) -> dict:
+    """dispatch_plan's arguments for a dispatch of `inputs` (inp, routing, probs, scales) but is_mask (None:
+    no alignment, no capacity; with a capacity num_out_tokens is unused)."""
+    return kernels.plan_sizes(kernels.dispatch_plan, inputs, dtype_name) | dict(
         num_experts=num_experts,
         num_out_tokens=None if capacity is not None else num_out_tokens,
         align_size=align_size,
         capacity=capacity,
-        has_probs=probs is not None,
-        scale_cols=None if scales is None else scales.shape[1],
     )
 
 
@@ -66,21 +61,18 @@ def _dispatch(
         return reference.dispatch(
             inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity
         )
-    sizes = dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, align_size, capacity)
-    executable = bound(
-        kernels.dispatch_plan, inp.device, **sizes, is_mask=is_mask, element_bytes=inp.element_size()
-    )
-    return executable(dict(inp=inp, routing=routing, probs=probs, scales=scales))
+    inputs = dict(inp=inp, routing=routing, probs=probs, scales=scales)
+    sizes = dispatch_sizes(inputs, num_experts, num_out_tokens, align_size, capacity)
+    return bound(kernels.dispatch_plan, inp.device, **sizes, is_mask=is_mask)(inputs)
 
 
 def _dispatch_fake(inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity):
     # Shapes only: the expert count may be a data-dependent size here (TE's index map without E).
-    outputs = kernels.dispatch_outputs(
-        **dispatch_sizes(inp, routing, probs, scales, num_experts, num_out_tokens, align_size, capacity)
-    )
-    return fake_results(
-        kernels.Plan(outputs, (), tuple(outputs)), dict(inp=inp, probs=probs, scales=scales), inp.device
-    )
+    inputs = dict(inp=inp, routing=routing, probs=probs, scales=scales)
+    sizes = dispatch_sizes(inputs, num_experts, num_out_tokens, align_size, capacity)
+    sizes.pop("element_bytes")
+    outputs = kernels.dispatch_outputs(**sizes)
+    return fake_results(kernels.Plan(outputs, (), tuple(outputs)), inputs, inp.device)
 
 
 def _dispatch_setup(ctx, inputs, output):
@@ -116,28 +108,13 @@ def _dispatch_backward(ctx, grad_output, grad_probs, grad_scales, grad_map, grad
     )
 
 
-def _combine_sizes(inp, row_map, weights, permuted_probs) -> dict:
-    return dict(
-        num_tokens=row_map.shape[0],
-        hidden=inp.shape[1],
-        num_slots=kernels.row_map_slots(row_map.shape[1]),
-        num_rows=inp.shape[0],
-        element_bytes=inp.element_size(),
-        has_weights=weights is not None,
-        gather_probs=permuted_probs is not None,
-        probs_dtype="float32" if permuted_probs is None else str(permuted_probs.dtype).removeprefix("torch."),
-    )
-
-
 # Dispatch's gradient is a combine of its cotangent (and a gather of the permuted probs' gradient).
 _DISPATCH_BACKWARD = Launch(
     kernels.combine_plan,
-    lambda grad_output, grad_permuted_probs, row_id_map: _combine_sizes(
-        grad_output, row_id_map, None, grad_permuted_probs
-    ),
     lambda grad_output, grad_permuted_probs, row_id_map: dict(
         inp=grad_output, row_id_map=row_id_map, weights=None, permuted_probs=grad_permuted_probs
     ),
+    trailing(),
     reference.dispatch_backward,
 )
 
@@ -158,10 +135,10 @@ DISPATCH = Op("dispatch", _dispatch, _dispatch_fake, setup=_dispatch_setup, back
 
 _COMBINE = Launch(
     kernels.combine_plan,
-    lambda inp, row_id_map, merging_probs, padded: _combine_sizes(inp, row_id_map, merging_probs, None),
     lambda inp, row_id_map, merging_probs, padded: dict(
         inp=inp, row_id_map=row_id_map, weights=merging_probs, permuted_probs=None
     ),
+    trailing(),
     lambda inp, row_id_map, merging_probs, padded: reference.combine(inp, row_id_map, merging_probs),
     first=True,
 )
@@ -190,21 +167,10 @@ def _combine_backward(ctx, grad):
     return SCATTER_ROWS(grad, row_map, ctx.num_rows, ctx.padded), None, None, None
 
 
-def _scatter_sizes(grad, row_map, num_rows, padded) -> dict:
-    return dict(
-        num_tokens=row_map.shape[0],
-        hidden=grad.shape[1],
-        num_slots=kernels.row_map_slots(row_map.shape[1]),
-        num_rows=num_rows,
-        padded=padded,
-        element_bytes=grad.element_size(),
-    )
-
-
 _SCATTER_ROWS = Launch(
     kernels.scatter_plan,
-    _scatter_sizes,
     lambda grad, row_id_map, num_rows, padded: dict(grad=grad, row_id_map=row_id_map),
+    trailing("num_rows", "padded"),
     lambda grad, row_id_map, num_rows, padded: reference.scatter_rows(grad, row_id_map, num_rows),
     first=True,
 )
@@ -216,23 +182,12 @@ def _scatter_rows(grad: Tensor, row_id_map: Tensor, num_rows: int, padded: bool)
     return _SCATTER_ROWS.run(grad, row_id_map, num_rows, padded)
 
 
-def _combine_backward_sizes(grad, row_map, inp, merging_probs, padded) -> dict:
-    return dict(
-        num_tokens=row_map.shape[0],
-        hidden=grad.shape[1],
-        num_slots=kernels.row_map_slots(row_map.shape[1]),
-        num_rows=inp.shape[0],
-        padded=padded,
-        element_bytes=inp.element_size(),
-    )
-
-
 _COMBINE_BACKWARD = Launch(
     kernels.combine_backward_plan,
-    _combine_backward_sizes,
     lambda grad, row_id_map, inp, merging_probs, padded: dict(
         grad=grad, row_id_map=row_id_map, inp=inp, weights=merging_probs
     ),
+    trailing("padded"),
     lambda grad, row_id_map, inp, merging_probs, padded: reference.combine_backward(
         grad, row_id_map, inp, merging_probs, inp.shape[0]
     ),
@@ -254,23 +209,12 @@ COMBINE = Op("combine", _combine, _COMBINE.fake, setup=_combine_setup, backward=
 # chunk sort ----------------------------------------------------------------------------------------------
 
 
-def _sort_sizes(inp, split_sizes, sorted_indices, probs, backward) -> dict:
-    return dict(
-        num_rows=inp.shape[0],
-        hidden=inp.shape[1],
-        num_splits=split_sizes.shape[0],
-        element_bytes=inp.element_size(),
-        has_probs=probs is not None,
-        backward=backward,
-    )
-
-
 _SORT_CHUNKS = Launch(
     kernels.sort_chunks_plan,
-    _sort_sizes,
     lambda inp, split_sizes, sorted_indices, probs, backward: dict(
         inp=inp, split_sizes=split_sizes, sorted_indices=sorted_indices, probs=probs
     ),
+    trailing("backward"),
     reference.sort_chunks,
 )
 

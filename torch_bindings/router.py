@@ -20,7 +20,7 @@ from moetriton.kernels.rules import router as rules
 
 from . import reference_router as reference
 from ._checks import Signature, describe, memoised, same_device, signature, values_checked
-from ._op import Launch, Op
+from ._op import Launch, Op, trailing
 from .executor import dtype_name
 
 
@@ -67,26 +67,18 @@ def _check_aux_loss(
 # symbolic sizes (torch.compile with dynamic shapes).
 
 
-def _topk_sizes(logits, expert_bias, *options) -> dict:
-    topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function, return_indices = options
-    return dict(
-        num_tokens=logits.shape[0],
-        num_experts=logits.shape[1],
-        topk=topk,
-        score_function=score_function,
-        use_pre_softmax=use_pre_softmax,
-        num_groups=num_groups,
-        group_topk=group_topk,
-        scaling_factor=scaling_factor,
-        has_bias=expert_bias is not None,
-        return_indices=return_indices,
-    )
-
-
 _TOPK = Launch(
     plans.topk_plan,
-    _topk_sizes,
     lambda logits, expert_bias, *options: dict(logits=logits, bias=expert_bias),
+    trailing(
+        "topk",
+        "use_pre_softmax",
+        "num_groups",
+        "group_topk",
+        "scaling_factor",
+        "score_function",
+        "return_indices",
+    ),
     reference.topk_forward,
     outputs=lambda sizes: plans.topk_outputs(
         sizes["num_tokens"], sizes["num_experts"], sizes["topk"], sizes["return_indices"]
@@ -134,17 +126,10 @@ def _grad_logits_outputs(sizes: dict) -> dict:
 
 _TOPK_BACKWARD = Launch(
     plans.topk_backward_plan,
-    lambda grad_probs, logits, routing_map, topk, use_pre_softmax, scaling_factor, score_function: dict(
-        num_tokens=logits.shape[0],
-        num_experts=logits.shape[1],
-        topk=topk,
-        score_function=score_function,
-        use_pre_softmax=use_pre_softmax,
-        scaling_factor=scaling_factor,
-    ),
     lambda grad_probs, logits, routing_map, *options: dict(
         grad_probs=grad_probs, logits=logits, routing_map=routing_map
     ),
+    trailing("topk", "use_pre_softmax", "scaling_factor", "score_function"),
     reference.topk_backward,
     outputs=_grad_logits_outputs,
     first=True,
@@ -172,10 +157,8 @@ ROUTER_TOPK_BACKWARD = Op("router_topk_backward", _router_topk_backward, _TOPK_B
 
 _AUX_SCORES = Launch(
     plans.aux_scores_plan,
-    lambda logits, topk, score_function: dict(
-        num_tokens=logits.shape[0], num_experts=logits.shape[1], topk=topk, score_function=score_function
-    ),
     lambda logits, topk, score_function: dict(logits=logits),
+    trailing("topk", "score_function"),
     reference.aux_scores_forward,
     outputs=lambda sizes: plans.aux_scores_outputs(sizes["num_tokens"], sizes["num_experts"]),
 )
@@ -205,10 +188,8 @@ ROUTER_AUX_SCORES = Op(
 
 _AUX_SCORES_BACKWARD = Launch(
     plans.aux_scores_backward_plan,
-    lambda grad_scores, logits, score_function: dict(
-        num_tokens=logits.shape[0], num_experts=logits.shape[1], score_function=score_function
-    ),
     lambda grad_scores, logits, score_function: dict(grad_scores=grad_scores, logits=logits),
+    trailing("score_function"),
     reference.aux_scores_backward,
     outputs=_grad_logits_outputs,
     first=True,
@@ -230,16 +211,11 @@ ROUTER_AUX_SCORES_BACKWARD = Op(
 
 _AUX_LOSS = Launch(
     plans.aux_loss_plan,
-    lambda probs, tokens_per_expert, total, total_int, num_experts, topk, coeff: dict(
-        num_rows=probs.shape[0],
-        num_cols=probs.shape[1],
-        num_experts=num_experts,
-        topk=topk,
-        coeff=coeff,
-        total=None if total is not None else total_int,
-    ),
     lambda probs, tokens_per_expert, total, *options: dict(
         probs=probs, counts=tokens_per_expert, total=total
+    ),
+    lambda probs, tokens_per_expert, total, total_int, num_experts, topk, coeff: dict(
+        num_experts=num_experts, topk=topk, coeff=coeff, total=None if total is not None else total_int
     ),
     lambda probs, tokens_per_expert, total, total_int, *options: reference.aux_loss(
         probs, tokens_per_expert, total_int if total is None else total, *options
@@ -281,25 +257,17 @@ ROUTER_AUX_LOSS = Op(
 )
 
 
-def _aux_loss_backward_sizes(
-    grad_loss, tokens_per_expert, total, num_rows, num_cols, probs_dtype, total_int, num_experts, topk, coeff
-) -> dict:
-    return dict(
-        num_rows=num_rows,
-        num_cols=num_cols,
-        num_experts=num_experts,
-        topk=topk,
-        coeff=coeff,
-        total=None if total is not None else total_int,
-        probs_dtype=dtype_name(probs_dtype),
-    )
-
-
 _AUX_LOSS_BACKWARD = Launch(
     plans.aux_loss_backward_plan,
-    _aux_loss_backward_sizes,
     lambda grad_loss, tokens_per_expert, total, *options: dict(
         grad_loss=grad_loss, counts=tokens_per_expert, total=total
+    ),
+    lambda grad_loss, tokens_per_expert, total, num_rows, num_cols, probs_dtype, total_int, *options: dict(
+        trailing("num_experts", "topk", "coeff")(*options),
+        num_rows=num_rows,
+        num_cols=num_cols,
+        total=None if total is not None else total_int,
+        probs_dtype=dtype_name(probs_dtype),
     ),
     reference.aux_loss_backward,
     outputs=lambda sizes: plans.aux_loss_backward_outputs(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -111,6 +111,59 @@ def cached(builder: _Builder) -> _Builder:
         return memo(**kwargs)
 
     return plan  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Which arguments of a plan builder its input arrays give, as data: what every binding derives from the
+    arrays it holds (torch tensors, JAX arrays or tracers, or their fakes; anything with `.shape` and
+    `.dtype.itemsize`), so no op computes its plan's sizes itself.
+
+    `axes` maps an argument to (input, axis) or (input, axis, convert): that axis's length, passed through
+    `convert` when given, or None when the input is absent. `present` maps an argument to the input whose
+    presence it states. `element_bytes` names the input whose element size in bytes is the builder's
+    `element_bytes`. `dtypes` maps an argument to the input whose dtype name it is (absent: the builder's
+    default applies). The builder's other arguments are the op's options."""
+
+    axes: Mapping[str, tuple] = field(default_factory=dict)
+    present: Mapping[str, str] = field(default_factory=dict)
+    element_bytes: str | None = None
+    dtypes: Mapping[str, str] = field(default_factory=dict)
+
+    def of(self, arrays: Mapping[str, Any], dtype_name: Callable[[Any], str]) -> dict[str, Any]:
+        """The declared arguments' values for `arrays` (input name -> array or None); `dtype_name` is the
+        binding's name of a dtype ("float32")."""
+        sizes: dict[str, Any] = {}
+        for argument, (name, axis, *convert) in self.axes.items():
+            array = arrays.get(name)
+            size = None if array is None else array.shape[axis]
+            sizes[argument] = convert[0](size) if convert and size is not None else size
+        for argument, name in self.present.items():
+            sizes[argument] = arrays.get(name) is not None
+        if self.element_bytes is not None:
+            sizes["element_bytes"] = arrays[self.element_bytes].dtype.itemsize
+        for argument, name in self.dtypes.items():
+            if arrays.get(name) is not None:
+                sizes[argument] = dtype_name(arrays[name].dtype)
+        return sizes
+
+
+def sized_by(sizes: Sizes) -> Callable[[_Builder], _Builder]:
+    """Declares, on a plan builder, which of its arguments its input arrays give (see `Sizes`); bindings
+    read it through `plan_sizes`."""
+
+    def declare(builder: _Builder) -> _Builder:
+        builder.sizes = sizes  # type: ignore[attr-defined]
+        return builder
+
+    return declare
+
+
+def plan_sizes(
+    builder: Callable[..., Any], arrays: Mapping[str, Any], dtype_name: Callable[[Any], str]
+) -> dict[str, Any]:
+    """The arguments of `builder` that its input `arrays` give (its `sized_by` declaration)."""
+    return builder.sizes.of(arrays, dtype_name)
 
 
 def next_pow2(value: int) -> int:

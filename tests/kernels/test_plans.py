@@ -1,6 +1,8 @@
 """Launch plans: sizes, the linear-work bound of map building, and empty inputs (plans are pure Python;
 the empty-input test also runs its plan)."""
 
+import inspect
+
 import pytest
 import torch
 from hypothesis import given
@@ -110,3 +112,47 @@ def test_a_plan_may_return_part_of_its_buffers():
     map_only = kernels.Plan(plan.buffers, plan.launches, ("row_id_map",))
     (row_id_map,) = run_plan(map_only, inputs, DEVICE)
     assert torch.equal(row_id_map, full["row_id_map"])
+
+
+def _declared_builders():
+    builders = [getattr(kernels, name) for name in kernels.__all__ if name.endswith("_plan")]
+    builders += [getattr(kernels.router, name) for name in dir(kernels.router) if name.endswith("_plan")]
+    return [builder for builder in builders if hasattr(builder, "sizes")]
+
+
+@pytest.mark.parametrize("builder", _declared_builders(), ids=lambda builder: builder.__name__)
+def test_size_declarations_name_the_builders_arguments(builder):
+    parameters = inspect.signature(builder).parameters
+    declared = builder.sizes
+    names = [*declared.axes, *declared.present, *declared.dtypes]
+    names += ["element_bytes"] * (declared.element_bytes is not None)
+    assert set(names) <= set(parameters), builder.__name__
+
+
+def test_every_plan_the_bindings_build_declares_its_sizes():
+    builders = {getattr(kernels, name) for name in kernels.__all__ if name.endswith("_plan")}
+    builders |= {getattr(kernels.router, name) for name in dir(kernels.router) if name.endswith("_plan")}
+    # The exchange and expert-count plans are built by the MoE layer from its own layout, not from arrays.
+    by_layout = {"place_blocks_plan", "take_blocks_plan", "pull_rows_plan", "push_rows_plan"}
+    by_layout |= {"expert_count_plan", "_rows_plan"}
+    undeclared = {builder.__name__ for builder in builders if not hasattr(builder, "sizes")} - by_layout
+    assert not undeclared
+
+
+class _Array:
+    def __init__(self, shape, itemsize, name):
+        self.shape, self.dtype = shape, type("dtype", (), {"itemsize": itemsize, "name": name})()
+
+
+def test_sizes_read_axes_presence_element_bytes_and_dtypes():
+    sizes = kernels.Sizes(
+        axes=dict(rows=("x", 0), slots=("row_map", 1, kernels.row_map_slots), cols=("absent", 1)),
+        present=dict(has_x="x", has_absent="absent"),
+        element_bytes="x",
+        dtypes=dict(x_dtype="x", absent_dtype="absent"),
+    )
+    arrays = dict(x=_Array((5, 3), 2, "bfloat16"), row_map=_Array((5, 10), 4, "int32"), absent=None)
+    got = sizes.of(arrays, lambda dtype: dtype.name)
+    assert got == dict(
+        rows=5, slots=4, cols=None, has_x=True, has_absent=False, element_bytes=2, x_dtype="bfloat16"
+    )

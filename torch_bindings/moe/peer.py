@@ -204,15 +204,10 @@ def _dispatch_into(plan: PeerPlan, inp: Tensor, probs: Tensor | None) -> tuple[T
     layout, staging = plan.layout, plan.staging
     rows = layout.send_rows
     slots = layout.num_tokens * layout.topk
-    sizes = dispatch_sizes(inp, plan.indices, probs, None, layout.num_experts, slots, layout.align_size, None)
-    executable = bound(
-        kernels.dispatch_plan, inp.device, **sizes, is_mask=False, element_bytes=inp.element_size()
-    )
-    inputs = dict(
-        inp=inp,
-        routing=plan.indices,
-        probs=probs,
-        scales=None,
+    inputs = dict(inp=inp, routing=plan.indices, probs=probs, scales=None)
+    sizes = dispatch_sizes(inputs, layout.num_experts, slots, layout.align_size, None)
+    executable = bound(kernels.dispatch_plan, inp.device, **sizes, is_mask=False)
+    inputs.update(
         output=staging.rows_view(rows, inp.shape[1], inp.dtype),
         permuted_probs=None if probs is None else staging.probs_view(rows, probs.dtype),
     )
