@@ -9,7 +9,7 @@ with Shardy rules). `moe` is the expert-parallel MoE layer built on them (docs/m
 module lives in `moetriton.jax.flax`, the only module that imports flax. Never imports torch. See docs/jax.md.
 """
 
-from . import reference, reference_router
+from . import reference, reference_router, te
 from .activation import grouped_activation
 from .grouped_gemm import grouped_matmul
 from .moe import moe
@@ -26,6 +26,7 @@ __all__ = [
     "reference",
     "reference_router",
     "sort_chunks_by_index",
+    "te",
     "token_combine",
     "token_dispatch",
 ]
