@@ -39,46 +39,25 @@ from .executor import describe, run_builder
 
 
 def _topk_local(use_kernels, options, logits, bias=None):
-    topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function, return_indices = options
     if not use_kernels:
         return reference.topk_forward(logits, bias, *options)
-    results = run_builder(
-        plans.topk_plan,
-        dict(logits=logits, bias=bias),
-        topk=topk,
-        score_function=score_function,
-        use_pre_softmax=use_pre_softmax,
-        num_groups=num_groups,
-        group_topk=group_topk,
-        scaling_factor=scaling_factor,
-        return_indices=return_indices,
-    )
-    return tuple(results.values())
+    named = dict(zip(plans.TOPK_OPTIONS, options, strict=True))
+    return tuple(run_builder(plans.topk_plan, dict(logits=logits, bias=bias), **named).values())
 
 
 def _topk_backward_local(use_kernels, options, grad_probs, logits, routing_map):
-    topk, use_pre_softmax, scaling_factor, score_function = options
     if not use_kernels:
         return (reference.topk_backward(grad_probs, logits, routing_map, *options),)
-    results = run_builder(
-        plans.topk_backward_plan,
-        dict(grad_probs=grad_probs, logits=logits, routing_map=routing_map),
-        topk=topk,
-        score_function=score_function,
-        use_pre_softmax=use_pre_softmax,
-        scaling_factor=scaling_factor,
-    )
-    return tuple(results.values())
+    inputs = dict(grad_probs=grad_probs, logits=logits, routing_map=routing_map)
+    named = dict(zip(plans.TOPK_BACKWARD_OPTIONS, options, strict=True))
+    return tuple(run_builder(plans.topk_backward_plan, inputs, **named).values())
 
 
 def _scores_local(use_kernels, options, logits):
-    topk, score_function = options
     if not use_kernels:
         return reference.aux_scores_forward(logits, *options)
-    results = run_builder(
-        plans.aux_scores_plan, dict(logits=logits), topk=topk, score_function=score_function
-    )
-    return tuple(results.values())
+    named = dict(zip(plans.AUX_SCORES_OPTIONS, options, strict=True))
+    return tuple(run_builder(plans.aux_scores_plan, dict(logits=logits), **named).values())
 
 
 def _scores_backward_local(use_kernels, options, grad_scores, logits):

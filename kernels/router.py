@@ -544,6 +544,21 @@ def _group_layout(num_experts: int, num_groups: int) -> tuple[int, int, int, int
 # sizes; the plans below add their launches (and internal buffers) on top.
 
 
+#: Each op's options (its plan builder's arguments that no array gives), in the order both bindings and
+#: the references take them.
+TOPK_OPTIONS = (
+    "topk",
+    "use_pre_softmax",
+    "num_groups",
+    "group_topk",
+    "scaling_factor",
+    "score_function",
+    "return_indices",
+)
+TOPK_BACKWARD_OPTIONS = ("topk", "use_pre_softmax", "scaling_factor", "score_function")
+AUX_SCORES_OPTIONS = ("topk", "score_function")
+
+
 def topk_outputs(num_tokens, num_experts, topk, return_indices: bool) -> dict[str, Buffer]:
     """probs [T, E] (logits dtype), routing_map [T, E] bool, indices [T, K] int32 ([T, 0] if not asked)."""
     return {

@@ -70,15 +70,7 @@ def _check_aux_loss(
 _TOPK = Launch(
     plans.topk_plan,
     lambda logits, expert_bias, *options: dict(logits=logits, bias=expert_bias),
-    trailing(
-        "topk",
-        "use_pre_softmax",
-        "num_groups",
-        "group_topk",
-        "scaling_factor",
-        "score_function",
-        "return_indices",
-    ),
+    trailing(*plans.TOPK_OPTIONS),
     reference.topk_forward,
     outputs=lambda sizes: plans.topk_outputs(
         sizes["num_tokens"], sizes["num_experts"], sizes["topk"], sizes["return_indices"]
@@ -129,7 +121,7 @@ _TOPK_BACKWARD = Launch(
     lambda grad_probs, logits, routing_map, *options: dict(
         grad_probs=grad_probs, logits=logits, routing_map=routing_map
     ),
-    trailing("topk", "use_pre_softmax", "scaling_factor", "score_function"),
+    trailing(*plans.TOPK_BACKWARD_OPTIONS),
     reference.topk_backward,
     outputs=_grad_logits_outputs,
     first=True,
@@ -158,7 +150,7 @@ ROUTER_TOPK_BACKWARD = Op("router_topk_backward", _router_topk_backward, _TOPK_B
 _AUX_SCORES = Launch(
     plans.aux_scores_plan,
     lambda logits, topk, score_function: dict(logits=logits),
-    trailing("topk", "score_function"),
+    trailing(*plans.AUX_SCORES_OPTIONS),
     reference.aux_scores_forward,
     outputs=lambda sizes: plans.aux_scores_outputs(sizes["num_tokens"], sizes["num_experts"]),
 )
