@@ -11,7 +11,8 @@ fi
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 dest=$repo/.te/tests/jax
 mkdir -p "$dest"
-for name in test_permutation.py test_fused_router.py test_distributed_permutation.py test_distributed_router.py; do
+files="test_permutation.py test_fused_router.py test_distributed_permutation.py test_distributed_router.py"
+for name in $files; do
   git -C "$1" show "${2:-HEAD}:tests/jax/$name" > "$dest/$name"
 done
 git -C "$1" rev-parse "${2:-HEAD}" > "$dest/REVISION"

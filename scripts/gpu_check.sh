@@ -37,6 +37,10 @@
 #               kernels/permutation.py (AB_BASELINE, a file; AB_ARGS): OUTDIR/ab.csv
 #   interleave  our permutation kernels against TE's, interleaved in one process (needs TE)
 #   ncu         Nsight Compute counters of the combine kernels beside TE's (NCU_SHAPES): OUTDIR/ncu.txt
+#   te_jax      TransformerEngine's JAX permutation and router tests against moetriton.jax.te
+#               (scripts/te_jax_tests.sh; TE's files in .te/tests/jax, from scripts/fetch_te_tests.sh, or
+#               TE_TESTS; NVTE_JAX_UNITTEST_LEVEL, default L0; TE_JAX_ARGS go to pytest):
+#               OUTDIR/te_jax/te_jax_junit.xml and te_jax.log
 #   autotune    scripts/autotune.py into OUTDIR/autotune_cache (AUTOTUNE_ARGS); the stages after it in the
 #               same call use the new cache
 # Each stage's time limit is <STAGE>_TIMEOUT seconds (e.g. BENCH_TIMEOUT). The exit status is that of the
@@ -144,6 +148,10 @@ print(f"{len(missing)} of {len(collected)} collected tests have no result")
 print("\n".join(missing))
 EOF
       head -1 "$outdir/tests_not_run.txt" ;;
+    te_jax)
+      run "${limit:-1800}" "$log" env PYTHON="$PY" bash scripts/te_jax_tests.sh "$outdir/te_jax" \
+        ${TE_JAX_ARGS:-} || status=$?
+      tail -20 "$log" ;;
     sanitize)
       total=0
       : > "$outdir/sanitize_summary.txt"

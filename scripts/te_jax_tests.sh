@@ -39,8 +39,8 @@ cp "$repo/tests/te_jax/utils.py" "$repo/tests/te_jax/distributed_test_base.py" "
 
 export NVTE_JAX_UNITTEST_LEVEL=${NVTE_JAX_UNITTEST_LEVEL:-L0}
 export XLA_FLAGS="--xla_force_host_platform_device_count=${TE_JAX_HOST_DEVICES:-8}${XLA_FLAGS:+ $XLA_FLAGS}"
-echo "TE tests from $te_tests ($(cat "$te_tests/REVISION" 2>/dev/null || echo "revision unknown")), level $NVTE_JAX_UNITTEST_LEVEL" \
-  | tee "$dest/te_jax.log"
+revision=$(cat "$te_tests/REVISION" 2>/dev/null || echo "revision unknown")
+echo "TE tests from $te_tests ($revision), level $NVTE_JAX_UNITTEST_LEVEL" | tee "$dest/te_jax.log"
 (cd "$run_dir" && "${PYTHON:-python3}" -m pytest $files -q -rs -p no:cacheprovider --rootdir "$run_dir" \
   --junitxml "$dest/te_jax_junit.xml" "$@") 2>&1 | tee -a "$dest/te_jax.log"
 exit "${PIPESTATUS[0]}"
