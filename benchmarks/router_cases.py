@@ -5,14 +5,16 @@
 
 Cases (bf16 logits): T in {4096, 16384} x (E, K) in {(8, 2), (64, 4), (128, 8), (256, 8) DeepSeek-V3 style
 (sigmoid, expert bias, 8 groups, top-4 groups, scaling 2.5), (2048, 16)}; the others use softmax after
-the top-k. Timed: "topk_fwd" (probs + routing map from logits) and "topk_bwd" (grad_logits from grad_probs).
+the top-k; (128, 8) and the DeepSeek-V3 case also with the routing map bit-packed (routing_map_format
+"bitmap", name suffix "-bitmap": the forward writes and the backward reads ceil(E / 8) bytes per token).
+Timed: "topk_fwd" (probs + routing map from logits) and "topk_bwd" (grad_logits from grad_probs).
 
 PyTorch: medians over CUDA-graph replays (benchmarks.timing.time_graph), each call on its own input set; the
 reference's backward goes through autograd and is timed eagerly when it cannot be captured. JAX:
 benchmarks.timing.time_jax (R calls on R distinct input sets in one jit, median GPU span per call, read with
 CUPTI; the note adds the synced host wall time). Bytes: every
-input read once and every output written once (logits, bias, probs, bool map; for the backward grad_probs,
-logits, map and grad_logits). Imports cleanly without a GPU and then returns no results.
+input read once and every output written once (logits, bias, probs, bool map or bitmap; for the backward
+grad_probs, logits, map and grad_logits). Imports cleanly without a GPU and then returns no results.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .common import Result, add_out_option, write_results
 from .timing import input_sets, time_eager, time_graph, time_jax
 
 #: RouterCase's fields that are keyword arguments of fused_topk_with_score_function (the bias is an array).
-SCORING = ("num_groups", "group_topk", "scaling_factor", "score_function")
+SCORING = ("num_groups", "group_topk", "scaling_factor", "score_function", "routing_map_format")
 
 
 @dataclass(frozen=True)
@@ -41,11 +43,13 @@ class RouterCase:
     group_topk: int | None = None
     scaling_factor: float | None = None
     bias: bool = False
+    routing_map_format: str = "bytemap"
 
     @property
     def name(self) -> str:
         groups = f"-G{self.num_groups}" if self.num_groups else ""
-        return f"T{self.num_tokens}-E{self.num_experts}-K{self.topk}{groups}"
+        packed = "-bitmap" if self.routing_map_format == "bitmap" else ""
+        return f"T{self.num_tokens}-E{self.num_experts}-K{self.topk}{groups}{packed}"
 
     def kwargs(self) -> dict:
         """The top-k router's scoring keywords (SCORING) of this case."""
@@ -53,16 +57,23 @@ class RouterCase:
 
     def bytes(self, backward: bool) -> int:
         cells = self.num_tokens * self.num_experts
+        packed = self.routing_map_format == "bitmap"
+        map_bytes = self.num_tokens * ((self.num_experts + 7) // 8) if packed else cells
         if backward:  # grad_probs, logits, map -> grad_logits
-            return cells * (2 + 2 + 1 + 2)
-        return cells * (2 + 2 + 1) + (self.num_experts * 4 if self.bias else 0)  # logits -> probs, map
+            return cells * (2 + 2 + 2) + map_bytes
+        return (
+            cells * (2 + 2) + map_bytes + (self.num_experts * 4 if self.bias else 0)
+        )  # logits -> probs, map
 
 
 DSV3 = dict(score_function="sigmoid", num_groups=8, group_topk=4, scaling_factor=2.5, bias=True)
 CASES = [
-    RouterCase(tokens, experts, topk, **(DSV3 if experts == 256 else {}))
+    RouterCase(
+        tokens, experts, topk, **(DSV3 if experts == 256 else {}), routing_map_format=routing_map_format
+    )
     for tokens in (4096, 16384)
     for experts, topk in ((8, 2), (64, 4), (128, 8), (256, 8), (2048, 16))
+    for routing_map_format in (("bytemap", "bitmap") if experts in (128, 256) else ("bytemap",))
 ]
 
 
@@ -121,7 +132,14 @@ def _torch_results(case: RouterCase, quick: bool) -> list[Result]:
 
     backward = [
         lambda s=s: torch.ops.moetriton.router_topk_backward(
-            s["grad"], s["logits"], s["routing_map"], case.topk, False, scale, case.score_function
+            s["grad"],
+            s["logits"],
+            s["routing_map"],
+            case.topk,
+            False,
+            scale,
+            case.score_function,
+            case.routing_map_format,
         )
         for s in sets
     ]

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from moetriton.kernels import buffer_rows, row_map_slots
+from moetriton.kernels.rules.layout import bitmap_columns
 
 _BIT_DTYPES = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -39,6 +40,22 @@ def _move_rows(values: jax.Array, dst: jax.Array, src: jax.Array, num_rows: int)
     bits = jax.lax.bitcast_convert_type(values, _BIT_DTYPES[values.dtype.itemsize])
     moved = jnp.zeros(shape, bits.dtype).at[dst].set(bits[src], mode="drop")
     return jax.lax.bitcast_convert_type(moved, values.dtype)
+
+
+def pack_bitmap(mask: jax.Array) -> jax.Array:
+    """bool [T, E] -> uint8 [T, ceil(E / 8)]: bit e % 8 of byte e // 8 is mask[:, e] (LSB first), unused high
+    bits 0."""
+    num_tokens, num_experts = mask.shape
+    columns = bitmap_columns(num_experts)
+    padded = jnp.pad(mask.astype(jnp.int32), [(0, 0), (0, columns * 8 - num_experts)])
+    weights = jnp.left_shift(1, jnp.arange(8, dtype=jnp.int32))
+    return (padded.reshape(num_tokens, columns, 8) * weights).sum(-1).astype(jnp.uint8)
+
+
+def unpack_bitmap(bitmap: jax.Array, num_experts: int) -> jax.Array:
+    """uint8 [T, ceil(E / 8)] -> bool [T, E]: the first E bits of each row, LSB first (later bits ignored)."""
+    experts = jnp.arange(num_experts, dtype=jnp.int32)
+    return ((bitmap[:, experts // 8].astype(jnp.int32) >> (experts % 8)) & 1) != 0
 
 
 def row_map(

@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .reference import pack_bitmap, unpack_bitmap
+
 EPSILON = 1e-20
 
 
@@ -94,9 +96,10 @@ def topk_forward(
     scaling_factor: float,
     score_function: str,
     return_indices: bool,
+    routing_map_format: str = "bytemap",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The router top-k on [T, E] logits: (probs, routing_map, indices [T, K] or [T, 0] int32).
-    num_groups = group_topk = 0: no groups."""
+    num_groups = group_topk = 0: no groups. The map is bool [T, E], or packed ("bitmap")."""
     x = logits.astype(_compute_dtype(logits.dtype))
     if score_function == "softmax":
         select = jax.nn.softmax(x, axis=-1) if use_pre_softmax else x
@@ -108,6 +111,8 @@ def topk_forward(
     indices = rank(select, excluded)[:, :topk]
     routing_map = _mask_from(indices, logits.shape)
     probs = weights_from_map(logits, routing_map, topk, use_pre_softmax, scaling_factor, score_function)
+    if routing_map_format == "bitmap":
+        routing_map = pack_bitmap(routing_map)
     return probs, routing_map, indices[:, : topk if return_indices else 0].astype(jnp.int32)
 
 
@@ -119,8 +124,12 @@ def topk_backward(
     use_pre_softmax: bool,
     scaling_factor: float,
     score_function: str,
+    routing_map_format: str = "bytemap",
 ) -> jax.Array:
-    """grad_logits [T, E] by differentiating weights_from_map."""
+    """grad_logits [T, E] by differentiating weights_from_map (the map unpacked first when it is a
+    "bitmap")."""
+    if routing_map_format == "bitmap":
+        routing_map = unpack_bitmap(routing_map, logits.shape[1])
     _, vjp = jax.vjp(
         lambda x: weights_from_map(x, routing_map, topk, use_pre_softmax, scaling_factor, score_function),
         logits,
@@ -137,10 +146,13 @@ def aux_scores(logits: jax.Array, score_function: str) -> jax.Array:
     return act / (act.sum(-1, keepdims=True) + EPSILON)
 
 
-def aux_scores_forward(logits: jax.Array, topk: int, score_function: str) -> tuple[jax.Array, jax.Array]:
-    """Aux-loss scores of [T, E] logits: (routing_map, scores fp32)."""
+def aux_scores_forward(
+    logits: jax.Array, topk: int, score_function: str, routing_map_format: str = "bytemap"
+) -> tuple[jax.Array, jax.Array]:
+    """Aux-loss scores of [T, E] logits: (routing_map (bool, or packed: "bitmap"), scores fp32)."""
     scores = aux_scores(logits, score_function).astype(jnp.float32)
-    return _mask_from(rank(scores)[:, :topk], logits.shape), scores
+    routing_map = _mask_from(rank(scores)[:, :topk], logits.shape)
+    return pack_bitmap(routing_map) if routing_map_format == "bitmap" else routing_map, scores
 
 
 def aux_scores_backward(grad_scores: jax.Array, logits: jax.Array, score_function: str) -> jax.Array:
@@ -197,10 +209,12 @@ def fused_topk_with_score_function(
     scaling_factor: float | None = None,
     score_function: str = "softmax",
     expert_bias: jax.Array | None = None,
+    routing_map_format: str = "bytemap",
     *,
     return_indices: bool = False,
 ) -> tuple[jax.Array, ...]:
-    """Reference of moetriton.jax.router.fused_topk_with_score_function (differentiable in logits)."""
+    """Reference of moetriton.jax.router.fused_topk_with_score_function (differentiable in logits;
+    routing_map_format "bytemap" or "bitmap")."""
     num_experts = logits.shape[-1]
     flat = logits.reshape(-1, num_experts)
     use_pre_softmax = use_pre_softmax and score_function == "softmax"
@@ -217,21 +231,24 @@ def fused_topk_with_score_function(
         True,
     )
     probs = weights_from_map(flat, routing_map, topk, use_pre_softmax, scale, score_function)
-    result = (probs.reshape(logits.shape), routing_map.reshape(logits.shape))
+    if routing_map_format == "bitmap":
+        routing_map = pack_bitmap(routing_map)
+    result = (probs.reshape(logits.shape), routing_map.reshape(*logits.shape[:-1], routing_map.shape[-1]))
     if return_indices:
         result += (indices.reshape(*logits.shape[:-1], topk),)
     return result
 
 
 def fused_compute_score_for_moe_aux_loss(
-    logits: jax.Array, topk: int, score_function: str = "softmax"
+    logits: jax.Array, topk: int, score_function: str = "softmax", routing_map_format: str = "bytemap"
 ) -> tuple[jax.Array, jax.Array]:
     """Reference of moetriton.jax.router.fused_compute_score_for_moe_aux_loss: (routing_map, scores)."""
     num_experts = logits.shape[-1]
     routing_map, _ = aux_scores_forward(
-        jax.lax.stop_gradient(logits.reshape(-1, num_experts)), topk, score_function
+        jax.lax.stop_gradient(logits.reshape(-1, num_experts)), topk, score_function, routing_map_format
     )
-    return routing_map.reshape(logits.shape), aux_scores(logits, score_function).astype(jnp.float32)
+    map_shape = (*logits.shape[:-1], routing_map.shape[-1])
+    return routing_map.reshape(map_shape), aux_scores(logits, score_function).astype(jnp.float32)
 
 
 def fused_moe_aux_loss(

@@ -133,6 +133,7 @@ class _RouterOp(ShardedOp):
         "bias": (WHOLE, "e"),
         "probs": ("t", "e"),
         "routing_map": ("t", "e"),
+        "bitmap": ("t", "b"),
         "indices": ("t", "k"),
         "grad_probs": ("t", "e"),
         "grad_logits": ("t", "e"),
@@ -167,6 +168,12 @@ def _call(local: Callable, options: tuple, args: dict[str, jax.Array | None], re
     return call(op, *present.values())
 
 
+def _map_name(routing_map_format: str) -> str:
+    """The name a routing map goes by in a router call: its layout differs by format (a bitmap's second axis
+    is ceil(E / 8) bytes, not the E experts of the probs beside it)."""
+    return "bitmap" if routing_map_format == "bitmap" else "routing_map"
+
+
 # Differentiable ops ------------------------------------------------------------------------------------
 
 
@@ -176,19 +183,20 @@ def _topk(logits, bias, options):
 
 
 def _topk_fwd(logits, bias, options):
+    map_name = _map_name(options[-1])
     probs, routing_map, indices = _call(
-        _topk_local, options, dict(logits=logits, bias=bias), ("probs", "routing_map", "indices")
+        _topk_local, options, dict(logits=logits, bias=bias), ("probs", map_name, "indices")
     )
     return (probs, routing_map, indices), (logits, routing_map)
 
 
 def _topk_bwd(options, residuals, cotangents):
     logits, routing_map = residuals
-    topk, use_pre_softmax, _, _, scaling_factor, score_function, _ = options
+    topk, use_pre_softmax, _, _, scaling_factor, score_function, _, routing_map_format = options
     (grad_logits,) = _call(
         _topk_backward_local,
-        (topk, use_pre_softmax, scaling_factor, score_function),
-        dict(grad_probs=cotangents[0], logits=logits, routing_map=routing_map),
+        (topk, use_pre_softmax, scaling_factor, score_function, routing_map_format),
+        {"grad_probs": cotangents[0], "logits": logits, _map_name(routing_map_format): routing_map},
         ("grad_logits",),
     )
     return grad_logits, None
@@ -203,7 +211,8 @@ def _scores(logits, options):
 
 
 def _scores_fwd(logits, options):
-    routing_map, scores = _call(_scores_local, options, dict(logits=logits), ("routing_map", "scores"))
+    results = (_map_name(options[-1]), "scores")
+    routing_map, scores = _call(_scores_local, options, dict(logits=logits), results)
     return (routing_map, scores), logits
 
 
@@ -262,6 +271,7 @@ def fused_topk_with_score_function(
     scaling_factor: float | None = None,
     score_function: str = "softmax",
     expert_bias: jax.Array | None = None,
+    routing_map_format: str = "bytemap",
     *,
     return_indices: bool = False,
 ) -> tuple[jax.Array, ...]:
@@ -280,18 +290,26 @@ def fused_topk_with_score_function(
             sqrtsoftplus weights are renormalised over the K selected experts when K > 1.
         expert_bias: [E] float bias added to the sigmoid / sqrtsoftplus scores for selection only (the
             weights use the unbiased score; no gradient). Not allowed with softmax.
+        routing_map_format: "bytemap" (bool [..., E]) or "bitmap" (uint8 [..., ceil(E / 8)]: bit e % 8 of
+            byte e // 8 set when the token routes to expert e, LSB first, unused high bits 0), written by
+            the kernel; TE's "bitmap_u8" and RoutingMapFormat members are accepted too. The backward reads
+            the bits in place; gradients equal the bytemap's. `token_dispatch(...,
+            routing_map_format="bitmap", num_experts=E)` takes the bitmap directly.
         return_indices: also return the selected expert ids [..., K] int32 in rank order (best first).
 
     Returns:
-        (probs [..., E] in logits.dtype, zero outside the selection; routing_map [..., E] bool) and, with
-        `return_indices`, indices [..., K] int32. Ties go to the lowest expert index; NaN scores rank below
-        every number. Math is fp32. Differentiable in logits; token-sharded inputs stay sharded.
+        (probs [..., E] in logits.dtype, zero outside the selection; routing_map [..., E] bool, or
+        [..., ceil(E / 8)] uint8) and, with `return_indices`, indices [..., K] int32. Ties go to the lowest
+        expert index; NaN scores rank below every number. Math is fp32. Differentiable in logits;
+        token-sharded inputs stay sharded.
 
     Example:
         >>> logits = jnp.array([[1.0, 3.0, 2.0, 3.0]])
         >>> probs, routing_map, indices = fused_topk_with_score_function(logits, 2, return_indices=True)
         >>> routing_map.tolist(), indices.tolist()
         ([[False, True, False, True]], [[1, 3]])
+        >>> fused_topk_with_score_function(logits, 2, routing_map_format="bitmap")[1].tolist()
+        [[10]]
     """
     config = rules.check_topk(
         logits=describe(logits),
@@ -302,6 +320,7 @@ def fused_topk_with_score_function(
         scaling_factor=scaling_factor,
         score_function=score_function,
         expert_bias=describe(expert_bias),
+        routing_map_format=routing_map_format,
     )
     if not isinstance(return_indices, bool):
         raise TypeError(f"return_indices: expected a bool, got {type(return_indices).__name__}")
@@ -313,17 +332,18 @@ def fused_topk_with_score_function(
         config.scaling_factor,
         config.score_function,
         return_indices,
+        config.routing_map_format,
     )
     shape = logits.shape
     probs, routing_map, indices = _topk(
         logits.reshape(config.num_tokens, config.num_experts), expert_bias, options
     )
-    result = (probs.reshape(shape), routing_map.reshape(shape))
+    result = (probs.reshape(shape), routing_map.reshape(*shape[:-1], routing_map.shape[-1]))
     return (*result, indices.reshape(*shape[:-1], config.topk)) if return_indices else result
 
 
 def fused_compute_score_for_moe_aux_loss(
-    logits: jax.Array, topk: int, score_function: str = "softmax"
+    logits: jax.Array, topk: int, score_function: str = "softmax", routing_map_format: str = "bytemap"
 ) -> tuple[jax.Array, jax.Array]:
     """Scores for the load-balancing loss and their top-k mask (no bias, groups or scaling).
 
@@ -332,21 +352,27 @@ def fused_compute_score_for_moe_aux_loss(
         topk: K, 1 <= K <= E.
         score_function: "softmax" (softmax over E), or "sigmoid" / "sqrtsoftplus", whose activations are
             always normalised over all E experts: a / (sum a + 1e-20).
+        routing_map_format: "bytemap" (bool) or "bitmap" (uint8 [..., ceil(E / 8)], LSB first), as in
+            fused_topk_with_score_function.
 
     Returns:
-        (routing_map [..., E] bool: the top-K of the scores, ties to the lowest index; scores [..., E]
-        float32). Differentiable in logits (through scores).
+        (routing_map [..., E] bool, or [..., ceil(E / 8)] uint8: the top-K of the scores, ties to the lowest
+        index; scores [..., E] float32). Differentiable in logits (through scores).
 
     Example:
         >>> routing_map, scores = fused_compute_score_for_moe_aux_loss(jnp.zeros((1, 4)), 2, "softmax")
         >>> routing_map.tolist(), scores.tolist()
         ([[True, True, False, False]], [[0.25, 0.25, 0.25, 0.25]])
     """
-    num_tokens, num_experts, topk, score_function = rules.check_aux_scores(
-        logits=describe(logits), topk=topk, score_function=score_function
+    num_tokens, num_experts, topk, score_function, routing_map_format = rules.check_aux_scores(
+        logits=describe(logits),
+        topk=topk,
+        score_function=score_function,
+        routing_map_format=routing_map_format,
     )
-    routing_map, scores = _scores(logits.reshape(num_tokens, num_experts), (topk, score_function))
-    return routing_map.reshape(logits.shape), scores.reshape(logits.shape)
+    options = (topk, score_function, routing_map_format)
+    routing_map, scores = _scores(logits.reshape(num_tokens, num_experts), options)
+    return routing_map.reshape(*logits.shape[:-1], routing_map.shape[-1]), scores.reshape(logits.shape)
 
 
 def fused_moe_aux_loss(

@@ -14,7 +14,8 @@ What is TE's here and how (docs/te_migration.md, "JAX" lists every difference):
   partitioner gives the tokens (no trace-time guess), so an unsharded call is the global op. A dispatch
   shard gets num_out_tokens // k rows (with padding: TE's worst-case buffer // k rows). Unlike TE, every
   shard's expert blocks are aligned to align_size (TE adds global pad offsets to local rows).
-- The router's BITMAP_U8 routing map is packed from the boolean map by `_pack_bitmap`.
+- The router's BITMAP_U8 routing map is the router kernels' own bitmap (routing_map_format="bitmap"), and
+  its backward reads it in place.
 """
 
 from __future__ import annotations
@@ -519,15 +520,6 @@ def _routing_map_format(value) -> RoutingMapFormat:
         ) from None
 
 
-def _pack_bitmap(routing_map: jax.Array) -> jax.Array:
-    """bool [T, E] -> TE's BITMAP_U8 uint8 [T, ceil(E / 8)], LSB first, unused high bits 0. The one place
-    the bit-packed format is made; the router kernels will write it directly instead."""
-    num_tokens, num_experts = routing_map.shape
-    padded = jnp.pad(routing_map, [(0, 0), (0, -num_experts % 8)]).reshape(num_tokens, -1, 8)
-    weights = jnp.left_shift(jnp.uint8(1), jnp.arange(8, dtype=jnp.uint8))
-    return jnp.sum(padded.astype(jnp.uint8) * weights, axis=-1, dtype=jnp.uint8)
-
-
 def fused_topk_with_score_function(
     logits: jax.Array,
     topk: int,
@@ -568,10 +560,12 @@ def fused_topk_with_score_function(
             f"scaling_factor: expected a Python float or int (as TE), got {type(scaling_factor).__name__}"
         )
     score_function = _score_function(score_function)
-    routing_map_format = _routing_map_format(routing_map_format)
+    map_format = (
+        "bitmap" if _routing_map_format(routing_map_format) == RoutingMapFormat.BITMAP_U8 else "bytemap"
+    )
     name = score_function.name.lower()
     if compute_aux_scores:
-        routing_map, scores = router.fused_compute_score_for_moe_aux_loss(logits, topk, name)
+        routing_map, scores = router.fused_compute_score_for_moe_aux_loss(logits, topk, name, map_format)
         probs = scores.astype(logits.dtype)
     else:
         if expert_bias is not None and score_function != ScoreFunction.SIGMOID:
@@ -586,9 +580,8 @@ def fused_topk_with_score_function(
             float(scaling_factor),
             name,
             expert_bias,
+            map_format,
         )
-    if routing_map_format == RoutingMapFormat.BITMAP_U8:
-        routing_map = _pack_bitmap(routing_map.reshape(-1, routing_map.shape[-1]))
     return probs, routing_map
 
 

@@ -29,6 +29,17 @@ def _as_bits(ptr):
 
 
 @triton.jit
+def _bitmap_flags(bitmap_ptr, rows, columns, row_bytes, mask):
+    """[R, C] flags of `rows` [R] x `columns` [C] in a uint8 bitmap of `row_bytes` bytes per row: bit c % 8
+    of byte c // 8 (LSB first), False where `mask` [R, C] is (nothing is read there). Callers mask every
+    column at or past the bitmap's E, so the unused high bits of a row's last byte are never followed."""
+    packed = tl.load(
+        bitmap_ptr + rows.to(tl.int64)[:, None] * row_bytes + (columns // 8)[None, :], mask=mask, other=0
+    )
+    return mask & (((packed.to(tl.int32) >> (columns % 8)[None, :]) & 1) != 0)
+
+
+@triton.jit
 def _aligned(value, ALIGN: tl.constexpr):
     """`value` rebuilt as a multiple of ALIGN, so that the compiler knows its divisibility (the plan sets
     ALIGN to a power of two dividing `value`). PyTorch's launcher tells Triton which integer arguments are

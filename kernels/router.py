@@ -43,6 +43,8 @@ from collections.abc import Mapping
 import triton
 import triton.language as tl
 
+from ._jit import _bitmap_flags
+from .rules.layout import bitmap_columns
 from .runtime import autotune
 from .runtime.plan import (
     DEFAULT_DEVICE,
@@ -189,6 +191,25 @@ def _logits_tile(
 
 
 @triton.jit
+def _store_bitmap(bitmap_ptr, flags, rows, row_ok, NUM_EXPERTS: tl.constexpr, WIDTH: tl.constexpr):
+    """Stores a [BLOCK_T, WIDTH] tile of expert flags (column == expert, False at and past E) as the rows'
+    lines of a uint8 [T, ceil(E / 8)] bitmap: bit e % 8 of byte e // 8 is flag e (LSB first), so the unused
+    high bits of the last byte are 0. Each byte is the sum of its BITS flags shifted into place (distinct
+    bits: the sum is their OR); a tile narrower than a byte packs into one byte."""
+    BITS: tl.constexpr = 8 if WIDTH >= 8 else WIDTH
+    BYTES: tl.constexpr = WIDTH // BITS
+    shifted = flags.to(tl.int32) << (tl.arange(0, WIDTH) % 8)[None, :]
+    packed = tl.sum(tl.reshape(shifted, [flags.shape[0], BYTES, BITS]), axis=2).to(tl.uint8)
+    columns = tl.arange(0, BYTES)
+    row_bytes: tl.constexpr = (NUM_EXPERTS + 7) // 8
+    tl.store(
+        bitmap_ptr + rows.to(tl.int64)[:, None] * row_bytes + columns[None, :],
+        packed,
+        mask=row_ok[:, None] & (columns[None, :] < row_bytes),
+    )
+
+
+@triton.jit
 def _keep_best_groups(
     keys,
     BLOCK_T: tl.constexpr,
@@ -227,7 +248,7 @@ def _topk_forward_kernel(
     bias_ptr,  # [E] (HAS_BIAS)
     num_tokens,
     probs_ptr,  # [T, E] logits dtype
-    routing_map_ptr,  # [T, E] bool
+    routing_map_ptr,  # [T, E] bool, or uint8 [T, ceil(E / 8)] (BITMAP)
     indices_ptr,  # [T, K] int32 (RETURN_INDICES)
     NUM_EXPERTS: tl.constexpr,
     TOPK: tl.constexpr,
@@ -244,12 +265,14 @@ def _topk_forward_kernel(
     HAS_BIAS: tl.constexpr,
     RETURN_INDICES: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    BITMAP: tl.constexpr,
 ):
     """Fused top-k with score function. Grid (cdiv(T, BLOCK_T),): program b routes tokens
     [b*BLOCK_T, (b+1)*BLOCK_T): one coalesced [BLOCK_T, WIDTH] load of logits, scores and keys in
     registers, optional group pruning, K max-reductions for the top-k, then probs, routing map and
     (optionally) the ranked expert ids are stored. Ungrouped calls pass NUM_GROUPS = 1, GROUP_SIZE = E;
-    WIDTH = GROUPS_POW2 * GROUP_POW2.
+    WIDTH = GROUPS_POW2 * GROUP_POW2. With BITMAP the routing map is stored bit-packed (`_store_bitmap`);
+    groups whose size is not a power of two first gather their flags into expert order.
     """
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
@@ -311,14 +334,24 @@ def _topk_forward_kernel(
             weights = tl.where(selected, weights / (tl.sum(weights, axis=1)[:, None] + 1e-20), 0.0)
     probs = weights * SCALE
     tl.store(probs_ptr + offsets, probs.to(probs_ptr.dtype.element_ty), mask=valid)
-    tl.store(routing_map_ptr + offsets, selected, mask=valid)
+    if BITMAP:
+        if GROUPS_POW2 == 1 or GROUP_SIZE == GROUP_POW2:
+            by_expert = selected  # column == expert wherever a flag is set
+        else:
+            # Expert c sits in column (c // GROUP_SIZE) * GROUP_POW2 + c % GROUP_SIZE.
+            source = tl.where(cols < NUM_EXPERTS, (cols // GROUP_SIZE) * GROUP_POW2 + cols % GROUP_SIZE, 0)
+            gathered = tl.gather(selected.to(tl.int32), tl.broadcast_to(source[None, :], [BLOCK_T, WIDTH]), 1)
+            by_expert = (gathered != 0) & (cols < NUM_EXPERTS)[None, :]
+        _store_bitmap(routing_map_ptr, by_expert, rows, row_ok, NUM_EXPERTS, WIDTH)
+    else:
+        tl.store(routing_map_ptr + offsets, selected, mask=valid)
 
 
 @triton.jit
 def _topk_backward_kernel(
     grad_probs_ptr,  # [T, E]
     logits_ptr,  # [T, E]
-    routing_map_ptr,  # [T, E] bool
+    routing_map_ptr,  # [T, E] bool, or uint8 [T, ceil(E / 8)] (BITMAP)
     num_tokens,
     grad_logits_ptr,  # [T, E] logits dtype
     NUM_EXPERTS: tl.constexpr,
@@ -328,6 +361,7 @@ def _topk_backward_kernel(
     SCALE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     EXPERTS_POW2: tl.constexpr,
+    BITMAP: tl.constexpr,
 ):
     """Backward of the fused top-k. Grid (cdiv(T, BLOCK_T),): program b recomputes the scores of tokens
     [b*BLOCK_T, (b+1)*BLOCK_T) from their logits and routing map and writes grad_logits. With
@@ -335,11 +369,16 @@ def _topk_backward_kernel(
       softmax post: y = softmax(x[r]); dx = r * y * (g - sum_r g y)
       softmax pre:  y = softmax(x); g' = r * g; dx = y * (g' - sum g' y)
       sigmoid / sqrtsoftplus: ga = r * (g / S - sum_r(g a) / S^2), S = sum_r a + 1e-20 (ga = r * g when
-      K == 1); dx = ga * da/dx. The expert bias gets no gradient.
+      K == 1); dx = ga * da/dx. The expert bias gets no gradient. With BITMAP, r is read from the
+    bit-packed map's bits in place (bits at or past E are never read).
     """
-    _, valid, offsets, x = _logits_tile(logits_ptr, num_tokens, NUM_EXPERTS, BLOCK_T, EXPERTS_POW2)
+    cols, valid, offsets, x = _logits_tile(logits_ptr, num_tokens, NUM_EXPERTS, BLOCK_T, EXPERTS_POW2)
     grad = tl.load(grad_probs_ptr + offsets, mask=valid, other=0.0).to(tl.float32) * SCALE
-    routed = valid & (tl.load(routing_map_ptr + offsets, mask=valid, other=0) != 0)
+    if BITMAP:
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        routed = _bitmap_flags(routing_map_ptr, rows, cols, (NUM_EXPERTS + 7) // 8, valid)
+    else:
+        routed = valid & (tl.load(routing_map_ptr + offsets, mask=valid, other=0) != 0)
 
     if SCORE_FUNCTION == 0:
         if USE_PRE_SOFTMAX:
@@ -367,17 +406,18 @@ def _topk_backward_kernel(
 def _aux_scores_forward_kernel(
     logits_ptr,  # [T, E]
     num_tokens,
-    routing_map_ptr,  # [T, E] bool
+    routing_map_ptr,  # [T, E] bool, or uint8 [T, ceil(E / 8)] (BITMAP)
     scores_ptr,  # [T, E] fp32
     NUM_EXPERTS: tl.constexpr,
     TOPK: tl.constexpr,
     SCORE_FUNCTION: tl.constexpr,
     BLOCK_T: tl.constexpr,
     EXPERTS_POW2: tl.constexpr,
+    BITMAP: tl.constexpr,
 ):
     """Aux-loss scores. Grid (cdiv(T, BLOCK_T),): program b writes, for tokens [b*BLOCK_T, (b+1)*BLOCK_T),
     scores = softmax(x), or a / (sum_E a + 1e-20) for sigmoid / sqrtsoftplus (always normalised), and the
-    top-K mask of those scores (no bias, groups or scaling)."""
+    top-K mask of those scores (no bias, groups or scaling), bit-packed with BITMAP (`_store_bitmap`)."""
     cols, valid, offsets, x = _logits_tile(logits_ptr, num_tokens, NUM_EXPERTS, BLOCK_T, EXPERTS_POW2)
     if SCORE_FUNCTION == 0:
         scores = _softmax_rows(x, valid)
@@ -387,7 +427,11 @@ def _aux_scores_forward_kernel(
     keys = tl.where(valid, _order_keys(scores, cols[None, :], EXPERTS_POW2), _INT64_MIN)
     selected = valid & (keys >= _kth_key(keys, TOPK)[:, None])
     tl.store(scores_ptr + offsets, scores, mask=valid)
-    tl.store(routing_map_ptr + offsets, selected, mask=valid)
+    if BITMAP:
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        _store_bitmap(routing_map_ptr, selected, rows, rows < num_tokens, NUM_EXPERTS, EXPERTS_POW2)
+    else:
+        tl.store(routing_map_ptr + offsets, selected, mask=valid)
 
 
 @triton.jit
@@ -554,16 +598,28 @@ TOPK_OPTIONS = (
     "scaling_factor",
     "score_function",
     "return_indices",
+    "routing_map_format",
 )
-TOPK_BACKWARD_OPTIONS = ("topk", "use_pre_softmax", "scaling_factor", "score_function")
-AUX_SCORES_OPTIONS = ("topk", "score_function")
+TOPK_BACKWARD_OPTIONS = ("topk", "use_pre_softmax", "scaling_factor", "score_function", "routing_map_format")
+AUX_SCORES_OPTIONS = ("topk", "score_function", "routing_map_format")
 
 
-def topk_outputs(num_tokens, num_experts, topk, return_indices: bool) -> dict[str, Buffer]:
-    """probs [T, E] (logits dtype), routing_map [T, E] bool, indices [T, K] int32 ([T, 0] if not asked)."""
+def routing_map_buffer(num_tokens, num_experts, routing_map_format: str) -> Buffer:
+    """The routing map: bool [T, E] ("bytemap"), or uint8 [T, ceil(E / 8)] ("bitmap": bit e % 8 of byte
+    e // 8 set when the token routes to expert e, LSB first, unused high bits 0)."""
+    if routing_map_format == "bitmap":
+        return Buffer((num_tokens, bitmap_columns(num_experts)), "uint8")
+    return Buffer((num_tokens, num_experts), "bool")
+
+
+def topk_outputs(
+    num_tokens, num_experts, topk, return_indices: bool, routing_map_format: str = "bytemap"
+) -> dict[str, Buffer]:
+    """probs [T, E] (logits dtype), routing_map (`routing_map_buffer`), indices [T, K] int32 ([T, 0] if not
+    asked)."""
     return {
         "probs": Buffer((num_tokens, num_experts), "like:logits"),
-        "routing_map": Buffer((num_tokens, num_experts), "bool"),
+        "routing_map": routing_map_buffer(num_tokens, num_experts, routing_map_format),
         "indices": (
             Buffer((num_tokens, topk), "int32") if return_indices else Buffer.absent("int32", (num_tokens, 0))
         ),
@@ -575,10 +631,10 @@ def grad_logits_outputs(num_tokens, num_experts) -> dict[str, Buffer]:
     return {"grad_logits": Buffer((num_tokens, num_experts), "like:logits")}
 
 
-def aux_scores_outputs(num_tokens, num_experts) -> dict[str, Buffer]:
-    """routing_map [T, E] bool, scores [T, E] fp32."""
+def aux_scores_outputs(num_tokens, num_experts, routing_map_format: str = "bytemap") -> dict[str, Buffer]:
+    """routing_map (`routing_map_buffer`), scores [T, E] fp32."""
     return {
-        "routing_map": Buffer((num_tokens, num_experts), "bool"),
+        "routing_map": routing_map_buffer(num_tokens, num_experts, routing_map_format),
         "scores": Buffer((num_tokens, num_experts), "float32"),
     }
 
@@ -638,13 +694,15 @@ def topk_plan(
     scaling_factor: float,
     has_bias: bool,
     return_indices: bool,
+    routing_map_format: str = "bytemap",
     device: DeviceInfo = DEFAULT_DEVICE,
     config: Mapping[str, int] | None = None,
 ) -> Plan:
     """fused_topk_with_score_function forward. num_groups = group_topk = 0: no groups.
 
-    Inputs: "logits" [T, E], "bias" [E] or None. Results: probs [T, E] (logits dtype), routing_map [T, E]
-    bool, indices [T, K] int32 ([T, 0] unless `return_indices`): the selected experts by rank.
+    Inputs: "logits" [T, E], "bias" [E] or None. Results: probs [T, E] (logits dtype), routing_map (bool
+    [T, E], or with routing_map_format "bitmap" uint8 [T, ceil(E / 8)]), indices [T, K] int32 ([T, 0] unless
+    `return_indices`): the selected experts by rank.
     """
     groups, size, groups_pow2, size_pow2 = _group_layout(num_experts, num_groups)
     return _rows_plan(
@@ -653,7 +711,7 @@ def topk_plan(
         num_tokens=num_tokens,
         width=groups_pow2 * size_pow2,
         inputs=("logits", "bias"),
-        buffers=topk_outputs(num_tokens, num_experts, topk, return_indices),
+        buffers=topk_outputs(num_tokens, num_experts, topk, return_indices, routing_map_format),
         constexprs=dict(
             NUM_EXPERTS=num_experts,
             TOPK=topk,
@@ -669,6 +727,7 @@ def topk_plan(
             SCALE=scaling_factor,
             HAS_BIAS=has_bias,
             RETURN_INDICES=return_indices,
+            BITMAP=routing_map_format == "bitmap",
         ),
         features=dict(num_tokens=num_tokens, num_experts=num_experts, topk=topk),
         device=device,
@@ -686,10 +745,12 @@ def topk_backward_plan(
     score_function: str,
     use_pre_softmax: bool,
     scaling_factor: float,
+    routing_map_format: str = "bytemap",
     device: DeviceInfo = DEFAULT_DEVICE,
     config: Mapping[str, int] | None = None,
 ) -> Plan:
-    """Backward of the fused top-k. Inputs: "grad_probs" [T, E], "logits" [T, E], "routing_map" [T, E].
+    """Backward of the fused top-k. Inputs: "grad_probs" [T, E], "logits" [T, E], "routing_map" (the
+    forward's: bool [T, E], or with routing_map_format "bitmap" uint8 [T, ceil(E / 8)], read in place).
     Result: grad_logits [T, E] in the logits dtype."""
     return _rows_plan(
         _topk_backward_kernel,
@@ -705,6 +766,7 @@ def topk_backward_plan(
             USE_PRE_SOFTMAX=use_pre_softmax,
             SCALE=scaling_factor,
             EXPERTS_POW2=next_pow2(num_experts),
+            BITMAP=routing_map_format == "bitmap",
         ),
         features=dict(num_tokens=num_tokens, num_experts=num_experts, topk=topk),
         device=device,
@@ -720,23 +782,25 @@ def aux_scores_plan(
     num_experts: int,
     topk: int,
     score_function: str,
+    routing_map_format: str = "bytemap",
     device: DeviceInfo = DEFAULT_DEVICE,
     config: Mapping[str, int] | None = None,
 ) -> Plan:
-    """fused_compute_score_for_moe_aux_loss forward. Input "logits" [T, E]. Results: routing_map [T, E]
-    bool, scores [T, E] fp32."""
+    """fused_compute_score_for_moe_aux_loss forward. Input "logits" [T, E]. Results: routing_map (bool
+    [T, E], or with routing_map_format "bitmap" uint8 [T, ceil(E / 8)]), scores [T, E] fp32."""
     return _rows_plan(
         _aux_scores_forward_kernel,
         AUX_SCORES_SPACE,
         num_tokens=num_tokens,
         width=next_pow2(num_experts),
         inputs=("logits",),
-        buffers=aux_scores_outputs(num_tokens, num_experts),
+        buffers=aux_scores_outputs(num_tokens, num_experts, routing_map_format),
         constexprs=dict(
             NUM_EXPERTS=num_experts,
             TOPK=topk,
             SCORE_FUNCTION=SCORE_FUNCTION_IDS[score_function],
             EXPERTS_POW2=next_pow2(num_experts),
+            BITMAP=routing_map_format == "bitmap",
         ),
         features=dict(num_tokens=num_tokens, num_experts=num_experts, topk=topk),
         device=device,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from moetriton.kernels import buffer_rows, row_map_slots
+from moetriton.kernels.rules.layout import bitmap_columns
 
 _BIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -29,6 +30,22 @@ def _move_rows(values: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, num_r
         return out.index_put((dst,), values[src])
     out = _raw(values).new_zeros((num_rows, *values.shape[1:]))
     return out.index_put((dst,), _raw(values)[src]).view(values.dtype)
+
+
+def pack_bitmap(mask: torch.Tensor) -> torch.Tensor:
+    """bool [T, E] -> uint8 [T, ceil(E / 8)]: bit e % 8 of byte e // 8 is mask[:, e] (LSB first), unused high
+    bits 0."""
+    num_tokens, num_experts = mask.shape
+    columns = bitmap_columns(num_experts)
+    padded = torch.nn.functional.pad(mask.to(torch.int32), (0, columns * 8 - num_experts))
+    weights = 2 ** torch.arange(8, dtype=torch.int32, device=mask.device)
+    return (padded.reshape(num_tokens, columns, 8) * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_bitmap(bitmap: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """uint8 [T, ceil(E / 8)] -> bool [T, E]: the first E bits of each row, LSB first (later bits ignored)."""
+    experts = torch.arange(num_experts, device=bitmap.device)
+    return ((bitmap[:, experts // 8].to(torch.int32) >> (experts % 8)) & 1) != 0
 
 
 def row_map(

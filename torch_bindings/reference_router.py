@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .reference import pack_bitmap, unpack_bitmap
+
 EPSILON = 1e-20
 
 
@@ -86,9 +88,10 @@ def topk_forward(
     scaling_factor: float,
     score_function: str,
     return_indices: bool,
+    routing_map_format: str = "bytemap",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """moetriton::router_topk on [T, E] logits: (probs, routing_map, indices [T, K] or [T, 0] int32).
-    num_groups = group_topk = 0: no groups."""
+    num_groups = group_topk = 0: no groups. The map is bool [T, E], or packed ("bitmap")."""
     x = logits.detach().to(_compute_dtype(logits.dtype))
     if score_function == "softmax":
         select = torch.softmax(x, dim=-1) if use_pre_softmax else x
@@ -101,6 +104,8 @@ def topk_forward(
     routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
     routing_map.scatter_(-1, indices, True)
     probs = weights_from_map(logits, routing_map, topk, use_pre_softmax, scaling_factor, score_function)
+    if routing_map_format == "bitmap":
+        routing_map = pack_bitmap(routing_map)
     return probs, routing_map, indices[:, : topk if return_indices else 0].to(torch.int32)
 
 
@@ -118,8 +123,12 @@ def topk_backward(
     use_pre_softmax: bool,
     scaling_factor: float,
     score_function: str,
+    routing_map_format: str = "bytemap",
 ) -> torch.Tensor:
-    """moetriton::router_topk_backward: grad_logits [T, E] by autograd of weights_from_map."""
+    """moetriton::router_topk_backward: grad_logits [T, E] by autograd of weights_from_map (the map
+    unpacked first when it is a "bitmap")."""
+    if routing_map_format == "bitmap":
+        routing_map = unpack_bitmap(routing_map, logits.shape[1])
     return _vjp(
         lambda x: weights_from_map(x, routing_map, topk, use_pre_softmax, scaling_factor, score_function),
         logits,
@@ -137,13 +146,14 @@ def aux_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
 
 
 def aux_scores_forward(
-    logits: torch.Tensor, topk: int, score_function: str
+    logits: torch.Tensor, topk: int, score_function: str, routing_map_format: str = "bytemap"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """moetriton::router_aux_scores on [T, E] logits: (routing_map, scores fp32)."""
+    """moetriton::router_aux_scores on [T, E] logits: (routing_map (bool, or packed: "bitmap"), scores
+    fp32)."""
     scores = aux_scores(logits.detach(), score_function).float()
     routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
     routing_map.scatter_(-1, rank(scores)[:, :topk], True)
-    return routing_map, scores
+    return pack_bitmap(routing_map) if routing_map_format == "bitmap" else routing_map, scores
 
 
 def aux_scores_backward(grad_scores: torch.Tensor, logits: torch.Tensor, score_function: str) -> torch.Tensor:
@@ -207,10 +217,12 @@ def fused_topk_with_score_function(
     scaling_factor: float | None = None,
     score_function: str = "softmax",
     expert_bias: torch.Tensor | None = None,
+    routing_map_format: str = "bytemap",
     *,
     return_indices: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """Reference of moetriton.torch.router.fused_topk_with_score_function (differentiable in logits)."""
+    """Reference of moetriton.torch.router.fused_topk_with_score_function (differentiable in logits;
+    routing_map_format "bytemap" or "bitmap")."""
     num_experts = logits.shape[-1]
     flat = logits.reshape(-1, num_experts)
     use_pre_softmax = use_pre_softmax and score_function == "softmax"
@@ -227,19 +239,24 @@ def fused_topk_with_score_function(
         True,
     )
     probs = weights_from_map(flat, routing_map, topk, use_pre_softmax, scale, score_function)
-    result = (probs.reshape(logits.shape), routing_map.reshape(logits.shape))
+    if routing_map_format == "bitmap":
+        routing_map = pack_bitmap(routing_map)
+    result = (probs.reshape(logits.shape), routing_map.reshape(*logits.shape[:-1], routing_map.shape[-1]))
     if return_indices:
         result += (indices.reshape(*logits.shape[:-1], topk),)
     return result
 
 
 def fused_compute_score_for_moe_aux_loss(
-    logits: torch.Tensor, topk: int, score_function: str
+    logits: torch.Tensor, topk: int, score_function: str, routing_map_format: str = "bytemap"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of moetriton.torch.router.fused_compute_score_for_moe_aux_loss: (routing_map, scores)."""
     num_experts = logits.shape[-1]
-    routing_map, _ = aux_scores_forward(logits.reshape(-1, num_experts), topk, score_function)
-    return routing_map.reshape(logits.shape), aux_scores(logits, score_function).float()
+    routing_map, _ = aux_scores_forward(
+        logits.reshape(-1, num_experts), topk, score_function, routing_map_format
+    )
+    map_shape = (*logits.shape[:-1], routing_map.shape[-1])
+    return routing_map.reshape(map_shape), aux_scores(logits, score_function).float()
 
 
 def fused_moe_aux_loss(

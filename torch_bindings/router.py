@@ -36,8 +36,15 @@ def _check_topk(
 
 
 @memoised
-def _check_aux_scores(*, logits: Signature, topk, score_function) -> tuple[int, int, int, str]:
-    return rules.check_aux_scores(logits=describe(logits), topk=topk, score_function=score_function)
+def _check_aux_scores(
+    *, logits: Signature, topk, score_function, routing_map_format
+) -> tuple[int, int, int, str, str]:
+    return rules.check_aux_scores(
+        logits=describe(logits),
+        topk=topk,
+        score_function=score_function,
+        routing_map_format=routing_map_format,
+    )
 
 
 @memoised
@@ -73,7 +80,11 @@ _TOPK = Launch(
     trailing(*plans.TOPK_OPTIONS),
     reference.topk_forward,
     outputs=lambda sizes: plans.topk_outputs(
-        sizes["num_tokens"], sizes["num_experts"], sizes["topk"], sizes["return_indices"]
+        sizes["num_tokens"],
+        sizes["num_experts"],
+        sizes["topk"],
+        sizes["return_indices"],
+        sizes["routing_map_format"],
     ),
 )
 
@@ -88,25 +99,26 @@ def _router_topk(
     scaling_factor: float,
     score_function: str,
     return_indices: bool,
+    routing_map_format: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(probs [T, E], routing_map [T, E] bool, indices [T, K] int32 or [T, 0]) of [T, E] logits;
-    num_groups = group_topk = 0: no groups."""
+    """(probs [T, E], routing_map (bool [T, E], or uint8 [T, ceil(E / 8)] for "bitmap"), indices [T, K]
+    int32 or [T, 0]) of [T, E] logits; num_groups = group_topk = 0: no groups."""
     options = (topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function, return_indices)
-    return _TOPK.run(logits, expert_bias, *options)
+    return _TOPK.run(logits, expert_bias, *options, routing_map_format)
 
 
 def _topk_setup(ctx, inputs, output):
-    logits, _, topk, use_pre_softmax, _, _, scaling_factor, score_function, _ = inputs
-    ctx.options = (topk, use_pre_softmax, scaling_factor, score_function)
+    logits, _, topk, use_pre_softmax, _, _, scaling_factor, score_function, _, routing_map_format = inputs
+    ctx.options = (topk, use_pre_softmax, scaling_factor, score_function, routing_map_format)
     ctx.save_for_backward(logits, output[1])
 
 
 def _topk_backward(ctx, grad_probs, grad_map, grad_indices):
     if grad_probs is None:
-        return (None,) * 9
+        return (None,) * 10
     logits, routing_map = ctx.saved_tensors
     grad_logits = ROUTER_TOPK_BACKWARD(grad_probs, logits, routing_map, *ctx.options)
-    return grad_logits, None, None, None, None, None, None, None, None
+    return grad_logits, *(None,) * 9
 
 
 ROUTER_TOPK = Op("router_topk", _router_topk, _TOPK.fake, setup=_topk_setup, backward=_topk_backward)
@@ -136,10 +148,19 @@ def _router_topk_backward(
     use_pre_softmax: bool,
     scaling_factor: float,
     score_function: str,
+    routing_map_format: str,
 ) -> Tensor:
-    """grad_logits [T, E] (logits dtype), recomputing the scores from logits and the routing map."""
+    """grad_logits [T, E] (logits dtype), recomputing the scores from logits and the routing map (the
+    forward's, bit-packed for "bitmap": read in place)."""
     return _TOPK_BACKWARD.run(
-        grad_probs, logits, routing_map, topk, use_pre_softmax, scaling_factor, score_function
+        grad_probs,
+        logits,
+        routing_map,
+        topk,
+        use_pre_softmax,
+        scaling_factor,
+        score_function,
+        routing_map_format,
     )
 
 
@@ -149,29 +170,34 @@ ROUTER_TOPK_BACKWARD = Op("router_topk_backward", _router_topk_backward, _TOPK_B
 
 _AUX_SCORES = Launch(
     plans.aux_scores_plan,
-    lambda logits, topk, score_function: dict(logits=logits),
+    lambda logits, *options: dict(logits=logits),
     trailing(*plans.AUX_SCORES_OPTIONS),
     reference.aux_scores_forward,
-    outputs=lambda sizes: plans.aux_scores_outputs(sizes["num_tokens"], sizes["num_experts"]),
+    outputs=lambda sizes: plans.aux_scores_outputs(
+        sizes["num_tokens"], sizes["num_experts"], sizes["routing_map_format"]
+    ),
 )
 
 
-def _router_aux_scores(logits: Tensor, topk: int, score_function: str) -> tuple[Tensor, Tensor]:
-    """(routing_map [T, E] bool, scores [T, E] fp32) of [T, E] logits."""
-    return _AUX_SCORES.run(logits, topk, score_function)
+def _router_aux_scores(
+    logits: Tensor, topk: int, score_function: str, routing_map_format: str
+) -> tuple[Tensor, Tensor]:
+    """(routing_map (bool [T, E], or uint8 [T, ceil(E / 8)] for "bitmap"), scores [T, E] fp32) of [T, E]
+    logits."""
+    return _AUX_SCORES.run(logits, topk, score_function, routing_map_format)
 
 
 def _scores_setup(ctx, inputs, output):
-    logits, _, score_function = inputs
+    logits, _, score_function, _ = inputs
     ctx.score_function = score_function
     ctx.save_for_backward(logits)
 
 
 def _scores_backward(ctx, grad_map, grad_scores):
     if grad_scores is None:
-        return None, None, None
+        return None, None, None, None
     (logits,) = ctx.saved_tensors
-    return ROUTER_AUX_SCORES_BACKWARD(grad_scores, logits, ctx.score_function), None, None
+    return ROUTER_AUX_SCORES_BACKWARD(grad_scores, logits, ctx.score_function), None, None, None
 
 
 ROUTER_AUX_SCORES = Op(
@@ -300,6 +326,7 @@ def fused_topk_with_score_function(
     scaling_factor: float | None = None,
     score_function: str = "softmax",
     expert_bias: Tensor | None = None,
+    routing_map_format: str = "bytemap",
     *,
     return_indices: bool = False,
 ) -> tuple[Tensor, ...]:
@@ -318,19 +345,26 @@ def fused_topk_with_score_function(
             sqrtsoftplus weights are renormalised over the K selected experts when K > 1.
         expert_bias: [E] float bias added to the sigmoid / sqrtsoftplus scores for selection only (the
             weights use the unbiased score; no gradient). Not allowed with softmax.
+        routing_map_format: "bytemap" (bool [..., E]) or "bitmap" (uint8 [..., ceil(E / 8)]: bit e % 8 of
+            byte e // 8 set when the token routes to expert e, LSB first, unused high bits 0), written by
+            the kernel; TE's "bitmap_u8" and RoutingMapFormat members are accepted too. The backward reads
+            the bits in place; gradients equal the bytemap's. `token_dispatch(...,
+            routing_map_format="bitmap", num_experts=E)` takes the bitmap directly.
         return_indices: also return the selected expert ids [..., K] int32 in rank order (best first),
             ready for `token_dispatch(..., indices=indices, num_experts=E)`.
 
     Returns:
-        (probs [..., E] in logits.dtype, zero outside the selection; routing_map [..., E] bool) and, with
-        `return_indices`, indices [..., K] int32. Ties go to the lowest expert index; NaN scores rank below
-        every number. Math is fp32. Differentiable in logits.
+        (probs [..., E] in logits.dtype, zero outside the selection; routing_map [..., E] bool, or
+        [..., ceil(E / 8)] uint8) and, with `return_indices`, indices [..., K] int32. Ties go to the lowest
+        expert index; NaN scores rank below every number. Math is fp32. Differentiable in logits.
 
     Example:
         >>> logits = torch.tensor([[1.0, 3.0, 2.0, 3.0]])
         >>> probs, routing_map, indices = fused_topk_with_score_function(logits, 2, return_indices=True)
         >>> routing_map.tolist(), indices.tolist()
         ([[False, True, False, True]], [[1, 3]])
+        >>> fused_topk_with_score_function(logits, 2, routing_map_format="bitmap")[1].tolist()
+        [[10]]
     """
     config = _check_topk(
         logits=signature(logits),
@@ -342,6 +376,7 @@ def fused_topk_with_score_function(
         group_topk=group_topk,
         scaling_factor=scaling_factor,
         score_function=score_function,
+        routing_map_format=routing_map_format,
     )
     shape = logits.shape
     probs, routing_map, indices = ROUTER_TOPK(
@@ -354,15 +389,16 @@ def fused_topk_with_score_function(
         config.scaling_factor,
         config.score_function,
         return_indices,
+        config.routing_map_format,
     )
     if len(shape) == 2:  # the common case needs no reshape back
         return (probs, routing_map, indices) if return_indices else (probs, routing_map)
-    result = (probs.reshape(shape), routing_map.reshape(shape))
+    result = (probs.reshape(shape), routing_map.reshape(*shape[:-1], routing_map.shape[-1]))
     return (*result, indices.reshape(*shape[:-1], config.topk)) if return_indices else result
 
 
 def fused_compute_score_for_moe_aux_loss(
-    logits: Tensor, topk: int, score_function: str = "softmax"
+    logits: Tensor, topk: int, score_function: str = "softmax", routing_map_format: str = "bytemap"
 ) -> tuple[Tensor, Tensor]:
     """Scores for the load-balancing loss and their top-k mask (no bias, groups or scaling).
 
@@ -371,21 +407,27 @@ def fused_compute_score_for_moe_aux_loss(
         topk: K, 1 <= K <= E.
         score_function: "softmax" (softmax over E), or "sigmoid" / "sqrtsoftplus", whose activations are
             always normalised over all E experts: a / (sum a + 1e-20).
+        routing_map_format: "bytemap" (bool) or "bitmap" (uint8 [..., ceil(E / 8)], LSB first), as in
+            fused_topk_with_score_function.
 
     Returns:
-        (routing_map [..., E] bool: the top-K of the scores, ties to the lowest index; scores [..., E]
-        float32). Differentiable in logits (through scores).
+        (routing_map [..., E] bool, or [..., ceil(E / 8)] uint8: the top-K of the scores, ties to the lowest
+        index; scores [..., E] float32). Differentiable in logits (through scores).
 
     Example:
         >>> routing_map, scores = fused_compute_score_for_moe_aux_loss(torch.zeros(1, 4), 2, "softmax")
         >>> routing_map.tolist(), scores.tolist()
         ([[True, True, False, False]], [[0.25, 0.25, 0.25, 0.25]])
     """
-    _, num_experts, topk, score_function = _check_aux_scores(
-        logits=signature(logits), topk=topk, score_function=score_function
+    _, num_experts, topk, score_function, routing_map_format = _check_aux_scores(
+        logits=signature(logits),
+        topk=topk,
+        score_function=score_function,
+        routing_map_format=routing_map_format,
     )
-    routing_map, scores = ROUTER_AUX_SCORES(logits.reshape(-1, num_experts), topk, score_function)
-    return routing_map.reshape(logits.shape), scores.reshape(logits.shape)
+    flat = logits.reshape(-1, num_experts)
+    routing_map, scores = ROUTER_AUX_SCORES(flat, topk, score_function, routing_map_format)
+    return routing_map.reshape(*logits.shape[:-1], routing_map.shape[-1]), scores.reshape(logits.shape)
 
 
 def fused_moe_aux_loss(

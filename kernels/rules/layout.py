@@ -27,3 +27,9 @@ def buffer_rows(
     if align_size is None:
         return num_out_tokens
     return (num_out_tokens + num_experts * (align_size - 1)) // align_size * align_size
+
+
+def bitmap_columns(num_experts: int) -> int:
+    """Bytes per token of a bit-packed routing map of E experts (uint8 [T, ceil(E / 8)], bit e % 8 of byte
+    e // 8 set when the token routes to expert e)."""
+    return (num_experts + 7) // 8

@@ -15,6 +15,11 @@ from dataclasses import dataclass
 from .validation import require_array
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+#: Layouts of a routing map: "bytemap" bool [T, E]; "bitmap" uint8 [T, ceil(E / 8)], bit e % 8 of byte
+#: e // 8 set when the token routes to expert e (LSB first, unused high bits 0; TE's BITMAP_U8).
+ROUTING_MAP_FORMATS = ("bytemap", "bitmap")
+#: Other spellings a routing-map format is accepted in: TE's names (strings, or an enum member's name).
+_FORMAT_ALIASES = {"bitmap_u8": "bitmap"}
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
 BIAS_DTYPES = ("float32", "bfloat16", "float16")
 PROBS_DTYPES = ("float32", "bfloat16", "float16")
@@ -59,6 +64,25 @@ def _score_function(score_function) -> str:
     return score_function
 
 
+def check_routing_map_format(routing_map_format) -> str:
+    """The neutral name ("bytemap" or "bitmap") of a routing-map format given as one of those strings, TE's
+    "bitmap_u8", or an enum member named BYTEMAP or BITMAP_U8 (TE's RoutingMapFormat), in any case."""
+    name = (
+        routing_map_format
+        if isinstance(routing_map_format, str)
+        else getattr(routing_map_format, "name", None)
+    )
+    normalised = name.lower() if isinstance(name, str) else None
+    normalised = _FORMAT_ALIASES.get(normalised, normalised)
+    if normalised not in ROUTING_MAP_FORMATS:
+        _fail(
+            "routing_map_format",
+            f"expected one of {ROUTING_MAP_FORMATS} (or TE's 'bitmap_u8' / RoutingMapFormat), "
+            f"got {routing_map_format!r}",
+        )
+    return normalised
+
+
 def _logits(logits: Desc) -> tuple[int, int]:
     """(tokens, experts) of logits [..., E]: leading dimensions flatten to tokens."""
     require_array("logits", logits)
@@ -86,6 +110,7 @@ class TopkConfig:
     group_topk: int
     scaling_factor: float
     has_bias: bool
+    routing_map_format: str = "bytemap"
 
 
 def check_topk(
@@ -98,13 +123,14 @@ def check_topk(
     scaling_factor,
     score_function,
     expert_bias: Desc | None,
+    routing_map_format="bytemap",
 ) -> TopkConfig:
     """Validates fused_topk_with_score_function arguments.
 
     `use_pre_softmax` only matters for softmax and is ignored for sigmoid/sqrtsoftplus (as in TE). Groups:
     both `num_groups` and `group_topk` or neither; E % num_groups == 0, group_topk <= num_groups,
     topk % group_topk == 0 and topk / group_topk <= E / num_groups (each chosen group supplies the same
-    number of experts).
+    number of experts). `routing_map_format`: see `check_routing_map_format`.
     """
     num_tokens, num_experts = _logits(logits)
     topk = _int("topk", topk, low=1, high=num_experts)
@@ -152,14 +178,19 @@ def check_topk(
         group_topk=group_topk,
         scaling_factor=scaling_factor,
         has_bias=expert_bias is not None,
+        routing_map_format=check_routing_map_format(routing_map_format),
     )
 
 
-def check_aux_scores(*, logits: Desc, topk, score_function) -> tuple[int, int, int, str]:
-    """Validates fused_compute_score_for_moe_aux_loss; returns (tokens, experts, topk, score_function)."""
+def check_aux_scores(
+    *, logits: Desc, topk, score_function, routing_map_format="bytemap"
+) -> tuple[int, int, int, str, str]:
+    """Validates fused_compute_score_for_moe_aux_loss; returns (tokens, experts, topk, score_function,
+    routing-map format name)."""
     num_tokens, num_experts = _logits(logits)
     topk = _int("topk", topk, low=1, high=num_experts)
-    return num_tokens, num_experts, topk, _score_function(score_function)
+    format_name = check_routing_map_format(routing_map_format)
+    return num_tokens, num_experts, topk, _score_function(score_function), format_name
 
 
 @dataclass(frozen=True)

@@ -363,11 +363,14 @@ def test_custom_ops_pass_opcheck():
     logits = torch.randn(5, 8, generator=generator).to(DEVICE).requires_grad_(True)
     bias = torch.randn(8, generator=generator).to(DEVICE)
     ops = torch.ops.moetriton
-    torch.library.opcheck(ops.router_topk, (logits, bias, 2, False, 2, 1, 1.5, "sigmoid", True))
-    torch.library.opcheck(ops.router_topk, (logits, None, 3, True, 0, 0, 1.0, "softmax", False))
-    # opcheck's AOT helper sums the outputs in order and cannot start with a bool one (the routing map).
+    torch.library.opcheck(ops.router_topk, (logits, bias, 2, False, 2, 1, 1.5, "sigmoid", True, "bytemap"))
+    torch.library.opcheck(ops.router_topk, (logits, None, 3, True, 0, 0, 1.0, "softmax", False, "bytemap"))
+    torch.library.opcheck(ops.router_topk, (logits, bias, 2, False, 0, 0, 1.0, "sigmoid", True, "bitmap"))
+    # opcheck's AOT helper sums the outputs in order and cannot start with an integer one (the routing map).
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(ops.router_aux_scores, (logits, 2, "sqrtsoftplus"), test_utils=checks)
+    for routing_map_format in ("bytemap", "bitmap"):
+        args = (logits, 2, "sqrtsoftplus", routing_map_format)
+        torch.library.opcheck(ops.router_aux_scores, args, test_utils=checks)
     probs = torch.rand(5, 8, generator=generator).to(DEVICE).requires_grad_(True)
     counts = torch.arange(8, device=DEVICE)
     torch.library.opcheck(ops.router_aux_loss, (probs, counts, None, 5, 8, 2, 0.5))
