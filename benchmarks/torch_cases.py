@@ -2,7 +2,8 @@
 
 Routing: every token picks K distinct experts uniformly at random (dropless, num_out_tokens = T * K),
 bf16 tokens, fp32 probs, a [T, E] bool mask (TE's format). Chunk sort reorders T * K rows split into
-E chunks from rank-major to expert-major as after an all-to-all over min(8, E) ranks.
+E chunks from rank-major to expert-major as after an all-to-all over min(8, E) ranks. "dispatch_bitmap" is
+the same dispatch from the mask bit-packed as the router writes it (uint8 [T, ceil(E / 8)]).
 """
 
 from __future__ import annotations
@@ -63,6 +64,19 @@ def results(shape: MoEShape, quick: bool = False) -> list[Result]:
         time_graph([lambda s=s: mt.token_dispatch(s[0], s[1], N, s[2]) for s in sets]),
         dispatch_bytes,
         "map + permute + probs, CUDA graph",
+    )
+    packed = [(s[0], reference.pack_bitmap(s[1]), s[2]) for s in sets]
+    add(
+        "dispatch_bitmap",
+        "moetriton",
+        time_graph(
+            [
+                lambda s=s: mt.token_dispatch(s[0], s[1], N, s[2], num_experts=E, routing_map_format="bitmap")
+                for s in packed
+            ]
+        ),
+        dispatch_bytes - T * E + T * ((E + 7) // 8),
+        "map from a bitmap + permute + probs, CUDA graph",
     )
 
     # The two halves of dispatch, to compare with TE's separate row-map and permute kernels. Ours split

@@ -27,6 +27,7 @@ import numpy as np
 from moetriton import kernels
 from moetriton.kernels import row_map_slots
 from moetriton.kernels.rules import validation
+from moetriton.kernels.rules.router import check_routing_map_format
 
 from . import reference
 from ._checks import check_values
@@ -48,10 +49,13 @@ class Dispatch(ShardedOp):
     has_probs: bool
     has_scales: bool
     capacity: int | None = None
+    routing_map_format: str = "bytemap"
 
     layouts: ClassVar[dict[str, tuple[str, ...]]] = {
         "inp": ("t", HIDDEN),
         "routing": ("t", "e"),
+        # A bit-packed mask: ceil(E / 8) bytes per token, an axis of its own beside the probs' E.
+        "bitmap": ("t", "b"),
         "probs": ("t", "e"),
         "scales": ("t", "k"),
         "output": ("r", HIDDEN),
@@ -64,7 +68,8 @@ class Dispatch(ShardedOp):
 
     @property
     def args(self) -> tuple[str, ...]:
-        return ("inp", "routing") + ("probs",) * self.has_probs + ("scales",) * self.has_scales
+        routing = "bitmap" if self.routing_map_format == "bitmap" else "routing"
+        return ("inp", routing) + ("probs",) * self.has_probs + ("scales",) * self.has_scales
 
     @property
     def results(self) -> tuple[str, ...]:
@@ -78,7 +83,7 @@ class Dispatch(ShardedOp):
         )
 
     def one_shard(self, arrays: dict[str, jax.Array], use_kernels: bool) -> dict[str, jax.Array]:
-        inp, routing = arrays["inp"], arrays["routing"]
+        inp, routing = arrays["inp"], arrays[self.args[1]]
         probs, scales = arrays.get("probs"), arrays.get("scales")
         if use_kernels:
             out = run_builder(
@@ -89,6 +94,7 @@ class Dispatch(ShardedOp):
                 num_out_tokens=self.num_out_tokens,
                 align_size=self.align_size,
                 capacity=self.capacity,
+                routing_map_format=self.routing_map_format,
             )
         else:
             names = ("output", "permuted_probs", "permuted_scales", "row_id_map", "pad_offsets")
@@ -102,6 +108,7 @@ class Dispatch(ShardedOp):
                 self.num_out_tokens,
                 self.align_size,
                 self.capacity,
+                self.routing_map_format,
             )
             out = dict(zip((*names, "tokens_per_expert"), values, strict=True))
         return {name: out[name] for name in self.results}
@@ -388,12 +395,15 @@ def token_dispatch(
     scales: jax.Array | None = None,
     num_shards: int = 1,
     capacity: int | None = None,
+    routing_map_format: str = "bytemap",
 ) -> tuple:
     """Permute tokens into expert-major order (MoE dispatch).
 
     Args:
         inp: [T, H] tokens; float32/float64/bfloat16/float16, or float8_e4m3fn/e5m2 payloads (moved as bits).
-        routing_map: [T, E] mask (bool or integer, nonzero = routed). Pass this or `indices`.
+        routing_map: [T, E] mask (bool or integer, nonzero = routed), or with routing_map_format="bitmap"
+            the same mask bit-packed: uint8 [T, ceil(E / 8)], bit e % 8 of byte e // 8 (as the router
+            writes it). Pass this or `indices`.
         num_out_tokens: rows of the output before padding, a static Python int (over all shards). Slots whose
             row would fall past the buffer are dropped (no row, weight 0 in combine), so a value below the
             routed count truncates the highest experts first. Defaults to T * K with `indices`.
@@ -405,7 +415,8 @@ def token_dispatch(
             when their values are free to read (concrete CPU arrays, or every call with MOETRITON_CHECK=1);
             elsewhere (GPU, inside jit) an id outside [0, E) is no expert, like -1 (compared before any
             narrowing: with x64 an int64 id of 2**32 is no expert).
-        num_experts: E; required with `indices`, implied by a mask.
+        num_experts: E; required with `indices` and with a bitmap (E cannot be read from its width),
+            implied by a [T, E] mask.
         scales: [T, C] row-wise scales of FP8 payloads (any dtype), permuted like the rows (no gradient).
         num_shards: n, a static Python int dividing T and num_out_tokens. Each of the n token blocks is
             dispatched on its own into its own block of every result (see the module docstring).
@@ -413,13 +424,17 @@ def token_dispatch(
             per shard (expert e at rows [e * capacity, (e + 1) * capacity) of a shard's block); slots past
             the first `capacity` of their expert in (token, slot) order are dropped (no row, weight 0 in
             combine) and unused rows are zero. A static layout for fixed-size all-to-all exchanges.
+        routing_map_format: "bytemap" (default: routing_map is [T, E], uint8 included) or "bitmap" (or TE's
+            "bitmap_u8" / RoutingMapFormat): routing_map is read bit by bit in the kernels (no unpacking
+            pass); bits at or past E in a row's last byte are ignored. Results equal the [T, E] mask's.
 
     Returns:
         (output [N, H], permuted_probs [N] or None, row_id_map [T, 2S + 2] int32, pad_offsets [n * E] int32 or
         None (padding or capacity only), tokens_per_expert [n * E] int32 (rows per expert in the buffer,
         padding included)), plus permuted_scales [N, C] as a sixth element when `scales` is given.
-        N = n * (rows of a shard's buffer); S = E for a mask, K for indices. Rows in row_id_map are local to
-        their shard's block. Destination rows are expert-major, token order stable inside each expert.
+        N = n * (rows of a shard's buffer); S = E for a mask (bitmap included), K for indices. Rows in
+        row_id_map are local to their shard's block. Destination rows are expert-major, token order stable
+        inside each expert.
 
     Example:
         >>> x = jnp.ones((4, 8))
@@ -430,6 +445,7 @@ def token_dispatch(
     """
     if num_out_tokens is None and indices is not None and capacity is None:
         num_out_tokens = int(np.prod(np.shape(indices)))
+    routing_map_format = check_routing_map_format(routing_map_format)
     is_mask, _, num_experts = validation.check_dispatch(
         inp=describe(inp),
         routing_map=describe(routing_map),
@@ -440,6 +456,7 @@ def token_dispatch(
         scales=describe(scales),
         align_size=align_size,
         capacity=capacity,
+        routing_map_format=routing_map_format,
     )
     _check_shards(
         num_shards, ("inp", "shape[0]", inp.shape[0]), ("num_out_tokens", "it", num_out_tokens or 0)
@@ -455,6 +472,7 @@ def token_dispatch(
         has_probs=probs is not None,
         has_scales=scales is not None,
         capacity=capacity,
+        routing_map_format=routing_map_format,
     )
     routing = routing_map if is_mask else indices
     results = _dispatch(op, jnp.asarray(inp), jnp.asarray(routing), _asarray(probs), _asarray(scales))

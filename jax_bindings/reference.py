@@ -161,9 +161,13 @@ def dispatch(
     num_out_tokens: int | None,
     align_size: int | None,
     capacity: int | None = None,
+    routing_map_format: str = "bytemap",
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array, jax.Array, jax.Array]:
     """One shard of token_dispatch: (output [N, H], permuted_probs [N] | None, permuted_scales [N, C] | None,
-    row_id_map [T, 2S + 2], pad_offsets [E], tokens_per_expert [E])."""
+    row_id_map [T, 2S + 2], pad_offsets [E], tokens_per_expert [E]). A mask may come as a "bitmap" (uint8
+    [T, ceil(E / 8)]): its unpacked [T, E] bits route."""
+    if routing_map_format == "bitmap":
+        routing = unpack_bitmap(routing, num_experts)
     num_rows = buffer_rows(num_out_tokens, num_experts, align_size, capacity)
     full_map, kept, pad_offsets = row_map(routing, num_experts, is_mask, num_rows, align_size or 1, capacity)
     tokens, slots, dst = _entries(full_map, num_rows)
@@ -321,6 +325,7 @@ def token_dispatch(
     num_experts: int | None = None,
     scales: jax.Array | None = None,
     capacity: int | None = None,
+    routing_map_format: str = "bytemap",
 ) -> tuple:
     """Reference of moetriton.jax.token_dispatch with num_shards=1 (same arguments and results).
 
@@ -332,10 +337,10 @@ def token_dispatch(
     """
     is_mask = routing_map is not None
     routing = jnp.asarray(routing_map if is_mask else indices)
-    if is_mask:
+    if is_mask and routing_map_format != "bitmap":
         num_experts = routing.shape[1]
     if num_out_tokens is None and capacity is None:
-        num_out_tokens = routing.size
+        num_out_tokens = routing.shape[0] * num_experts if is_mask else routing.size
     output, permuted_probs, permuted_scales, full_map, pad_offsets, kept = dispatch(
         jnp.asarray(inp),
         routing,
@@ -346,6 +351,7 @@ def token_dispatch(
         num_out_tokens,
         align_size,
         capacity,
+        routing_map_format,
     )
     padded = align_size is not None or capacity is not None
     result = (output, permuted_probs, full_map, pad_offsets if padded else None, kept)

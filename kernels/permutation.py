@@ -37,7 +37,7 @@ from collections.abc import Mapping
 import triton
 import triton.language as tl
 
-from ._jit import _aligned, _as_bits, block_columns, column_programs
+from ._jit import _aligned, _as_bits, _bitmap_flags, block_columns, column_programs
 from .rules.layout import buffer_rows, row_map_columns, row_map_slots
 from .runtime import autotune
 from .runtime.plan import (
@@ -130,7 +130,7 @@ def _listed_slot(map_row, num_slots, position, limit, NEEDED: tl.constexpr = Tru
 
 @triton.jit
 def _count_experts_kernel(
-    routing_ptr,  # [T, S] mask (S == E) or expert ids (S == K)
+    routing_ptr,  # [T, S] mask (S == E), uint8 [T, ceil(E / 8)] bitmap of one (BITMAP) or expert ids (S == K)
     num_tokens,
     num_slots,
     num_experts,
@@ -143,6 +143,7 @@ def _count_experts_kernel(
     BINS: tl.constexpr,
     CHUNK: tl.constexpr,
     GDC: tl.constexpr,
+    BITMAP: tl.constexpr,
 ):
     """Per-block expert histograms and in-block ranks. Grid (B,): program b takes tokens
     [b*BLOCK_T, (b+1)*BLOCK_T), counts their slots per expert and ranks every routed slot among the
@@ -152,9 +153,11 @@ def _count_experts_kernel(
     widen the tensor side of an offset, never call methods on a scalar argument.)
 
     Masks: a running cumulative sum down each column of [TILE_T, TILE_S] tiles (ranks < BLOCK_T fit in a
-    byte). Expert ids: CHUNK slots at a time, a slot's rank is the row sum of a [CHUNK, CHUNK] "same expert,
-    earlier" matrix plus the chunk-start histogram `counts`, which one extra bin extends to absorb -1 (no
-    expert) and every other id outside [0, E): such a slot has no expert (the index rule, docs/design.md).
+    byte); with BITMAP the mask tile is read from the bitmap's bits in place (slot s: bit s % 8 of byte
+    s // 8; bits at or past S = E are never read). Expert ids: CHUNK slots at a time, a slot's rank is the
+    row sum of a [CHUNK, CHUNK] "same expert, earlier" matrix plus the chunk-start histogram `counts`, which
+    one extra bin extends to absorb -1 (no expert) and every other id outside [0, E): such a slot has no
+    expert (the index rule, docs/design.md).
     With GDC (programmatic dependent launch), the scan may be launched at once: it waits for this kernel.
     """
     if GDC:
@@ -170,7 +173,10 @@ def _count_experts_kernel(
                 tokens = t0 + tl.arange(0, TILE_T)
                 ok = (tokens[:, None] < last) & (slots[None, :] < num_slots)
                 offsets = tokens.to(tl.int64)[:, None] * num_slots + slots[None, :]
-                routed = (tl.load(_as_bits(routing_ptr) + offsets, mask=ok, other=0) != 0).to(tl.int32)
+                if BITMAP:
+                    routed = _bitmap_flags(routing_ptr, tokens, slots, (num_slots + 7) // 8, ok).to(tl.int32)
+                else:
+                    routed = (tl.load(_as_bits(routing_ptr) + offsets, mask=ok, other=0) != 0).to(tl.int32)
                 ranks = tl.where(routed != 0, counts[None, :] + tl.cumsum(routed, axis=0), 0)
                 tl.store(ranks_ptr + offsets, ranks.to(ranks_ptr.dtype.element_ty), mask=ok)
                 counts += tl.sum(routed, axis=0)
@@ -853,13 +859,16 @@ def expert_count_plan(
     num_slots: int,
     num_experts: int,
     is_mask: bool,
+    routing_map_format: str = "bytemap",
     device: DeviceInfo = DEFAULT_DEVICE,
     config: Mapping[str, int] | None = None,
 ) -> tuple[dict[str, Buffer], tuple[Launch, ...], int]:
     """The first two of dispatch's three launches: per-block expert histograms and in-block ranks of the
     routing input ("routing" -> "block_counts" [B, E], "block_ranks" [T, S]), then the column scan of the
     histograms into "block_offsets" [B, E] and "expert_totals" [E]; returns the buffers, the launches and
-    block_tokens (B = T / block_tokens). O(T * S + B * E) work: linear in T * E."""
+    block_tokens (B = T / block_tokens). O(T * S + B * E) work: linear in T * E. A mask given as a bitmap
+    (routing_map_format "bitmap": uint8 [T, ceil(E / 8)], S = E) is read bit by bit in the count kernel;
+    its config is the mask's (same features)."""
     heuristic_block = min(64, max(16, next_pow2(cdiv(num_tokens, 4 * device.num_sms))))
     features = dict(num_tokens=num_tokens, num_slots=num_slots, num_experts=num_experts, is_mask=int(is_mask))
     cfg = autotune.resolve(
@@ -888,7 +897,9 @@ def expert_count_plan(
         grid=(num_blocks,),
         args=("routing", num_tokens, num_slots, num_experts),
         outputs=("block_counts", "block_ranks"),
-        constexprs=dict(IS_MASK=is_mask, BLOCK_T=block_t, **tiles, GDC=device.pdl),
+        constexprs=dict(
+            IS_MASK=is_mask, BLOCK_T=block_t, **tiles, GDC=device.pdl, BITMAP=routing_map_format == "bitmap"
+        ),
         num_warps=cfg["num_warps"],
     )
     scan = Launch(
@@ -916,6 +927,12 @@ def _data_config(hidden: int, num_slots: int, element_bytes: int, num_tokens: in
 _ROW_MAP_AXES = dict(num_tokens=("row_id_map", 0), num_slots=("row_id_map", 1, row_map_slots))
 
 
+def _routing_slots(routing_columns, num_experts, routing_map_format: str):
+    """S, the slots per token of a dispatch's routing input with `routing_columns` columns: its width, but
+    for a bitmap (uint8 [T, ceil(E / 8)]) the E experts whose bits it packs."""
+    return num_experts if routing_map_format == "bitmap" else routing_columns
+
+
 @sized_by(
     Sizes(
         axes=dict(
@@ -939,6 +956,7 @@ def dispatch_plan(
     scale_cols: int | None,
     align_size: int | None = None,
     capacity: int | None = None,
+    routing_map_format: str = "bytemap",
     device: DeviceInfo = DEFAULT_DEVICE,
     config: Mapping[str, Mapping[str, int]] | None = None,
 ) -> Plan:
@@ -946,7 +964,9 @@ def dispatch_plan(
     assigns every slot its row (writing the row map) and scatters tokens, probs and scales there.
     With `capacity` (instead of `num_out_tokens` and `align_size`) every expert owns `capacity` rows.
 
-    Inputs: "inp" [T, H], "routing" [T, S], "probs" [T, S] or None, "scales" [T, C] or None.
+    Inputs: "inp" [T, H], "routing" [T, S], "probs" [T, S] or None, "scales" [T, C] or None. `num_slots`
+    is the routing input's width: S, except for a mask given as a bitmap (is_mask, routing_map_format
+    "bitmap": "routing" uint8 [T, ceil(E / 8)], bit e % 8 of byte e // 8), whose S = E slots are its bits.
     Results: output [N, H], permuted_probs [N], permuted_scales [N, C], row_id_map [T, 2S + 2],
     pad_offsets [E], tokens_per_expert [E] (rows per expert in the buffer, padding included); probs,
     scales and pad offsets are placeholders (Buffer.placeholder) without probs, scales and padding.
@@ -966,12 +986,15 @@ def dispatch_plan(
         capacity=capacity,
         has_probs=has_probs,
         scale_cols=scale_cols,
+        routing_map_format=routing_map_format,
     )
+    num_slots = _routing_slots(num_slots, num_experts, routing_map_format)
     buffers, launches, block_t = expert_count_plan(
         num_tokens=num_tokens,
         num_slots=num_slots,
         num_experts=num_experts,
         is_mask=is_mask,
+        routing_map_format=routing_map_format,
         device=device,
         config=config.get("row_map"),
     )
@@ -1049,12 +1072,15 @@ def dispatch_outputs(
     capacity: int | None,
     has_probs: bool,
     scale_cols: int | None,
+    routing_map_format: str = "bytemap",
 ) -> dict[str, Buffer]:
     """dispatch_plan's results, in order: output, permuted_probs, permuted_scales, row_id_map, pad_offsets,
     tokens_per_expert. Shape arithmetic only, with no branch on any size, so that symbolic sizes
     (torch.compile, a data-dependent expert count) pass through it unguarded. The dispatch kernel writes
-    every element (its fill programs run even when T = 0), so nothing starts zeroed."""
+    every element (its fill programs run even when T = 0), so nothing starts zeroed. `num_slots` is the
+    routing input's width, as in dispatch_plan."""
     num_rows = buffer_rows(num_out_tokens, num_experts, align_size, capacity)
+    num_slots = _routing_slots(num_slots, num_experts, routing_map_format)
     has_scales = scale_cols is not None
     return dict(
         output=Buffer((num_rows, hidden), "like:inp"),

@@ -20,6 +20,7 @@ from torch import Tensor
 from moetriton import kernels
 from moetriton.kernels import row_map_slots
 from moetriton.kernels.rules import validation
+from moetriton.kernels.rules.router import check_routing_map_format
 
 from . import reference
 from ._checks import Signature, describe, extremes, memoised, same_device, signature, values_checked
@@ -32,7 +33,9 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # dispatch ------------------------------------------------------------------------------------------------
 
 
-def dispatch_sizes(inputs: dict, num_experts, num_out_tokens, align_size, capacity) -> dict:
+def dispatch_sizes(
+    inputs: dict, num_experts, num_out_tokens, align_size, capacity, routing_map_format: str = "bytemap"
+) -> dict:
     """dispatch_plan's arguments for a dispatch of `inputs` (inp, routing, probs, scales) but is_mask (None:
     no alignment, no capacity; with a capacity num_out_tokens is unused)."""
     return kernels.plan_sizes(kernels.dispatch_plan, inputs, dtype_name) | dict(
@@ -40,6 +43,7 @@ def dispatch_sizes(inputs: dict, num_experts, num_out_tokens, align_size, capaci
         num_out_tokens=None if capacity is not None else num_out_tokens,
         align_size=align_size,
         capacity=capacity,
+        routing_map_format=routing_map_format,
     )
 
 
@@ -53,23 +57,44 @@ def _dispatch(
     num_out_tokens: int | None,
     align_size: int | None,
     capacity: int | None,
+    routing_map_format: str = "bytemap",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(output, permuted_probs, permuted_scales, row_id_map, pad_offsets, tokens_per_expert); align_size None
     = no padding, capacity None = none (else num_out_tokens is unused); absent probs/scales give empty
-    tensors."""
+    tensors; a mask may come bit-packed (routing_map_format "bitmap")."""
     if not uses_kernels(inp.device):
         return reference.dispatch(
-            inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity
+            inp,
+            routing,
+            probs,
+            scales,
+            num_experts,
+            is_mask,
+            num_out_tokens,
+            align_size,
+            capacity,
+            routing_map_format,
         )
     inputs = dict(inp=inp, routing=routing, probs=probs, scales=scales)
-    sizes = dispatch_sizes(inputs, num_experts, num_out_tokens, align_size, capacity)
+    sizes = dispatch_sizes(inputs, num_experts, num_out_tokens, align_size, capacity, routing_map_format)
     return bound(kernels.dispatch_plan, inp.device, **sizes, is_mask=is_mask)(inputs)
 
 
-def _dispatch_fake(inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity):
+def _dispatch_fake(
+    inp,
+    routing,
+    probs,
+    scales,
+    num_experts,
+    is_mask,
+    num_out_tokens,
+    align_size,
+    capacity,
+    routing_map_format="bytemap",
+):
     # Shapes only: the expert count may be a data-dependent size here (TE's index map without E).
     inputs = dict(inp=inp, routing=routing, probs=probs, scales=scales)
-    sizes = dispatch_sizes(inputs, num_experts, num_out_tokens, align_size, capacity)
+    sizes = dispatch_sizes(inputs, num_experts, num_out_tokens, align_size, capacity, routing_map_format)
     sizes.pop("element_bytes")
     outputs = kernels.dispatch_outputs(**sizes)
     return fake_results(kernels.Plan(outputs, (), tuple(outputs)), inputs, inp.device)
@@ -85,7 +110,7 @@ def _dispatch_backward(ctx, grad_output, grad_probs, grad_scales, grad_map, grad
     (row_map,) = ctx.saved_tensors
     grad_probs = grad_probs if ctx.has_probs else None
     if grad_output is None and grad_probs is None:
-        return (None,) * 9
+        return (None,) * 10
     if grad_output is None:  # only permuted_probs was used
         grad_output = zeros_like_meta(ctx.rows)
     inp_dtype = grad_output.dtype
@@ -95,17 +120,7 @@ def _dispatch_backward(ctx, grad_output, grad_probs, grad_scales, grad_map, grad
     grad_inp, grad_routing_probs = DISPATCH_BACKWARD(grad_output, grad_probs, row_map)
     grad_inp = grad_inp.to(inp_dtype)
     # Without a gradient for permuted_probs the op returns an empty placeholder: no gradient for probs.
-    return (
-        grad_inp,
-        None,
-        grad_routing_probs if grad_probs is not None else None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-    )
+    return (grad_inp, None, grad_routing_probs if grad_probs is not None else None, *(None,) * 7)
 
 
 # Dispatch's gradient is a combine of its cotangent (and a gather of the permuted probs' gradient).
@@ -298,8 +313,10 @@ def _check_dispatch(
     align_size,
     capacity,
     symbolic_experts: bool,
-) -> tuple[bool, int]:
-    """(is_mask, num_experts) of valid token_dispatch arguments."""
+    routing_map_format,
+) -> tuple[bool, int, str]:
+    """(is_mask, num_experts, routing-map format name) of valid token_dispatch arguments."""
+    routing_map_format = check_routing_map_format(routing_map_format)
     is_mask, _, num_experts = validation.check_dispatch(
         inp=describe(inp),
         routing_map=describe(routing_map),
@@ -311,9 +328,10 @@ def _check_dispatch(
         align_size=align_size,
         capacity=capacity,
         symbolic_experts=symbolic_experts,
+        routing_map_format=routing_map_format,
     )
     same_device(inp=inp, routing_map=routing_map, indices=indices, probs=probs, scales=scales)
-    return is_mask, num_experts
+    return is_mask, num_experts, routing_map_format
 
 
 @memoised
@@ -357,13 +375,16 @@ def token_dispatch(
     num_experts: int | None = None,
     scales: torch.Tensor | None = None,
     capacity: int | None = None,
+    routing_map_format: str = "bytemap",
 ) -> tuple:
     """Permute tokens into expert-major order (MoE dispatch).
 
     Args:
         inp: [T, H] tokens; float32/float64/bfloat16/float16, or float8_e4m3fn/e5m2 payloads. Any layout;
             read in place when its columns are unit stride, else copied (see the module docstring).
-        routing_map: [T, E] mask (bool or integer, nonzero = routed). Pass this or `indices`.
+        routing_map: [T, E] mask (bool or integer, nonzero = routed), or with routing_map_format="bitmap"
+            the same mask bit-packed: uint8 [T, ceil(E / 8)], bit e % 8 of byte e // 8 (as the router
+            writes it). Pass this or `indices`.
         num_out_tokens: rows of the output before padding (a Python int). Slots whose row would fall past
             the buffer are dropped (no row, weight 0 in combine), so `num_out_tokens` smaller than the routed
             count truncates the highest experts first, like TE's index map. Defaults to T * K with `indices`.
@@ -374,19 +395,24 @@ def token_dispatch(
         indices: [T, K] int32/int64 expert ids, -1 = no expert. Needs `num_experts`. Ids are range-checked
             where their values are free to read (CPU tensors, or every call with MOETRITON_CHECK=1); elsewhere
             (GPU, torch.compile) an id outside [0, E) is no expert, like -1.
-        num_experts: E; required with `indices`, implied by a mask.
+        num_experts: E; required with `indices` and with a bitmap (E cannot be read from its width),
+            implied by a [T, E] mask.
         scales: [T, C] row-wise scales of FP8 payloads (any dtype), permuted like the rows.
         capacity: instead of `num_out_tokens` and `align_size`: every expert gets exactly `capacity` rows
             (N = E * capacity, expert e at rows [e * capacity, (e + 1) * capacity)); slots past the first
             `capacity` of their expert in (token, slot) order are dropped (no row, weight 0 in combine) and
             unused rows are zero. A static layout for fixed-size all-to-all exchanges.
+        routing_map_format: "bytemap" (default: routing_map is [T, E], uint8 included) or "bitmap" (or TE's
+            "bitmap_u8" / RoutingMapFormat): routing_map is read bit by bit in the kernels (no unpacking
+            pass); bits at or past E in a row's last byte are ignored. Results equal the [T, E] mask's.
 
     Returns:
         (output [N, H], permuted_probs [N] or None, row_id_map [T, 2S + 2] int32, pad_offsets [E] int32 or
         None (padding or capacity only), tokens_per_expert [E] int32 (rows per expert in the buffer,
         padding included)),
-        plus permuted_scales [N, C] as a sixth element when `scales` is given. S = E for a mask, K for
-        indices. Destination rows are expert-major, token order stable inside each expert. No host sync.
+        plus permuted_scales [N, C] as a sixth element when `scales` is given. S = E for a mask (bitmap
+        included), K for indices. Destination rows are expert-major, token order stable inside each
+        expert. No host sync.
 
     Example:
         >>> x = torch.randn(4, 8)
@@ -397,7 +423,7 @@ def token_dispatch(
     """
     if num_out_tokens is None and indices is not None and capacity is None:
         num_out_tokens = indices.numel()
-    is_mask, num_experts = _check_dispatch(
+    is_mask, num_experts, routing_map_format = _check_dispatch(
         inp=signature(inp),
         routing_map=signature(routing_map),
         indices=signature(indices),
@@ -408,12 +434,22 @@ def token_dispatch(
         align_size=align_size,
         capacity=capacity,
         symbolic_experts=_symbolic_experts(num_experts),
+        routing_map_format=routing_map_format,
     )
     routing = routing_map if is_mask else indices
     if not is_mask:
         _check_index_values(indices, num_experts)
     output, permuted_probs, permuted_scales, row_id_map, pad_offsets, tokens_per_expert = DISPATCH(
-        inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity
+        inp,
+        routing,
+        probs,
+        scales,
+        num_experts,
+        is_mask,
+        num_out_tokens,
+        align_size,
+        capacity,
+        routing_map_format,
     )
     result = (
         output,

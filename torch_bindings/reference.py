@@ -55,9 +55,13 @@ def row_map(
     num_rows: int,
     align: int,
     capacity: int | None = None,
+    routing_map_format: str = "bytemap",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row map [T, 2S + 2], kept rows per expert [E] and pad offsets [E] (int32). With a capacity every
-    expert's block has `capacity` rows and a slot ranked past it in its expert gets no row."""
+    expert's block has `capacity` rows and a slot ranked past it in its expert gets no row. A "bitmap"
+    mask is read as its unpacked [T, E] bits."""
+    if routing_map_format == "bitmap":
+        routing = unpack_bitmap(routing, num_experts)
     num_tokens, num_slots = routing.shape
     device = routing.device
     if is_mask:
@@ -142,12 +146,16 @@ def dispatch(
     num_out_tokens: int | None,
     align_size: int | None,
     capacity: int | None = None,
+    routing_map_format: str = "bytemap",
 ) -> tuple[torch.Tensor, ...]:
     """moetriton::dispatch: (output, permuted_probs, permuted_scales, row_id_map, pad_offsets,
-    tokens_per_expert); absent probs/scales give empty tensors. align_size / capacity None = none."""
+    tokens_per_expert); absent probs/scales give empty tensors. align_size / capacity None = none; a mask
+    may come as a "bitmap" (uint8 [T, ceil(E / 8)])."""
     align = align_size or 1
     num_rows = buffer_rows(num_out_tokens, num_experts, align_size, capacity)
-    full_map, kept, pad_offsets = row_map(routing, num_experts, is_mask, num_rows, align, capacity)
+    full_map, kept, pad_offsets = row_map(
+        routing, num_experts, is_mask, num_rows, align, capacity, routing_map_format
+    )
     tokens, slots, rows = _slots(full_map, num_rows)
     output = _move_rows(inp, rows, tokens, num_rows)
     permuted_probs = (
@@ -290,16 +298,26 @@ def token_dispatch(
     num_experts: int | None = None,
     scales: torch.Tensor | None = None,
     capacity: int | None = None,
+    routing_map_format: str = "bytemap",
 ) -> tuple:
     """Reference of moetriton.torch.token_dispatch (same arguments and results)."""
     is_mask = routing_map is not None
     routing = routing_map if is_mask else indices
-    if is_mask:
+    if is_mask and routing_map_format != "bitmap":
         num_experts = routing.shape[1]
     if num_out_tokens is None and capacity is None:
-        num_out_tokens = routing.numel()
+        num_out_tokens = routing.shape[0] * num_experts if is_mask else routing.numel()
     output, permuted_probs, permuted_scales, full_map, pad_offsets, kept = dispatch(
-        inp, routing, probs, scales, num_experts, is_mask, num_out_tokens, align_size, capacity
+        inp,
+        routing,
+        probs,
+        scales,
+        num_experts,
+        is_mask,
+        num_out_tokens,
+        align_size,
+        capacity,
+        routing_map_format,
     )
     result = (
         output,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from .expert_parallel import GATED_ACTIVATIONS
-from .layout import row_map_slots
+from .layout import bitmap_columns, row_map_slots
 
 #: The debug switch MOETRITON_CHECK=1 (read at import): every call reads the index data it is given (expert
 #: ids, row maps, split sizes and orders) and raises ValueError for values the rules below refuse, on the
@@ -78,17 +78,30 @@ def check_dispatch(
     align_size: int | None,
     capacity: int | None = None,
     symbolic_experts: bool = False,
+    routing_map_format: str = "bytemap",
 ) -> tuple[bool, int, int]:
     """Validates token_dispatch arguments; returns (is_mask, num_slots, num_experts).
 
     `symbolic_experts`: num_experts is a symbolic size (torch.compile, data-dependent), whose value the
-    binding checks at run time; here it is only required to be present.
+    binding checks at run time; here it is only required to be present. `routing_map_format` (a name
+    from kernels.rules.router.check_routing_map_format): "bitmap" takes routing_map as uint8
+    [T, ceil(E / 8)] with `num_experts` given (E cannot be read from the packed width), S = E.
     """
     check_array("inp", *inp, ndim=2, dtypes=FLOAT_DTYPES + FP8_DTYPES)
     num_tokens = inp[0][0]
     if (routing_map is None) == (indices is None):
         raise ValueError("routing_map / indices: pass exactly one of them")
-    if routing_map is not None:
+    if routing_map_format == "bitmap":
+        if routing_map is None:
+            _fail("routing_map_format", "'bitmap' describes a routing_map; got indices")
+        check_array("routing_map", *routing_map, ndim=2, dtypes=("uint8",))
+        check_dim("routing_map", routing_map[0][0], num_tokens, "shape[0] (tokens, as inp)")
+        if num_experts is None:
+            _fail("num_experts", "required with a bitmap routing_map (E cannot be read from ceil(E / 8))")
+        check_positive("num_experts", num_experts)
+        check_dim("routing_map", routing_map[0][1], bitmap_columns(num_experts), "shape[1] = ceil(E / 8)")
+        num_slots = num_experts
+    elif routing_map is not None:
         check_array("routing_map", *routing_map, ndim=2, dtypes=MASK_DTYPES)
         check_dim("routing_map", routing_map[0][0], num_tokens, "shape[0] (tokens, as inp)")
         num_slots = routing_map[0][1]
