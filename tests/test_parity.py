@@ -142,6 +142,41 @@ def test_chunk_sort_and_its_gradient_are_bitwise_identical(problem, with_probs):
     _same(vjp(_jax(cotangent, problem.dtype))[0], torch_grad, "grad inp")
 
 
+@pytest.mark.parametrize(("num_experts", "groups"), [(12, (2, 2)), (5, (None, None))])
+def test_bitmap_router_and_dispatch_are_bitwise_identical(num_experts, groups):
+    """The router's bitmap, its probs and logits gradient (the backward reads the bits), and a dispatch from
+    the bitmap with its token and probs gradients."""
+    logits = np.random.default_rng(num_experts).standard_normal((6, num_experts)).astype(np.float32)
+    tokens = np.linspace(-1, 1, 6 * 8, dtype=np.float32).reshape(6, 8)
+    cotangent = np.linspace(-1, 1, 6 * num_experts, dtype=np.float32).reshape(6, num_experts)
+    options = dict(num_groups=groups[0], group_topk=groups[1], score_function="sigmoid")
+
+    def route_and_dispatch(api, x, t):
+        probs, bitmap = api.fused_topk_with_score_function(x, 4, routing_map_format="bitmap", **options)
+        out, permuted_probs, row_id_map, _, counts = api.token_dispatch(
+            t, bitmap, 24, probs, 4, num_experts=num_experts, routing_map_format="bitmap"
+        )
+        return probs, bitmap, out, permuted_probs, row_id_map, counts
+
+    from_jax = route_and_dispatch(mj, _jax(logits), _jax(tokens))
+    x, t = _torch(logits).requires_grad_(), _torch(tokens).requires_grad_()
+    from_torch = route_and_dispatch(mt, x, t)
+    names = ("probs", "bitmap", "output", "permuted_probs", "row_id_map", "tokens_per_expert")
+    for name, a, b in zip(names, from_jax, from_torch, strict=True):
+        _same(a, b, name)
+
+    def loss(results, weights):
+        probs, _, out, permuted_probs = results[:4]
+        return (probs * weights).sum() + (out**2).sum() + (permuted_probs**2).sum()
+
+    jax_grads = jax.grad(lambda x, t: loss(route_and_dispatch(mj, x, t), _jax(cotangent)), argnums=(0, 1))(
+        _jax(logits), _jax(tokens)
+    )
+    torch_grads = torch.autograd.grad(loss(from_torch, _torch(cotangent)), (x, t))
+    for name, a, b in zip(("grad logits", "grad tokens"), jax_grads, torch_grads, strict=True):
+        _same(a, b, name)
+
+
 # The MoE layers share their rules (moetriton.kernels.rules.moe): the same bad argument, the same error.
 
 _H, _E, _F = 8, 4, 6
