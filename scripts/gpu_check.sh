@@ -17,7 +17,7 @@
 # Stages (each writes OUTDIR/<stage>.log; results files go to OUTDIR/results/<gpu>/<name>.csv, the layout
 # of benchmarks/results, so copying them there updates the committed results):
 #   tests       the test suite on the GPU (TEST_PATHS, default tests; TEST_WORKERS xdist workers, default 8;
-#               stopped with SIGINT after TEST_TIMEOUT s, default 1800, so pytest still writes its report):
+#               stopped with SIGINT after TESTS_TIMEOUT s, default 1800, so pytest still writes its report):
 #               OUTDIR/junit.xml, and OUTDIR/tests_not_run.txt lists the collected tests without a result
 #   sanitize    compute-sanitizer --tool memcheck over pytest, one run per file of SANITIZE_TESTS (default
 #               "tests/torch/test_index_safety.py tests/jax/test_index_safety.py"), with the frameworks'
