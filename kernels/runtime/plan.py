@@ -130,21 +130,32 @@ class Sizes:
     element_bytes: str | None = None
     dtypes: Mapping[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # The declaration flattened once: `of` runs on every eager call of an op.
+        axes = tuple((argument, *spec, None)[:4] for argument, spec in self.axes.items())
+        object.__setattr__(self, "_axes", axes)
+        object.__setattr__(self, "_present", tuple(self.present.items()))
+        object.__setattr__(self, "_dtypes", tuple(self.dtypes.items()))
+
     def of(self, arrays: Mapping[str, Any], dtype_name: Callable[[Any], str]) -> dict[str, Any]:
         """The declared arguments' values for `arrays` (input name -> array or None); `dtype_name` is the
         binding's name of a dtype ("float32")."""
+        get = arrays.get
         sizes: dict[str, Any] = {}
-        for argument, (name, axis, *convert) in self.axes.items():
-            array = arrays.get(name)
-            size = None if array is None else array.shape[axis]
-            sizes[argument] = convert[0](size) if convert and size is not None else size
-        for argument, name in self.present.items():
-            sizes[argument] = arrays.get(name) is not None
+        for argument, name, axis, convert in self._axes:
+            array = get(name)
+            if array is None:
+                sizes[argument] = None
+            else:
+                sizes[argument] = array.shape[axis] if convert is None else convert(array.shape[axis])
+        for argument, name in self._present:
+            sizes[argument] = get(name) is not None
         if self.element_bytes is not None:
             sizes["element_bytes"] = arrays[self.element_bytes].dtype.itemsize
-        for argument, name in self.dtypes.items():
-            if arrays.get(name) is not None:
-                sizes[argument] = dtype_name(arrays[name].dtype)
+        for argument, name in self._dtypes:
+            array = get(name)
+            if array is not None:
+                sizes[argument] = dtype_name(array.dtype)
         return sizes
 
 
