@@ -1,8 +1,9 @@
 """Bit-packed routing maps in JAX: the router writes them, its backward and dispatch read them in place.
 
-Every bitmap result is held to the bool map's from the same logits (bit for bit, gradients included) and
-the packed layout to numpy's packbits(bitorder="little"), an implementation of its own; under jax.jit and
-jax.vmap too.
+Every bitmap result is held to the bool map's from the same logits and the packed layout to numpy's
+packbits(bitorder="little"), an implementation of its own; under jax.jit and jax.vmap too. The map and probs
+match bit for bit everywhere; the aux scores and the gradients bit for bit under the interpreter, and to
+fp32 rounding when compiled (docs/router.md: the bitmap launches may sum rows in another order).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 import moetriton.jax as mj
-from moetriton.jax import reference, reference_router
+from moetriton.jax import executor, reference, reference_router
 
 # (E, K, groups, group_topk): E a multiple of 8, not one, below 8, 1; groups of a power-of-two size and not.
 _SHAPES = [(16, 3, None, None), (12, 4, 2, 2), (5, 2, None, None), (1, 1, None, None), (24, 4, 3, 1)]
@@ -21,6 +22,14 @@ _SHAPES = [(16, 3, None, None), (12, 4, 2, 2), (5, 2, None, None), (1, 1, None, 
 
 def _logits(num_tokens: int, num_experts: int, seed: int = 0) -> jax.Array:
     return jax.random.normal(jax.random.PRNGKey(seed), (num_tokens, num_experts))
+
+
+def _assert_same_sums(got: jax.Array, expected: jax.Array) -> None:
+    """Equal bit for bit under the interpreter; compiled, equal up to the order of fp32 row sums."""
+    if executor.on_gpu():
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+    else:
+        np.testing.assert_array_equal(got, expected)
 
 
 def _packbits(mask: jax.Array) -> np.ndarray:
@@ -41,7 +50,7 @@ def _topk_and_grad(logits, topk, groups, group_topk, routing_map_format):
 
 @pytest.mark.parametrize("num_tokens", [0, 5])
 @pytest.mark.parametrize(("num_experts", "topk", "groups", "group_topk"), _SHAPES)
-def test_topk_bitmap_is_the_packed_bytemap_and_gradients_are_identical(
+def test_topk_bitmap_is_the_packed_bytemap_with_the_same_gradients(
     num_tokens, num_experts, topk, groups, group_topk
 ):
     logits = _logits(num_tokens, num_experts)
@@ -50,7 +59,7 @@ def test_topk_bitmap_is_the_packed_bytemap_and_gradients_are_identical(
     assert bitmap.dtype == jnp.uint8 and bitmap.shape == (num_tokens, (num_experts + 7) // 8)
     np.testing.assert_array_equal(np.asarray(bitmap), _packbits(mask))
     np.testing.assert_array_equal(packed_probs, probs)
-    np.testing.assert_array_equal(packed_grad, grad)
+    _assert_same_sums(packed_grad, grad)
 
 
 @pytest.mark.parametrize(("num_experts", "topk"), [(16, 3), (11, 4), (1, 1)])
@@ -61,7 +70,7 @@ def test_aux_scores_bitmap_is_the_packed_bytemap_under_jit(num_experts, topk):
         lambda x: mj.fused_compute_score_for_moe_aux_loss(x, topk, "softmax", "bitmap")
     )(logits)
     np.testing.assert_array_equal(np.asarray(bitmap), _packbits(mask))
-    np.testing.assert_array_equal(packed_scores, scores)
+    _assert_same_sums(packed_scores, scores)
 
 
 def test_vmap_packs_each_problem():

@@ -1,7 +1,9 @@
 """Bit-packed routing maps in PyTorch: the router writes them, its backward and dispatch read them in place.
 
-Every bitmap result is held to the bool map's from the same logits (bit for bit, gradients included) and
-the packed layout to numpy's packbits(bitorder="little"), an implementation of its own.
+Every bitmap result is held to the bool map's from the same logits and the packed layout to numpy's
+packbits(bitorder="little"), an implementation of its own. The map and probs match bit for bit everywhere;
+the aux scores and the gradients bit for bit under the interpreter, and to fp32 rounding when compiled
+(docs/router.md: the bitmap launches may sum rows in another order).
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ def _logits(num_tokens: int, num_experts: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(num_tokens, num_experts, generator=generator).to(DEVICE)
 
 
+def _assert_same_sums(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal bit for bit under the interpreter; compiled, equal up to the order of fp32 row sums."""
+    if DEVICE.type == "cuda":
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    else:
+        assert torch.equal(got, expected)
+
+
 def _packbits(mask: torch.Tensor) -> np.ndarray:
     return np.packbits(mask.cpu().numpy(), axis=1, bitorder="little")
 
@@ -47,7 +57,7 @@ def _topk_and_grad(logits, topk, groups, group_topk, score_function, routing_map
 @pytest.mark.parametrize("num_tokens", [0, 5])
 @pytest.mark.parametrize(("num_experts", "topk", "groups", "group_topk"), _SHAPES)
 @pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
-def test_topk_bitmap_is_the_packed_bytemap_and_gradients_are_identical(
+def test_topk_bitmap_is_the_packed_bytemap_with_the_same_gradients(
     num_tokens, num_experts, topk, groups, group_topk, score_function
 ):
     logits = _logits(num_tokens, num_experts)
@@ -57,7 +67,8 @@ def test_topk_bitmap_is_the_packed_bytemap_and_gradients_are_identical(
     )
     assert bitmap.dtype == torch.uint8 and bitmap.shape == (num_tokens, (num_experts + 7) // 8)
     np.testing.assert_array_equal(bitmap.cpu().numpy(), _packbits(mask))
-    assert torch.equal(packed_probs, probs) and torch.equal(packed_grad, grad)
+    assert torch.equal(packed_probs, probs)
+    _assert_same_sums(packed_grad, grad)
 
 
 @pytest.mark.parametrize(("num_experts", "topk"), [(16, 3), (11, 4), (3, 2), (1, 1)])
@@ -66,10 +77,10 @@ def test_aux_scores_bitmap_is_the_packed_bytemap(num_experts, topk):
     mask, scores = mt.fused_compute_score_for_moe_aux_loss(logits, topk, "sigmoid")
     bitmap, packed_scores = mt.fused_compute_score_for_moe_aux_loss(logits, topk, "sigmoid", "bitmap")
     np.testing.assert_array_equal(bitmap.cpu().numpy(), _packbits(mask))
-    assert torch.equal(packed_scores, scores)
+    _assert_same_sums(packed_scores, scores)
     (grad,) = torch.autograd.grad(scores.square().sum(), logits)
     (packed_grad,) = torch.autograd.grad(packed_scores.square().sum(), logits)
-    assert torch.equal(packed_grad, grad)
+    _assert_same_sums(packed_grad, grad)
 
 
 def test_leading_dims_are_kept_and_te_spellings_are_accepted():
