@@ -28,6 +28,7 @@ The exchange formulas below take arrays and use only operations that numpy, JAX 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,3 +243,22 @@ def dropped_slots(routed_per_expert: Any, layout: EPLayout) -> Any:
     if layout.dropless:
         return routed_per_expert.sum() * 0
     return (routed_per_expert - layout.capacity).clip(min=0).sum()
+
+
+def ranks_by_host(hosts: Sequence[int]) -> list[list[int]]:
+    """The ranks of a group that share each host, from `hosts`: hosts[r] is the host id (an int) of rank r.
+    Hosts come in the order of their first rank, ranks ascending; a group whose ranks all share one host
+    gives one list. Every rank that holds the same `hosts` gets the same answer.
+
+    Example:
+        >>> ranks_by_host([0, 0, 1, 1])
+        [[0, 1], [2, 3]]
+        >>> ranks_by_host([7, 3, 7])
+        [[0, 2], [1]]
+    """
+    if any(not isinstance(host, int) or isinstance(host, bool) for host in hosts):
+        raise ValueError(f"hosts: expected an int host id per rank, got {list(hosts)!r}")
+    ranks: dict[int, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        ranks.setdefault(host, []).append(rank)
+    return list(ranks.values())

@@ -3,17 +3,22 @@ its arguments and statistics), `experts` (the grouped MLP), `collectives`, and t
 `all_to_all`, `peer` (GPUs of one host) and `capacity` (fixed slabs). See docs/moe.md."""
 
 from .._stages import STAGES
-from .collectives import all_to_all_rows
+from .collectives import HOSTS_VARIABLE, all_to_all_rows, group_hosts
 from .experts import expert_mlp, grouped_mm_supported
 from .layer import ACTIVATIONS, EXCHANGES, MoELayer, moe
+from .peer import choose_exchange, exchange_for
 
 __all__ = [
     "ACTIVATIONS",
     "EXCHANGES",
+    "HOSTS_VARIABLE",
     "STAGES",
     "MoELayer",
     "all_to_all_rows",
+    "choose_exchange",
+    "exchange_for",
     "expert_mlp",
+    "group_hosts",
     "grouped_mm_supported",
     "moe",
 ]

@@ -1,9 +1,13 @@
 """The MoE layer's collectives over torch.distributed: the differentiable row exchange, the loss sum, the
-gathered counts (with their host copy started at once)."""
+gathered counts (with their host copy started at once), and the host of every rank of a group (gathered once
+per group)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import os
+import socket
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -15,6 +19,65 @@ def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if group is None:
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+#: The environment variable that declares every rank's host, overriding what the launcher says: host labels
+#: separated by commas, one per rank of the default group in rank order ("0,0,1,1": ranks 0 and 1 on one host,
+#: 2 and 3 on another). The same value on every rank.
+HOSTS_VARIABLE = "MOETRITON_HOST_OF_RANK"
+
+
+def host_label(rank: int, world_size: int, environ: Mapping[str, str]) -> str:
+    """The host of the process of global `rank` (of `world_size`) as declared in `environ`: its entry of
+    HOSTS_VARIABLE where that is set; otherwise this machine's name, with the node rank torchrun sets
+    (GROUP_RANK) where it is set, so that ranks of different nodes never share a host even where their
+    machines (containers) have the same name. Raises ValueError for an override without one non-empty label
+    per rank.
+
+    Example:
+        >>> host_label(2, 4, {"MOETRITON_HOST_OF_RANK": "a,a,b,b"})
+        'declared b'
+    """
+    declared = environ.get(HOSTS_VARIABLE)
+    if declared is not None:
+        labels = [label.strip() for label in declared.split(",")]
+        if len(labels) != world_size or not all(labels):
+            raise ValueError(
+                f"{HOSTS_VARIABLE}: expected {world_size} non-empty host labels separated by commas (one per"
+                f" rank), got {declared!r}"
+            )
+        return f"declared {labels[rank]}"
+    node = environ.get("GROUP_RANK")
+    return socket.gethostname() if node is None else f"{socket.gethostname()} node {node}"
+
+
+@functools.cache
+def group_hosts(group: dist.ProcessGroup) -> tuple[int, ...]:
+    """The host id of every rank of `group` [group size] (ints from 0, in the order of each host's first
+    rank; see `host_label`), the same tuple on every rank. A collective on the first call for a group (every
+    rank of it must make that call), cached afterwards: later calls neither communicate nor sync. An
+    invalid declaration, or one that differs between ranks, raises the same ValueError on every rank after
+    that collective (each rank sends its problem rather than raising alone, so none is left waiting).
+
+    Example (four ranks started with MOETRITON_HOST_OF_RANK=0,0,1,1):
+        >>> group_hosts(dist.group.WORLD)  # doctest: +SKIP
+        (0, 0, 1, 1)
+    """
+    declared = os.environ.get(HOSTS_VARIABLE)
+    try:
+        mine = (declared, host_label(dist.get_rank(), dist.get_world_size(), os.environ), None)
+    except ValueError as error:
+        mine = (declared, None, str(error))
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    problems = [problem for _, _, problem in everyone if problem is not None]
+    if problems:
+        raise ValueError(problems[0])
+    values = [value for value, _, _ in everyone]
+    if len(set(values)) > 1:
+        raise ValueError(f"{HOSTS_VARIABLE}: expected the same value on every rank, got {values}")
+    ids: dict[str, int] = {}
+    return tuple(ids.setdefault(label, len(ids)) for _, label, _ in everyone)
 
 
 def _all_to_all(

@@ -17,6 +17,8 @@ Dropless with EP > 1 on GPUs of one host (exchange="auto" or "peer"), the exchan
 replaced by moetriton.torch.moe.peer: token_dispatch writes into a symmetric staging buffer, every rank
 copies its rows from the others' buffers straight into expert-major order, the expert outputs are copied
 back into their sources' buffers and token_combine reads them there (no chunk sort, no NCCL row exchange).
+An EP group whose ranks span hosts (as the launcher declares them, or MOETRITON_HOST_OF_RANK) exchanges
+every row through all_to_all_single with exchange="auto" (`exchange_for` says which exchange a group gets).
 
 Capacity policies (the same as the JAX layer):
 
@@ -64,12 +66,12 @@ from ..router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, f
 from .all_to_all import dropless_experts
 from .capacity import capacity_experts, check_same_tokens, gather_tokens
 from .collectives import gather_counts, global_sum, group_size_and_rank
-from .peer import peer_dropless, uses_peer
+from .peer import exchange_for, peer_dropless
 
 #: Expert activations and row exchanges (the dropless layer with EP > 1: "all_to_all" is all_to_all_single
 #: then chunk sorts to expert-major and back, "peer" moetriton.torch.moe.peer's copies through peer
-#: memory straight into expert-major order, "auto" peer where `peer_exchange_available`): the shared layer
-#: rules' names (moetriton.kernels.rules.moe).
+#: memory straight into expert-major order, "auto" peer where `peer_exchange_available`: GPUs of one host;
+#: `exchange_for` says which a group gets): the shared layer rules' names (moetriton.kernels.rules.moe).
 ACTIVATIONS = layer_rules.ACTIVATIONS
 EXCHANGES = layer_rules.TORCH_EXCHANGES
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -190,9 +192,16 @@ def moe(
         token_group: the group over which the aux loss and the dropped count are global: every rank whose
             tokens share the loss (EP and data parallel ranks; None: ep_group).
         exchange: the dropless row exchange with EP > 1, one of EXCHANGES: "all_to_all", "peer" (GPUs of
-            one host; an error where `peer_exchange_available` is False) or "auto" (peer where available).
-            Both give the same outputs and gradients up to rounding; the capacity path always uses
-            all_to_all_single.
+            one host; where ep_group spans hosts or `peer_exchange_available` is False, the same ValueError
+            on every rank) or "auto" (peer where available; all_to_all for a group that spans hosts).
+            `moetriton.torch.moe.exchange_for(ep_group, x.device, exchange)` says which one runs. Both give
+            the same outputs and gradients up to rounding; the capacity path always uses
+            all_to_all_single. The host of every rank is what the launcher declares: the environment
+            variable MOETRITON_HOST_OF_RANK where set (host labels separated by commas, one per global
+            rank, the same on every rank: "0,0,1,1" poses four ranks as two hosts of two), else the
+            machine's name and torchrun's node rank (GROUP_RANK); it is gathered over ep_group once, on the
+            group's first call with exchange="peer" or with peer memory possible (moetriton.torch.moe.
+            collectives.group_hosts).
 
     Returns:
         (out [..., H] in x.dtype, aux_loss fp32 scalar, dropped int32 scalar): aux_loss has the same value
@@ -230,8 +239,9 @@ def moe(
         align_size=align_size,
         capacity_factor=capacity_factor,
     )
-    # Decided before any collective: every rank takes the same path, and a bad choice fails at once.
-    use_peer = uses_peer(exchange, ep_group, tokens.device, layout.dropless and ep_size > 1)
+    # Decided before any collective of the step (the hosts are gathered once per group, on its first call):
+    # every rank takes the same path, and a bad choice fails on every rank at once.
+    use_peer = layout.dropless and ep_size > 1 and exchange_for(ep_group, tokens.device, exchange) == "peer"
     same_tokens = gather_tokens(layout, ep_group, tokens.device)
     with stage("router"):
         logits = F.linear(tokens, gate_weight)  # [T, E]
@@ -308,6 +318,12 @@ class MoELayer(nn.Module):
     layer, as aux-loss-free balancing does).
 
     forward(x [..., H]) -> (out [..., H], aux_loss fp32 scalar, dropped int32 scalar).
+
+    The dropless row exchange with EP > 1 is `exchange` ("auto": peer memory on GPUs of one host,
+    all_to_all_single otherwise, an EP group that spans hosts included); every rank's host comes from the
+    launcher (machine name and torchrun's GROUP_RANK) or from MOETRITON_HOST_OF_RANK (one host label per
+    global rank, e.g. "0,0,1,1"), gathered once per group: see `moe`'s `exchange` argument, and
+    `moetriton.torch.moe.exchange_for(layer.ep_group, device, exchange)` for the exchange a group gets.
 
     Example:
         >>> layer = MoELayer(16, 32, num_experts=4, topk=2, aux_loss_coeff=1e-2)

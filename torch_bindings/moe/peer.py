@@ -20,48 +20,35 @@ reads of the buffers it writes); the one after it keeps any rank from reusing it
 peer still copies. So one staging buffer per (group, device) serves every layer and both directions.
 
 Needs CUDA GPUs of one host with peer access and an NCCL group; the layer picks it with exchange="auto"
-where `peer_exchange_available` says so. The receive buffer is sized exactly, from the counts on the host:
-the same one host sync per call as the all-to-all path. Not for torch.compile or CUDA graphs (the layer
-takes the all-to-all path while compiling).
+where `peer_exchange_available` says so, and `exchange_for` says which exchange a group gets: an EP group
+whose ranks span hosts (moetriton.torch.moe.collectives.group_hosts) exchanges through all_to_all. The
+receive buffer is sized exactly, from the counts on the host: the same one host sync per call as the
+all-to-all path. Not for torch.compile or CUDA graphs (the layer takes the all-to-all path while
+compiling).
 """
 
 from __future__ import annotations
 
-import functools
-import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from moetriton import kernels
-from moetriton.kernels.rules.expert_parallel import EPLayout, peer_chunks
+from moetriton.kernels.rules.expert_parallel import EPLayout, peer_chunks, ranks_by_host
 
 from .._stages import stage
 from ..executor import bound, dtype_name
 from ..permutation import DISPATCH_BACKWARD, dispatch_sizes, token_combine
+from .collectives import group_hosts
 from .experts import expert_mlp
 
 
-@functools.cache
-def _one_host(group: dist.ProcessGroup) -> bool:
-    names: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(names, socket.gethostname(), group=group)
-    return len(set(names)) == 1
-
-
-def peer_exchange_available(group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    """True where the layer can exchange through peer memory: an NCCL `group` of more than one rank, all on
-    one host (asked of the group once: a collective on the first call), on CUDA `device`s, outside
-    torch.compile, with this torch's symmetric memory.
-
-    Example:
-        >>> peer_exchange_available(None, torch.device("cpu"))
-        False
-    """
+def _peer_memory(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether the ranks of `group` could map each other's memory were they on one host: an NCCL group of
+    more than one rank, CUDA `device`s, outside torch.compile, with this torch's symmetric memory."""
     if group is None or device.type != "cuda" or torch.compiler.is_compiling():
         return False
     # "nccl", or a device-mapped backend string such as "cuda:nccl,cpu:gloo".
@@ -71,7 +58,75 @@ def peer_exchange_available(group: dist.ProcessGroup | None, device: torch.devic
         from torch.distributed import _symmetric_memory  # noqa: F401
     except ImportError:
         return False
-    return _one_host(group)
+    return True
+
+
+def peer_exchange_available(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """True where the layer can exchange through peer memory: an NCCL `group` of more than one rank, all on
+    one host (moetriton.torch.moe.collectives.group_hosts: a collective on the group's first call), on CUDA
+    `device`s, outside torch.compile, with this torch's symmetric memory.
+
+    Example:
+        >>> peer_exchange_available(None, torch.device("cpu"))
+        False
+    """
+    return exchange_for(group, device) == "peer"
+
+
+def choose_exchange(exchange: str, hosts: Sequence[int] | None, peer_memory: bool) -> str:
+    """The row exchange of a dropless EP group of two or more ranks, "peer" or "all_to_all", from the
+    requested `exchange` (one of EXCHANGES), the host id of every rank of the group (`group_hosts`; None
+    where they cannot be asked: no group, or while torch.compile traces) and whether its devices could map
+    each other's memory on one host (CUDA GPUs, an NCCL group, symmetric memory, eager).
+
+    "auto" takes peer for a group of one host with peer memory and all_to_all otherwise: a group that spans
+    hosts moves every row through all_to_all, those between the GPUs of one host too (peer memory within
+    each host with the collective between hosts is not built: nothing measured it). "peer" where it cannot
+    run raises ValueError; every rank holds the same arguments, so every rank raises the same one.
+
+    Example:
+        >>> choose_exchange("auto", [0, 0, 1, 1], peer_memory=True)
+        'all_to_all'
+        >>> choose_exchange("auto", [0, 0], peer_memory=True)
+        'peer'
+    """
+    if exchange == "all_to_all":
+        return "all_to_all"
+    on_hosts = None if hosts is None else ranks_by_host(hosts)
+    if exchange == "peer" and on_hosts is not None and len(on_hosts) > 1:
+        listing = ", ".join(str(ranks) for ranks in on_hosts)
+        raise ValueError(
+            f"exchange='peer' needs every rank of ep_group on one host, got ranks on {len(on_hosts)} hosts:"
+            f" {listing}; use exchange='auto' or 'all_to_all'"
+        )
+    usable = peer_memory and on_hosts is not None and len(on_hosts) == 1
+    if exchange == "peer" and not usable:
+        raise ValueError(
+            "exchange='peer' needs CUDA GPUs of one host in an NCCL group, outside torch.compile"
+        )
+    return "peer" if usable else "all_to_all"
+
+
+def exchange_for(group: dist.ProcessGroup | None, device: torch.device, exchange: str = "auto") -> str:
+    """The row exchange the dropless layer runs with EP > 1 on `group` with tensors on `device`, for the
+    requested `exchange`: "peer" or "all_to_all" (`choose_exchange` on the group's hosts). The same answer
+    on every rank. Where the answer depends on the hosts (peer memory possible, or exchange="peer") the
+    group's first call gathers them, a collective every rank of the group reaches since all call the layer
+    with the same options; later calls neither communicate nor sync. exchange="peer" where it cannot run
+    raises the same ValueError on every rank.
+
+    Example (every rank; on CPU tensors and gloo, or across hosts, "auto" gives "all_to_all"):
+        >>> exchange_for(None, torch.device("cpu"))
+        'all_to_all'
+    """
+    peer_memory = _peer_memory(group, device)
+    asks_hosts = (
+        exchange != "all_to_all"
+        and (peer_memory or exchange == "peer")
+        and group is not None
+        and not torch.compiler.is_compiling()
+    )
+    return choose_exchange(exchange, group_hosts(group) if asks_hosts else None, peer_memory)
 
 
 class _Staging:
@@ -379,19 +434,6 @@ def peer_experts(
     received, weights, row_id_map, pad_offsets = _PeerDispatch.apply(tokens, merging, plan)
     out = experts(received, group_sizes)
     return _PeerCombine.apply(out, weights, merging, row_id_map, pad_offsets, plan)
-
-
-def uses_peer(exchange: str, group, device: torch.device, exchanging: bool) -> bool:
-    """Whether the rows go through peer memory (see EXCHANGES); `exchanging`: the call has a dropless EP
-    exchange (no other call has one to choose)."""
-    if exchange == "all_to_all" or not exchanging:
-        return False
-    available = peer_exchange_available(group, device)
-    if exchange == "peer" and not available:
-        raise ValueError(
-            "exchange='peer' needs CUDA GPUs of one host in an NCCL group, outside torch.compile"
-        )
-    return available
 
 
 def peer_dropless(
