@@ -109,12 +109,22 @@ def check_rank(
         )
 
 
-def ep_worker(rank: int, world: int, store: str, backend: str, problems: list, data: int = 1) -> None:
+def ep_worker(
+    rank: int,
+    world: int,
+    store: str,
+    backend: str,
+    problems: list,
+    data: int = 1,
+    auto_picks: str | None = None,
+) -> None:
     """One rank of a spawned test group: every problem through the layer on a data x EP grid of the ranks
     (rank = data index x EP + EP rank; `data` = 1: EP over the whole group; `data` = world: every expert on
     every rank), the token statistics shared by the whole group, against the reference; the second
     problem also runs twice and must repeat bit for bit. With EP > 1 on GPUs (NCCL) every problem runs with
-    both row exchanges, all_to_all and peer (the dropless one takes it; the capacity path ignores it)."""
+    both row exchanges, all_to_all and peer (the dropless one takes it; the capacity path ignores it).
+    `auto_picks`: the exchange "auto" must choose for this rank's EP group (moetriton.torch.moe.exchange_for;
+    then every problem runs with "auto" alone)."""
     # A gloo rank computes on CPU tensors: under the Triton interpreter where the parent set it (CPU-only
     # machines, tests/conftest.py), else through the PyTorch reference path (a GPU machine, whose Triton may
     # not interpret: kernels/runtime/interpreter.py).
@@ -134,6 +144,11 @@ def ep_worker(rank: int, world: int, store: str, backend: str, problems: list, d
         if data > 1:
             groups["token_group"] = dist.group.WORLD
         exchanges = ("all_to_all", "peer") if backend == "nccl" and ep > 1 else ("auto",)
+        if auto_picks is not None:
+            from moetriton.torch.moe import exchange_for
+
+            assert exchange_for(groups.get("ep_group"), device) == auto_picks
+            exchanges = ("auto",)
         for index, problem in enumerate(problems):
             full = tensors(problem, device)
             expected = reference(problem, full, num_shards=world)
