@@ -1,0 +1,128 @@
+"""The JAX MoE layer under jax.distributed: several processes on this machine, CPU devices, gloo collectives.
+
+Each case of tests/jax/multiprocess_checks.py runs first in one process holding every device of its mesh
+(results saved), then as P processes of D CPU devices each, one coordinator on a free local port; every
+process must finish and agree with the single-process results. Without TRITON_INTERPRET the ops run their
+pure-JAX references (the CPU fallback); the interpreted cases run the Triton kernels through
+jax.pure_callback on every process's shards. The examples' multi-process launch runs here too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+from tests.jax._helpers import ROOT, run_python
+from tests.jax.multiprocess_checks import CASES
+
+CHECKS = "tests.jax.multiprocess_checks"
+
+#: Seconds one group of processes (or one single-process run) may take on a 2-core machine.
+TIMEOUT = 240
+
+pytestmark = pytest.mark.skipif(
+    "jax_cpu_collectives_implementation" not in jax.config.values,
+    reason=f"JAX {jax.__version__} has no cross-process CPU collectives (jax_cpu_collectives_implementation)",
+)
+
+
+def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the coordinator binds it a moment later)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _env(local_devices: int, interpreted: bool) -> dict[str, str]:
+    """A CPU-only process with `local_devices` devices, the Triton kernels interpreted or not."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(local_devices))
+    env.pop("XLA_FLAGS", None)  # a host device count there would override JAX_NUM_CPU_DEVICES
+    env.pop("TRITON_INTERPRET", None)
+    return env | ({"TRITON_INTERPRET": "1"} if interpreted else {})
+
+
+def _launch(argv_of: list[list[str]], env: dict[str, str], logs: Path) -> list[str]:
+    """Runs `python *argv` for every argv at once in the repository root and returns their outputs (written
+    to logs/<i>.txt: a full pipe would block a process). When one fails or they run past TIMEOUT, every one
+    still running is killed (a process whose peer died would wait for it in a collective) and the assertion
+    carries every output."""
+    paths = [logs / f"{i}.txt" for i in range(len(argv_of))]
+    with contextlib.ExitStack() as files:
+        processes = [
+            subprocess.Popen(
+                [sys.executable, "-X", "faulthandler", *argv],
+                cwd=ROOT,
+                env=env,
+                stdout=(log := files.enter_context(path.open("w"))),
+                stderr=log,
+            )
+            for argv, path in zip(argv_of, paths, strict=True)
+        ]
+        deadline = time.monotonic() + TIMEOUT
+        try:
+            while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+                if any(p.returncode not in (None, 0) for p in processes):
+                    break
+                time.sleep(0.1)
+        finally:
+            for p in processes:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+    outputs = [path.read_text() for path in paths]
+    report = "".join(
+        f"\n--- process {i}: exit {p.returncode}\n{out[-6000:]}"
+        for i, (p, out) in enumerate(zip(processes, outputs, strict=True))
+    )
+    assert all(p.returncode == 0 for p in processes), report
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """(case name, interpreted) -> the folder holding the single-process results of that case's mesh; each
+    mesh runs once per mode."""
+    folders = {}
+
+    def folder(name: str, interpreted: bool):
+        case = CASES[name]
+        key = (case.reference_name, interpreted)
+        if key not in folders:
+            mode = "interpreted" if interpreted else "reference"
+            folders[key] = tmp_path_factory.mktemp(f"{case.reference_name}-{mode}")
+            argv = ["-X", "faulthandler", "-m", CHECKS, "reference", name, str(folders[key])]
+            result = run_python(argv, _env(case.processes * case.local_devices, interpreted), timeout=TIMEOUT)
+            assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+        return folders[key]
+
+    return folder
+
+
+@pytest.mark.parametrize(
+    "name, interpreted",
+    [
+        ("ep2", False),
+        ("ep2", True),
+        ("data2-ep2", False),
+        ("data2-ep2-local2", False),
+        ("data2-ep2-local2", True),
+    ],
+)
+def test_processes_match_one_process(name, interpreted, references, tmp_path):
+    case = CASES[name]
+    folder = references(name, interpreted)
+    port = str(_free_port())
+    argv_of = [
+        ["-m", CHECKS, "worker", name, str(folder), str(process), port] for process in range(case.processes)
+    ]
+    outputs = _launch(argv_of, _env(case.local_devices, interpreted), tmp_path)
+    for process, output in enumerate(outputs):
+        assert f"{name} process {process}: ok" in output, output[-4000:]
