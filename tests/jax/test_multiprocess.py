@@ -126,3 +126,13 @@ def test_processes_match_one_process(name, interpreted, references, tmp_path):
     outputs = _launch(argv_of, _env(case.local_devices, interpreted), tmp_path)
     for process, output in enumerate(outputs):
         assert f"{name} process {process}: ok" in output, output[-4000:]
+
+
+def test_multiprocess_example_launches_and_matches_the_reference():
+    """examples/jax_moe_multiprocess.py as documented: 2 processes on this machine, each checking the layer
+    against the dense reference (the script ends its processes itself, before this timeout)."""
+    argv = ["examples/jax_moe_multiprocess.py", "--timeout", str(TIMEOUT - 30)]
+    result = run_python(argv, _env(1, interpreted=False), timeout=TIMEOUT)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    assert "dropless on mesh {'data': 1, 'ep': 2} over 2 processes" in result.stdout, result.stdout
+    assert "ok: every process agreed with the reference" in result.stdout, result.stdout
