@@ -10,7 +10,9 @@ token shards):
     python -m tests.jax.multiprocess_checks worker CASE DIR PROCESS_ID PORT
         one of the P processes (jax.distributed.initialize at 127.0.0.1:PORT, D devices): the layer on the
         global mesh, fed global arrays built from this process's numpy copy of the inputs, its results
-        gathered from every process and compared with the saved ones; prints "CASE process I: ok".
+        gathered from every process and compared with the saved ones; then, where the case says so, the
+        Flax MoEBlock initialised on the global mesh against the functional layer; prints
+        "CASE process I: ok".
 
 Both runs lay the devices out on the mesh in the same positions, place the inputs with the same shardings
 and run the same jitted program (forward, aux loss, dropped count and every gradient, dropless and with a
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tests.jax._helpers import assert_reduced, assert_same
@@ -43,6 +46,7 @@ class Case:
     ep: int
     processes: int
     local_devices: int
+    with_flax_block: bool = False
 
     @property
     def reference_name(self) -> str:
@@ -61,8 +65,9 @@ CASES = {
     "ep2": Case(data=1, ep=2, processes=2, local_devices=1),
     # Four processes, one device each: data 2 x EP 2, both axes between processes.
     "data2-ep2": Case(data=2, ep=2, processes=4, local_devices=1),
-    # Two processes of two devices: each EP group spans both processes, the data axis inside each.
-    "data2-ep2-local2": Case(data=2, ep=2, processes=2, local_devices=2),
+    # Two processes of two devices: each EP group spans both processes, the data axis inside each; and the
+    # Flax block (one case: its compiles are the slowest part of a case).
+    "data2-ep2-local2": Case(data=2, ep=2, processes=2, local_devices=2, with_flax_block=True),
 }
 
 #: Results that are fp32 sums over every token shard, all-reduced in the forward pass (the aux loss) or by
@@ -120,8 +125,6 @@ def run_reference(case: Case, directory: Path) -> None:
 def run_worker(case: Case, directory: Path, process_id: int, port: int) -> None:
     """One of the case's processes: the layer on the global mesh, every process's results gathered
     (process_allgather) and compared with the single-process results."""
-    from jax.experimental import multihost_utils
-
     # Cross-process collectives on CPU: gloo is JAX 0.10's default, named so that a JAX with another
     # default uses it too.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -140,7 +143,30 @@ def run_worker(case: Case, directory: Path, process_id: int, port: int) -> None:
                 assert_reduced(got, want, what)
             else:
                 assert_same(got, want, what)
+    if case.with_flax_block:
+        check_flax_block(case, mesh)
     jax.distributed.shutdown()
+
+
+def check_flax_block(case: Case, mesh: Mesh) -> None:
+    """The Flax MoEBlock initialised straight into its shardings on the global mesh (init_sharded) gives
+    the functional layer's results on its parameters, bit for bit."""
+    from flax import linen as nn
+
+    from moetriton.jax.flax import MoEBlock, init_sharded
+    from moetriton.jax.moe import moe
+
+    problem = problem_of(case, "dropless")
+    x = placed_inputs(problem, mesh)[0]
+    options = dict(topk=2, align_size=2, aux_loss_coeff=1e-2, mesh=mesh, ep_axis="ep", data_axes=("data",))
+    block = MoEBlock(num_experts=problem.num_experts, ffn_dim=problem.ffn, **options)
+    variables = init_sharded(block, jax.random.key(0), x, mesh=mesh)
+    params = nn.meta.unbox(variables["params"])
+    got = jax.jit(block.apply)(variables, x)
+    expected = moe(x, params["gate"], params["gate_up"], params["down"], **options)
+    for name, a, b in zip(("out", "aux_loss", "dropped"), got, expected, strict=True):
+        a, b = multihost_utils.process_allgather((a, b), tiled=True)
+        assert_same(np.asarray(a), np.asarray(b), f"flax MoEBlock {name}")
 
 
 if __name__ == "__main__":

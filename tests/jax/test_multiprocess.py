@@ -110,7 +110,6 @@ def references(tmp_path_factory):
     "name, interpreted",
     [
         ("ep2", False),
-        ("ep2", True),
         ("data2-ep2", False),
         ("data2-ep2-local2", False),
         ("data2-ep2-local2", True),
