@@ -1,12 +1,13 @@
-"""The expert-parallel MoE layer under jax.distributed: N processes on one machine, CPU devices, gloo.
+"""The expert-parallel MoE layer under jax.distributed: N processes on one machine, CPU devices (gloo) or
+one GPU each (NCCL).
 
-A case is a (data, EP) mesh laid over P processes with D CPU devices each (P * D = data * EP). The same
+A case is a (data, EP) mesh laid over P processes with D devices each (P * D = data * EP). The same
 case runs twice and the results must agree bit for bit (but for SUMMED_OVER_TOKEN_SHARDS on more than two
 token shards):
 
     python -m tests.jax.multiprocess_checks reference CASE DIR
-        one process with P * D host devices (JAX_NUM_CPU_DEVICES): the layer against the dense reference
-        (moe_checks's tolerances), its results saved to DIR/mesh-<data>x<EP>.npz;
+        one process with P * D devices (JAX_NUM_CPU_DEVICES, or CUDA_VISIBLE_DEVICES): the layer against
+        the dense reference (moe_checks's tolerances), its results saved to DIR/mesh-<data>x<EP>.npz;
     python -m tests.jax.multiprocess_checks worker CASE DIR PROCESS_ID PORT
         one of the P processes (jax.distributed.initialize at 127.0.0.1:PORT, D devices): the layer on the
         global mesh, fed global arrays built from this process's numpy copy of the inputs, its results
@@ -16,8 +17,9 @@ token shards):
 
 Both runs lay the devices out on the mesh in the same positions, place the inputs with the same shardings
 and run the same jitted program (forward, aux loss, dropped count and every gradient, dropless and with a
-capacity that overflows); only the collectives differ (XLA:CPU's in-process ones against gloo's TCP ones).
-On CPU the layer takes the padded exchange (XLA:CPU has no ragged all-to-all). tests/jax/test_multiprocess.py
+capacity that overflows); only the collectives differ (XLA:CPU's in-process ones against gloo's TCP ones;
+on GPUs the padded exchange of one process against the ragged one across processes). On CPU the layer
+takes the padded exchange (XLA:CPU has no ragged all-to-all). tests/jax/test_multiprocess.py
 launches both runs.
 """
 

@@ -1,10 +1,13 @@
-"""The JAX MoE layer under jax.distributed: several processes on this machine, CPU devices, gloo collectives.
+"""The JAX MoE layer under jax.distributed: several processes on this machine, on CPU devices (gloo
+collectives) and, where there are GPUs, one GPU per process (NCCL).
 
 Each case of tests/jax/multiprocess_checks.py runs first in one process holding every device of its mesh
-(results saved), then as P processes of D CPU devices each, one coordinator on a free local port; every
-process must finish and agree with the single-process results. Without TRITON_INTERPRET the ops run their
-pure-JAX references (the CPU fallback); the interpreted cases run the Triton kernels through
-jax.pure_callback on every process's shards. The examples' multi-process launch runs here too.
+(results saved), then as P processes of D devices each, one coordinator on a free local port; every
+process must finish and agree with the single-process results. On CPU, without TRITON_INTERPRET the ops run
+their pure-JAX references (the CPU fallback); the interpreted cases run the Triton kernels through
+jax.pure_callback on every process's shards. On GPUs the compiled kernels run, and the exchange differs
+between the two runs as `exchange="auto"` picks it: padded within one process, ragged across processes
+(the two agree bit for bit). The examples' multi-process launch runs here too.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from tests.jax._helpers import ROOT, run_python
+from tests.jax._helpers import ROOT, gpu_count, run_python
 from tests.jax.multiprocess_checks import CASES
 
 CHECKS = "tests.jax.multiprocess_checks"
@@ -49,8 +52,18 @@ def _env(local_devices: int, interpreted: bool) -> dict[str, str]:
     return env | ({"TRITON_INTERPRET": "1"} if interpreted else {})
 
 
-def _launch(argv_of: list[list[str]], env: dict[str, str], logs: Path) -> list[str]:
-    """Runs `python *argv` for every argv at once in the repository root and returns their outputs (written
+def _gpu_env(gpus: range) -> dict[str, str]:
+    """A process that sees the GPUs `gpus` and runs the compiled kernels."""
+    visible = ",".join(map(str, gpus))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    for name in ("JAX_PLATFORMS", "TRITON_INTERPRET", "XLA_FLAGS"):
+        env.pop(name, None)
+    return env
+
+
+def _launch(argv_of: list[list[str]], env_of: list[dict[str, str]], logs: Path) -> list[str]:
+    """Runs `python *argv` for every argv at once (in its env of env_of) in the repository root and returns
+    their outputs (written
     to logs/<i>.txt: a full pipe would block a process). When one fails or they run past TIMEOUT, every one
     still running is killed (a process whose peer died would wait for it in a collective) and the assertion
     carries every output."""
@@ -64,7 +77,7 @@ def _launch(argv_of: list[list[str]], env: dict[str, str], logs: Path) -> list[s
                 stdout=(log := files.enter_context(path.open("w"))),
                 stderr=log,
             )
-            for argv, path in zip(argv_of, paths, strict=True)
+            for argv, env, path in zip(argv_of, env_of, paths, strict=True)
         ]
         deadline = time.monotonic() + TIMEOUT
         try:
@@ -122,7 +135,26 @@ def test_processes_match_one_process(name, interpreted, references, tmp_path):
     argv_of = [
         ["-m", CHECKS, "worker", name, str(folder), str(process), port] for process in range(case.processes)
     ]
-    outputs = _launch(argv_of, _env(case.local_devices, interpreted), tmp_path)
+    outputs = _launch(argv_of, [_env(case.local_devices, interpreted)] * case.processes, tmp_path)
+    for process, output in enumerate(outputs):
+        assert f"{name} process {process}: ok" in output, output[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["ep2", "data2-ep2"])
+def test_gpu_processes_match_one_process(name, tmp_path):
+    """One process per GPU against one process driving all of them: forward and gradients bit for bit."""
+    case = CASES[name]
+    if gpu_count() < case.processes:
+        pytest.skip(f"{name} needs {case.processes} GPUs, found {gpu_count()}")
+    argv = ["-X", "faulthandler", "-m", CHECKS, "reference", name, str(tmp_path)]
+    result = run_python(argv, _gpu_env(range(case.processes)), timeout=TIMEOUT)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    port = str(_free_port())
+    argv_of = [
+        ["-m", CHECKS, "worker", name, str(tmp_path), str(process), port] for process in range(case.processes)
+    ]
+    outputs = _launch(argv_of, [_gpu_env(range(i, i + 1)) for i in range(case.processes)], tmp_path)
     for process, output in enumerate(outputs):
         assert f"{name} process {process}: ok" in output, output[-4000:]
 
