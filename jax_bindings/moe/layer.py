@@ -19,7 +19,7 @@ GEMMs (nor back in the backward pass).
 The exchange sizes and static buffer sizes come from moetriton.kernels.rules.expert_parallel (`ep_layout`,
 `dropless_exchange`, `dropped_slots`); nothing here re-derives them. Two exchanges move the same rows:
 
-* "ragged": `jax.lax.ragged_all_to_all` into the static receive buffer (GPU meshes spanning processes);
+* "ragged": `jax.lax.ragged_all_to_all` into the static receive buffer (GPU meshes only);
 * "padded": every (source, destination) pair's rows padded to one block size and moved with a fixed-size
   `jax.lax.all_to_all`: the smallest of `EPLayout.exchange_block_rows` that holds the step's largest pair
   (one `lax.switch` branch per size; every rank picks the same one from the all-gathered counts). The
@@ -27,9 +27,9 @@ The exchange sizes and static buffer sizes come from moetriton.kernels.rules.exp
   (moetriton.kernels.exchange: those rows copied, nothing else written; each block's unused rows a last
   chunk, ordered after the experts' rows), takes the results back out the same way, and the sending side
   compacts what comes back.
-  Each direction's transpose is the other direction. "auto" picks this on one host: XLA:CPU has no
-  ragged all-to-all, and XLA's GPU one is slower than this between the GPUs of one host
-  (`resolve_exchange`).
+  Each direction's transpose is the other direction. "auto" picks this: XLA:CPU has no ragged
+  all-to-all, XLA's GPU one is slower than this between the GPUs of one host, and jaxlib 0.11 runs it
+  between processes only when XLA_FLAGS allows its NCCL fallback (`resolve_exchange`).
 
 The capacity policy needs neither: every (source, expert) pair owns exactly C rows, so one fixed-size
 all_to_all moves [L, C] slabs. Gradients are our ops' custom_vjp rules plus JAX's transposes of the
@@ -127,17 +127,15 @@ def _shard(x, gate, gate_up, down, expert_bias, *, config: MoEConfig):
     return out.astype(x.dtype).reshape(shape), aux_loss, dropped
 
 
-def resolve_exchange(exchange: str, mesh: Mesh | None) -> str:
-    """ "ragged" or "padded": the exchange the call runs ("all_to_all" is "ragged")."""
-    if exchange != "auto":
-        return "ragged" if exchange == "all_to_all" else exchange
-    # XLA:CPU has no ragged-all-to-all. Between the GPUs of one host XLA's ragged-all-to-all was far slower
-    # than the padded exchange (docs/moe.md, "Row exchange"; https://github.com/openxla/xla/issues/33386
-    # reports the same on B200s): only EP groups spanning several processes (hosts) use it.
-    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
-    on_gpus = all(device.platform == "gpu" for device in devices)
-    several_processes = len({device.process_index for device in devices}) > 1
-    return "ragged" if on_gpus and several_processes else "padded"
+def resolve_exchange(exchange: str) -> str:
+    """ "ragged" or "padded": the exchange the call runs ("all_to_all" is "ragged", "auto" is "padded")."""
+    # "auto" is the padded exchange everywhere. XLA:CPU has no ragged-all-to-all; between the GPUs of one
+    # host XLA's ragged-all-to-all was far slower than the padded exchange (docs/moe.md, "Row exchange";
+    # https://github.com/openxla/xla/issues/33386 reports the same on B200s); between GPUs of different
+    # processes jaxlib 0.11 refuses it unless XLA_FLAGS allows its NCCL send/recv fallback.
+    if exchange == "auto":
+        return "padded"
+    return "ragged" if exchange == "all_to_all" else exchange
 
 
 def _check_mesh(mesh: Mesh | None, ep_axis: str | None, data_axes: tuple[str, ...]) -> tuple[int, int]:
@@ -214,9 +212,10 @@ def moe(
         data_axes: further mesh axes sharding the tokens (data / FSDP parallelism).
         exchange: "auto", "all_to_all" (`jax.lax.ragged_all_to_all`; also named "ragged") or "padded"
             (fixed-size all_to_all of every pair's rows padded to the step's largest pair, rounded up to one
-            of a few sizes). Both move the same rows and give the same results. "auto" picks the ragged one
-            when the mesh's GPUs span several processes and "padded" otherwise: XLA's ragged all-to-all is
-            far slower than the padded exchange between the GPUs of one host (docs/moe.md).
+            of a few sizes). Both move the same rows and give the same results. "auto" is "padded": XLA's
+            ragged all-to-all is far slower between the GPUs of one host, and between GPUs of different
+            processes jaxlib 0.11 runs it only with
+            XLA_FLAGS=--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true (docs/moe.md).
 
     Returns:
         (out [B, S, H] in x.dtype, aux_loss fp32 scalar, dropped int32 scalar: routed slots the capacity
@@ -282,7 +281,7 @@ def moe(
         mesh=mesh,
         ep_axis=ep_axis if mesh is not None else None,
         data_axes=data_axes,
-        exchange=resolve_exchange(exchange, mesh),
+        exchange=resolve_exchange(exchange),
         num_shards=num_shards,
         ep_size=ep_size,
     )

@@ -49,6 +49,8 @@ class Case:
     processes: int
     local_devices: int
     with_flax_block: bool = False
+    #: The layer's exchange in the processes (the single-process run takes "auto", the padded one).
+    exchange: str = "auto"
 
     @property
     def reference_name(self) -> str:
@@ -70,7 +72,12 @@ CASES = {
     # Two processes of two devices: each EP group spans both processes, the data axis inside each; and the
     # Flax block (one case: its compiles are the slowest part of a case).
     "data2-ep2-local2": Case(data=2, ep=2, processes=2, local_devices=2, with_flax_block=True),
+    # GPUs only (XLA:CPU has no ragged all-to-all): two processes exchanging through ragged_all_to_all.
+    "ep2-ragged": Case(data=1, ep=2, processes=2, local_devices=1, exchange="ragged"),
 }
+
+#: What XLA needs to run jax.lax.ragged_all_to_all between GPUs of different processes (jaxlib 0.11).
+RAGGED_ACROSS_PROCESSES_FLAG = "--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true"
 
 #: Results that are fp32 sums over every token shard, all-reduced in the forward pass (the aux loss) or by
 #: JAX's transpose of the replicated router weights (its gradient): gloo and XLA:CPU's in-process
@@ -100,10 +107,10 @@ def placed_inputs(problem: MoEProblem, mesh: Mesh) -> tuple[jax.Array, ...]:
     )
 
 
-def layer_results(problem: MoEProblem, mesh: Mesh) -> dict[str, jax.Array]:
+def layer_results(problem: MoEProblem, mesh: Mesh, exchange: str = "auto") -> dict[str, jax.Array]:
     """out, aux loss, dropped count and the gradients of x, gate, gate_up and down (of loss = <out,
     cotangent> + aux loss, the cotangent of moe_checks.check_against_reference)."""
-    layer, _ = layer_and_reference(problem, mesh)
+    layer, _ = layer_and_reference(problem, mesh, exchange=exchange)
     cotangent = np.random.default_rng(1).normal(size=problem.x.shape).astype(np.float32)
     (_, forward), grads = step(layer, cotangent)(*placed_inputs(problem, mesh))
     names = ("out", "aux_loss", "dropped", "grad_x", "grad_gate", "grad_gate_up", "grad_down")
@@ -137,7 +144,7 @@ def run_worker(case: Case, directory: Path, process_id: int, port: int) -> None:
     expected = np.load(directory / f"{case.reference_name}.npz")
     mesh = case.mesh()
     for variant in VARIANTS:
-        results = layer_results(problem_of(case, variant), mesh)
+        results = layer_results(problem_of(case, variant), mesh, case.exchange)
         gathered = multihost_utils.process_allgather(results, tiled=True)
         for name, value in gathered.items():
             got, want, what = np.asarray(value), expected[f"{variant}/{name}"], f"{variant} {name}"

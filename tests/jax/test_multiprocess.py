@@ -24,7 +24,7 @@ import jax
 import pytest
 
 from tests.jax._helpers import ROOT, gpu_count, run_python
-from tests.jax.multiprocess_checks import CASES
+from tests.jax.multiprocess_checks import CASES, RAGGED_ACROSS_PROCESSES_FLAG
 
 CHECKS = "tests.jax.multiprocess_checks"
 
@@ -52,13 +52,13 @@ def _env(local_devices: int, interpreted: bool) -> dict[str, str]:
     return env | ({"TRITON_INTERPRET": "1"} if interpreted else {})
 
 
-def _gpu_env(gpus: range) -> dict[str, str]:
+def _gpu_env(gpus: range, xla_flags: str = "") -> dict[str, str]:
     """A process that sees the GPUs `gpus` and runs the compiled kernels."""
     visible = ",".join(map(str, gpus))
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    for name in ("JAX_PLATFORMS", "TRITON_INTERPRET", "XLA_FLAGS"):
+    for name in ("JAX_PLATFORMS", "TRITON_INTERPRET"):
         env.pop(name, None)
-    return env
+    return env | {"XLA_FLAGS": xla_flags}
 
 
 def _launch(argv_of: list[list[str]], env_of: list[dict[str, str]], logs: Path) -> list[str]:
@@ -141,9 +141,10 @@ def test_processes_match_one_process(name, interpreted, references, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["ep2", "data2-ep2"])
+@pytest.mark.parametrize("name", ["ep2", "ep2-ragged", "data2-ep2"])
 def test_gpu_processes_match_one_process(name, tmp_path):
-    """One process per GPU against one process driving all of them: forward and gradients bit for bit."""
+    """One process per GPU against one process driving all of them (the padded exchange): forward and
+    gradients bit for bit, with the padded exchange and with the ragged one across processes."""
     case = CASES[name]
     if gpu_count() < case.processes:
         pytest.skip(f"{name} needs {case.processes} GPUs, found {gpu_count()}")
@@ -154,7 +155,8 @@ def test_gpu_processes_match_one_process(name, tmp_path):
     argv_of = [
         ["-m", CHECKS, "worker", name, str(tmp_path), str(process), port] for process in range(case.processes)
     ]
-    outputs = _launch(argv_of, [_gpu_env(range(i, i + 1)) for i in range(case.processes)], tmp_path)
+    flags = RAGGED_ACROSS_PROCESSES_FLAG if case.exchange == "ragged" else ""
+    outputs = _launch(argv_of, [_gpu_env(range(i, i + 1), flags) for i in range(case.processes)], tmp_path)
     for process, output in enumerate(outputs):
         assert f"{name} process {process}: ok" in output, output[-4000:]
 
