@@ -294,7 +294,7 @@ def _config(case: Case, mesh: Mesh | None) -> MoEConfig:
         mesh=mesh,
         ep_axis="ep" if mesh is not None else None,
         data_axes=(),
-        exchange=resolve_exchange(case.exchange, mesh),
+        exchange=resolve_exchange(case.exchange),
         num_shards=case.ep,
         ep_size=case.ep,
     )
