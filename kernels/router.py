@@ -43,7 +43,7 @@ from collections.abc import Mapping
 import triton
 import triton.language as tl
 
-from ._jit import _bitmap_flags
+from ._jit import _as_bits
 from .rules.layout import bitmap_columns
 from .runtime import autotune
 from .runtime.plan import (
@@ -191,25 +191,6 @@ def _logits_tile(
 
 
 @triton.jit
-def _store_bitmap(bitmap_ptr, flags, rows, row_ok, NUM_EXPERTS: tl.constexpr, WIDTH: tl.constexpr):
-    """Stores a [BLOCK_T, WIDTH] tile of expert flags (column == expert, False at and past E) as the rows'
-    lines of a uint8 [T, ceil(E / 8)] bitmap: bit e % 8 of byte e // 8 is flag e (LSB first), so the unused
-    high bits of the last byte are 0. Each byte is the sum of its BITS flags shifted into place (distinct
-    bits: the sum is their OR); a tile narrower than a byte packs into one byte."""
-    BITS: tl.constexpr = 8 if WIDTH >= 8 else WIDTH
-    BYTES: tl.constexpr = WIDTH // BITS
-    shifted = flags.to(tl.int32) << (tl.arange(0, WIDTH) % 8)[None, :]
-    packed = tl.sum(tl.reshape(shifted, [flags.shape[0], BYTES, BITS]), axis=2).to(tl.uint8)
-    columns = tl.arange(0, BYTES)
-    row_bytes: tl.constexpr = (NUM_EXPERTS + 7) // 8
-    tl.store(
-        bitmap_ptr + rows.to(tl.int64)[:, None] * row_bytes + columns[None, :],
-        packed,
-        mask=row_ok[:, None] & (columns[None, :] < row_bytes),
-    )
-
-
-@triton.jit
 def _keep_best_groups(
     keys,
     BLOCK_T: tl.constexpr,
@@ -248,7 +229,7 @@ def _topk_forward_kernel(
     bias_ptr,  # [E] (HAS_BIAS)
     num_tokens,
     probs_ptr,  # [T, E] logits dtype
-    routing_map_ptr,  # [T, E] bool, or uint8 [T, ceil(E / 8)] (BITMAP)
+    routing_map_ptr,  # [T, E] bool
     indices_ptr,  # [T, K] int32 (RETURN_INDICES)
     NUM_EXPERTS: tl.constexpr,
     TOPK: tl.constexpr,
@@ -265,14 +246,12 @@ def _topk_forward_kernel(
     HAS_BIAS: tl.constexpr,
     RETURN_INDICES: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    BITMAP: tl.constexpr,
 ):
     """Fused top-k with score function. Grid (cdiv(T, BLOCK_T),): program b routes tokens
     [b*BLOCK_T, (b+1)*BLOCK_T): one coalesced [BLOCK_T, WIDTH] load of logits, scores and keys in
     registers, optional group pruning, K max-reductions for the top-k, then probs, routing map and
     (optionally) the ranked expert ids are stored. Ungrouped calls pass NUM_GROUPS = 1, GROUP_SIZE = E;
-    WIDTH = GROUPS_POW2 * GROUP_POW2. With BITMAP the routing map is stored bit-packed (`_store_bitmap`);
-    groups whose size is not a power of two first gather their flags into expert order.
+    WIDTH = GROUPS_POW2 * GROUP_POW2.
     """
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
@@ -334,24 +313,14 @@ def _topk_forward_kernel(
             weights = tl.where(selected, weights / (tl.sum(weights, axis=1)[:, None] + 1e-20), 0.0)
     probs = weights * SCALE
     tl.store(probs_ptr + offsets, probs.to(probs_ptr.dtype.element_ty), mask=valid)
-    if BITMAP:
-        if GROUPS_POW2 == 1 or GROUP_SIZE == GROUP_POW2:
-            by_expert = selected  # column == expert wherever a flag is set
-        else:
-            # Expert c sits in column (c // GROUP_SIZE) * GROUP_POW2 + c % GROUP_SIZE.
-            source = tl.where(cols < NUM_EXPERTS, (cols // GROUP_SIZE) * GROUP_POW2 + cols % GROUP_SIZE, 0)
-            gathered = tl.gather(selected.to(tl.int32), tl.broadcast_to(source[None, :], [BLOCK_T, WIDTH]), 1)
-            by_expert = (gathered != 0) & (cols < NUM_EXPERTS)[None, :]
-        _store_bitmap(routing_map_ptr, by_expert, rows, row_ok, NUM_EXPERTS, WIDTH)
-    else:
-        tl.store(routing_map_ptr + offsets, selected, mask=valid)
+    tl.store(routing_map_ptr + offsets, selected, mask=valid)
 
 
 @triton.jit
 def _topk_backward_kernel(
     grad_probs_ptr,  # [T, E]
     logits_ptr,  # [T, E]
-    routing_map_ptr,  # [T, E] bool, or uint8 [T, ceil(E / 8)] (BITMAP)
+    routing_map_ptr,  # [T, E] bool
     num_tokens,
     grad_logits_ptr,  # [T, E] logits dtype
     NUM_EXPERTS: tl.constexpr,
@@ -361,7 +330,6 @@ def _topk_backward_kernel(
     SCALE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     EXPERTS_POW2: tl.constexpr,
-    BITMAP: tl.constexpr,
 ):
     """Backward of the fused top-k. Grid (cdiv(T, BLOCK_T),): program b recomputes the scores of tokens
     [b*BLOCK_T, (b+1)*BLOCK_T) from their logits and routing map and writes grad_logits. With
@@ -369,16 +337,11 @@ def _topk_backward_kernel(
       softmax post: y = softmax(x[r]); dx = r * y * (g - sum_r g y)
       softmax pre:  y = softmax(x); g' = r * g; dx = y * (g' - sum g' y)
       sigmoid / sqrtsoftplus: ga = r * (g / S - sum_r(g a) / S^2), S = sum_r a + 1e-20 (ga = r * g when
-      K == 1); dx = ga * da/dx. The expert bias gets no gradient. With BITMAP, r is read from the
-    bit-packed map's bits in place (bits at or past E are never read).
+      K == 1); dx = ga * da/dx. The expert bias gets no gradient.
     """
-    cols, valid, offsets, x = _logits_tile(logits_ptr, num_tokens, NUM_EXPERTS, BLOCK_T, EXPERTS_POW2)
+    _, valid, offsets, x = _logits_tile(logits_ptr, num_tokens, NUM_EXPERTS, BLOCK_T, EXPERTS_POW2)
     grad = tl.load(grad_probs_ptr + offsets, mask=valid, other=0.0).to(tl.float32) * SCALE
-    if BITMAP:
-        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        routed = _bitmap_flags(routing_map_ptr, rows, cols, (NUM_EXPERTS + 7) // 8, valid)
-    else:
-        routed = valid & (tl.load(routing_map_ptr + offsets, mask=valid, other=0) != 0)
+    routed = valid & (tl.load(routing_map_ptr + offsets, mask=valid, other=0) != 0)
 
     if SCORE_FUNCTION == 0:
         if USE_PRE_SOFTMAX:
@@ -406,18 +369,17 @@ def _topk_backward_kernel(
 def _aux_scores_forward_kernel(
     logits_ptr,  # [T, E]
     num_tokens,
-    routing_map_ptr,  # [T, E] bool, or uint8 [T, ceil(E / 8)] (BITMAP)
+    routing_map_ptr,  # [T, E] bool
     scores_ptr,  # [T, E] fp32
     NUM_EXPERTS: tl.constexpr,
     TOPK: tl.constexpr,
     SCORE_FUNCTION: tl.constexpr,
     BLOCK_T: tl.constexpr,
     EXPERTS_POW2: tl.constexpr,
-    BITMAP: tl.constexpr,
 ):
     """Aux-loss scores. Grid (cdiv(T, BLOCK_T),): program b writes, for tokens [b*BLOCK_T, (b+1)*BLOCK_T),
     scores = softmax(x), or a / (sum_E a + 1e-20) for sigmoid / sqrtsoftplus (always normalised), and the
-    top-K mask of those scores (no bias, groups or scaling), bit-packed with BITMAP (`_store_bitmap`)."""
+    top-K mask of those scores (no bias, groups or scaling)."""
     cols, valid, offsets, x = _logits_tile(logits_ptr, num_tokens, NUM_EXPERTS, BLOCK_T, EXPERTS_POW2)
     if SCORE_FUNCTION == 0:
         scores = _softmax_rows(x, valid)
@@ -427,11 +389,7 @@ def _aux_scores_forward_kernel(
     keys = tl.where(valid, _order_keys(scores, cols[None, :], EXPERTS_POW2), _INT64_MIN)
     selected = valid & (keys >= _kth_key(keys, TOPK)[:, None])
     tl.store(scores_ptr + offsets, scores, mask=valid)
-    if BITMAP:
-        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        _store_bitmap(routing_map_ptr, selected, rows, rows < num_tokens, NUM_EXPERTS, EXPERTS_POW2)
-    else:
-        tl.store(routing_map_ptr + offsets, selected, mask=valid)
+    tl.store(routing_map_ptr + offsets, selected, mask=valid)
 
 
 @triton.jit
@@ -460,6 +418,71 @@ def _aux_scores_backward_kernel(
         dot = tl.sum(tl.where(valid, grad * act, 0.0), axis=1)[:, None]
         dx = (grad / total - dot / (total * total)) * _activation_grad(x, act, SCORE_FUNCTION)
     tl.store(grad_logits_ptr + offsets, dx.to(grad_logits_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _bitmap_tile(num_tokens, NUM_EXPERTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    """Program (i, j)'s tile of a bool [T, E] map and of its uint8 [T, ceil(E / 8)] bitmap: tokens
+    [i*BLOCK_T, (i+1)*BLOCK_T), bytes [j*BLOCK_BYTES, (j+1)*BLOCK_BYTES) and their experts. Returns the
+    [BLOCK_T, BLOCK_BYTES] byte offsets with the mask of those inside the bitmap, the
+    [BLOCK_T, BLOCK_BYTES, 8] flag offsets (expert 8 * byte + bit) with the mask of those inside the map
+    (experts below E, so bits at and past E have no flag), and the [1, 1, 8] bit of each flag."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    columns = tl.program_id(1) * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    bits = tl.arange(0, 8)
+    experts = columns[:, None] * 8 + bits[None, :]  # [BLOCK_BYTES, 8]
+    row_ok = rows < num_tokens
+    row_bytes: tl.constexpr = (NUM_EXPERTS + 7) // 8
+    byte_offsets = rows.to(tl.int64)[:, None] * row_bytes + columns[None, :]
+    byte_ok = row_ok[:, None] & (columns < row_bytes)[None, :]
+    flag_offsets = rows.to(tl.int64)[:, None, None] * NUM_EXPERTS + experts[None, :, :]
+    flag_ok = row_ok[:, None, None] & (experts < NUM_EXPERTS)[None, :, :]
+    return byte_offsets, byte_ok, flag_offsets, flag_ok, bits[None, None, :]
+
+
+@triton.jit
+def _pack_bitmap_kernel(
+    flags_ptr,  # [T, E] bool
+    num_tokens,
+    bitmap_ptr,  # uint8 [T, ceil(E / 8)]
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
+):
+    """Packs a bool routing map into its bitmap. Grid (cdiv(T, BLOCK_T), cdiv(ceil(E / 8), BLOCK_BYTES)):
+    program (i, j) reads the flags of its `_bitmap_tile` as [BLOCK_T, BLOCK_BYTES, 8] and writes its
+    [BLOCK_T, BLOCK_BYTES] bytes: bit e % 8 of byte e // 8 is flag e (LSB first). Flags at and past E are not
+    read, so the unused high bits of a row's last byte are written 0; nothing outside the two buffers is read
+    or written."""
+    byte_offsets, byte_ok, flag_offsets, flag_ok, bits = _bitmap_tile(
+        num_tokens, NUM_EXPERTS, BLOCK_T, BLOCK_BYTES
+    )
+    flags = tl.load(_as_bits(flags_ptr) + flag_offsets, mask=flag_ok, other=0)
+    # Distinct bits: their sum is their OR.
+    packed = tl.sum((flags != 0).to(tl.int32) << bits, axis=2)
+    tl.store(bitmap_ptr + byte_offsets, packed.to(tl.uint8), mask=byte_ok)
+
+
+@triton.jit
+def _unpack_bitmap_kernel(
+    bitmap_ptr,  # uint8 [T, ceil(E / 8)]
+    num_tokens,
+    flags_ptr,  # [T, E] bool
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
+):
+    """Unpacks a bitmap into a bool routing map. Grid (cdiv(T, BLOCK_T), cdiv(ceil(E / 8), BLOCK_BYTES)):
+    program (i, j) reads the [BLOCK_T, BLOCK_BYTES] bytes of its `_bitmap_tile` and writes flag e = bit
+    e % 8 of byte e // 8 (LSB first) for each of their experts below E. Bits at and past E are ignored;
+    nothing outside the two buffers is read or written."""
+    byte_offsets, byte_ok, flag_offsets, flag_ok, bits = _bitmap_tile(
+        num_tokens, NUM_EXPERTS, BLOCK_T, BLOCK_BYTES
+    )
+    packed = tl.load(bitmap_ptr + byte_offsets, mask=byte_ok, other=0)
+    flags = (packed.to(tl.int32)[:, :, None] >> bits) & 1
+    # Bool maps hold one byte per flag: stored as bytes, the stores vectorise.
+    tl.store(_as_bits(flags_ptr) + flag_offsets, flags.to(tl.uint8), mask=flag_ok)
 
 
 @triton.jit
@@ -649,33 +672,88 @@ def aux_loss_backward_outputs(num_rows, num_cols, probs_dtype: str) -> dict[str,
     return {"grad_probs": Buffer((num_rows, num_cols), probs_dtype)}
 
 
+#: Bit-packing tiles: about _BITMAP_TILE flags per program, at most _BITMAP_BLOCK_BYTES bytes of a row.
+_BITMAP_TILE = 4096
+_BITMAP_BLOCK_BYTES = 64
+#: The bool [T, E] scratch map that a router kernel writes or reads when the op's routing map is a bitmap.
+_FLAGS = "routing_flags"
+
+
+def _bitmap_launch(kernel, source: str, target: str, num_tokens: int, num_experts: int) -> Launch:
+    """A launch of `_pack_bitmap_kernel` or `_unpack_bitmap_kernel` from buffer `source` into `target`."""
+    row_bytes = bitmap_columns(num_experts)
+    block_bytes = min(next_pow2(row_bytes), _BITMAP_BLOCK_BYTES)
+    block_t = max(1, _BITMAP_TILE // (8 * block_bytes))
+    return Launch(
+        kernel=kernel,
+        grid=(cdiv(num_tokens, block_t), cdiv(row_bytes, block_bytes)),
+        args=(source, num_tokens),
+        outputs=(target,),
+        constexprs=dict(NUM_EXPERTS=num_experts, BLOCK_T=block_t, BLOCK_BYTES=block_bytes),
+    )
+
+
 def _rows_plan(
     kernel,
     space: SearchSpace,
     *,
     num_tokens: int,
-    width: int,
+    num_experts: int,
+    score_function: str,
     inputs: tuple[str, ...],
     buffers: dict[str, Buffer],
-    constexprs: dict,
-    features: dict[str, int],
     device: DeviceInfo,
     config: Mapping[str, int] | None,
+    topk: int | None = None,
+    constexprs: Mapping[str, object] | None = None,
+    routing_map_format: str = "bytemap",
+    width: int | None = None,
 ) -> Plan:
-    """A plan of one token-block kernel: grid (cdiv(T, BLOCK_T),), arguments (*inputs, T, *buffers)."""
+    """A plan of one token-block kernel: grid (cdiv(T, BLOCK_T),), arguments (*inputs, T, *buffers), and
+    the constexprs NUM_EXPERTS, SCORE_FUNCTION, TOPK (unless None) and BLOCK_T beside `constexprs`; the
+    config's features are T, E and K (unless None). `width` is the tile's width; None: column == expert,
+    width next_pow2(E), passed as EXPERTS_POW2.
+
+    The kernel reads or writes the routing map as bool [T, E] in either format. With routing_map_format
+    "bitmap" that map is a scratch buffer: an `_unpack_bitmap_kernel` launch fills it from the "routing_map"
+    input first, or a `_pack_bitmap_kernel` launch packs it into the "routing_map" result after. The float
+    math is thus one kernel, launched with the same constexprs, grid and warps for both formats: compiled,
+    Triton picks register layouts (and with them the order of fp32 sums) per kernel, so packing inside it
+    would change the bits of probs, scores and gradients.
+    """
     results = tuple(buffers)
     if num_tokens == 0:
         return Plan(buffers, (), results)
+    constexprs = dict(
+        constexprs or {}, NUM_EXPERTS=num_experts, SCORE_FUNCTION=SCORE_FUNCTION_IDS[score_function]
+    )
+    features = dict(num_tokens=num_tokens, num_experts=num_experts)
+    if topk is not None:
+        constexprs["TOPK"] = features["topk"] = topk
+    if width is None:
+        width = constexprs["EXPERTS_POW2"] = next_pow2(num_experts)
     block_t, num_warps = _row_tiles(space, num_tokens, width, features, device, config)
+    packed = routing_map_format == "bitmap"
+
+    def unpacked(names: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(_FLAGS if packed and name == "routing_map" else name for name in names)
+
     launch = Launch(
         kernel=kernel,
         grid=(cdiv(num_tokens, block_t),),
-        args=(*inputs, num_tokens),
-        outputs=results,
+        args=(*unpacked(inputs), num_tokens),
+        outputs=unpacked(results),
         constexprs=dict(constexprs, BLOCK_T=block_t),
         num_warps=num_warps,
     )
-    return Plan(buffers, (launch,), results)
+    if not packed:
+        return Plan(buffers, (launch,), results)
+    buffers = dict(buffers, **{_FLAGS: Buffer((num_tokens, num_experts), "bool")})
+    if "routing_map" in inputs:
+        unpack = _bitmap_launch(_unpack_bitmap_kernel, "routing_map", _FLAGS, num_tokens, num_experts)
+        return Plan(buffers, (unpack, launch), results)
+    pack = _bitmap_launch(_pack_bitmap_kernel, _FLAGS, "routing_map", num_tokens, num_experts)
+    return Plan(buffers, (launch, pack), results)
 
 
 @sized_by(
@@ -701,22 +779,22 @@ def topk_plan(
     """fused_topk_with_score_function forward. num_groups = group_topk = 0: no groups.
 
     Inputs: "logits" [T, E], "bias" [E] or None. Results: probs [T, E] (logits dtype), routing_map (bool
-    [T, E], or with routing_map_format "bitmap" uint8 [T, ceil(E / 8)]), indices [T, K] int32 ([T, 0] unless
-    `return_indices`): the selected experts by rank.
+    [T, E], or with routing_map_format "bitmap" uint8 [T, ceil(E / 8)], packed from a bool scratch map by a
+    second launch), indices [T, K] int32 ([T, 0] unless `return_indices`): the selected experts by rank.
     """
     groups, size, groups_pow2, size_pow2 = _group_layout(num_experts, num_groups)
     return _rows_plan(
         _topk_forward_kernel,
         TOPK_SPACE,
         num_tokens=num_tokens,
+        num_experts=num_experts,
+        topk=topk,
+        score_function=score_function,
         width=groups_pow2 * size_pow2,
         inputs=("logits", "bias"),
         buffers=topk_outputs(num_tokens, num_experts, topk, return_indices, routing_map_format),
         constexprs=dict(
-            NUM_EXPERTS=num_experts,
-            TOPK=topk,
             TOPK_POW2=next_pow2(topk),
-            SCORE_FUNCTION=SCORE_FUNCTION_IDS[score_function],
             USE_PRE_SOFTMAX=use_pre_softmax,
             NUM_GROUPS=groups,
             GROUP_SIZE=size,
@@ -727,9 +805,8 @@ def topk_plan(
             SCALE=scaling_factor,
             HAS_BIAS=has_bias,
             RETURN_INDICES=return_indices,
-            BITMAP=routing_map_format == "bitmap",
         ),
-        features=dict(num_tokens=num_tokens, num_experts=num_experts, topk=topk),
+        routing_map_format=routing_map_format,
         device=device,
         config=config,
     )
@@ -750,25 +827,19 @@ def topk_backward_plan(
     config: Mapping[str, int] | None = None,
 ) -> Plan:
     """Backward of the fused top-k. Inputs: "grad_probs" [T, E], "logits" [T, E], "routing_map" (the
-    forward's: bool [T, E], or with routing_map_format "bitmap" uint8 [T, ceil(E / 8)], read in place).
-    Result: grad_logits [T, E] in the logits dtype."""
+    forward's: bool [T, E], or with routing_map_format "bitmap" uint8 [T, ceil(E / 8)], unpacked into a bool
+    scratch map by a first launch). Result: grad_logits [T, E] in the logits dtype."""
     return _rows_plan(
         _topk_backward_kernel,
         TOPK_BACKWARD_SPACE,
-        num_tokens=num_tokens,
-        width=next_pow2(num_experts),
         inputs=("grad_probs", "logits", "routing_map"),
         buffers=grad_logits_outputs(num_tokens, num_experts),
-        constexprs=dict(
-            NUM_EXPERTS=num_experts,
-            TOPK=topk,
-            SCORE_FUNCTION=SCORE_FUNCTION_IDS[score_function],
-            USE_PRE_SOFTMAX=use_pre_softmax,
-            SCALE=scaling_factor,
-            EXPERTS_POW2=next_pow2(num_experts),
-            BITMAP=routing_map_format == "bitmap",
-        ),
-        features=dict(num_tokens=num_tokens, num_experts=num_experts, topk=topk),
+        constexprs=dict(USE_PRE_SOFTMAX=use_pre_softmax, SCALE=scaling_factor),
+        num_tokens=num_tokens,
+        num_experts=num_experts,
+        topk=topk,
+        score_function=score_function,
+        routing_map_format=routing_map_format,
         device=device,
         config=config,
     )
@@ -787,22 +858,18 @@ def aux_scores_plan(
     config: Mapping[str, int] | None = None,
 ) -> Plan:
     """fused_compute_score_for_moe_aux_loss forward. Input "logits" [T, E]. Results: routing_map (bool
-    [T, E], or with routing_map_format "bitmap" uint8 [T, ceil(E / 8)]), scores [T, E] fp32."""
+    [T, E], or with routing_map_format "bitmap" uint8 [T, ceil(E / 8)], packed from a bool scratch map by a
+    second launch), scores [T, E] fp32."""
     return _rows_plan(
         _aux_scores_forward_kernel,
         AUX_SCORES_SPACE,
-        num_tokens=num_tokens,
-        width=next_pow2(num_experts),
         inputs=("logits",),
         buffers=aux_scores_outputs(num_tokens, num_experts, routing_map_format),
-        constexprs=dict(
-            NUM_EXPERTS=num_experts,
-            TOPK=topk,
-            SCORE_FUNCTION=SCORE_FUNCTION_IDS[score_function],
-            EXPERTS_POW2=next_pow2(num_experts),
-            BITMAP=routing_map_format == "bitmap",
-        ),
-        features=dict(num_tokens=num_tokens, num_experts=num_experts, topk=topk),
+        num_tokens=num_tokens,
+        num_experts=num_experts,
+        topk=topk,
+        score_function=score_function,
+        routing_map_format=routing_map_format,
         device=device,
         config=config,
     )
@@ -823,16 +890,11 @@ def aux_scores_backward_plan(
     return _rows_plan(
         _aux_scores_backward_kernel,
         AUX_SCORES_BACKWARD_SPACE,
-        num_tokens=num_tokens,
-        width=next_pow2(num_experts),
         inputs=("grad_scores", "logits"),
         buffers=grad_logits_outputs(num_tokens, num_experts),
-        constexprs=dict(
-            NUM_EXPERTS=num_experts,
-            SCORE_FUNCTION=SCORE_FUNCTION_IDS[score_function],
-            EXPERTS_POW2=next_pow2(num_experts),
-        ),
-        features=dict(num_tokens=num_tokens, num_experts=num_experts),
+        num_tokens=num_tokens,
+        num_experts=num_experts,
+        score_function=score_function,
         device=device,
         config=config,
     )
