@@ -25,6 +25,7 @@ import itertools
 import sys
 import traceback
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
@@ -78,7 +79,7 @@ def _te_autograd(te, T: int, E: int, N: int, H: int):
     return Dispatch.apply, Combine.apply
 
 
-def _cycle(sets: list, fn: Callable) -> Callable[[], object]:
+def rotating_call(sets: list, fn: Callable) -> Callable[[], object]:
     """A no-argument call that runs `fn` on the next input set each time."""
     sets_iter = itertools.cycle(sets)
     return lambda: fn(*next(sets_iter))
@@ -86,7 +87,7 @@ def _cycle(sets: list, fn: Callable) -> Callable[[], object]:
 
 def mask_routing(shape: MoEShape, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A [T, E] mask with K random experts per token and its [T, E] probs (softmax over the K, else 0)."""
-    scores = torch.rand(shape.num_tokens, shape.num_experts, device="cuda", generator=generator)
+    scores = torch.rand(shape.num_tokens, shape.num_experts, device=generator.device, generator=generator)
     top, ids = scores.topk(shape.topk, dim=1)
     mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, ids, True)
     probs = torch.zeros_like(scores).scatter_(1, ids, top.softmax(-1))
@@ -95,20 +96,14 @@ def mask_routing(shape: MoEShape, generator: torch.Generator) -> tuple[torch.Ten
 
 def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
     import moetriton.torch as mt
-    from moetriton.torch import permutation, reference
 
-    te = te_permutation()
-    T, H, E, K = shape.num_tokens, shape.hidden, shape.num_experts, shape.topk
-    N = T * K
-    eb = torch.finfo(DTYPE).bits // 8
-    map_bytes = T * (E + 1) * 4
     out: list[Result] = []
 
     def sync(_):
         torch.cuda.synchronize()
 
     def add(op, impl, fn, sets, nbytes, capturable=True, note=""):
-        eager = time_host_and_eager(_cycle(sets, fn), sync)
+        eager = time_host_and_eager(rotating_call(sets, fn), sync)
         calls = [lambda s=s: fn(*s) for s in sets]
         graph_ms = time_graph(calls) if capturable else time_eager(calls[:2])
         note = note or ("CUDA graph" if capturable else "events around eager calls (not capturable)")
@@ -118,18 +113,41 @@ def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
             )
         )
 
-    generator = torch.Generator(device="cuda").manual_seed(0)
+    torch_eager_cases(mt, shape, add, te=te_permutation(), quick=quick)
+    return out
+
+
+def torch_eager_cases(
+    mt: ModuleType,
+    shape: MoEShape,
+    add: Callable,
+    te=None,
+    quick: bool = False,
+    device: str = "cuda",
+    max_sets: int = 16,
+) -> None:
+    """Every PyTorch case at `shape`, handed to `add(op, impl, fn, sets, nbytes, capturable=True)`: `fn(*s)`
+    is one call on the input set `s` of `sets` (at most `max_sets` of them, on `device`), `nbytes` its ideal
+    bytes. `mt` is the moetriton.torch package whose ops run, an argument so that benchmarks.ab_package can
+    pass either of two versions; TE's cases where `te` (te_permutation()) is given; the torch references
+    unless `quick`."""
+    permutation, reference = mt.permutation, mt.reference
+    T, H, E, K = shape.num_tokens, shape.hidden, shape.num_experts, shape.topk
+    N = T * K
+    eb = torch.finfo(DTYPE).bits // 8
+    map_bytes = T * (E + 1) * 4
+    generator = torch.Generator(device=device).manual_seed(0)
 
     def inputs(nbytes, build):
-        return [build() for _ in range(input_sets(nbytes))]
+        return [build() for _ in range(input_sets(nbytes, maximum=max_sets))]
 
     # dispatch -------------------------------------------------------------------------------------------
     dispatch_bytes = token_bytes(T, H, eb) + T * E * 5 + token_bytes(N, H, eb) + N * 4 + map_bytes + E * 4
 
     def make_dispatch(requires_grad=False):
-        x = torch.randn(T, H, device="cuda", dtype=DTYPE, generator=generator, requires_grad=requires_grad)
+        x = torch.randn(T, H, device=device, dtype=DTYPE, generator=generator, requires_grad=requires_grad)
         mask, probs = mask_routing(shape, generator)
-        grad = torch.randn(N, H, device="cuda", dtype=DTYPE, generator=generator)
+        grad = torch.randn(N, H, device=device, dtype=DTYPE, generator=generator)
         return x, mask, probs, grad
 
     sets = inputs(dispatch_bytes, make_dispatch)
@@ -204,9 +222,9 @@ def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
 
     def make_combine():
         mask, probs = mask_routing(shape, generator)
-        row_map = mt.token_dispatch(torch.empty(T, 0, device="cuda", dtype=DTYPE), mask, N)[2]
-        expert_out = torch.randn(N, H, device="cuda", dtype=DTYPE, generator=generator, requires_grad=True)
-        grad = torch.randn(T, H, device="cuda", dtype=DTYPE, generator=generator)
+        row_map = mt.token_dispatch(torch.empty(T, 0, device=device, dtype=DTYPE), mask, N)[2]
+        expert_out = torch.randn(N, H, device=device, dtype=DTYPE, generator=generator, requires_grad=True)
+        grad = torch.randn(T, H, device=device, dtype=DTYPE, generator=generator)
         te_map = te.make_row_id_map(mask, T, E) if te is not None else None
         return expert_out, row_map, probs.requires_grad_(), grad, te_map
 
@@ -272,11 +290,11 @@ def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
     sort_bytes = 2 * token_bytes(N, H, eb) + N * 4
 
     def make_sort():
-        rows = torch.randn(N, H, device="cuda", dtype=DTYPE, generator=generator)
-        cuts = torch.sort(torch.randint(0, N + 1, (E - 1,), device="cuda", generator=generator)).values
+        rows = torch.randn(N, H, device=device, dtype=DTYPE, generator=generator)
+        cuts = torch.sort(torch.randint(0, N + 1, (E - 1,), device=device, generator=generator)).values
         edges = torch.cat([cuts.new_zeros(1), cuts, cuts.new_full((1,), N)])
         sizes = (edges[1:] - edges[:-1]).int()
-        order = torch.arange(E, device="cuda", dtype=torch.int32).view(ranks, E // ranks).t().reshape(-1)
+        order = torch.arange(E, device=device, dtype=torch.int32).view(ranks, E // ranks).t().reshape(-1)
         return rows, sizes, order
 
     sets = inputs(sort_bytes, make_sort)
@@ -302,8 +320,8 @@ def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
     router_bytes = T * E * (2 + 2 + 1)
 
     def make_logits():
-        logits = torch.randn(T, E, device="cuda", dtype=DTYPE, generator=generator, requires_grad=True)
-        return logits, torch.randn(T, E, device="cuda", dtype=DTYPE, generator=generator)
+        logits = torch.randn(T, E, device=device, dtype=DTYPE, generator=generator, requires_grad=True)
+        return logits, torch.randn(T, E, device=device, dtype=DTYPE, generator=generator)
 
     def torch_topk(logits):
         top, ids = logits.topk(K, dim=-1)
@@ -335,7 +353,6 @@ def _torch_results(shape: MoEShape, quick: bool) -> list[Result]:
         fwd_bwd,
     )
     add("router_fwd_bwd", "torch-eager", router_fwd_bwd(torch_topk), sets, fwd_bwd)
-    return out
 
 
 def _jax_results(shape: MoEShape, quick: bool) -> list[Result]:
@@ -356,7 +373,7 @@ def _jax_results(shape: MoEShape, quick: bool) -> list[Result]:
 
     def add(op, impl, fn, sets, nbytes):
         jitted = jax.jit(fn)
-        eager = time_host_and_eager(_cycle(sets, jitted), jax.block_until_ready)
+        eager = time_host_and_eager(rotating_call(sets, jitted), jax.block_until_ready)
         steady = time_jax(fn, sets)
         note = f"steady-state GPU span of a jitted run; synced wall {steady.wall_ms:.4f} ms"
         out.append(

@@ -188,24 +188,29 @@ class EagerTiming:
 
 
 def time_host_and_eager(
-    call: Callable[[], object], sync: Callable[[object], None], calls: int = 200
+    call: Callable[[], object],
+    sync: Callable[[object], None],
+    calls: int = 200,
+    issues: int = 50,
+    bursts: int = 3,
 ) -> EagerTiming:
-    """What an eager user sees: the host cost of issuing one call, and the wall time per call when calls
-    follow each other with a single sync at the end (max of host and device time, plus what does not
-    overlap), the median of three such bursts so that one stray pause of the host (another process, a
-    garbage collection) does not decide the figure. `sync(result)` waits for the device
-    (torch.cuda.synchronize, jax.block_until_ready)."""
+    """What an eager user sees: the host cost of issuing one call (the median of `issues` timed calls), and
+    the wall time per call when `calls` calls follow each other with a single sync at the end (max of host
+    and device time, plus what does not overlap), the median of `bursts` such bursts so that one stray pause
+    of the host (another process, a garbage collection) does not decide the figure. `sync(result)` waits for
+    the device (torch.cuda.synchronize, jax.block_until_ready). Smaller counts are for smoke runs under the
+    Triton interpreter, where one call takes a fraction of a second."""
     for _ in range(3):  # compile, autotune and warm the caches outside the timing
         sync(call())
     issue = []
-    for _ in range(5):
-        for _ in range(10):  # few enough calls that the launch queue never fills
+    while len(issue) < issues:
+        for _ in range(min(10, issues - len(issue))):  # few enough calls that the launch queue never fills
             start = time.perf_counter()
             result = call()
             issue.append(time.perf_counter() - start)
         sync(result)
     walls = []
-    for _ in range(3):
+    for _ in range(bursts):
         start = time.perf_counter()
         for _ in range(calls):
             result = call()
