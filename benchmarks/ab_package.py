@@ -1,0 +1,328 @@
+"""Same-process A/B of two versions of the whole package: host time and eager time per call of the PyTorch
+ops, to show that a change leaves what an eager user pays per call where it was.
+
+    python -m benchmarks.ab_package BASELINE_ROOT [--shapes tiny] [--ops dispatch,combine,...] [--rounds 10]
+                                    [--out ab_package.csv] [--smoke]
+
+BASELINE_ROOT is a folder holding another checkout's kernels/, torch_bindings/ (and jax_bindings/,
+autotune_cache/), e.g. `mkdir /tmp/base && git archive REV | tar -x -C /tmp/base`; the candidate is this
+checkout (the folder above benchmarks/). On a GPU, from the repository root:
+
+    python -m benchmarks.ab_package /tmp/base --shapes tiny --rounds 10 --out ab_package.csv
+
+Why one process: timings taken in separate processes (or runs, or machines) are not comparable at the level of
+the change to be judged (clock states, where the allocator and caches start, other load), so both versions run
+in one process, timed alternately. Both import themselves by the absolute name `moetriton`, so they cannot be
+imported side by side: the baseline is imported first, from a temporary site folder of links under the
+package's import names (as scripts/gpu_check.sh does), then its modules are taken out of sys.modules and the
+candidate is imported the same way. Functions keep their own module globals, so the baseline's still run its
+own code; before each version's calls its modules are put back into sys.modules, so that what it imports by
+name at call time (lazily imported modules, the autotune cache through importlib.resources) is its own too.
+Every module of a version must come from its own folder (checked, and reported: the *_torch_file columns). The
+baseline's torch.library custom ops register as `moetriton_baseline::<op>`: torch lets a later definition of
+`moetriton::<op>` replace an earlier one, which would send the baseline's dispatcher calls (torch.compile,
+tensor subclasses; plain eager calls do not use them) to the candidate. Each version reads the autotune cache
+of its own checkout (and MOETRITON_AUTOTUNE_CACHE's, where set).
+
+Ops: the moetriton cases of benchmarks.eager_cases (the same inputs, built by each version for itself from
+the same seed): dispatch, dispatch_fwd_bwd, dispatch_bwd, combine, combine_bwd, combine_fwd_bwd,
+chunk_sort, router_topk, router_fwd_bwd (the *_bwd rows call the backward op alone; *_fwd_bwd and
+router_fwd_bwd go through torch.autograd). Both versions must have the API those cases call. Each round
+times every op with benchmarks.timing.time_host_and_eager, baseline then candidate (the order flips every
+round, so neither version always runs second). Shapes: named shapes of moetriton.kernels.rules.shapes, or
+TxHxExK (e.g. 16x32x8x2).
+
+Columns (one row per op and shape; the leading provenance columns of benchmarks.common, of this checkout):
+op, shape, rounds; {baseline,candidate}_host_us: median over the rounds of the host time to issue one call
+(µs); {baseline,candidate}_eager_us: median over the rounds of the wall time per call of calls back to back
+with one sync at the end (µs); host_ratio, eager_ratio: candidate / baseline; {baseline,candidate}_torch_file:
+the file each version's moetriton.torch was imported from. The same table goes to stdout.
+
+On CPU it needs TRITON_INTERPRET=1 (the kernels run under the Triton interpreter): only the host time
+means anything there, and --smoke (one timed issue, one burst of one call, two input sets) keeps a run
+short enough for a test, e.g. `TRITON_INTERPRET=1 python -m benchmarks.ab_package /tmp/base --shapes
+16x32x8x2 --rounds 1 --smoke`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import importlib
+import os
+import re
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from benchmarks.timing import EagerTiming, time_host_and_eager
+
+# moetriton, and the benchmarks modules that import it (common, eager_cases), are imported inside the
+# functions: only once both versions are loaded, and first while the candidate is the active one.
+
+PACKAGE = "moetriton"
+#: A checkout's source folder of each subpackage, by import name (pyproject's package-dir).
+SOURCE_FOLDERS = {
+    "kernels": "kernels",
+    "torch": "torch_bindings",
+    "jax": "jax_bindings",
+    "autotune_cache": "autotune_cache",
+}
+CHECKOUT = Path(__file__).resolve().parents[1]
+LABELS = ("baseline", "candidate")
+COLUMNS = [
+    "op",
+    "shape",
+    "rounds",
+    "baseline_host_us",
+    "candidate_host_us",
+    "host_ratio",
+    "baseline_eager_us",
+    "candidate_eager_us",
+    "eager_ratio",
+    "baseline_torch_file",
+    "candidate_torch_file",
+]
+
+
+@dataclass
+class Version:
+    """One version of the package: its checkout folder and its modules by import name."""
+
+    label: str
+    root: Path
+    modules: dict[str, ModuleType]
+    torch_file: Path  # where its moetriton.torch came from, links resolved
+
+    @property
+    def torch(self) -> ModuleType:
+        return self.modules[f"{PACKAGE}.torch"]
+
+    def check_origin(self) -> None:
+        """Raise unless every module of this version with a file comes from its own checkout."""
+        for name, module in self.modules.items():
+            path = getattr(module, "__file__", None)
+            if path and not Path(path).resolve().is_relative_to(self.root):
+                raise RuntimeError(f"the {self.label}'s {name} comes from {path}, not from {self.root}")
+
+
+def _package_modules() -> dict[str, ModuleType]:
+    return {
+        name: module
+        for name, module in sys.modules.items()
+        if name == PACKAGE or name.startswith(f"{PACKAGE}.")
+    }
+
+
+def _forget_package() -> None:
+    for name in _package_modules():
+        del sys.modules[name]
+
+
+@contextlib.contextmanager
+def _custom_ops_in(namespace: str):
+    """While a version is imported, its torch.library custom ops `moetriton::<op>` register as
+    `<namespace>::<op>`."""
+    define = torch.library.custom_op
+
+    def renamed(name, *args, **kwargs):
+        package, _, op = name.partition("::")
+        return define(f"{namespace}::{op}" if package == PACKAGE else name, *args, **kwargs)
+
+    torch.library.custom_op = renamed
+    try:
+        yield
+    finally:
+        torch.library.custom_op = define
+
+
+class Versions:
+    """The versions imported so far, and the one whose modules sys.modules holds."""
+
+    def __init__(self, site_root: Path) -> None:
+        self.site_root = site_root
+        self.active: Version | None = None
+
+    def load(self, label: str, root: Path, op_namespace: str) -> Version:
+        """Import `root`'s package as `moetriton` through its moetriton.torch, with the active version's
+        modules set aside; it becomes the active version."""
+        package = self.site_root / label / PACKAGE
+        package.mkdir(parents=True)
+        for name, folder in SOURCE_FOLDERS.items():
+            if (root / folder).is_dir():
+                (package / name).symlink_to(root / folder, target_is_directory=True)
+        self._set_aside()
+        importlib.invalidate_caches()
+        sys.path.insert(0, str(package.parent))
+        try:
+            # A namespace package's path follows sys.path; fixed to this version's folder, so that no other
+            # folder on the path (another site, an installed moetriton) serves one of its modules.
+            importlib.import_module(PACKAGE).__path__ = [str(package)]
+            with _custom_ops_in(op_namespace):
+                torch_module = importlib.import_module(f"{PACKAGE}.torch")
+        finally:
+            sys.path.remove(str(package.parent))
+        version = Version(label, root, _package_modules(), Path(torch_module.__file__).resolve())
+        version.check_origin()
+        self.active = version
+        return version
+
+    def activate(self, version: Version) -> None:
+        """Put `version`'s modules into sys.modules in place of the active version's."""
+        if version is not self.active:
+            self._set_aside()
+            sys.modules.update(version.modules)
+            self.active = version
+
+    def _set_aside(self) -> None:
+        """Take the package's modules out of sys.modules, keeping those the active version imported since
+        it was loaded or activated with it."""
+        if self.active is not None:
+            self.active.modules.update(_package_modules())
+        _forget_package()
+
+
+def parse_shape(spec: str):
+    """A named shape of moetriton.kernels.rules.shapes, or one given as TxHxExK."""
+    from moetriton.kernels.rules.shapes import NAMED_SHAPES, MoEShape
+
+    if spec in NAMED_SHAPES:
+        return NAMED_SHAPES[spec]
+    sizes = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)", spec)
+    if sizes is None:
+        raise SystemExit(f"unknown shape {spec!r}: one of {', '.join(NAMED_SHAPES)}, or TxHxExK")
+    return MoEShape(spec, *map(int, sizes.groups()))
+
+
+def _cases(version: Version, shape, device: str, max_sets: int) -> dict[str, tuple[Callable, list]]:
+    """op -> (fn, input sets) of the moetriton cases of benchmarks.eager_cases, run by `version`."""
+    from benchmarks.eager_cases import torch_eager_cases
+
+    cases = {}
+
+    def collect(op, impl, fn, sets, nbytes, capturable=True):
+        if impl == "moetriton":
+            cases[op] = (fn, sets)
+
+    torch_eager_cases(version.torch, shape, collect, quick=True, device=device, max_sets=max_sets)
+    return cases
+
+
+def compare(
+    versions: Versions,
+    pair: tuple[Version, Version],
+    shape,
+    ops: list[str] | None,
+    rounds: int,
+    device: str,
+    smoke: bool,
+) -> list[dict]:
+    """One row per op (COLUMNS) of both versions at `shape`, timed alternately round by round."""
+    from benchmarks.eager_cases import rotating_call
+
+    cases = {}
+    for version in pair:
+        versions.activate(version)
+        cases[version.label] = _cases(version, shape, device, max_sets=2 if smoke else 16)
+    ops = ops or list(cases["baseline"])
+    unknown = sorted(set(ops) - set(cases["baseline"]))
+    if unknown:
+        raise SystemExit(f"unknown ops {unknown}: the ops are {', '.join(cases['baseline'])}")
+    counts = dict(calls=1, issues=1, bursts=1) if smoke else {}
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    timings: dict[tuple[str, str], list[EagerTiming]] = {(op, label): [] for op in ops for label in LABELS}
+    for round_index in range(rounds):
+        for op in ops:
+            for version in pair if round_index % 2 == 0 else pair[::-1]:
+                versions.activate(version)
+                fn, sets = cases[version.label][op]
+                timing = time_host_and_eager(rotating_call(sets, fn), lambda _: sync(), **counts)
+                timings[op, version.label].append(timing)
+    rows = []
+    for op in ops:
+        row = dict(op=op, shape=shape.name, rounds=rounds)
+        for figure in ("host", "eager"):
+            for label in LABELS:
+                times = [getattr(timing, f"{figure}_ms") for timing in timings[op, label]]
+                row[f"{label}_{figure}_us"] = round(statistics.median(times) * 1e3, 3)
+            row[f"{figure}_ratio"] = round(row[f"candidate_{figure}_us"] / row[f"baseline_{figure}_us"], 4)
+        for version in pair:
+            row[f"{version.label}_torch_file"] = str(version.torch_file)
+        rows.append(row)
+    return rows
+
+
+def _print_row(row: dict) -> None:
+    print(
+        f"{row['op']:<17}{row['shape']:<10}{row['baseline_host_us']:>11.2f}{row['candidate_host_us']:>11.2f}"
+        f"{row['host_ratio']:>7.3f}{row['baseline_eager_us']:>11.2f}{row['candidate_eager_us']:>11.2f}"
+        f"{row['eager_ratio']:>7.3f}",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("baseline", type=Path, help="folder of the baseline's kernels/, torch_bindings/, ...")
+    parser.add_argument("--shapes", default="tiny", help="named shapes or TxHxExK, comma-separated")
+    parser.add_argument("--ops", help="comma-separated (default: every op)")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--out", type=Path, help="CSV file to write (default: the table on stdout only)")
+    parser.add_argument("--smoke", action="store_true", help="the fewest calls that run every path")
+    args = parser.parse_args(argv)
+    baseline_root = args.baseline.resolve()
+    missing = [folder for folder in ("kernels", "torch_bindings") if not (baseline_root / folder).is_dir()]
+    if missing:
+        parser.error(f"{baseline_root} has no {' or '.join(missing)}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # Set before Triton is imported, or its helpers are not interpreted; without the interpreter the ops
+        # would run their PyTorch references, not the code compared.
+        parser.error("no GPU: run with TRITON_INTERPRET=1 in the environment")
+    with tempfile.TemporaryDirectory(prefix="ab_package_") as site_root:
+        versions = Versions(Path(site_root))
+        pair = (
+            versions.load("baseline", baseline_root, op_namespace=f"{PACKAGE}_baseline"),
+            versions.load("candidate", CHECKOUT, op_namespace=PACKAGE),
+        )
+        shapes = [parse_shape(spec) for spec in args.shapes.split(",")]
+        device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+        print(f"# {device_name}; µs per call, median of {args.rounds} rounds; ratio = candidate / baseline")
+        for version in pair:
+            print(f"# {version.label}: moetriton.torch from {version.torch_file}")
+        print(
+            f"{'op':<17}{'shape':<10}{'host base':>11}{'host cand':>11}{'ratio':>7}"
+            f"{'eager base':>11}{'eager cand':>11}{'ratio':>7}"
+        )
+        ops = args.ops.split(",") if args.ops else None
+        rows = []
+        for shape in shapes:
+            for row in compare(versions, pair, shape, ops, args.rounds, device, args.smoke):
+                _print_row(row)
+                rows.append(row)
+        for version in pair:  # modules imported lazily while timing included
+            versions.activate(version)
+            version.check_origin()
+        if args.out:
+            from benchmarks.common import provenance
+
+            head = provenance(device_name)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            with args.out.open("w", newline="") as handle:
+                writer = csv.DictWriter(handle, [*head, *COLUMNS])
+                writer.writeheader()
+                writer.writerows({**head, **row} for row in rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""benchmarks.ab_package: this checkout against a copy of its last commit, in one process, with the fewest
+calls (on CPU under the Triton interpreter, which conftest sets)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+#: The ops the A/B must cover, at least.
+OPS = {"dispatch", "dispatch_bwd", "combine", "combine_bwd", "chunk_sort", "router_topk", "router_fwd_bwd"}
+
+
+def test_ab_package_times_both_versions_of_every_op(tmp_path):
+    archive = subprocess.run(
+        ["git", "archive", "HEAD", "kernels", "torch_bindings", "jax_bindings", "autotune_cache"],
+        cwd=ROOT,
+        capture_output=True,
+    )
+    if archive.returncode:
+        pytest.skip(f"no git checkout to take a baseline from: {archive.stderr.decode()[:200]}")
+    baseline = tmp_path / "baseline"
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(baseline, filter="data")
+    out = tmp_path / "ab.csv"
+    command = [sys.executable, "-m", "benchmarks.ab_package", str(baseline), "--shapes", "16x32x8x2"]
+    command += ["--rounds", "1", "--smoke", "--out", str(out)]
+    result = subprocess.run(command, cwd=ROOT, env=os.environ, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    with out.open() as handle:
+        rows = list(csv.DictReader(handle))
+    ops = [row["op"] for row in rows]
+    assert len(ops) == len(set(ops)) and set(ops) >= OPS, ops
+    for row in rows:
+        for column in ("baseline_host_us", "candidate_host_us", "baseline_eager_us", "candidate_eager_us"):
+            assert float(row[column]) > 0, (column, row)
+        # Each version's moetriton.torch came from its own checkout.
+        assert Path(row["baseline_torch_file"]).is_relative_to(baseline.resolve()), row
+        assert Path(row["candidate_torch_file"]) == ROOT / "torch_bindings" / "__init__.py", row
+    assert "# baseline: moetriton.torch from " + str(baseline.resolve()) in result.stdout
