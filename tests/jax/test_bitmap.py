@@ -1,9 +1,10 @@
-"""Bit-packed routing maps in JAX: the router writes them, its backward and dispatch read them in place.
+"""Bit-packed routing maps in JAX: the router packs them after its float kernel and unpacks them before its
+backward's; dispatch reads them in place.
 
-Every bitmap result is held to the bool map's from the same logits and the packed layout to numpy's
-packbits(bitorder="little"), an implementation of its own; under jax.jit and jax.vmap too. The map and probs
-match bit for bit everywhere; the aux scores and the gradients bit for bit under the interpreter, and to
-fp32 rounding when compiled (docs/router.md: the bitmap launches may sum rows in another order).
+Every bitmap result is held to the bool map's from the same logits, bit for bit (map, probs, aux scores
+and gradients, interpreted and compiled: the float math is the same kernel for both formats, see
+docs/router.md), and the packed layout to numpy's packbits(bitorder="little"), an implementation of its
+own; under jax.jit and jax.vmap too. On a GPU, TransformerEngine's test sizes run too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 
 import moetriton.jax as mj
 from moetriton.jax import executor, reference, reference_router
+from moetriton.kernels import router as plans
 
 # (E, K, groups, group_topk): E a multiple of 8, not one, below 8, 1; groups of a power-of-two size and not.
 _SHAPES = [(16, 3, None, None), (12, 4, 2, 2), (5, 2, None, None), (1, 1, None, None), (24, 4, 3, 1)]
@@ -24,22 +26,14 @@ def _logits(num_tokens: int, num_experts: int, seed: int = 0) -> jax.Array:
     return jax.random.normal(jax.random.PRNGKey(seed), (num_tokens, num_experts))
 
 
-def _assert_same_sums(got: jax.Array, expected: jax.Array) -> None:
-    """Equal bit for bit under the interpreter; compiled, equal up to the order of fp32 row sums."""
-    if executor.on_gpu():
-        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
-    else:
-        np.testing.assert_array_equal(got, expected)
-
-
 def _packbits(mask: jax.Array) -> np.ndarray:
     return np.packbits(np.asarray(mask), axis=1, bitorder="little")
 
 
-def _topk_and_grad(logits, topk, groups, group_topk, routing_map_format):
+def _topk_and_grad(logits, topk, groups, group_topk, routing_map_format, score_function="sigmoid"):
     def route(x):
         return mj.fused_topk_with_score_function(
-            x, topk, False, groups, group_topk, 2.0, "sigmoid", None, routing_map_format
+            x, topk, False, groups, group_topk, 2.0, score_function, None, routing_map_format
         )
 
     probs, routing_map = route(logits)
@@ -59,18 +53,70 @@ def test_topk_bitmap_is_the_packed_bytemap_with_the_same_gradients(
     assert bitmap.dtype == jnp.uint8 and bitmap.shape == (num_tokens, (num_experts + 7) // 8)
     np.testing.assert_array_equal(np.asarray(bitmap), _packbits(mask))
     np.testing.assert_array_equal(packed_probs, probs)
-    _assert_same_sums(packed_grad, grad)
+    np.testing.assert_array_equal(packed_grad, grad)
+
+
+def _assert_aux_scores_bitwise(num_tokens, num_experts, topk, score_function):
+    """The aux scores and their gradient, the bitmap call under jax.jit."""
+    logits = _logits(num_tokens, num_experts, seed=1)
+
+    def scores_of(routing_map_format):
+        def scores(x):
+            return mj.fused_compute_score_for_moe_aux_loss(x, topk, score_function, routing_map_format)
+
+        grad = jax.grad(lambda x: (scores(x)[1] ** 2).sum())(logits)
+        return (*scores(logits), grad)
+
+    mask, scores, grad = scores_of("bytemap")
+    bitmap, packed_scores, packed_grad = jax.jit(scores_of, static_argnums=0)("bitmap")
+    np.testing.assert_array_equal(np.asarray(bitmap), _packbits(mask))
+    np.testing.assert_array_equal(packed_scores, scores)
+    np.testing.assert_array_equal(packed_grad, grad)
 
 
 @pytest.mark.parametrize(("num_experts", "topk"), [(16, 3), (11, 4), (1, 1)])
 def test_aux_scores_bitmap_is_the_packed_bytemap_under_jit(num_experts, topk):
-    logits = _logits(6, num_experts, seed=1)
-    mask, scores = mj.fused_compute_score_for_moe_aux_loss(logits, topk, "softmax")
-    bitmap, packed_scores = jax.jit(
-        lambda x: mj.fused_compute_score_for_moe_aux_loss(x, topk, "softmax", "bitmap")
-    )(logits)
+    _assert_aux_scores_bitwise(6, num_experts, topk, "softmax")
+
+
+@pytest.mark.skipif(not executor.on_gpu(), reason="sizes for compiled kernels (the interpreter is slow)")
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "topk", "groups", "group_topk"),
+    [(2048, 32, 4, None, None), (2048, 128, 4, None, None), (4096, 256, 8, 8, 4)],
+)
+def test_large_bitmap_results_are_bitwise_the_bytemaps(
+    num_tokens, num_experts, topk, groups, group_topk, score_function
+):
+    """TransformerEngine's bitmap test sizes and DeepSeek-V3's router: top-k probs and gradient, aux scores
+    and their gradient."""
+    logits = _logits(num_tokens, num_experts, seed=num_experts)
+    probs, mask, grad = _topk_and_grad(logits, topk, groups, group_topk, "bytemap", score_function)
+    packed_probs, bitmap, packed_grad = _topk_and_grad(
+        logits, topk, groups, group_topk, "bitmap", score_function
+    )
     np.testing.assert_array_equal(np.asarray(bitmap), _packbits(mask))
-    _assert_same_sums(packed_scores, scores)
+    np.testing.assert_array_equal(packed_probs, probs)
+    np.testing.assert_array_equal(packed_grad, grad)
+    _assert_aux_scores_bitwise(num_tokens, num_experts, topk, score_function)
+
+
+def test_backward_ignores_bits_past_the_last_expert():
+    """The top-k gradient from a bitmap whose unused high bits are all set equals the clean bitmap's."""
+    logits = _logits(5, 11, seed=9)
+    grad_probs = jax.random.normal(jax.random.PRNGKey(10), (5, 11))
+    _, bitmap = mj.fused_topk_with_score_function(logits, 3, routing_map_format="bitmap")
+    options = dict(topk=3, use_pre_softmax=False, scaling_factor=1.0, score_function="softmax")
+    grads = [
+        executor.run_builder(
+            plans.topk_backward_plan,
+            dict(grad_probs=grad_probs, logits=logits, routing_map=routing),
+            routing_map_format="bitmap",
+            **options,
+        )["grad_logits"]
+        for routing in (bitmap, bitmap.at[:, -1].set(bitmap[:, -1] | jnp.uint8(0xF8)))
+    ]
+    np.testing.assert_array_equal(grads[1], grads[0])
 
 
 def test_vmap_packs_each_problem():
