@@ -4,16 +4,23 @@ built the MaxText way (argsort permutation + jax.lax.ragged_dot, no Triton).
     python -m benchmarks.moe_jax                         # mixtral and dsv3, 1 GPU and EP = 2 (needs 2 GPUs)
     python -m benchmarks.moe_jax --shapes mixtral --ep 1 --steps 20 --out /tmp/results
     python -m benchmarks.moe_jax --tiny --steps 1        # CPU smoke test: tiny shapes, 2 host devices
+    python -m benchmarks.moe_jax --processes 1,2         # EP = 2 as 1 process of 2 GPUs and 2 processes of 1
+    python -m benchmarks.moe_jax --processes 2 --tiny --steps 1   # CPU: 2 processes of one CPU device each
 
-Rows (one per impl x shape x EP; printed and written to <out>/<gpu>/moe_jax.csv, benchmarks.common: <gpu>
-is prefixed with the largest EP run, e.g. 2x_NVIDIA_H200):
+Rows (one per impl x shape x EP x process count; printed and written to <out>/<gpu>/moe_jax.csv,
+benchmarks.common: <gpu> is prefixed with the largest EP run, e.g. 2x_NVIDIA_H200):
 
+* processes: how many processes ran the step. 1: this module as one process driving every device (the
+  default). N > 1 (`--processes N`): a jax.distributed group of N processes on this machine, one GPU each
+  (module section "Processes").
 * step_ms: median wall time of the jitted step (value_and_grad of the layer w.r.t. x and every weight),
-  inputs resident, one block_until_ready per step.
+  inputs resident, one block_until_ready per step; in a group, process 0's time of a step all processes
+  start together (section "Processes").
 * stage shares (moetriton rows), stage_method says which of two methods gave them:
-  - on GPUs, a profile of the real step: the compiled step runs PROFILED_STEPS times under CUPTI (through
-    torch.profiler: benchmarks.timing.gpu_activities_by_device), and every GPU activity of every device goes
-    to a stage by its name. Our Triton kernels keep their Python names (KERNEL_STAGES lists every one):
+  - on GPUs in one process, a profile of the real step: the compiled step runs PROFILED_STEPS times under
+    CUPTI (through torch.profiler: benchmarks.timing.gpu_activities_by_device), and every GPU activity of
+    every device goes to a stage by its name. Our Triton kernels keep their Python names (KERNEL_STAGES
+    lists every one):
     router (top-k, aux-loss scores and loss, forward and backward), dispatch (count, scan, dispatch),
     chunk_sorts (only the row map of the expert-major order now: the GEMMs read and write the received
     rows through it), grouped_gemm (forward, input and weight gradients), combine (combine
@@ -31,7 +38,9 @@ is prefixed with the largest EP run, e.g. 2x_NVIDIA_H200):
     only; dispatch + combine, and so routing_share, are exact. A share is the stage's activity time over the
     time of all activities (the stages and other add up to 1); gpu_busy_ms is the latter per GPU and step,
     beside step_ms (activities that overlap, a collective beside compute, count twice there).
-  - on CPU (nothing to profile; --tiny), per-stage jitted forward + backward timings, NOT a profile:
+  - on CPU (nothing to profile; --tiny) and in a group of processes (the profile is one-process only:
+    each process would record its own GPU alone, and gathering those across processes is not built),
+    per-stage jitted forward + backward timings, NOT a profile:
     every stage (router incl. the gate matmul and aux loss; dispatch; all-to-all = count all-gather +
     exchange + reverse exchange; grouped GEMMs, on the received rows through their expert-major row
     permutation; combine) runs as its own
@@ -58,6 +67,25 @@ out-of-memory at EP = 2 did, on two H200s): `--isolate SECONDS` runs every row i
 (this module, that row's arguments) and records a row that fails, crashes or takes longer as an error.
 On CPU the exchange is the padded all_to_all fallback (XLA:CPU has no ragged all-to-all) and the ops run the
 pure-JAX reference unless TRITON_INTERPRET=1: --tiny only checks that everything runs.
+
+Processes. `--processes 1,2,4` runs the same measurements once per count, each in children of this process
+(which never starts a backend, so the children own the devices), and writes all their rows to one results
+file; every run is killed after --timeout seconds. 1 is one child driving every device (--isolate passes on to
+it). N > 1 is a group started by examples/jax_moe_multiprocess.launch_local_group: N copies of this module, a
+free local port for the coordinator, copy i sees GPU i (CUDA_VISIBLE_DEVICES) or, without GPUs, one CPU
+device. Each copy calls jax.distributed.initialize (gloo collectives on CPU), builds the "ep" mesh over every
+process's devices (EP = N: --ep sizes other than the group's device count are skipped; without --ep the
+one-process run takes the groups' sizes, so both modes give rows of the same shape and EP), draws the inputs
+as global arrays (each process its own shards) and runs the same measurements; process 0 prints the rows and
+writes them after each one. Before every timed call of a step (or stage) all processes meet at a barrier
+(multihost_utils.sync_global_devices, outside the timed span), then each runs the step and waits
+(block_until_ready) for its shards of the outputs: step_ms is process 0's time, which the step's collectives
+make include waiting for the slowest peer. `--exchange auto` is the padded exchange in both modes; `--exchange
+ragged` across processes needs XLA_FLAGS that allow XLA's NCCL fallback
+(tests/jax/multiprocess_checks.RAGGED_ACROSS_PROCESSES_FLAG), which the launch passes on. A failure that hits
+every process alike (out of memory at compile) is an error row as in one process; one that hits some processes
+(an exception, a crash) leaves the others waiting in a collective, so when any process fails or the group runs
+past --timeout every process of the group is killed, the rows process 0 wrote stay, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -76,13 +104,17 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
-# Host devices for EP on CPU (--tiny); the flag only concerns the CPU platform, harmless on GPU machines.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+# Host devices for EP on CPU (--tiny); the flag only concerns the CPU platform, harmless on GPU machines. A
+# process of a group keeps the one CPU device its launcher gives it (JAX_NUM_CPU_DEVICES).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "") and (
+    "JAX_NUM_CPU_DEVICES" not in os.environ
+):
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moetriton.jax import reference_router, token_combine, token_dispatch
@@ -129,6 +161,7 @@ COLUMNS = (
     "impl",
     "shape",
     "ep",
+    "processes",
     "exchange",
     "tokens_per_gpu",
     "step_ms",
@@ -167,11 +200,15 @@ def _significant(value: float) -> float:
 
 
 def median_ms(function, *args, steps: int) -> float:
-    """Median wall ms of `function(*args)` (jitted) over `steps` calls after two warm-up calls."""
+    """Median wall ms of `function(*args)` (jitted) over `steps` calls after two warm-up calls. In a group of
+    processes every timed call starts once all processes have reached it (a barrier, outside the timed
+    span), and each process times its own call up to block_until_ready on its shards of the outputs."""
     jax.block_until_ready(function(*args))
     jax.block_until_ready(function(*args))
     times = []
     for _ in range(steps):
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("benchmarks.moe_jax step")
         start = time.perf_counter()
         jax.block_until_ready(function(*args))
         times.append((time.perf_counter() - start) * 1e3)
@@ -179,11 +216,16 @@ def median_ms(function, *args, steps: int) -> float:
 
 
 def make_mesh(ep: int) -> Mesh | None:
-    return None if ep == 1 else Mesh(np.array(jax.devices()[:ep]), ("ep",))
+    """The "ep" mesh over the first `ep` devices in process order (each process's token shards consecutive
+    rows of the batch), or None for EP = 1."""
+    devices = sorted(jax.devices(), key=lambda device: (device.process_index, device.id))
+    return None if ep == 1 else Mesh(np.array(devices[:ep]), ("ep",))
 
 
 def make_inputs(case: Case, mesh: Mesh | None):
-    """(x [B, S, H], gate [H, E], gate_up [E, H, 2F], down [E, F, H]) in bf16, placed as the layer wants."""
+    """(x [B, S, H], gate [H, E], gate_up [E, H, 2F], down [E, F, H]) in bf16, placed as the layer wants:
+    global arrays drawn under jit with the layer's shardings, so each device draws only its own shard (in a
+    group of processes, each process builds the shards of its devices), the same values in every mode."""
     shape, dtype = case.shape, jnp.bfloat16
     keys = jax.random.split(jax.random.key(0), 4)
     hidden, ffn, experts = shape.hidden, shape.ffn, shape.num_experts
@@ -469,7 +511,8 @@ def moved_rows_ratio(case: Case, mesh: Mesh, arrays) -> float:
     run = jax.jit(
         _shard_mapped(mesh, block_index, (PartitionSpec("ep"), PartitionSpec()), PartitionSpec("ep"))
     )
-    index = int(run(x.reshape(-1, shape.hidden), gate)[0])
+    # Every shard holds the same index (it comes from the all-gathered counts): read one of this process's.
+    index = int(run(x.reshape(-1, shape.hidden), gate).addressable_data(0)[0])
     return case.ep * layout.exchange_block_rows[index] / (shape.num_tokens * shape.topk)
 
 
@@ -497,7 +540,7 @@ def plain_all_to_all_ms(case: Case, mesh: Mesh, steps: int) -> float:
 
 def measure(impl: str, case: Case, steps: int) -> dict:
     shape = case.shape
-    row = dict(impl=impl, shape=shape.name, ep=case.ep, exchange=case.exchange)
+    row = dict(impl=impl, shape=shape.name, ep=case.ep, processes=jax.process_count(), exchange=case.exchange)
     row["tokens_per_gpu"] = shape.num_tokens
     mesh = make_mesh(case.ep)
     arrays = make_inputs(case, mesh)
@@ -509,7 +552,7 @@ def measure(impl: str, case: Case, steps: int) -> dict:
     flops = 3 * (2 * rows * shape.hidden * 2 * shape.ffn + 2 * rows * shape.ffn * shape.hidden)
     gemm_ms = step_ms
     if impl == "moetriton":
-        if jax.default_backend() == "gpu":
+        if jax.default_backend() == "gpu" and jax.process_count() == 1:
             stages, least_all_to_all_ms, row["other_top"] = profiled_stage_ms(step, arrays, case.ep)
             share_denominator_ms = sum(stages.values())
             row["gpu_busy_ms"] = _significant(share_denominator_ms)
@@ -545,7 +588,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--shapes", default="mixtral,dsv3", help="comma-separated MOE_LAYER_SHAPES names")
     parser.add_argument("--impl", default="moetriton,maxtext", help="moetriton and/or maxtext (the baseline)")
-    parser.add_argument("--ep", default="1,2", help="EP sizes (EP > 1 needs that many local devices)")
+    parser.add_argument(
+        "--ep",
+        help="EP sizes (EP > 1 needs that many devices; default 1,2, or a group of processes' device count)",
+    )
     parser.add_argument("--tokens", type=int, help="tokens per GPU (default: the shape's)")
     parser.add_argument("--align", type=int, default=0, help="align_size of the moetriton layer (0: none)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement (median)")
@@ -558,55 +604,138 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="run each row in a child process, killed after this many seconds",
     )
+    parser.add_argument(
+        "--processes",
+        help="process counts, comma-separated: 1 is one process driving every device, N > 1 a group of N"
+        " processes of one GPU each (module doc)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=3600,
+        help="seconds each run of --processes may take, then killed",
+    )
+    parser.add_argument("--coordinator", help="set by --processes: HOST:PORT of process 0's coordinator")
+    parser.add_argument("--num-processes", type=int, help="set by --processes: processes in the group")
+    parser.add_argument("--process-id", type=int, help="set by --processes: this process's index")
     args = parser.parse_args(argv)
 
     def say(text: str) -> None:
         print(text, flush=True)
 
+    if args.processes:
+        return _run_process_counts(args, say)
     table = TINY_SHAPES if args.tiny else MOE_LAYER_SHAPES
     rows = []
     if args.isolate:  # the children own the devices: this process never starts a backend
         status = 0
+        ep_sizes = args.ep or "1,2"
         for name in args.shapes.split(","):
-            for ep in args.ep.split(","):
+            for ep in ep_sizes.split(","):
                 for impl in args.impl.split(","):
                     rows += _row_in_child(args, name, ep, impl, say)
                     # Written after every row: a run stopped at its time limit keeps the rows it measured.
-                    status = _write(rows, args.out, say, args.tiny, gpus=max(map(int, args.ep.split(","))))
+                    status = _write(rows, args.out, say, args.tiny, gpus=max(map(int, ep_sizes.split(","))))
         return status
-    say(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
+    process, status = 0, 0
+    if args.process_id is not None:
+        # Cross-process collectives on CPU; no effect on GPUs, where they are NCCL's.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        process = args.process_id
+        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=process)
+    report = say if process == 0 else lambda text: None  # process 0 prints the rows and writes them
+    devices = len(jax.devices())
+    backend = f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.process_count()} process(es)"
+    report(f"{backend}, devices {jax.devices()}")
+    ep_sizes = args.ep or (str(devices) if jax.process_count() > 1 else "1,2")
     for name in args.shapes.split(","):
         shape = table[name]
         if args.tokens:
             shape = replace(shape, num_tokens=args.tokens)
-        for ep in (int(ep) for ep in args.ep.split(",")):
-            if ep > len(jax.devices()):
-                say(f"skipping {name} EP={ep}: {len(jax.devices())} device(s)")
+        for ep in (int(ep) for ep in ep_sizes.split(",")):
+            if ep > devices or (jax.process_count() > 1 and ep != devices):
+                need = "EP = the group's devices" if jax.process_count() > 1 else "EP devices"
+                report(f"skipping {name} EP={ep}: {devices} device(s), {need}")
                 continue
             case = Case(shape, ep, args.align or None, seq=min(shape.num_tokens, 512), exchange=args.exchange)
             for impl in args.impl.split(","):
                 try:
                     row = measure(impl, case, args.steps)
                 except Exception as error:  # out of memory and any other failure: report the row, go on
-                    say(traceback.format_exc(limit=3))
-                    row = dict(impl=impl, shape=shape.name, ep=ep, tokens_per_gpu=shape.num_tokens)
+                    say(f"process {process}: {traceback.format_exc(limit=3)}")
+                    row = dict(impl=impl, shape=shape.name, ep=ep, processes=jax.process_count())
+                    row["tokens_per_gpu"] = shape.num_tokens
                     row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
                 rows.append(row)
-                say(" ".join(f"{key}={row[key]}" for key in COLUMNS if key in row))
-    return _write(rows, args.out, say, args.tiny, jax.devices()[0].device_kind)
+                report(" ".join(f"{key}={row[key]}" for key in COLUMNS if key in row))
+                if process == 0:  # after every row: a group killed at its time limit keeps what it measured
+                    _write(rows, args.out, lambda text: None, args.tiny, jax.devices()[0].device_kind)
+    if process == 0:
+        status = _write(rows, args.out, say, args.tiny, jax.devices()[0].device_kind)
+    if args.process_id is not None:
+        jax.distributed.shutdown()
+    return status
+
+
+def _run_process_counts(args: argparse.Namespace, say) -> int:
+    """--processes: for every count, this module with the same options in children of this process (which
+    never starts a backend, so the children own the devices): one child driving every device for 1, a group
+    of N (examples/jax_moe_multiprocess.launch_local_group) for N; their rows in one results file. A run that
+    fails or takes longer than --timeout (its processes killed) makes the exit status 1; the rows it wrote
+    stay."""
+    from examples.jax_moe_multiprocess import launch_local_group
+
+    counts = [int(count) for count in args.processes.split(",")]
+    group_sizes = ",".join(str(count) for count in counts if count > 1)
+    rows, failed = [], False
+    for count in counts:
+        with tempfile.TemporaryDirectory() as child_out:
+            command = [sys.executable, "-m", "benchmarks.moe_jax", *_child_options(args), "--out", child_out]
+            command += ["--shapes", args.shapes, "--impl", args.impl]
+            if count == 1:  # EP sizes of the groups by default: the same rows in both modes
+                command += ["--ep", args.ep or group_sizes or "1,2"]
+                command += ["--isolate", str(args.isolate)] if args.isolate else []
+                try:
+                    statuses = [subprocess.run(command, timeout=args.timeout).returncode]
+                except subprocess.TimeoutExpired:
+                    say(f"one process: killed after {args.timeout:g} s")
+                    statuses = [-9]
+            else:
+                command += ["--ep", args.ep] if args.ep else []
+                statuses = launch_local_group(command, count, args.timeout)
+            if any(statuses):
+                say(f"{count} process(es): exit statuses {statuses}")
+                failed = True
+            rows += _child_rows(Path(child_out))
+        status = _write(rows, args.out, say, args.tiny)
+    return 1 if failed else status
+
+
+def _child_options(args: argparse.Namespace) -> list[str]:
+    """The measurement options of `args` as a child of this module takes them."""
+    options = ["--steps", str(args.steps), "--align", str(args.align), "--exchange", args.exchange]
+    options += ["--tokens", str(args.tokens)] if args.tokens else []
+    return options + (["--tiny"] if args.tiny else [])
+
+
+def _child_rows(child_out: Path) -> list[dict]:
+    """The rows of the results file a child wrote under `child_out` (none if it wrote none), without empty
+    cells."""
+    tables = sorted(child_out.glob("*/moe_jax.csv"))
+    if not tables:
+        return []
+    with tables[0].open() as file:
+        return [{key: value for key, value in row.items() if value != ""} for row in csv.DictReader(file)]
 
 
 def _row_in_child(args: argparse.Namespace, name: str, ep: str, impl: str, say) -> list[dict]:
     """The rows of one (shape, EP, impl) measured by a child process running this module with the same
     options narrowed to that row, given `args.isolate` seconds; a child that fails or overruns: error row."""
     limit = args.isolate
-    options = ["--steps", str(args.steps), "--align", str(args.align), "--exchange", args.exchange]
-    options += ["--tokens", str(args.tokens)] if args.tokens else []
-    options += ["--tiny"] if args.tiny else []
-    error_row = dict(impl=impl, shape=name, ep=ep)
+    error_row = dict(impl=impl, shape=name, ep=ep, processes=1)
     with tempfile.TemporaryDirectory() as child_out:
-        command = [sys.executable, "-m", "benchmarks.moe_jax", *options, "--shapes", name, "--ep", ep]
-        command += ["--impl", impl, "--out", child_out]
+        command = [sys.executable, "-m", "benchmarks.moe_jax", *_child_options(args), "--shapes", name]
+        command += ["--ep", ep, "--impl", impl, "--out", child_out]
         try:
             done = subprocess.run(
                 command,
@@ -621,12 +750,11 @@ def _row_in_child(args: argparse.Namespace, name: str, ep: str, impl: str, say) 
         for line in done.stdout.splitlines():
             if not line.startswith(("jax ", "wrote ")):
                 say(line)
-        tables = sorted(Path(child_out).glob("*/moe_jax.csv"))
-        if not tables:
+        rows = _child_rows(Path(child_out))
+        if not rows:
             say(done.stderr[-2000:])
             return [dict(error_row, error=f"child exited with {done.returncode} before writing a row")]
-        with tables[0].open() as file:
-            return [{key: value for key, value in row.items() if value != ""} for row in csv.DictReader(file)]
+        return rows
 
 
 def _write(

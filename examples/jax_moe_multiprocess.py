@@ -6,9 +6,10 @@
     # many hosts: the same command on every host, each with its own --process-id
     python examples/jax_moe_multiprocess.py --coordinator HOST0:12345 --num-processes N --process-id I
 
-Without --process-id the script starts --processes copies of itself on this machine (a free local port for
-the coordinator, process i given GPU i through CUDA_VISIBLE_DEVICES where there are GPUs, every copy
-killed if one fails) and waits for them. Each process calls jax.distributed.initialize (on CPU with the gloo
+Without --process-id the script starts --processes copies of itself on this machine (launch_local_group: a
+free local port for the coordinator, process i given GPU i through CUDA_VISIBLE_DEVICES where there are
+GPUs, every copy killed if one fails) and waits for them; benchmarks.moe_jax starts its process groups
+through the same function. Each process calls jax.distributed.initialize (on CPU with the gloo
 collectives), builds the (data, EP) mesh over every process's devices, draws its own batch rows and makes
 the global token array from them (jax.make_array_from_process_local_data), runs the layer forward and
 backward under jit with the dropless policy and with a capacity factor, gathers the results
@@ -31,32 +32,51 @@ import numpy as np
 TOLERANCE = 1e-3
 
 
-def launch(processes: int, data: int, timeout: float) -> int:
-    """Starts `processes` copies of this script on this machine and waits; the first failure (or the
-    timeout) ends the others. Returns the exit status."""
+def launch_local_group(command: list[str], processes: int, timeout: float) -> list[int]:
+    """Runs `processes` copies of `command` (an argv) on this machine as one jax.distributed group and
+    returns their exit statuses. Copy I gets `--coordinator 127.0.0.1:PORT --num-processes N --process-id I`
+    (PORT free on this machine), GPU I through CUDA_VISIBLE_DEVICES where there are GPUs, and one CPU device
+    otherwise (JAX_NUM_CPU_DEVICES=1, any host device count dropped from XLA_FLAGS). The first copy to fail,
+    or the timeout, kills the others, since a process whose peer died waits for it in a collective for good;
+    a killed copy's status is negative."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    common = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes), "--data", str(data)]
+    group = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes)]
+    xla_flags = " ".join(
+        flag
+        for flag in os.environ.get("XLA_FLAGS", "").split()
+        if not flag.startswith("--xla_force_host_platform_device_count")
+    )
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="1", XLA_FLAGS=xla_flags)
     children = [
         subprocess.Popen(
-            [sys.executable, __file__, *common, "--process-id", str(i)],
-            env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(i)),
+            [*command, *group, "--process-id", str(i)], env=dict(env, CUDA_VISIBLE_DEVICES=str(i))
         )
         for i in range(processes)
     ]
     deadline = time.monotonic() + timeout
-    while any(child.poll() is None for child in children):
-        if time.monotonic() > deadline or any(
-            child.returncode for child in children if child.poll() is not None
-        ):
-            break
-        time.sleep(0.1)
-    for child in children:
-        if child.poll() is None:
-            child.kill()
-        child.wait()
-    failed = [i for i, child in enumerate(children) if child.returncode]
+    try:
+        while any(child.poll() is None for child in children):
+            if any(child.returncode for child in children if child.returncode is not None):
+                break
+            if time.monotonic() > deadline:
+                print(f"process group timed out after {timeout:g} s", file=sys.stderr, flush=True)
+                break
+            time.sleep(0.1)
+    finally:  # also on an interrupt: no copy outlives the launch
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+            child.wait()
+    return [child.returncode for child in children]
+
+
+def launch(processes: int, data: int, timeout: float) -> int:
+    """Starts `processes` copies of this script on this machine (launch_local_group) and waits. Returns the
+    exit status."""
+    statuses = launch_local_group([sys.executable, __file__, "--data", str(data)], processes, timeout)
+    failed = [i for i, status in enumerate(statuses) if status]
     print("ok: every process agreed with the reference" if not failed else f"FAILED: processes {failed}")
     return 1 if failed else 0
 

@@ -160,3 +160,25 @@ def test_benchmark_isolated_rows(tmp_path, limit, expect_error):
         assert result.returncode == 1 and rows[0]["error"].startswith("timed out after 0.5 s"), rows
     else:
         assert result.returncode == 0 and not rows[0]["error"] and float(rows[0]["step_ms"]) > 0, rows
+
+
+@pytest.mark.parametrize("timeout, expect_rows", [(240, True), (2, False)], ids=["in-time", "overrun"])
+def test_benchmark_process_group(tmp_path, timeout, expect_rows):
+    """benchmarks/moe_jax.py --processes 2: two processes of one CPU device each (gloo) measure the layer at
+    EP = 2 and process 0 writes the rows, marked processes = 2; a group past its time limit is killed and
+    the exit status is 1."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    argv = ["--processes", "2", "--tiny", "--steps", "1", "--shapes", "mixtral", "--timeout", str(timeout)]
+    result = run_python(["-m", "benchmarks.moe_jax", *argv, "--out", str(tmp_path)], env, timeout=300)
+    output = result.stdout[-4000:] + result.stderr[-4000:]
+    with next(tmp_path.glob("*/moe_jax.csv")).open() as file:
+        rows = list(csv.DictReader(file))
+    if not expect_rows:
+        assert result.returncode == 1 and not rows and "exit statuses" in result.stdout, output
+        return
+    assert result.returncode == 0 and [row["impl"] for row in rows] == ["moetriton", "maxtext"], output
+    for row in rows:
+        assert (row["ep"], row["processes"], row["error"]) == ("2", "2", ""), row
+        assert float(row["step_ms"]) > 0 and float(row["gemm_tflops"]) > 0, row
+    assert rows[0]["stage_method"] == "per-stage jitted fwd+bwd timings", rows[0]
+    assert float(rows[0]["routing_share"]) > 0 and float(rows[0]["a2a_moved_ratio"]) >= 1, rows[0]
