@@ -291,10 +291,11 @@ def fused_topk_with_score_function(
         expert_bias: [E] float bias added to the sigmoid / sqrtsoftplus scores for selection only (the
             weights use the unbiased score; no gradient). Not allowed with softmax.
         routing_map_format: "bytemap" (bool [..., E]) or "bitmap" (uint8 [..., ceil(E / 8)]: bit e % 8 of
-            byte e // 8 set when the token routes to expert e, LSB first, unused high bits 0), written by
-            the kernel; TE's "bitmap_u8" and RoutingMapFormat members are accepted too. The backward reads
-            the bits in place; gradients equal the bytemap's. `token_dispatch(...,
-            routing_map_format="bitmap", num_experts=E)` takes the bitmap directly.
+            byte e // 8 set when the token routes to expert e, LSB first, unused high bits 0); TE's
+            "bitmap_u8" and RoutingMapFormat members are accepted too. The bitmap is packed from the bool
+            map after the float kernel and unpacked before the backward's, so probs and gradients are the
+            bytemap's bit for bit. `token_dispatch(..., routing_map_format="bitmap", num_experts=E)` takes
+            the bitmap directly.
         return_indices: also return the selected expert ids [..., K] int32 in rank order (best first).
 
     Returns:

@@ -14,8 +14,8 @@ What is TE's here and how (docs/te_migration.md, "JAX" lists every difference):
   partitioner gives the tokens (no trace-time guess), so an unsharded call is the global op. A dispatch
   shard gets num_out_tokens // k rows (with padding: TE's worst-case buffer // k rows). Unlike TE, every
   shard's expert blocks are aligned to align_size (TE adds global pad offsets to local rows).
-- The router's BITMAP_U8 routing map is the router kernels' own bitmap (routing_map_format="bitmap"), and
-  its backward reads it in place.
+- The router's BITMAP_U8 routing map is the router's own bitmap (routing_map_format="bitmap"): probs, aux
+  scores and gradients are bit-identical to BYTEMAP's, the float math being the same kernel for both.
 """
 
 from __future__ import annotations
