@@ -167,6 +167,10 @@ class Versions:
             importlib.import_module(PACKAGE).__path__ = [str(package)]
             with _custom_ops_in(op_namespace):
                 torch_module = importlib.import_module(f"{PACKAGE}.torch")
+                # Versions whose PyTorch permutation ops module was named `ops` (the cases read
+                # moetriton.torch.permutation).
+                if not hasattr(torch_module, "permutation"):
+                    torch_module.permutation = importlib.import_module(f"{PACKAGE}.torch.ops")
         finally:
             sys.path.remove(str(package.parent))
         version = Version(label, root, _package_modules(), Path(torch_module.__file__).resolve())

@@ -35,6 +35,11 @@
 #               --root OUTDIR/results` gives the weak-scaling table
 #   ab          same-process A/B of the permutation kernels against another version of
 #               kernels/permutation.py (AB_BASELINE, a file; AB_ARGS): OUTDIR/ab.csv
+#   ab_package  same-process A/B of the whole package against another version: AB_PACKAGE_ROOT, a folder
+#               holding another checkout's source folders (e.g. from git archive), or AB_PACKAGE_REV, a
+#               revision of this git checkout; host and eager time per call of the PyTorch ops
+#               (benchmarks.ab_package, AB_PACKAGE_ARGS, default --shapes tiny --rounds 10):
+#               OUTDIR/ab_package.csv
 #   interleave  our permutation kernels against TE's, interleaved in one process (needs TE)
 #   ncu         Nsight Compute counters of the combine kernels beside TE's (NCU_SHAPES): OUTDIR/ncu.txt
 #   te_jax      TransformerEngine's JAX permutation and router tests against moetriton.jax.te
@@ -234,6 +239,22 @@ EOF
           || status=$?
         grep -v -i "warn\|chosen =" "$log" > "$outdir/ab.csv"
         grep "best\|^#" "$outdir/ab.csv"
+      fi ;;
+    ab_package)
+      baseline=${AB_PACKAGE_ROOT:-}
+      if [ -z "$baseline" ] && [ -n "${AB_PACKAGE_REV:-}" ]; then
+        baseline=$work/ab_baseline
+        mkdir -p "$baseline"
+        git -C "$repo" archive "$AB_PACKAGE_REV" kernels torch_bindings jax_bindings autotune_cache \
+          | tar -x -C "$baseline" || baseline=""
+      fi
+      if [ -z "$baseline" ]; then
+        echo "neither AB_PACKAGE_ROOT nor a usable AB_PACKAGE_REV is set; skipped" | tee -a "$log"
+        status=1
+      else
+        run "${limit:-900}" "$log" "$PY" -m benchmarks.ab_package "$(realpath "$baseline")" \
+          ${AB_PACKAGE_ARGS:---shapes tiny --rounds 10} --out "$outdir/ab_package.csv" || status=$?
+        grep -v -i warn "$log" | tail -20
       fi ;;
     interleave)
       if ! has_module transformer_engine; then
