@@ -44,6 +44,11 @@ def describe(x) -> tuple[tuple[int, ...], str] | None:
     return (tuple(x.shape), dtype_name(x.dtype))
 
 
+def described(**arrays) -> dict[str, tuple[tuple[int, ...], str] | None]:
+    """Every array argument `describe`d, by name: the array arguments of a rule."""
+    return {name: describe(x) for name, x in arrays.items()}
+
+
 def on_gpu() -> bool:
     """Whether plans run as compiled Triton kernels (the default JAX backend is a GPU)."""
     return jax.default_backend() in ("gpu", "cuda", "rocm")

@@ -27,12 +27,11 @@ import numpy as np
 from moetriton import kernels
 from moetriton.kernels import row_map_slots
 from moetriton.kernels.rules import validation
-from moetriton.kernels.rules.router import check_routing_map_format
 
 from . import reference
 from ._checks import check_values
 from ._sharding import HIDDEN, ShardedOp, call
-from .executor import describe, run_builder
+from .executor import describe, described, run_builder
 
 _op = dataclasses.dataclass(frozen=True, kw_only=True)
 
@@ -72,45 +71,39 @@ class Dispatch(ShardedOp):
         return ("inp", routing) + ("probs",) * self.has_probs + ("scales",) * self.has_scales
 
     @property
-    def results(self) -> tuple[str, ...]:
-        return (
-            ("output",)
-            + ("permuted_probs",) * self.has_probs
-            + ("permuted_scales",) * self.has_scales
-            + ("row_id_map",)
-            + ("pad_offsets",) * (self.align_size is not None or self.capacity is not None)
-            + ("tokens_per_expert",)
+    def config(self) -> validation.DispatchConfig:
+        """The static arguments of one shard's dispatch."""
+        return validation.DispatchConfig(
+            self.num_experts,
+            self.is_mask,
+            self.num_out_tokens,
+            self.align_size,
+            self.capacity,
+            self.routing_map_format,
         )
 
+    @property
+    def results(self) -> tuple[str, ...]:
+        # The op's results but the placeholders of absent probs, scales and (unpadded) pad offsets.
+        absent = dict(
+            permuted_probs=not self.has_probs,
+            permuted_scales=not self.has_scales,
+            pad_offsets=not self.config.padded,
+        )
+        return tuple(name for name in validation.DISPATCH_RESULTS if not absent.get(name))
+
     def one_shard(self, arrays: dict[str, jax.Array], use_kernels: bool) -> dict[str, jax.Array]:
-        inp, routing = arrays["inp"], arrays[self.args[1]]
-        probs, scales = arrays.get("probs"), arrays.get("scales")
+        inputs = dict(
+            inp=arrays["inp"],
+            routing=arrays[self.args[1]],
+            probs=arrays.get("probs"),
+            scales=arrays.get("scales"),
+        )
         if use_kernels:
-            out = run_builder(
-                kernels.dispatch_plan,
-                dict(inp=inp, routing=routing, probs=probs, scales=scales),
-                num_experts=self.num_experts,
-                is_mask=self.is_mask,
-                num_out_tokens=self.num_out_tokens,
-                align_size=self.align_size,
-                capacity=self.capacity,
-                routing_map_format=self.routing_map_format,
-            )
+            out = run_builder(kernels.dispatch_plan, inputs, **self.config._asdict())
         else:
-            names = ("output", "permuted_probs", "permuted_scales", "row_id_map", "pad_offsets")
-            values = reference.dispatch(
-                inp,
-                routing,
-                probs,
-                scales,
-                self.num_experts,
-                self.is_mask,
-                self.num_out_tokens,
-                self.align_size,
-                self.capacity,
-                self.routing_map_format,
-            )
-            out = dict(zip((*names, "tokens_per_expert"), values, strict=True))
+            values = reference.dispatch(*inputs.values(), *self.config)
+            out = dict(zip(validation.DISPATCH_RESULTS, values, strict=True))
         return {name: out[name] for name in self.results}
 
 
@@ -443,48 +436,34 @@ def token_dispatch(
         >>> counts.tolist()
         [2, 1, 2]
     """
-    if num_out_tokens is None and indices is not None and capacity is None:
-        num_out_tokens = int(np.prod(np.shape(indices)))
-    routing_map_format = check_routing_map_format(routing_map_format)
-    is_mask, _, num_experts = validation.check_dispatch(
-        inp=describe(inp),
-        routing_map=describe(routing_map),
-        indices=describe(indices),
+    config = validation.check_dispatch(
+        **described(inp=inp, routing_map=routing_map, indices=indices, probs=probs, scales=scales),
         num_experts=num_experts,
         num_out_tokens=num_out_tokens,
-        probs=describe(probs),
-        scales=describe(scales),
         align_size=align_size,
         capacity=capacity,
         routing_map_format=routing_map_format,
     )
     _check_shards(
-        num_shards, ("inp", "shape[0]", inp.shape[0]), ("num_out_tokens", "it", num_out_tokens or 0)
+        num_shards, ("inp", "shape[0]", inp.shape[0]), ("num_out_tokens", "it", config.num_out_tokens or 0)
     )
-    if not is_mask:
-        check_values(_index_rule(num_experts), indices)
+    if not config.is_mask:
+        check_values(_index_rule(config.num_experts), indices)
+    shard_out_tokens = None if capacity is not None else config.num_out_tokens // num_shards
     op = Dispatch(
         num_shards=num_shards,
-        num_experts=num_experts,
-        is_mask=is_mask,
-        num_out_tokens=None if capacity is not None else num_out_tokens // num_shards,
-        align_size=align_size,
         has_probs=probs is not None,
         has_scales=scales is not None,
-        capacity=capacity,
-        routing_map_format=routing_map_format,
+        **config._replace(num_out_tokens=shard_out_tokens)._asdict(),
     )
-    routing = routing_map if is_mask else indices
+    routing = routing_map if config.is_mask else indices
     results = _dispatch(op, jnp.asarray(inp), jnp.asarray(routing), _asarray(probs), _asarray(scales))
     named = dict(zip(op.results, results, strict=True))
-    result = (
-        named["output"],
-        named.get("permuted_probs"),
-        named["row_id_map"],
-        named.get("pad_offsets"),
-        named["tokens_per_expert"],
+    return config.results(
+        [named.get(name) for name in validation.DISPATCH_RESULTS],
+        has_probs=probs is not None,
+        has_scales=scales is not None,
     )
-    return (*result, named["permuted_scales"]) if scales is not None else result
 
 
 # combine -------------------------------------------------------------------------------------------------

@@ -18,9 +18,14 @@ import jax
 import jax.numpy as jnp
 
 from moetriton.kernels import buffer_rows, row_map_slots
+from moetriton.kernels.rules import validation
 from moetriton.kernels.rules.layout import bitmap_columns
 
 _BIT_DTYPES = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _asarray(x: jax.Array | None) -> jax.Array | None:
+    return None if x is None else jnp.asarray(x)
 
 
 def _acc_dtype(dtype) -> jnp.dtype:
@@ -337,25 +342,11 @@ def token_dispatch(
     """
     is_mask = routing_map is not None
     routing = jnp.asarray(routing_map if is_mask else indices)
-    if is_mask and routing_map_format != "bitmap":
-        num_experts = routing.shape[1]
-    if num_out_tokens is None and capacity is None:
-        num_out_tokens = routing.shape[0] * num_experts if is_mask else routing.size
-    output, permuted_probs, permuted_scales, full_map, pad_offsets, kept = dispatch(
-        jnp.asarray(inp),
-        routing,
-        None if probs is None else jnp.asarray(probs),
-        None if scales is None else jnp.asarray(scales),
-        num_experts,
-        is_mask,
-        num_out_tokens,
-        align_size,
-        capacity,
-        routing_map_format,
-    )
-    padded = align_size is not None or capacity is not None
-    result = (output, permuted_probs, full_map, pad_offsets if padded else None, kept)
-    return (*result, permuted_scales) if scales is not None else result
+    config = validation.DispatchConfig(
+        num_experts, is_mask, num_out_tokens, align_size, capacity, routing_map_format
+    ).with_reference_defaults(tuple(routing.shape))
+    results = dispatch(jnp.asarray(inp), routing, _asarray(probs), _asarray(scales), *config)
+    return config.results(results, has_probs=probs is not None, has_scales=scales is not None)
 
 
 def token_combine(
@@ -365,11 +356,7 @@ def token_combine(
     pad_offsets: jax.Array | None = None,
 ) -> jax.Array:
     """Reference of moetriton.jax.token_combine with num_shards=1: [T, H] in inp.dtype."""
-    return combine(
-        jnp.asarray(inp),
-        jnp.asarray(row_id_map),
-        None if merging_probs is None else jnp.asarray(merging_probs),
-    )
+    return combine(jnp.asarray(inp), jnp.asarray(row_id_map), _asarray(merging_probs))
 
 
 def sort_chunks_by_index(
@@ -383,7 +370,7 @@ def sort_chunks_by_index(
         jnp.asarray(inp),
         jnp.asarray(split_sizes),
         jnp.asarray(sorted_indices),
-        None if probs is None else jnp.asarray(probs),
+        _asarray(probs),
         backward=False,
     )
     return (output, dst) if probs is None else (output, dst, permuted)

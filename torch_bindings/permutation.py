@@ -20,12 +20,20 @@ from torch import Tensor
 from moetriton import kernels
 from moetriton.kernels import row_map_slots
 from moetriton.kernels.rules import validation
-from moetriton.kernels.rules.router import check_routing_map_format
 
 from . import reference
-from ._checks import Signature, describe, extremes, memoised, same_device, signature, values_checked
-from ._op import Launch, Op, fake_results, trailing, zeros_like_meta
-from .executor import bound, dtype_name, uses_kernels
+from ._checks import (
+    Signature,
+    describe,
+    described,
+    extremes,
+    memoised,
+    same_device,
+    signature,
+    signatures,
+    values_checked,
+)
+from ._op import Launch, Op, trailing, zeros_like_meta
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -33,18 +41,25 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # dispatch ------------------------------------------------------------------------------------------------
 
 
-def dispatch_sizes(
-    inputs: dict, num_experts, num_out_tokens, align_size, capacity, routing_map_format: str = "bytemap"
-) -> dict:
-    """dispatch_plan's arguments for a dispatch of `inputs` (inp, routing, probs, scales) but is_mask (None:
-    no alignment, no capacity; with a capacity num_out_tokens is unused)."""
-    return kernels.plan_sizes(kernels.dispatch_plan, inputs, dtype_name) | dict(
-        num_experts=num_experts,
-        num_out_tokens=None if capacity is not None else num_out_tokens,
-        align_size=align_size,
-        capacity=capacity,
-        routing_map_format=routing_map_format,
-    )
+def _dispatch_outputs(sizes: dict) -> dict:
+    # Shapes only, for the fake: the expert count may be a data-dependent size here (TE's index map without
+    # E), which building the whole plan would guard on.
+    unused = ("element_bytes", "is_mask")
+    return kernels.dispatch_outputs(**{name: value for name, value in sizes.items() if name not in unused})
+
+
+_DISPATCH = Launch(
+    kernels.dispatch_plan,
+    lambda inp, routing, probs, scales, *options: dict(inp=inp, routing=routing, probs=probs, scales=scales),
+    lambda inp, routing, probs, scales, *options: validation.DispatchConfig(*options)._asdict(),
+    reference.dispatch,
+    outputs=_dispatch_outputs,
+)
+
+
+def dispatch_sizes(inputs: dict, config: validation.DispatchConfig) -> dict:
+    """dispatch_plan's arguments for a dispatch of `inputs` (inp, routing, probs, scales) under `config`."""
+    return _DISPATCH.sizes(inputs, (*inputs.values(), *config))
 
 
 def _dispatch(
@@ -62,42 +77,18 @@ def _dispatch(
     """(output, permuted_probs, permuted_scales, row_id_map, pad_offsets, tokens_per_expert); align_size None
     = no padding, capacity None = none (else num_out_tokens is unused); absent probs/scales give empty
     tensors; a mask may come bit-packed (routing_map_format "bitmap")."""
-    if not uses_kernels(inp.device):
-        return reference.dispatch(
-            inp,
-            routing,
-            probs,
-            scales,
-            num_experts,
-            is_mask,
-            num_out_tokens,
-            align_size,
-            capacity,
-            routing_map_format,
-        )
-    inputs = dict(inp=inp, routing=routing, probs=probs, scales=scales)
-    sizes = dispatch_sizes(inputs, num_experts, num_out_tokens, align_size, capacity, routing_map_format)
-    return bound(kernels.dispatch_plan, inp.device, **sizes, is_mask=is_mask)(inputs)
-
-
-def _dispatch_fake(
-    inp,
-    routing,
-    probs,
-    scales,
-    num_experts,
-    is_mask,
-    num_out_tokens,
-    align_size,
-    capacity,
-    routing_map_format="bytemap",
-):
-    # Shapes only: the expert count may be a data-dependent size here (TE's index map without E).
-    inputs = dict(inp=inp, routing=routing, probs=probs, scales=scales)
-    sizes = dispatch_sizes(inputs, num_experts, num_out_tokens, align_size, capacity, routing_map_format)
-    sizes.pop("element_bytes")
-    outputs = kernels.dispatch_outputs(**sizes)
-    return fake_results(kernels.Plan(outputs, (), tuple(outputs)), inputs, inp.device)
+    return _DISPATCH.run(
+        inp,
+        routing,
+        probs,
+        scales,
+        num_experts,
+        is_mask,
+        num_out_tokens,
+        align_size,
+        capacity,
+        routing_map_format,
+    )
 
 
 def _dispatch_setup(ctx, inputs, output):
@@ -142,7 +133,7 @@ def _dispatch_backward_op(
 
 
 DISPATCH_BACKWARD = Op("dispatch_backward", _dispatch_backward_op, _DISPATCH_BACKWARD.fake)
-DISPATCH = Op("dispatch", _dispatch, _dispatch_fake, setup=_dispatch_setup, backward=_dispatch_backward)
+DISPATCH = Op("dispatch", _dispatch, _DISPATCH.fake, setup=_dispatch_setup, backward=_dispatch_backward)
 
 
 # combine -------------------------------------------------------------------------------------------------
@@ -308,30 +299,14 @@ def _check_dispatch(
     indices: Signature | None,
     probs: Signature | None,
     scales: Signature | None,
-    num_experts,
-    num_out_tokens,
-    align_size,
-    capacity,
-    symbolic_experts: bool,
-    routing_map_format,
-) -> tuple[bool, int, str]:
-    """(is_mask, num_experts, routing-map format name) of valid token_dispatch arguments."""
-    routing_map_format = check_routing_map_format(routing_map_format)
-    is_mask, _, num_experts = validation.check_dispatch(
-        inp=describe(inp),
-        routing_map=describe(routing_map),
-        indices=describe(indices),
-        num_experts=num_experts,
-        num_out_tokens=num_out_tokens,
-        probs=describe(probs),
-        scales=describe(scales),
-        align_size=align_size,
-        capacity=capacity,
-        symbolic_experts=symbolic_experts,
-        routing_map_format=routing_map_format,
-    )
-    same_device(inp=inp, routing_map=routing_map, indices=indices, probs=probs, scales=scales)
-    return is_mask, num_experts, routing_map_format
+    **options,
+) -> validation.DispatchConfig:
+    """validation.check_dispatch of token_dispatch's arguments, tensors given by their signatures (which
+    must share one device)."""
+    tensors = dict(inp=inp, routing_map=routing_map, indices=indices, probs=probs, scales=scales)
+    config = validation.check_dispatch(**described(**tensors), **options)
+    same_device(**tensors)
+    return config
 
 
 @memoised
@@ -421,44 +396,19 @@ def token_dispatch(
         >>> counts.tolist()
         [2, 1, 2]
     """
-    if num_out_tokens is None and indices is not None and capacity is None:
-        num_out_tokens = indices.numel()
-    is_mask, num_experts, routing_map_format = _check_dispatch(
-        inp=signature(inp),
-        routing_map=signature(routing_map),
-        indices=signature(indices),
-        probs=signature(probs),
-        scales=signature(scales),
+    config = _check_dispatch(
+        **signatures(inp=inp, routing_map=routing_map, indices=indices, probs=probs, scales=scales),
         num_experts=num_experts,
+        symbolic_experts=_symbolic_experts(num_experts),
         num_out_tokens=num_out_tokens,
         align_size=align_size,
         capacity=capacity,
-        symbolic_experts=_symbolic_experts(num_experts),
         routing_map_format=routing_map_format,
     )
-    routing = routing_map if is_mask else indices
-    if not is_mask:
-        _check_index_values(indices, num_experts)
-    output, permuted_probs, permuted_scales, row_id_map, pad_offsets, tokens_per_expert = DISPATCH(
-        inp,
-        routing,
-        probs,
-        scales,
-        num_experts,
-        is_mask,
-        num_out_tokens,
-        align_size,
-        capacity,
-        routing_map_format,
-    )
-    result = (
-        output,
-        permuted_probs if probs is not None else None,
-        row_id_map,
-        pad_offsets if align_size is not None or capacity is not None else None,
-        tokens_per_expert,
-    )
-    return (*result, permuted_scales) if scales is not None else result
+    if not config.is_mask:
+        _check_index_values(indices, config.num_experts)
+    results = DISPATCH(inp, routing_map if config.is_mask else indices, probs, scales, *config)
+    return config.results(results, has_probs=probs is not None, has_scales=scales is not None)
 
 
 def token_combine(

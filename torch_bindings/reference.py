@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from moetriton.kernels import buffer_rows, row_map_slots
+from moetriton.kernels.rules import validation
 from moetriton.kernels.rules.layout import bitmap_columns
 
 _BIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -303,30 +304,11 @@ def token_dispatch(
     """Reference of moetriton.torch.token_dispatch (same arguments and results)."""
     is_mask = routing_map is not None
     routing = routing_map if is_mask else indices
-    if is_mask and routing_map_format != "bitmap":
-        num_experts = routing.shape[1]
-    if num_out_tokens is None and capacity is None:
-        num_out_tokens = routing.shape[0] * num_experts if is_mask else routing.numel()
-    output, permuted_probs, permuted_scales, full_map, pad_offsets, kept = dispatch(
-        inp,
-        routing,
-        probs,
-        scales,
-        num_experts,
-        is_mask,
-        num_out_tokens,
-        align_size,
-        capacity,
-        routing_map_format,
-    )
-    result = (
-        output,
-        permuted_probs if probs is not None else None,
-        full_map,
-        pad_offsets if align_size is not None or capacity is not None else None,
-        kept,
-    )
-    return (*result, permuted_scales) if scales is not None else result
+    config = validation.DispatchConfig(
+        num_experts, is_mask, num_out_tokens, align_size, capacity, routing_map_format
+    ).with_reference_defaults(tuple(routing.shape))
+    results = dispatch(inp, routing, probs, scales, *config)
+    return config.results(results, has_probs=probs is not None, has_scales=scales is not None)
 
 
 def token_combine(

@@ -12,14 +12,9 @@ import math
 import operator
 from dataclasses import dataclass
 
-from .validation import require_array
+from .validation import check_routing_map_format, require_array
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
-#: Layouts of a routing map: "bytemap" bool [T, E]; "bitmap" uint8 [T, ceil(E / 8)], bit e % 8 of byte
-#: e // 8 set when the token routes to expert e (LSB first, unused high bits 0; TE's BITMAP_U8).
-ROUTING_MAP_FORMATS = ("bytemap", "bitmap")
-#: Other spellings a routing-map format is accepted in: TE's names (strings, or an enum member's name).
-_FORMAT_ALIASES = {"bitmap_u8": "bitmap"}
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
 BIAS_DTYPES = ("float32", "bfloat16", "float16")
 PROBS_DTYPES = ("float32", "bfloat16", "float16")
@@ -62,25 +57,6 @@ def _score_function(score_function) -> str:
     if score_function not in SCORE_FUNCTIONS:
         _fail("score_function", f"expected one of {SCORE_FUNCTIONS}, got {score_function!r}")
     return score_function
-
-
-def check_routing_map_format(routing_map_format) -> str:
-    """The neutral name ("bytemap" or "bitmap") of a routing-map format given as one of those strings, TE's
-    "bitmap_u8", or an enum member named BYTEMAP or BITMAP_U8 (TE's RoutingMapFormat), in any case."""
-    name = (
-        routing_map_format
-        if isinstance(routing_map_format, str)
-        else getattr(routing_map_format, "name", None)
-    )
-    normalised = name.lower() if isinstance(name, str) else None
-    normalised = _FORMAT_ALIASES.get(normalised, normalised)
-    if normalised not in ROUTING_MAP_FORMATS:
-        _fail(
-            "routing_map_format",
-            f"expected one of {ROUTING_MAP_FORMATS} (or TE's 'bitmap_u8' / RoutingMapFormat), "
-            f"got {routing_map_format!r}",
-        )
-    return normalised
 
 
 def _logits(logits: Desc) -> tuple[int, int]:

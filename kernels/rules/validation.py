@@ -10,7 +10,10 @@ data is never trusted"): a bad index is ignored, never followed out of a buffer.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from .expert_parallel import GATED_ACTIVATIONS
 from .layout import bitmap_columns, row_map_slots
@@ -26,6 +29,11 @@ FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8")
 MASK_DTYPES = ("bool", *INT_DTYPES)
 INDEX_DTYPES = ("int32", "int64")
+#: Layouts of a routing map: "bytemap" bool [T, E]; "bitmap" uint8 [T, ceil(E / 8)], bit e % 8 of byte
+#: e // 8 set when the token routes to expert e (LSB first, unused high bits 0; TE's BITMAP_U8).
+ROUTING_MAP_FORMATS = ("bytemap", "bitmap")
+#: Other spellings a routing-map format is accepted in: TE's names (strings, or an enum member's name).
+_FORMAT_ALIASES = {"bitmap_u8": "bitmap"}
 
 
 def _fail(name: str, message: str) -> None:
@@ -66,6 +74,78 @@ def check_positive(name: str, value: int | None, *, allow_zero: bool = False) ->
         _fail(name, f"expected {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
+def check_routing_map_format(routing_map_format) -> str:
+    """The neutral name ("bytemap" or "bitmap") of a routing-map format given as one of those strings, TE's
+    "bitmap_u8", or an enum member named BYTEMAP or BITMAP_U8 (TE's RoutingMapFormat), in any case."""
+    name = (
+        routing_map_format
+        if isinstance(routing_map_format, str)
+        else getattr(routing_map_format, "name", None)
+    )
+    normalised = name.lower() if isinstance(name, str) else None
+    normalised = _FORMAT_ALIASES.get(normalised, normalised)
+    if normalised not in ROUTING_MAP_FORMATS:
+        _fail(
+            "routing_map_format",
+            f"expected one of {ROUTING_MAP_FORMATS} (or TE's 'bitmap_u8' / RoutingMapFormat), "
+            f"got {routing_map_format!r}",
+        )
+    return normalised
+
+
+#: The results of the dispatch op (dispatch_plan's, and the references' `dispatch`), in order.
+DISPATCH_RESULTS = (
+    "output",
+    "permuted_probs",
+    "permuted_scales",
+    "row_id_map",
+    "pad_offsets",
+    "tokens_per_expert",
+)
+
+
+class DispatchConfig(NamedTuple):
+    """token_dispatch's static arguments, complete: what the dispatch op of each binding, dispatch_plan and
+    the references' `dispatch` take beside the arrays (after inp, routing, probs, scales, in this order)."""
+
+    num_experts: int  # E
+    is_mask: bool  # the routing is a mask [T, E] (or its bitmap), else expert ids [T, K]
+    num_out_tokens: int | None  # rows before padding; unused with a capacity
+    align_size: int | None
+    capacity: int | None
+    routing_map_format: str = "bytemap"  # "bitmap": the mask is bit-packed
+
+    @property
+    def padded(self) -> bool:
+        """Whether the buffer has pad rows (padding or a capacity): pad_offsets is then a result."""
+        return self.align_size is not None or self.capacity is not None
+
+    def with_reference_defaults(self, routing_shape: tuple[int, ...]) -> DispatchConfig:
+        """These arguments completed, unchecked, as the framework references take them for a routing input
+        of `routing_shape`: E read from a [T, E] mask (a bitmap's E is given), num_out_tokens every slot
+        (T * S) when None and there is no capacity."""
+        num_experts, num_out_tokens = self.num_experts, self.num_out_tokens
+        if self.is_mask and self.routing_map_format != "bitmap":
+            num_experts = routing_shape[1]
+        if num_out_tokens is None and self.capacity is None:
+            num_out_tokens = routing_shape[0] * num_experts if self.is_mask else math.prod(routing_shape)
+        return self._replace(num_experts=num_experts, num_out_tokens=num_out_tokens)
+
+    def results(self, op_results: Sequence, *, has_probs: bool, has_scales: bool) -> tuple:
+        """token_dispatch's results from the dispatch op's (DISPATCH_RESULTS, in order): (output,
+        permuted_probs or None, row_id_map, pad_offsets or None (padding or capacity only),
+        tokens_per_expert), plus permuted_scales as a sixth element when scales were given."""
+        output, permuted_probs, permuted_scales, row_id_map, pad_offsets, tokens_per_expert = op_results
+        result = (
+            output,
+            permuted_probs if has_probs else None,
+            row_id_map,
+            pad_offsets if self.padded else None,
+            tokens_per_expert,
+        )
+        return (*result, permuted_scales) if has_scales else result
+
+
 def check_dispatch(
     *,
     inp: tuple[tuple[int, ...], str],
@@ -79,14 +159,16 @@ def check_dispatch(
     capacity: int | None = None,
     symbolic_experts: bool = False,
     routing_map_format: str = "bytemap",
-) -> tuple[bool, int, int]:
-    """Validates token_dispatch arguments; returns (is_mask, num_slots, num_experts).
+) -> DispatchConfig:
+    """Validates token_dispatch arguments; returns them complete: E read from a [T, E] mask, num_out_tokens
+    T * K by default with indices (and no capacity), the routing-map format by its neutral name.
 
     `symbolic_experts`: num_experts is a symbolic size (torch.compile, data-dependent), whose value the
-    binding checks at run time; here it is only required to be present. `routing_map_format` (a name
-    from kernels.rules.router.check_routing_map_format): "bitmap" takes routing_map as uint8
-    [T, ceil(E / 8)] with `num_experts` given (E cannot be read from the packed width), S = E.
+    binding checks at run time; here it is only required to be present. `routing_map_format` (any spelling
+    `check_routing_map_format` takes): "bitmap" takes routing_map as uint8 [T, ceil(E / 8)] with
+    `num_experts` given (E cannot be read from the packed width), S = E.
     """
+    routing_map_format = check_routing_map_format(routing_map_format)
     check_array("inp", *inp, ndim=2, dtypes=FLOAT_DTYPES + FP8_DTYPES)
     num_tokens = inp[0][0]
     if (routing_map is None) == (indices is None):
@@ -113,6 +195,8 @@ def check_dispatch(
         check_array("indices", *indices, ndim=2, dtypes=INDEX_DTYPES)
         check_dim("indices", indices[0][0], num_tokens, "shape[0] (tokens, as inp)")
         num_slots = indices[0][1]
+        if num_out_tokens is None and capacity is None:
+            num_out_tokens = num_tokens * num_slots
         if num_experts is None:
             _fail("num_experts", "required with indices (the number of experts E; ids lie in [-1, E))")
         if not symbolic_experts:
@@ -140,7 +224,9 @@ def check_dispatch(
         check_dim("scales", scales[0][0], num_tokens, "shape[0] (tokens, as inp)")
     if align_size is not None:
         check_positive("align_size", align_size)
-    return routing_map is not None, num_slots, num_experts
+    return DispatchConfig(
+        num_experts, routing_map is not None, num_out_tokens, align_size, capacity, routing_map_format
+    )
 
 
 def check_row_map(row_id_map: tuple[tuple[int, ...], str]) -> tuple[int, int]:

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from moetriton import kernels
 from moetriton.kernels.rules.expert_parallel import EPLayout, peer_chunks, ranks_by_host
+from moetriton.kernels.rules.validation import DispatchConfig
 
 from .._stages import stage
 from ..executor import bound, dtype_name
@@ -260,8 +261,8 @@ def _dispatch_into(plan: PeerPlan, inp: Tensor, probs: Tensor | None) -> tuple[T
     rows = layout.send_rows
     slots = layout.num_tokens * layout.topk
     inputs = dict(inp=inp, routing=plan.indices, probs=probs, scales=None)
-    sizes = dispatch_sizes(inputs, layout.num_experts, slots, layout.align_size, None)
-    executable = bound(kernels.dispatch_plan, inp.device, **sizes, is_mask=False)
+    config = DispatchConfig(layout.num_experts, False, slots, layout.align_size, None)
+    executable = bound(kernels.dispatch_plan, inp.device, **dispatch_sizes(inputs, config))
     inputs.update(
         output=staging.rows_view(rows, inp.shape[1], inp.dtype),
         permuted_probs=None if probs is None else staging.probs_view(rows, probs.dtype),
