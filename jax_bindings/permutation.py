@@ -31,7 +31,7 @@ from moetriton.kernels.rules import validation
 from . import reference
 from ._checks import check_values
 from ._sharding import HIDDEN, ShardedOp, call
-from .executor import describe, described, run_builder
+from .executor import described, run_builder
 
 _op = dataclasses.dataclass(frozen=True, kw_only=True)
 
@@ -535,10 +535,7 @@ def token_combine(
         2.0
     """
     validation.check_combine(
-        inp=describe(inp),
-        row_id_map=describe(row_id_map),
-        merging_probs=describe(merging_probs),
-        pad_offsets=describe(pad_offsets),
+        **described(inp=inp, row_id_map=row_id_map, merging_probs=merging_probs, pad_offsets=pad_offsets)
     )
     _check_shards(
         num_shards, ("inp", "shape[0]", inp.shape[0]), ("row_id_map", "shape[0]", row_id_map.shape[0])
@@ -605,10 +602,7 @@ def sort_chunks_by_index(
         [5.0, 0.0, 1.0, 2.0, 3.0, 4.0]
     """
     validation.check_sort_chunks(
-        inp=describe(inp),
-        split_sizes=describe(split_sizes),
-        sorted_indices=describe(sorted_indices),
-        probs=describe(probs),
+        **described(inp=inp, split_sizes=split_sizes, sorted_indices=sorted_indices, probs=probs)
     )
     _check_shards(
         num_shards, ("inp", "shape[0]", inp.shape[0]), ("split_sizes", "its length", split_sizes.shape[0])

@@ -22,17 +22,7 @@ from moetriton.kernels import row_map_slots
 from moetriton.kernels.rules import validation
 
 from . import reference
-from ._checks import (
-    Signature,
-    describe,
-    described,
-    extremes,
-    memoised,
-    same_device,
-    signature,
-    signatures,
-    values_checked,
-)
+from ._checks import Signature, described, extremes, memoised, same_device, signatures, values_checked
 from ._op import Launch, Op, trailing, zeros_like_meta
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -310,33 +300,16 @@ def _check_dispatch(
 
 
 @memoised
-def _check_combine(
-    *,
-    inp: Signature,
-    row_id_map: Signature,
-    merging_probs: Signature | None,
-    pad_offsets: Signature | None,
-) -> None:
-    validation.check_combine(
-        inp=describe(inp),
-        row_id_map=describe(row_id_map),
-        merging_probs=describe(merging_probs),
-        pad_offsets=describe(pad_offsets),
-    )
-    same_device(inp=inp, row_id_map=row_id_map, merging_probs=merging_probs, pad_offsets=pad_offsets)
+def _check_combine(**tensors: Signature | None) -> None:
+    validation.check_combine(**described(**tensors))
+    same_device(**tensors)
 
 
 @memoised
-def _check_sort_chunks(
-    *, inp: Signature, split_sizes: Signature, sorted_indices: Signature, probs: Signature | None
-) -> None:
-    validation.check_sort_chunks(
-        inp=describe(inp),
-        split_sizes=describe(split_sizes),
-        sorted_indices=describe(sorted_indices),
-        probs=describe(probs),
-    )
-    same_device(inp=inp, probs=probs)
+def _check_sort_chunks(**tensors: Signature | None) -> None:
+    validation.check_sort_chunks(**described(**tensors))
+    # The sizes and the order may stay on the host (an all-to-all's splits).
+    same_device(inp=tensors["inp"], probs=tensors["probs"])
 
 
 def token_dispatch(
@@ -441,10 +414,7 @@ def token_combine(
         True
     """
     _check_combine(
-        inp=signature(inp),
-        row_id_map=signature(row_id_map),
-        merging_probs=signature(merging_probs),
-        pad_offsets=signature(pad_offsets),
+        **signatures(inp=inp, row_id_map=row_id_map, merging_probs=merging_probs, pad_offsets=pad_offsets)
     )
     _check_row_map_values(row_id_map, inp.shape[0])
     return COMBINE(inp, row_id_map, merging_probs, pad_offsets is not None)
@@ -477,10 +447,7 @@ def sort_chunks_by_index(
         [5.0, 0.0, 1.0, 2.0, 3.0, 4.0]
     """
     _check_sort_chunks(
-        inp=signature(inp),
-        split_sizes=signature(split_sizes),
-        sorted_indices=signature(sorted_indices),
-        probs=signature(probs),
+        **signatures(inp=inp, split_sizes=split_sizes, sorted_indices=sorted_indices, probs=probs)
     )
     # Sizes may come from the host (e.g. an all-to-all's splits): checked there for free.
     if values_checked(split_sizes) and values_checked(sorted_indices):
