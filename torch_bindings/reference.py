@@ -56,13 +56,9 @@ def row_map(
     num_rows: int,
     align: int,
     capacity: int | None = None,
-    routing_map_format: str = "bytemap",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row map [T, 2S + 2], kept rows per expert [E] and pad offsets [E] (int32). With a capacity every
-    expert's block has `capacity` rows and a slot ranked past it in its expert gets no row. A "bitmap"
-    mask is read as its unpacked [T, E] bits."""
-    if routing_map_format == "bitmap":
-        routing = unpack_bitmap(routing, num_experts)
+    expert's block has `capacity` rows and a slot ranked past it in its expert gets no row."""
     num_tokens, num_slots = routing.shape
     device = routing.device
     if is_mask:
@@ -151,12 +147,11 @@ def dispatch(
 ) -> tuple[torch.Tensor, ...]:
     """moetriton::dispatch: (output, permuted_probs, permuted_scales, row_id_map, pad_offsets,
     tokens_per_expert); absent probs/scales give empty tensors. align_size / capacity None = none; a mask
-    may come as a "bitmap" (uint8 [T, ceil(E / 8)])."""
-    align = align_size or 1
+    may come as a "bitmap" (uint8 [T, ceil(E / 8)]): its unpacked [T, E] bits route."""
+    if routing_map_format == "bitmap":
+        routing = unpack_bitmap(routing, num_experts)
     num_rows = buffer_rows(num_out_tokens, num_experts, align_size, capacity)
-    full_map, kept, pad_offsets = row_map(
-        routing, num_experts, is_mask, num_rows, align, capacity, routing_map_format
-    )
+    full_map, kept, pad_offsets = row_map(routing, num_experts, is_mask, num_rows, align_size or 1, capacity)
     tokens, slots, rows = _slots(full_map, num_rows)
     output = _move_rows(inp, rows, tokens, num_rows)
     permuted_probs = (
