@@ -55,10 +55,14 @@ class Launch:
     ) -> None:
         self.plan, self.inputs, self.options, self.reference = plan, inputs, options, reference
         self.outputs, self.first = outputs, first
+        self.declared = plan.sizes  # the builder's `sized_by` declaration
 
     def sizes(self, inputs: dict, args: tuple) -> dict:
         """The plan builder's arguments for the op's `args`, whose plan inputs are `inputs`."""
-        return kernels.plan_sizes(self.plan, inputs, dtype_name) | self.options(*args)
+        # `run` pays this on every eager call: the declaration read directly, one dict updated in place.
+        sizes = self.declared.of(inputs, dtype_name)
+        sizes.update(self.options(*args))
+        return sizes
 
     def run(self, *args):
         device = args[0].device
@@ -82,11 +86,11 @@ class Launch:
 def trailing(*names: str | None) -> Callable[..., dict]:
     """`Launch.options` for ops whose last arguments are plan options: those arguments by `names`, in order
     (None skips an argument the plan does not take)."""
-    count = len(names)
+    # (position counted from the end, name) of each named argument, found once.
+    named = tuple((index - len(names), name) for index, name in enumerate(names) if name is not None)
 
     def options(*args) -> dict:
-        values = args[len(args) - count :] if count else ()
-        return {name: value for name, value in zip(names, values, strict=True) if name is not None}
+        return {name: args[position] for position, name in named}
 
     return options
 
