@@ -4,7 +4,7 @@ Independent of the kernels and of any collective: the router is `moetriton.jax.r
 token goes through its K experts in a plain loop over shards and slots (each slot gathers its expert's
 weights), in fp32 at the highest matmul precision. Capacity drops are emulated per token shard: tokens split
 into `num_shards` equal blocks in order (the layer's shards), and within a block each expert keeps its first
-C routed slots in token order, C = `ep_layout(...).capacity` (the layer's own formula). Never imports torch.
+C routed slots in token order, C = `shard_capacity(...)` (the layer's own formula). Never imports torch.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moetriton.kernels.rules.expert_parallel import ep_layout
+from moetriton.kernels.rules.expert_parallel import shard_capacity
 
 from . import reference_router
 from .activation import apply_activation
@@ -66,14 +66,7 @@ def moe_reference(
     num_experts = gate.shape[1]
     num_tokens = batch * seq
     shard_tokens = num_tokens // num_shards
-    layout = ep_layout(
-        num_tokens=shard_tokens,
-        num_experts=num_experts,
-        topk=topk,
-        ep_size=1,
-        align_size=align_size,
-        capacity_factor=capacity_factor,
-    )
+    capacity = shard_capacity(num_tokens, num_shards, num_experts, topk, align_size, capacity_factor)
     x_flat = x.reshape(num_tokens, hidden).astype(jnp.float32)
     logits = jnp.dot(x_flat, gate.astype(jnp.float32), precision=_HIGHEST)
     bias = None if expert_bias is None else jax.lax.stop_gradient(expert_bias.astype(jnp.float32))
@@ -92,7 +85,7 @@ def moe_reference(
     outputs, dropped = [], jnp.zeros((), jnp.int32)
     for shard in range(num_shards):
         rows = slice(shard * shard_tokens, (shard + 1) * shard_tokens)
-        kept = _kept(indices[rows], num_experts, layout.capacity)
+        kept = _kept(indices[rows], num_experts, capacity)
         dropped += jnp.sum(~kept, dtype=jnp.int32)
         out = jnp.zeros((shard_tokens, hidden), jnp.float32)
         for slot in range(topk):

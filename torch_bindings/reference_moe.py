@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moetriton.kernels.rules.expert_parallel import ep_layout
+from moetriton.kernels.rules.expert_parallel import shard_capacity
 
 from . import reference_router
 
@@ -85,14 +85,7 @@ def moe_reference(
     kept = routing_map.clone()  # [T, E]
     if capacity_factor is not None:
         shard_tokens = num_tokens // num_shards
-        capacity = ep_layout(
-            num_tokens=shard_tokens,
-            num_experts=num_experts,
-            topk=topk,
-            ep_size=1,
-            align_size=align_size,
-            capacity_factor=capacity_factor,
-        ).capacity
+        capacity = shard_capacity(num_tokens, num_shards, num_experts, topk, align_size, capacity_factor)
         for start in range(0, num_tokens, max(shard_tokens, 1)):
             for expert in range(num_experts):
                 routed = kept[start : start + shard_tokens, expert].nonzero().squeeze(1) + start

@@ -170,6 +170,28 @@ def ep_layout(
     return EPLayout(num_tokens, num_experts, topk, ep_size, align_size or 1, capacity_factor)
 
 
+def shard_capacity(
+    num_tokens: int,
+    num_shards: int,
+    num_experts: int,
+    topk: int,
+    align_size: int | None,
+    capacity_factor: float | None,
+) -> int | None:
+    """C of the capacity policy for each of `num_shards` equal token shards of `num_tokens` tokens (None:
+    dropless): what every rank of a token group of num_shards ranks keeps per expert, as the single-device
+    references emulate it. Validated as `ep_layout`."""
+    layout = ep_layout(
+        num_tokens=num_tokens // num_shards,
+        num_experts=num_experts,
+        topk=topk,
+        ep_size=1,
+        align_size=align_size,
+        capacity_factor=capacity_factor,
+    )
+    return layout.capacity
+
+
 def _exclusive_cumsum(values: Any, axis: int) -> Any:
     return values.cumsum(axis) - values
 
