@@ -38,11 +38,6 @@ def describe(sig: Signature | None) -> tuple[tuple[int, ...], str] | None:
     return (tuple(sig[0]), str(sig[1]).removeprefix("torch."))
 
 
-def signatures(**tensors: torch.Tensor | None) -> dict[str, Signature | None]:
-    """Every tensor argument's `signature`, by name."""
-    return {name: signature(tensor) for name, tensor in tensors.items()}
-
-
 def described(**sigs: Signature | None) -> dict[str, tuple[tuple[int, ...], str] | None]:
     """Every signature `describe`d, by name: the array arguments of a rule."""
     return {name: describe(sig) for name, sig in sigs.items()}

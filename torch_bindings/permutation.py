@@ -14,6 +14,8 @@ for the gradient of an output that was not used.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -22,8 +24,9 @@ from moetriton.kernels import row_map_slots
 from moetriton.kernels.rules import validation
 
 from . import reference
-from ._checks import Signature, described, extremes, memoised, same_device, signatures, values_checked
-from ._op import Launch, Op, trailing, zeros_like_meta
+from ._checks import Signature, described, extremes, memoised, same_device, signature, values_checked
+from ._op import Launch, Op, fake_results, trailing, zeros_like_meta
+from .executor import bound, dtype_name, uses_kernels
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -31,25 +34,18 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # dispatch ------------------------------------------------------------------------------------------------
 
 
-def _dispatch_outputs(sizes: dict) -> dict:
-    # Shapes only, for the fake: the expert count may be a data-dependent size here (TE's index map without
-    # E), which building the whole plan would guard on.
-    unused = ("element_bytes", "is_mask")
-    return kernels.dispatch_outputs(**{name: value for name, value in sizes.items() if name not in unused})
+#: The dispatch op's arguments after its four tensors, in order: a DispatchConfig's, dispatch_plan's options.
+_CONFIG_NAMES = validation.DispatchConfig._fields
 
 
-_DISPATCH = Launch(
-    kernels.dispatch_plan,
-    lambda inp, routing, probs, scales, *options: dict(inp=inp, routing=routing, probs=probs, scales=scales),
-    lambda inp, routing, probs, scales, *options: validation.DispatchConfig(*options)._asdict(),
-    reference.dispatch,
-    outputs=_dispatch_outputs,
-)
-
-
-def dispatch_sizes(inputs: dict, config: validation.DispatchConfig) -> dict:
-    """dispatch_plan's arguments for a dispatch of `inputs` (inp, routing, probs, scales) under `config`."""
-    return _DISPATCH.sizes(inputs, (*inputs.values(), *config))
+def dispatch_sizes(inputs: dict, config: Sequence) -> dict:
+    """dispatch_plan's arguments for a dispatch of `inputs` (inp, routing, probs, scales) under `config` (a
+    DispatchConfig's values in order; the routing-map format may be left to its default)."""
+    sizes = kernels.plan_sizes(kernels.dispatch_plan, inputs, dtype_name)
+    # Not strict: a fake gets the arguments as given, without the format when it is left to its default
+    # (and zip's keyword would cost a fifth of a microsecond on every eager call).
+    sizes.update(zip(_CONFIG_NAMES, config))  # noqa: B905
+    return sizes
 
 
 def _dispatch(
@@ -67,18 +63,21 @@ def _dispatch(
     """(output, permuted_probs, permuted_scales, row_id_map, pad_offsets, tokens_per_expert); align_size None
     = no padding, capacity None = none (else num_out_tokens is unused); absent probs/scales give empty
     tensors; a mask may come bit-packed (routing_map_format "bitmap")."""
-    return _DISPATCH.run(
-        inp,
-        routing,
-        probs,
-        scales,
-        num_experts,
-        is_mask,
-        num_out_tokens,
-        align_size,
-        capacity,
-        routing_map_format,
-    )
+    config = (num_experts, is_mask, num_out_tokens, align_size, capacity, routing_map_format)
+    if not uses_kernels(inp.device):
+        return reference.dispatch(inp, routing, probs, scales, *config)
+    inputs = dict(inp=inp, routing=routing, probs=probs, scales=scales)
+    return bound(kernels.dispatch_plan, inp.device, **dispatch_sizes(inputs, config))(inputs)
+
+
+def _dispatch_fake(inp, routing, probs, scales, *config):
+    # Shapes only: the expert count may be a data-dependent size here (TE's index map without E), which
+    # building the whole plan would guard on.
+    inputs = dict(inp=inp, routing=routing, probs=probs, scales=scales)
+    sizes = dispatch_sizes(inputs, config)
+    del sizes["element_bytes"], sizes["is_mask"]
+    outputs = kernels.dispatch_outputs(**sizes)
+    return fake_results(kernels.Plan(outputs, (), tuple(outputs)), inputs, inp.device)
 
 
 def _dispatch_setup(ctx, inputs, output):
@@ -123,7 +122,7 @@ def _dispatch_backward_op(
 
 
 DISPATCH_BACKWARD = Op("dispatch_backward", _dispatch_backward_op, _DISPATCH_BACKWARD.fake)
-DISPATCH = Op("dispatch", _dispatch, _DISPATCH.fake, setup=_dispatch_setup, backward=_dispatch_backward)
+DISPATCH = Op("dispatch", _dispatch, _dispatch_fake, setup=_dispatch_setup, backward=_dispatch_backward)
 
 
 # combine -------------------------------------------------------------------------------------------------
@@ -289,12 +288,17 @@ def _check_dispatch(
     indices: Signature | None,
     probs: Signature | None,
     scales: Signature | None,
+    num_experts,
     **options,
 ) -> validation.DispatchConfig:
     """validation.check_dispatch of token_dispatch's arguments, tensors given by their signatures (which
-    must share one device)."""
+    must share one device). The expert count may be symbolic only while torch.compile traces, where this
+    runs on every call."""
     tensors = dict(inp=inp, routing_map=routing_map, indices=indices, probs=probs, scales=scales)
-    config = validation.check_dispatch(**described(**tensors), **options)
+    symbolic_experts = _symbolic_experts(num_experts)
+    config = validation.check_dispatch(
+        **described(**tensors), num_experts=num_experts, symbolic_experts=symbolic_experts, **options
+    )
     same_device(**tensors)
     return config
 
@@ -370,10 +374,13 @@ def token_dispatch(
         [2, 1, 2]
     """
     config = _check_dispatch(
-        **signatures(inp=inp, routing_map=routing_map, indices=indices, probs=probs, scales=scales),
+        inp=signature(inp),
+        routing_map=signature(routing_map),
+        indices=signature(indices),
         num_experts=num_experts,
-        symbolic_experts=_symbolic_experts(num_experts),
         num_out_tokens=num_out_tokens,
+        probs=signature(probs),
+        scales=signature(scales),
         align_size=align_size,
         capacity=capacity,
         routing_map_format=routing_map_format,
@@ -414,7 +421,10 @@ def token_combine(
         True
     """
     _check_combine(
-        **signatures(inp=inp, row_id_map=row_id_map, merging_probs=merging_probs, pad_offsets=pad_offsets)
+        inp=signature(inp),
+        row_id_map=signature(row_id_map),
+        merging_probs=signature(merging_probs),
+        pad_offsets=signature(pad_offsets),
     )
     _check_row_map_values(row_id_map, inp.shape[0])
     return COMBINE(inp, row_id_map, merging_probs, pad_offsets is not None)
@@ -447,7 +457,10 @@ def sort_chunks_by_index(
         [5.0, 0.0, 1.0, 2.0, 3.0, 4.0]
     """
     _check_sort_chunks(
-        **signatures(inp=inp, split_sizes=split_sizes, sorted_indices=sorted_indices, probs=probs)
+        inp=signature(inp),
+        split_sizes=signature(split_sizes),
+        sorted_indices=signature(sorted_indices),
+        probs=signature(probs),
     )
     # Sizes may come from the host (e.g. an all-to-all's splits): checked there for free.
     if values_checked(split_sizes) and values_checked(sorted_indices):

@@ -136,11 +136,13 @@ class DispatchConfig(NamedTuple):
         permuted_probs or None, row_id_map, pad_offsets or None (padding or capacity only),
         tokens_per_expert), plus permuted_scales as a sixth element when scales were given."""
         output, permuted_probs, permuted_scales, row_id_map, pad_offsets, tokens_per_expert = op_results
+        # `padded` spelled out: this runs on every eager call, where a property call is measurable.
+        padded = self.align_size is not None or self.capacity is not None
         result = (
             output,
             permuted_probs if has_probs else None,
             row_id_map,
-            pad_offsets if self.padded else None,
+            pad_offsets if padded else None,
             tokens_per_expert,
         )
         return (*result, permuted_scales) if has_scales else result
