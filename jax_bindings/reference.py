@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from moetriton.kernels import buffer_rows, row_map_slots
 from moetriton.kernels.rules import validation
-from moetriton.kernels.rules.layout import bitmap_columns
+from moetriton.kernels.rules.layout import bitmap_columns, round_up
 
 _BIT_DTYPES = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -87,7 +87,7 @@ def row_map(
         experts = jnp.where(valid, routing, num_experts).astype(jnp.int32)
     flat = jnp.where(valid, experts, num_experts).reshape(-1)
     counts = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-    aligned = jnp.full_like(counts, capacity) if capacity else (counts + align - 1) // align * align
+    aligned = jnp.full_like(counts, capacity) if capacity else round_up(counts, align)
     start = jnp.cumsum(aligned, dtype=jnp.int32) - aligned
     plain_start = jnp.cumsum(counts, dtype=jnp.int32) - counts
     order = jnp.argsort(flat, stable=True)

@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from moetriton.kernels import buffer_rows, row_map_slots
 from moetriton.kernels.rules import validation
+from moetriton.kernels.rules.layout import round_up
 
 from . import permutation, router
 from ._sharding import ShardedOp, run_local
@@ -393,7 +394,7 @@ def token_dispatch(
     counts = jnp.sum(routing != 0, axis=0, dtype=jnp.int32)
     if align_size is None:
         return output, permuted_probs, _te_row_map(row_map, None), None, counts
-    aligned = (counts + align_size - 1) // align_size * align_size
+    aligned = round_up(counts, align_size)
     pad_offsets = jnp.cumsum(aligned - counts, dtype=jnp.int32) - (aligned - counts)
     return output, permuted_probs, _te_row_map(row_map, pad_offsets), pad_offsets, aligned
 

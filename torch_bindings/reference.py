@@ -14,7 +14,7 @@ import torch
 
 from moetriton.kernels import buffer_rows, row_map_slots
 from moetriton.kernels.rules import validation
-from moetriton.kernels.rules.layout import bitmap_columns
+from moetriton.kernels.rules.layout import bitmap_columns, round_up
 
 _BIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -70,9 +70,7 @@ def row_map(
         experts = routing.long()
     flat = torch.where(valid, experts, num_experts).reshape(-1)
     counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
-    aligned = (
-        torch.full_like(counts, capacity) if capacity is not None else (counts + align - 1) // align * align
-    )
+    aligned = torch.full_like(counts, capacity) if capacity is not None else round_up(counts, align)
     start = torch.cumsum(aligned, 0) - aligned
     plain_start = torch.cumsum(counts, 0) - counts
     order = torch.argsort(flat, stable=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from moetriton.kernels.rules import validation
+from moetriton.kernels.rules.layout import round_up
 
 from .permutation import sort_chunks_by_index, token_combine, token_dispatch
 
@@ -101,7 +102,7 @@ def moe_permute_and_pad_with_probs(
     """
     validation.check_positive("align_size", align_size)
     counts = routing_map.ne(0).sum(0)
-    target = (tokens_per_expert.to(counts.device) + align_size - 1) // align_size * align_size
+    target = round_up(tokens_per_expert.to(counts.device), align_size)
     mismatch = (counts != tokens_per_expert.to(counts.device)).any()
     routed, padded_total, bad = torch.stack([counts.sum(), target.sum(), mismatch.long()]).tolist()
     if bad:

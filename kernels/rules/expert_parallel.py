@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .layout import buffer_rows
+from .layout import buffer_rows, round_up
 
 POLICIES = ("dropless", "capacity")
 
@@ -200,7 +200,7 @@ def padded_counts(routed_per_expert: Any, layout: EPLayout) -> Any:
     """token_dispatch's tokens_per_expert for a dropless send buffer [E], from a rank's routed slots per
     expert [E]: each count rounded up to the alignment A (zero stays zero). Known right after the router,
     so the count exchange need not wait for the dispatch kernels."""
-    return (routed_per_expert + (layout.align - 1)) // layout.align * layout.align
+    return round_up(routed_per_expert, layout.align)
 
 
 def dropless_exchange(counts_all: Any, rank: Any, layout: EPLayout) -> dict[str, Any]:

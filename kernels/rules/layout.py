@@ -1,5 +1,6 @@
 """Shapes of the permuted buffers and of the row map, from an op's static arguments: what the plans, the
-bindings, the references and the MoE layer's sizes all compute them from (arithmetic on Python ints)."""
+bindings, the references and the MoE layer's sizes all compute them from (arithmetic on Python ints, and
+elementwise on integer arrays of any framework)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ def row_map_columns(num_slots: int) -> int:
 def row_map_slots(columns: int) -> int:
     """S, the slots per token, of a row map with `columns` columns (see `row_map_columns`)."""
     return (columns - 2) // 2
+
+
+def round_up(values, multiple: int):
+    """`values` (a Python int, or an integer array of numpy, PyTorch or JAX) each rounded up to a multiple of
+    `multiple`: per-expert row counts padded to the alignment."""
+    return (values + (multiple - 1)) // multiple * multiple
 
 
 def buffer_rows(
