@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from moetriton import kernels
-from moetriton.kernels import row_map_slots
 from moetriton.kernels.rules import validation
 
 from . import reference
@@ -307,19 +306,13 @@ def _row_map_rule(num_rows: int) -> Callable[[np.ndarray], None]:
     def rule(row_map: np.ndarray) -> None:
         if not row_map.size:
             return
-        num_slots = row_map_slots(row_map.shape[1])
-
-        def extremes(part: np.ndarray) -> tuple[int, int]:
-            return (int(part.min()), int(part.max())) if part.size else (-1, -1)
-
-        validation.check_row_map_values(
-            rows=extremes(row_map[:, :num_slots]),
-            slots=extremes(row_map[:, num_slots : 2 * num_slots]),
-            counts=extremes(row_map[:, 2 * num_slots]),
-            ends=extremes(row_map[:, 2 * num_slots + 1]),
-            num_rows=num_rows,
-            num_slots=num_slots,
-        )
+        parts = validation.row_map_parts(row_map)
+        # With no slots the lists are empty: read as -1.
+        bounds = {
+            name: (int(part.min()), int(part.max())) if part.size else (-1, -1)
+            for name, part in parts.items()
+        }
+        validation.check_row_map_values(**bounds, num_rows=num_rows, num_slots=parts["rows"].shape[1])
 
     return rule
 

@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 
 from moetriton import kernels
-from moetriton.kernels import row_map_slots
 from moetriton.kernels.rules import validation
 
 from . import reference
@@ -258,15 +257,11 @@ def _check_index_values(indices: torch.Tensor, num_experts: int) -> None:
 def _check_row_map_values(row_id_map: torch.Tensor, num_rows: int) -> None:
     if not row_id_map.numel() or not values_checked(row_id_map):
         return
-    num_slots = row_map_slots(row_id_map.shape[1])
-    # Columns [rows | slots | count | end]; with no slots the lists are empty (read as -1).
-    parts = [row_id_map[:, :num_slots], row_id_map[:, num_slots : 2 * num_slots]]
-    parts += [row_id_map[:, 2 * num_slots], row_id_map[:, 2 * num_slots + 1]]
-    found = iter(extremes(*(part for part in parts if part.numel())))
-    rows, slots, counts, ends = (next(found) if part.numel() else (-1, -1) for part in parts)
-    validation.check_row_map_values(
-        rows=rows, slots=slots, counts=counts, ends=ends, num_rows=num_rows, num_slots=num_slots
-    )
+    parts = validation.row_map_parts(row_id_map)
+    # Every part's extremes in one device read; with no slots the lists are empty (read as -1).
+    found = iter(extremes(*(part for part in parts.values() if part.numel())))
+    bounds = {name: next(found) if part.numel() else (-1, -1) for name, part in parts.items()}
+    validation.check_row_map_values(**bounds, num_rows=num_rows, num_slots=parts["rows"].shape[1])
 
 
 def _symbolic_experts(num_experts) -> bool:

@@ -288,6 +288,18 @@ def check_index_values(min_id: int, max_id: int, num_experts: int) -> None:
         _fail("indices", f"expected expert ids in [-1, {num_experts}), got values in [{min_id}, {max_id}]")
 
 
+def row_map_parts(row_id_map):
+    """The parts of a row map [T, 2S + 2] (a numpy, PyTorch or JAX array) that `check_row_map_values`
+    bounds, by its argument names: rows [T, S] and slots [T, S] (the two lists), counts [T], ends [T]."""
+    num_slots = row_map_slots(row_id_map.shape[1])
+    return dict(
+        rows=row_id_map[:, :num_slots],
+        slots=row_id_map[:, num_slots : 2 * num_slots],
+        counts=row_id_map[:, 2 * num_slots],
+        ends=row_id_map[:, 2 * num_slots + 1],
+    )
+
+
 def check_row_map_values(
     *,
     rows: tuple[int, int],
