@@ -2,7 +2,7 @@
 ops, to show that a change leaves what an eager user pays per call where it was.
 
     python -m benchmarks.ab_package BASELINE_ROOT [--shapes tiny] [--ops dispatch,combine,...] [--rounds 10]
-                                    [--out ab_package.csv] [--smoke]
+                                    [--out ab_package.csv] [--smoke] [--stub-kernels]
 
 BASELINE_ROOT is a folder holding another checkout's kernels/, torch_bindings/ (and jax_bindings/,
 autotune_cache/), e.g. `mkdir /tmp/base && git archive REV | tar -x -C /tmp/base`; the candidate is this
@@ -33,15 +33,35 @@ round, so neither version always runs second). Shapes: named shapes of moetriton
 TxHxExK (e.g. 16x32x8x2).
 
 Columns (one row per op and shape; the leading provenance columns of benchmarks.common, of this checkout):
-op, shape, rounds; {baseline,candidate}_host_us: median over the rounds of the host time to issue one call
-(µs); {baseline,candidate}_eager_us: median over the rounds of the wall time per call of calls back to back
-with one sync at the end (µs); host_ratio, eager_ratio: candidate / baseline; {baseline,candidate}_torch_file:
-the file each version's moetriton.torch was imported from. The same table goes to stdout.
+op, shape, rounds, kernels ("run", or "stubbed" with --stub-kernels); {baseline,candidate}_host_us: median
+over the rounds of the host time to issue one call (µs); {baseline,candidate}_eager_us: median over the
+rounds of the wall time per call of calls back to back with one sync at the end (µs); host_ratio,
+eager_ratio: candidate / baseline; {baseline,candidate}_torch_file: the file each version's moetriton.torch
+was imported from. The same table goes to stdout.
 
 On CPU it needs TRITON_INTERPRET=1 (the kernels run under the Triton interpreter): only the host time
 means anything there, and --smoke (one timed issue, one burst of one call, two input sets) keeps a run
 short enough for a test, e.g. `TRITON_INTERPRET=1 python -m benchmarks.ab_package /tmp/base --shapes
 16x32x8x2 --rounds 1 --smoke`.
+
+--stub-kernels: the host path alone, measurable without a GPU: CPU tensors (on any machine) under
+TRITON_INTERPRET=1, e.g. `TRITON_INTERPRET=1 python -m benchmarks.ab_package /tmp/base --shapes tiny,16x32x8x2
+--rounds 20 --stub-kernels`. The inputs are built with the kernels running (interpreted), then, while the ops
+are timed, every kernel launch of both versions is a no-op: `InterpretedFunction.run`, what
+`kernel[grid](...)` calls under the interpreter, is replaced for the process (both versions launch through the
+same Triton), so each version still checks its arguments, builds and caches its plans, binds its executables,
+arranges its inputs, allocates its results and scratch, and runs the rest of its own Python up to the launch
+call; only the interpreter's argument copies and the kernel bodies are skipped. A version's op that launched
+nothing while timed (a reference fallback) is an error. Both figures are then host time (eager = host: nothing
+waits). What it does not measure: the GPU launch itself (Triton's compiled launcher, the driver), CUDA
+allocations (CPU tensors come from the CPU allocator) and anything the device does. And it times the
+executor's CPU path, not its GPU fast path: on CPU every call takes `Executable._launch_first` (workspace
+views of the scratch buffers, one `kernel[grid](...)` call per launch with keyword constexprs and options),
+where a GPU call after the first takes the generated fast launches (scratch as addresses, Triton's compiled
+launcher called directly); the public functions also check index values of CPU tensors on the host (row maps,
+ids, split sizes), which GPU calls skip. So a change to the ops' and the plans' Python shows here as on the
+GPU, a change to the fast launch does not. Both versions run on the same path, so the difference is
+comparable; the absolute figures are this CPU's, not an H100 host's.
 """
 
 from __future__ import annotations
@@ -81,6 +101,7 @@ COLUMNS = [
     "op",
     "shape",
     "rounds",
+    "kernels",
     "baseline_host_us",
     "candidate_host_us",
     "host_ratio",
@@ -193,6 +214,32 @@ class Versions:
         _forget_package()
 
 
+class StubbedLaunches:
+    """Within: every kernel launch under the Triton interpreter is a no-op that only counts itself
+    (--stub-kernels). `InterpretedFunction.run` is what `kernel[grid](...)` calls under TRITON_INTERPRET=1,
+    in every version (they share this process's Triton), and the first thing of a launch that is no longer
+    the package's own code."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __enter__(self) -> StubbedLaunches:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self._run = InterpretedFunction.run
+
+        def launch(kernel, *args, grid, warmup, **kwargs) -> None:
+            self.count += 1
+
+        InterpretedFunction.run = launch
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        InterpretedFunction.run = self._run
+
+
 def parse_shape(spec: str):
     """A named shape of moetriton.kernels.rules.shapes, or one given as TxHxExK."""
     from moetriton.kernels.rules.shapes import NAMED_SHAPES, MoEShape
@@ -227,14 +274,17 @@ def compare(
     rounds: int,
     device: str,
     smoke: bool,
+    stub_kernels: bool = False,
 ) -> list[dict]:
-    """One row per op (COLUMNS) of both versions at `shape`, timed alternately round by round."""
+    """One row per op (COLUMNS) of both versions at `shape`, timed alternately round by round; with
+    `stub_kernels`, every launch while timed is a no-op (the inputs are built with the kernels running)."""
     from benchmarks.eager_cases import rotating_call
 
     cases = {}
     for version in pair:
         versions.activate(version)
-        cases[version.label] = _cases(version, shape, device, max_sets=2 if smoke else 16)
+        # Stubbed launches read no data, so two input sets do (and keep the interpreted set-up short).
+        cases[version.label] = _cases(version, shape, device, max_sets=2 if smoke or stub_kernels else 16)
     ops = ops or list(cases["baseline"])
     unknown = sorted(set(ops) - set(cases["baseline"]))
     if unknown:
@@ -242,16 +292,21 @@ def compare(
     counts = dict(calls=1, issues=1, bursts=1) if smoke else {}
     sync = torch.cuda.synchronize if device == "cuda" else lambda: None
     timings: dict[tuple[str, str], list[EagerTiming]] = {(op, label): [] for op in ops for label in LABELS}
-    for round_index in range(rounds):
-        for op in ops:
-            for version in pair if round_index % 2 == 0 else pair[::-1]:
-                versions.activate(version)
-                fn, sets = cases[version.label][op]
-                timing = time_host_and_eager(rotating_call(sets, fn), lambda _: sync(), **counts)
-                timings[op, version.label].append(timing)
+    stub = StubbedLaunches() if stub_kernels else None
+    with stub or contextlib.nullcontext():
+        for round_index in range(rounds):
+            for op in ops:
+                for version in pair if round_index % 2 == 0 else pair[::-1]:
+                    versions.activate(version)
+                    fn, sets = cases[version.label][op]
+                    launches = stub.count if stub else None
+                    timing = time_host_and_eager(rotating_call(sets, fn), lambda _: sync(), **counts)
+                    if stub and stub.count == launches:  # a reference ran: nothing of interest was timed
+                        raise RuntimeError(f"the {version.label}'s {op} launched no kernel")
+                    timings[op, version.label].append(timing)
     rows = []
     for op in ops:
-        row = dict(op=op, shape=shape.name, rounds=rounds)
+        row = dict(op=op, shape=shape.name, rounds=rounds, kernels="stubbed" if stub_kernels else "run")
         for figure in ("host", "eager"):
             for label in LABELS:
                 times = [getattr(timing, f"{figure}_ms") for timing in timings[op, label]]
@@ -282,12 +337,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--out", type=Path, help="CSV file to write (default: the table on stdout only)")
     parser.add_argument("--smoke", action="store_true", help="the fewest calls that run every path")
+    parser.add_argument(
+        "--stub-kernels",
+        action="store_true",
+        help="time the host path alone: CPU tensors, every kernel launch a no-op (needs TRITON_INTERPRET=1)",
+    )
     args = parser.parse_args(argv)
     baseline_root = args.baseline.resolve()
     missing = [folder for folder in ("kernels", "torch_bindings") if not (baseline_root / folder).is_dir()]
     if missing:
         parser.error(f"{baseline_root} has no {' or '.join(missing)}")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if torch.cuda.is_available() and not args.stub_kernels else "cpu"
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         # Set before Triton is imported, or its helpers are not interpreted; without the interpreter the ops
         # would run their PyTorch references, not the code compared.
@@ -300,7 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         shapes = [parse_shape(spec) for spec in args.shapes.split(",")]
         device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-        print(f"# {device_name}; µs per call, median of {args.rounds} rounds; ratio = candidate / baseline")
+        kernels = "kernel launches stubbed out (host path only)" if args.stub_kernels else "kernels run"
+        print(
+            f"# {device_name}, {kernels}; µs per call, median of {args.rounds} rounds;"
+            " ratio = candidate / baseline"
+        )
         for version in pair:
             print(f"# {version.label}: moetriton.torch from {version.torch_file}")
         print(
@@ -310,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         ops = args.ops.split(",") if args.ops else None
         rows = []
         for shape in shapes:
-            for row in compare(versions, pair, shape, ops, args.rounds, device, args.smoke):
+            timed = compare(versions, pair, shape, ops, args.rounds, device, args.smoke, args.stub_kernels)
+            for row in timed:
                 _print_row(row)
                 rows.append(row)
         for version in pair:  # modules imported lazily while timing included

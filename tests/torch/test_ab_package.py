@@ -1,5 +1,5 @@
 """benchmarks.ab_package: this checkout against a copy of its last commit, in one process, with the fewest
-calls (on CPU under the Triton interpreter, which conftest sets)."""
+calls (on CPU under the Triton interpreter, which conftest sets), with the kernels run and stubbed out."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 OPS = {"dispatch", "dispatch_bwd", "combine", "combine_bwd", "chunk_sort", "router_topk", "router_fwd_bwd"}
 
 
-def test_ab_package_times_both_versions_of_every_op(tmp_path):
+@pytest.mark.parametrize("stub", [False, True], ids=["kernels", "stubbed"])
+def test_ab_package_times_both_versions_of_every_op(tmp_path, stub):
     archive = subprocess.run(
         ["git", "archive", "HEAD", "kernels", "torch_bindings", "jax_bindings", "autotune_cache"],
         cwd=ROOT,
@@ -31,7 +32,7 @@ def test_ab_package_times_both_versions_of_every_op(tmp_path):
         tar.extractall(baseline, filter="data")
     out = tmp_path / "ab.csv"
     command = [sys.executable, "-m", "benchmarks.ab_package", str(baseline), "--shapes", "16x32x8x2"]
-    command += ["--rounds", "1", "--smoke", "--out", str(out)]
+    command += ["--rounds", "1", "--smoke", "--out", str(out)] + (["--stub-kernels"] if stub else [])
     result = subprocess.run(command, cwd=ROOT, env=os.environ, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
 
@@ -40,6 +41,7 @@ def test_ab_package_times_both_versions_of_every_op(tmp_path):
     ops = [row["op"] for row in rows]
     assert len(ops) == len(set(ops)) and set(ops) >= OPS, ops
     for row in rows:
+        assert row["kernels"] == ("stubbed" if stub else "run"), row
         for column in ("baseline_host_us", "candidate_host_us", "baseline_eager_us", "candidate_eager_us"):
             assert float(row[column]) > 0, (column, row)
         # Each version's moetriton.torch came from its own checkout.
