@@ -20,6 +20,7 @@ op, whose schema fixes its results.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -27,10 +28,12 @@ import torch
 
 from moetriton import kernels
 
-from .executor import allocate, bound, device_info, dtype_name, filling_placeholders, uses_kernels
+from .executor import Executable, allocate, bound, device_info, dtype_name, filling_placeholders, uses_kernels
 
 # Types whose instances take the direct path; subclasses (FakeTensor, DTensor, quantized wrappers) do not.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: Executables a Launch keeps by call key (the oldest dropped first beyond this; `bound` keeps them too).
+_MAX_KEYS = 1024
 
 
 class Launch:
@@ -41,7 +44,14 @@ class Launch:
     `run` is the op's implementation and `fake` its shapes-only twin, from the same plan, or from
     `outputs(sizes)` (the plan's output buffers, shape arithmetic only) where building the whole plan needs
     concrete sizes and torch.compile may trace with symbolic ones; `first` returns the plan's first result
-    alone."""
+    alone.
+
+    An eager call finds its executable in the Launch's own table, by a key of what the plan's arguments are a
+    function of: the device, the declaration's `Sizes.key` of the inputs and the options' arguments
+    (`options.key(args)`: the op's last arguments for `trailing`, else the options' items). Only a new key
+    builds the arguments and goes through `bound`: the per-call path builds no argument dict and unpacks no
+    keywords (building them cost a top-k call 2.6 of its 10.2 us in `run` on CPU with the kernels stubbed,
+    the key and its lookup about 0.7 us: docs/performance.md item 15)."""
 
     def __init__(
         self,
@@ -56,10 +66,11 @@ class Launch:
         self.plan, self.inputs, self.options, self.reference = plan, inputs, options, reference
         self.outputs, self.first = outputs, first
         self.declared = plan.sizes  # the builder's `sized_by` declaration
+        self.options_key = getattr(options, "key", None) or (lambda args: tuple(options(*args).items()))
+        self.executables: dict[tuple, Executable] = {}
 
     def sizes(self, inputs: dict, args: tuple) -> dict:
         """The plan builder's arguments for the op's `args`, whose plan inputs are `inputs`."""
-        # `run` pays this on every eager call: the declaration read directly, one dict updated in place.
         sizes = self.declared.of(inputs, dtype_name)
         sizes.update(self.options(*args))
         return sizes
@@ -69,8 +80,20 @@ class Launch:
         if not uses_kernels(device):
             return self.reference(*args)
         inputs = self.inputs(*args)
-        results = bound(self.plan, device, **self.sizes(inputs, args))(inputs)
+        key = (device, self.declared.key(inputs), self.options_key(args))
+        executable = self.executables.get(key)
+        if executable is None:
+            executable = self._bind(key, inputs, args)
+        results = executable(inputs)
         return results[0] if self.first else results
+
+    def _bind(self, key: tuple, inputs: dict, args: tuple) -> Executable:
+        """The executable of a call whose key is new: its plan's arguments built and bound."""
+        executable = bound(self.plan, key[0], **self.sizes(inputs, args))
+        if len(self.executables) >= _MAX_KEYS:
+            self.executables.pop(next(iter(self.executables)), None)
+        self.executables[key] = executable
+        return executable
 
     def fake(self, *args):
         device, inputs = args[0].device, self.inputs(*args)
@@ -85,13 +108,16 @@ class Launch:
 
 def trailing(*names: str | None) -> Callable[..., dict]:
     """`Launch.options` for ops whose last arguments are plan options: those arguments by `names`, in order
-    (None skips an argument the plan does not take)."""
+    (None skips an argument the plan does not take). Its `key(args)` is those last arguments, all the
+    options are a function of."""
     # (position counted from the end, name) of each named argument, found once.
     named = tuple((index - len(names), name) for index, name in enumerate(names) if name is not None)
 
     def options(*args) -> dict:
         return {name: args[position] for position, name in named}
 
+    # A slice taken in C: no Python frame on the eager path.
+    options.key = operator.itemgetter(slice(-len(names), None) if names else slice(0, 0))
     return options
 
 

@@ -14,8 +14,6 @@ for the gradient of an output that was not used.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
@@ -24,8 +22,7 @@ from moetriton.kernels.rules import validation
 
 from . import reference
 from ._checks import Signature, described, extremes, memoised, same_device, signature, values_checked
-from ._op import Launch, Op, fake_results, trailing, zeros_like_meta
-from .executor import bound, dtype_name, uses_kernels
+from ._op import Launch, Op, trailing, zeros_like_meta
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -33,18 +30,27 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # dispatch ------------------------------------------------------------------------------------------------
 
 
-#: The dispatch op's arguments after its four tensors, in order: a DispatchConfig's, dispatch_plan's options.
-_CONFIG_NAMES = validation.DispatchConfig._fields
+def _dispatch_outputs(sizes: dict) -> dict:
+    # Shapes only, for the fake: the expert count may be a data-dependent size here (TE's index map without
+    # E), which building the whole plan would guard on.
+    del sizes["element_bytes"], sizes["is_mask"]
+    return kernels.dispatch_outputs(**sizes)
 
 
-def dispatch_sizes(inputs: dict, config: Sequence) -> dict:
-    """dispatch_plan's arguments for a dispatch of `inputs` (inp, routing, probs, scales) under `config` (a
-    DispatchConfig's values in order; the routing-map format may be left to its default)."""
-    sizes = kernels.plan_sizes(kernels.dispatch_plan, inputs, dtype_name)
-    # Not strict: a fake gets the arguments as given, without the format when it is left to its default
-    # (and zip's keyword would cost a fifth of a microsecond on every eager call).
-    sizes.update(zip(_CONFIG_NAMES, config))  # noqa: B905
-    return sizes
+_DISPATCH = Launch(
+    kernels.dispatch_plan,
+    lambda inp, routing, probs, scales, *config: dict(inp=inp, routing=routing, probs=probs, scales=scales),
+    # The op's arguments after its four tensors: a DispatchConfig's, dispatch_plan's options.
+    trailing(*validation.DispatchConfig._fields),
+    reference.dispatch,
+    outputs=_dispatch_outputs,
+)
+
+
+def dispatch_sizes(inputs: dict, config: validation.DispatchConfig) -> dict:
+    """dispatch_plan's arguments for a dispatch of `inputs` (inp, routing, probs, scales, in order) under
+    `config`, for a caller that binds the plan itself (the peer exchange writes into its staging buffer)."""
+    return _DISPATCH.sizes(inputs, (*inputs.values(), *config))
 
 
 def _dispatch(
@@ -63,20 +69,12 @@ def _dispatch(
     = no padding, capacity None = none (else num_out_tokens is unused); absent probs/scales give empty
     tensors; a mask may come bit-packed (routing_map_format "bitmap")."""
     config = (num_experts, is_mask, num_out_tokens, align_size, capacity, routing_map_format)
-    if not uses_kernels(inp.device):
-        return reference.dispatch(inp, routing, probs, scales, *config)
-    inputs = dict(inp=inp, routing=routing, probs=probs, scales=scales)
-    return bound(kernels.dispatch_plan, inp.device, **dispatch_sizes(inputs, config))(inputs)
+    return _DISPATCH.run(inp, routing, probs, scales, *config)
 
 
 def _dispatch_fake(inp, routing, probs, scales, *config):
-    # Shapes only: the expert count may be a data-dependent size here (TE's index map without E), which
-    # building the whole plan would guard on.
-    inputs = dict(inp=inp, routing=routing, probs=probs, scales=scales)
-    sizes = dispatch_sizes(inputs, config)
-    del sizes["element_bytes"], sizes["is_mask"]
-    outputs = kernels.dispatch_outputs(**sizes)
-    return fake_results(kernels.Plan(outputs, (), tuple(outputs)), inputs, inp.device)
+    # A custom op's fake gets the arguments as given: the routing-map format may be left to its default.
+    return _DISPATCH.fake(inp, routing, probs, scales, *validation.DispatchConfig(*config))
 
 
 def _dispatch_setup(ctx, inputs, output):

@@ -131,32 +131,62 @@ class Sizes:
     dtypes: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # The declaration flattened once: `of` runs on every eager call of an op.
+        # The declaration flattened once: `key` runs on every eager call of a PyTorch op.
         axes = tuple((argument, *spec, None)[:4] for argument, spec in self.axes.items())
-        object.__setattr__(self, "_axes", axes)
-        object.__setattr__(self, "_present", tuple(self.present.items()))
-        object.__setattr__(self, "_dtypes", tuple(self.dtypes.items()))
+        object.__setattr__(self, "_axes", tuple((name, axis) for _, name, axis, _ in axes))
+        object.__setattr__(self, "_present", tuple(self.present.values()))
+        object.__setattr__(self, "_dtypes", tuple(self.dtypes.values()))
+        # How `of` turns a key into the arguments, entry by entry.
+        argument_of_key = [(argument, convert) for argument, _, _, convert in axes]
+        argument_of_key += [(argument, None) for argument in self.present]
+        argument_of_key += [("element_bytes", _itemsize)] if self.element_bytes is not None else []
+        argument_of_key += [(argument, _DTYPE) for argument in self.dtypes]
+        object.__setattr__(self, "_arguments", tuple(argument_of_key))
+
+    def key(self, arrays: Mapping[str, Any]) -> tuple:
+        """What the declared arguments' values for `arrays` (input name -> array or None) are a function of,
+        as a tuple: the axis lengths before any `convert`, the inputs' presence, and the dtypes themselves
+        (None for an absent input). Equal keys give equal `of`, so a binding may look up what it built
+        from a plan by the key instead of building the arguments on every call."""
+        get = arrays.get
+        key = []
+        for name, axis in self._axes:
+            array = get(name)
+            key.append(None if array is None else array.shape[axis])
+        for name in self._present:
+            key.append(get(name) is not None)
+        if self.element_bytes is not None:
+            key.append(arrays[self.element_bytes].dtype)
+        for name in self._dtypes:
+            array = get(name)
+            key.append(None if array is None else array.dtype)
+        return tuple(key)
 
     def of(self, arrays: Mapping[str, Any], dtype_name: Callable[[Any], str]) -> dict[str, Any]:
         """The declared arguments' values for `arrays` (input name -> array or None); `dtype_name` is the
         binding's name of a dtype ("float32")."""
-        get = arrays.get
+        return self.of_key(self.key(arrays), dtype_name)
+
+    def of_key(self, key: tuple, dtype_name: Callable[[Any], str]) -> dict[str, Any]:
+        """The declared arguments' values for arrays of `key` (see `key`)."""
         sizes: dict[str, Any] = {}
-        for argument, name, axis, convert in self._axes:
-            array = get(name)
-            if array is None:
-                sizes[argument] = None
+        for (argument, convert), value in zip(self._arguments, key, strict=True):
+            if convert is _DTYPE:
+                if value is not None:  # an absent input's dtype: the builder's default applies
+                    sizes[argument] = dtype_name(value)
+            elif convert is None or value is None:
+                sizes[argument] = value
             else:
-                sizes[argument] = array.shape[axis] if convert is None else convert(array.shape[axis])
-        for argument, name in self._present:
-            sizes[argument] = get(name) is not None
-        if self.element_bytes is not None:
-            sizes["element_bytes"] = arrays[self.element_bytes].dtype.itemsize
-        for argument, name in self._dtypes:
-            array = get(name)
-            if array is not None:
-                sizes[argument] = dtype_name(array.dtype)
+                sizes[argument] = convert(value)
         return sizes
+
+
+#: `Sizes.of_key`'s mark of a dtype argument.
+_DTYPE = object()
+
+
+def _itemsize(dtype: Any) -> int:
+    return dtype.itemsize
 
 
 def sized_by(sizes: Sizes) -> Callable[[_Builder], _Builder]:
