@@ -2,7 +2,9 @@
 
 The block owns the layer's parameters, with logical-axis annotations so they shard the Flax way
 (`nn.logical_axis_rules`): gate [H, E] ("embed", "router_experts"), fused gate+up [E, H, 2F] ("experts",
-"embed", "mlp") and down [E, F, H] ("experts", "mlp", "embed"). DEFAULT_LOGICAL_AXIS_RULES puts "experts"
+"embed", "mlp") and down [E, F, H] ("experts", "mlp", "embed"); the optional shared experts' shared_gate_up
+[H, 2Fs] ("embed", "mlp"), shared_down [Fs, H] ("mlp", "embed") and shared_gate [H, 1] ("embed", None),
+replicated by the default rules. DEFAULT_LOGICAL_AXIS_RULES puts "experts"
 on the "ep" mesh axis and replicates the rest, which is the layout `moetriton.jax.moe` computes in; rules
 that also shard "embed" or "mlp" (FSDP) work too: jit gathers those weights before the layer. The optional
 expert bias (sigmoid / sqrtsoftplus routing) is not trained by gradients: it lives in the "moe" collection,
@@ -49,6 +51,15 @@ def init_sharded(module: nn.Module, key: jax.Array, *args, mesh: Mesh, rules=DEF
 _expert_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1)
 
 
+#: The shared experts' parameters: the block attribute of their initialiser (the routed experts' or the
+#: router's) and their logical axes.
+_SHARED_INIT_AND_AXES = {
+    "shared_gate_up": ("expert_init", ("embed", "mlp")),
+    "shared_down": ("expert_init", ("mlp", "embed")),
+    "shared_gate": ("gate_init", ("embed", None)),
+}
+
+
 class MoEBlock(nn.Module):
     """Mixture-of-experts MLP with expert parallelism; `__call__(x [B, S, H])` returns (out [B, S, H],
     aux_loss fp32 scalar, dropped int32 scalar), as `moetriton.jax.moe`, whose docstring explains every
@@ -59,6 +70,11 @@ class MoEBlock(nn.Module):
         score_function, use_pre_softmax, num_groups, group_topk, scaling_factor: router options.
         use_expert_bias: keep an [E] selection bias in the "moe" collection (sigmoid / sqrtsoftplus only).
         aux_loss_coeff, align_size, capacity_factor (None: dropless), activation: layer options.
+        num_shared_experts: always-on shared experts (DeepSeek-V3: 1), one FFN of width
+            Fs = num_shared_experts * ffn_dim (parameters shared_gate_up [H, 2Fs] or [H, Fs] and
+            shared_down [Fs, H], initialised by expert_init); 0: none.
+        shared_expert_gate: scale the shared output per token by sigmoid(x @ shared_gate) (Qwen-MoE;
+            shared_gate [H, 1], initialised by gate_init).
         dtype: compute dtype (default: the input's); param_dtype: parameter dtype.
         mesh, ep_axis, data_axes, exchange: where the layer runs (mesh None: one device).
 
@@ -89,6 +105,8 @@ class MoEBlock(nn.Module):
     ep_axis: str | None = "ep"
     data_axes: tuple[str, ...] = ()
     exchange: str = "auto"
+    num_shared_experts: int = 0
+    shared_expert_gate: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -100,6 +118,13 @@ class MoEBlock(nn.Module):
             exchanges=layer_rules.JAX_EXCHANGES,
         )
         hidden, experts = x.shape[-1], self.num_experts
+        shared_shapes = layer_rules.shared_weight_shapes(
+            hidden=hidden,
+            ffn=self.ffn_dim,
+            num_shared_experts=self.num_shared_experts,
+            shared_expert_gate=self.shared_expert_gate,
+            activation=self.activation,
+        )
         width = gate_up_width(self.activation, self.ffn_dim)
         gate = self.param(
             "gate",
@@ -119,6 +144,11 @@ class MoEBlock(nn.Module):
             (experts, self.ffn_dim, hidden),
             self.param_dtype,
         )
+        shared = {}
+        for name, shape in shared_shapes.items():
+            init, axes = _SHARED_INIT_AND_AXES[name]
+            init = nn.with_logical_partitioning(getattr(self, init), axes)
+            shared[name] = self.param(name, init, shape, self.param_dtype)
         expert_bias = None
         if self.use_expert_bias:
             expert_bias = self.variable(
@@ -150,4 +180,5 @@ class MoEBlock(nn.Module):
             ep_axis=self.ep_axis,
             data_axes=self.data_axes,
             exchange=self.exchange,
+            **shared,
         )

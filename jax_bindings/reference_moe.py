@@ -54,9 +54,14 @@ def moe_reference(
     capacity_factor: float | None = None,
     activation: str = "swiglu",
     num_shards: int = 1,
+    shared_gate_up: jax.Array | None = None,
+    shared_down: jax.Array | None = None,
+    shared_gate: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Reference of `moetriton.jax.moe` on one device: same arguments (no mesh; `num_shards` token shards
     only matter for capacity drops), same results (out [B, S, H] fp32, aux_loss fp32, dropped int32).
+    shared_gate_up [H, 2Fs] (or [H, Fs]), shared_down [Fs, H], shared_gate [H, 1]: the shared experts, a
+    dense FFN of every token added to the routed output (times sigmoid(x @ shared_gate) per token).
 
     Example:
         >>> out, aux_loss, dropped = moe_reference(x, gate, gate_up, down, topk=2, capacity_factor=1.0,
@@ -98,10 +103,18 @@ def moe_reference(
             )
             out += jnp.where(kept[:, slot, None], weights[rows, slot, None] * y, 0.0)
         outputs.append(out)
+    out = jnp.concatenate(outputs)  # [T, H]
+    if shared_gate_up is not None:
+        hidden_shared = jnp.dot(x_flat, shared_gate_up.astype(jnp.float32), precision=_HIGHEST)
+        act = apply_activation(hidden_shared, activation)
+        shared = jnp.dot(act, shared_down.astype(jnp.float32), precision=_HIGHEST)  # [T, H]
+        if shared_gate is not None:
+            shared *= jax.nn.sigmoid(jnp.dot(x_flat, shared_gate.astype(jnp.float32), precision=_HIGHEST))
+        out += shared
     aux_loss = jnp.zeros((), jnp.float32)
     if aux_loss_coeff and num_tokens:  # no tokens: no loss (the layer's zero)
         _, scores = reference_router.fused_compute_score_for_moe_aux_loss(logits, topk, score_function)
         aux_loss = reference_router.fused_moe_aux_loss(
             scores, routing_map.sum(0), num_tokens, num_experts, topk, aux_loss_coeff
         ).astype(jnp.float32)
-    return jnp.concatenate(outputs).reshape(batch, seq, hidden), aux_loss, dropped
+    return out.reshape(batch, seq, hidden), aux_loss, dropped

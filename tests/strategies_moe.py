@@ -5,15 +5,19 @@ tests/jax and tests/torch so that both layers are tested on the same problems.
 [H, E], fused gate+up expert weights [E, H, 2F], down weights [E, F, H], an expert bias, top-K with a score
 function (groups sometimes), alignment on or off, and a capacity policy (dropless, or a capacity factor small
 enough to force overflow sometimes). Values are small and well scaled, so bf16 and fp32 runs stay close to the
-fp32 dense reference.
+fp32 dense reference. `with_shared_experts(problem, ...)` adds the shared experts' weights (and picks the
+activation) to a problem.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from hypothesis import strategies as st
+
+from moetriton.kernels.rules.expert_parallel import gate_up_width
+from moetriton.kernels.rules.moe import SHARED_WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,16 @@ class MoEProblem:
     gate_up: np.ndarray  # [E, H, 2F] float32
     down: np.ndarray  # [E, F, H] float32
     expert_bias: np.ndarray | None  # [E] float32 (sigmoid / sqrtsoftplus only)
+    activation: str = "swiglu"
+    shared_gate_up: np.ndarray | None = None  # [H, 2Fs] float32 ([H, Fs] for a non-gated activation)
+    shared_down: np.ndarray | None = None  # [Fs, H] float32
+    shared_gate: np.ndarray | None = None  # [H, 1] float32
+
+    @property
+    def shared_weights(self) -> dict[str, np.ndarray]:
+        """The shared experts' weights the problem has, by argument name (empty without shared experts)."""
+        shared = (self.shared_gate_up, self.shared_down, self.shared_gate)  # the layers' argument order
+        return {name: value for name, value in zip(SHARED_WEIGHTS, shared, strict=True) if value is not None}
 
     @property
     def num_tokens(self) -> int:
@@ -46,7 +60,27 @@ class MoEProblem:
         router = dict(topk=self.topk, score_function=self.score_function)
         router.update(num_groups=self.num_groups, group_topk=self.group_topk)
         layout = dict(align_size=self.align_size, capacity_factor=self.capacity_factor)
-        return dict(router, **layout, aux_loss_coeff=aux_loss_coeff)
+        return dict(router, **layout, aux_loss_coeff=aux_loss_coeff, activation=self.activation)
+
+
+def with_shared_experts(
+    problem: MoEProblem, *, gate: bool, activation: str = "swiglu", num_shared: int = 2
+) -> MoEProblem:
+    """`problem` with `num_shared` shared experts (one FFN of width num_shared * F), a per-token gate if
+    `gate`, and `activation` (a non-gated one keeps the first F columns of the routed gate_up)."""
+    rng = np.random.default_rng(problem.num_tokens * 7 + problem.num_experts)
+    hidden, shared_ffn = problem.hidden, num_shared * problem.ffn
+    scale = 1 / np.sqrt(hidden)
+    return replace(
+        problem,
+        activation=activation,
+        gate_up=problem.gate_up[..., : gate_up_width(activation, problem.ffn)].copy(),
+        shared_gate_up=rng.normal(0, scale, (hidden, gate_up_width(activation, shared_ffn))).astype(
+            np.float32
+        ),
+        shared_down=rng.normal(0, 1 / np.sqrt(shared_ffn), (shared_ffn, hidden)).astype(np.float32),
+        shared_gate=rng.normal(0, scale, (hidden, 1)).astype(np.float32) if gate else None,
+    )
 
 
 @st.composite

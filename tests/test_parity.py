@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moetriton.jax as mj
+from moetriton.kernels.rules import moe as layer_rules
 from tests.strategies import FLOAT_DTYPES, chunk_problems, numpy_dtype, routing_problems
 
 torch = pytest.importorskip("torch", reason="parity needs PyTorch next to JAX")
@@ -191,6 +192,20 @@ _LAYER_CASES = {
     "gate_up shape": dict(gate_up=np.zeros((_E, _H, 2 * _F + 1), np.float32)),
     "down shape": dict(down=np.zeros((_E, _F, _H + 1), np.float32)),
     "non-gated gate_up": dict(activation="gelu"),
+    "shared_down alone": dict(shared_down=np.zeros((_F, _H), np.float32)),
+    "shared_gate_up alone": dict(shared_gate_up=np.zeros((_H, 2 * _F), np.float32)),
+    "shared_down shape": dict(
+        shared_gate_up=np.zeros((_H, 2 * _F), np.float32), shared_down=np.zeros((_F, _H + 1), np.float32)
+    ),
+    "shared_gate_up width": dict(
+        shared_gate_up=np.zeros((_H, _F), np.float32), shared_down=np.zeros((_F, _H), np.float32)
+    ),
+    "shared_gate shape": dict(
+        shared_gate_up=np.zeros((_H, 2 * _F), np.float32),
+        shared_down=np.zeros((_F, _H), np.float32),
+        shared_gate=np.zeros((1, _H), np.float32),
+    ),
+    "shared_gate alone": dict(shared_gate=np.zeros((_H, 1), np.float32)),
 }
 
 
@@ -202,17 +217,20 @@ def _layer_error(framework: str, case: dict) -> Exception:
         gate_up=np.zeros((_E, _H, 2 * _F), np.float32),
         down=np.zeros((_E, _F, _H), np.float32),
         expert_bias=None,
+        **dict.fromkeys(layer_rules.SHARED_WEIGHTS),
     )
     options = dict(topk=2, score_function="softmax", aux_loss_coeff=0.0, activation="swiglu")
     for name, value in case.items():
         (arrays if name in arrays else options)[name] = value
-    bias = arrays.pop("expert_bias")
+    optional = {name: arrays.pop(name) for name in list(arrays)[4:]}
     try:
         if framework == "torch":
             x, gate, gate_up, down = (_torch(value) for value in arrays.values())
-            mt.moe(x, gate.t(), gate_up, down, expert_bias=None if bias is None else _torch(bias), **options)
+            optional = {name: None if value is None else _torch(value) for name, value in optional.items()}
+            mt.moe(x, gate.t(), gate_up, down, **optional, **options)
         else:
-            mj.moe(*map(_jax, arrays.values()), expert_bias=None if bias is None else _jax(bias), **options)
+            optional = {name: None if value is None else _jax(value) for name, value in optional.items()}
+            mj.moe(*map(_jax, arrays.values()), **optional, **options)
     except (TypeError, ValueError) as error:
         return error
     raise AssertionError(f"{framework}: no error for {case}")
@@ -237,3 +255,47 @@ def test_layers_name_their_exchanges_from_one_vocabulary():
     jax_names = importlib.import_module("moetriton.jax.moe").EXCHANGES
     assert set(torch_names) | set(jax_names) <= set(layer_rules.EXCHANGES)
     assert {"auto", "all_to_all"} <= set(torch_names) & set(jax_names)
+
+
+@pytest.mark.parametrize(("gate", "activation"), [(True, "swiglu"), (False, "gelu")])
+def test_layers_with_shared_experts_agree(gate, activation):
+    """The two layers with shared experts on the same inputs: outputs and every gradient (the shared weights'
+    included) agree to fp32 rounding (their GEMMs differ: PyTorch's and XLA's)."""
+    from tests.strategies_moe import MoEProblem, with_shared_experts
+
+    rng = np.random.default_rng(3)
+    problem = MoEProblem(
+        **dict(batch=2, seq=3, hidden=_H, ffn=_F, num_experts=_E, topk=2, score_function="softmax"),
+        **dict.fromkeys(("num_groups", "group_topk", "align_size", "expert_bias")),
+        capacity_factor=1.0,
+        routing="random",
+        x=rng.normal(size=(2, 3, _H)).astype(np.float32),
+        gate=rng.normal(0, _H**-0.5, (_H, _E)).astype(np.float32),
+        gate_up=rng.normal(0, _H**-0.5, (_E, _H, 2 * _F)).astype(np.float32),
+        down=rng.normal(0, _F**-0.5, (_E, _F, _H)).astype(np.float32),
+    )
+    problem = with_shared_experts(problem, gate=gate, activation=activation)
+    cotangent = rng.normal(size=problem.x.shape).astype(np.float32)
+    arrays = dict(x=problem.x, gate=problem.gate, gate_up=problem.gate_up, down=problem.down)
+    arrays.update(problem.shared_weights)
+    options = problem.layer_options(aux_loss_coeff=1e-2)
+
+    def jax_loss(x, gate, gate_up, down, *weights):
+        named = dict(zip(list(arrays)[4:], weights, strict=True))
+        out, aux_loss, _ = mj.moe(x, gate, gate_up, down, **named, **options)
+        return jnp.sum(out * cotangent) + aux_loss, out
+
+    (_, jax_out), jax_grads = jax.value_and_grad(jax_loss, argnums=tuple(range(len(arrays))), has_aux=True)(
+        *map(_jax, arrays.values())
+    )
+    leaves = {name: _torch(value).requires_grad_() for name, value in arrays.items()}
+    named = {name: leaves[name] for name in list(arrays)[4:]}
+    out, aux_loss, _ = mt.moe(
+        leaves["x"], leaves["gate"].t(), leaves["gate_up"], leaves["down"], **named, **options
+    )
+    ((out * _torch(cotangent)).sum() + aux_loss).backward()
+    np.testing.assert_allclose(np.asarray(jax_out), out.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)
+    for name, grad in zip(arrays, jax_grads, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(grad), leaves[name].grad.cpu().numpy(), rtol=1e-5, atol=1e-5, err_msg=name
+        )

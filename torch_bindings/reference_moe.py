@@ -45,6 +45,9 @@ def moe_reference(
     activation: str = "swiglu",
     capacity_factor: float | None = None,
     num_shards: int = 1,
+    shared_gate_up: Tensor | None = None,
+    shared_down: Tensor | None = None,
+    shared_gate: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Reference of `moe` on the unsharded batch.
 
@@ -53,6 +56,8 @@ def moe_reference(
             [E, H, F] non-gated); down [E, F, H]: every expert. Any float dtype; the math is fp32, except
             that the logits are rounded to x.dtype, as the layer's are.
         num_shards: token shards of the capacity policy (the token group's size).
+        shared_gate_up [H, 2Fs] (or [H, Fs]), shared_down [Fs, H], shared_gate [H, 1]: the shared experts,
+            a dense FFN of every token added to the routed output (times sigmoid(x @ shared_gate) per token).
         The other arguments are `moe`'s.
 
     Returns:
@@ -95,6 +100,11 @@ def moe_reference(
         rows = kept[:, expert].nonzero().squeeze(1)
         expert_out = _expert(tokens[rows], gate_up[expert].float(), down[expert].float(), activation)
         out = out.index_add(0, rows, probs[rows, expert, None].float() * expert_out)
+    if shared_gate_up is not None:
+        shared = _expert(tokens, shared_gate_up.float(), shared_down.float(), activation)  # [T, H]
+        if shared_gate is not None:
+            shared = torch.sigmoid(tokens @ shared_gate.float()) * shared
+        out = out + shared
     aux_loss = torch.zeros((), dtype=torch.float32, device=x.device)
     if aux_loss_coeff > 0 and num_tokens > 0:  # no tokens: no loss (the layer's zero)
         _, scores = reference_router.fused_compute_score_for_moe_aux_loss(logits, topk, score_function)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from moetriton.kernels.rules.expert_parallel import EPLayout
 
-from ..activation import grouped_activation
+from ..activation import apply_activation, grouped_activation
 from ..grouped_gemm import grouped_matmul
 from ..permutation import sort_chunks_by_index
 from .config import MoEConfig
@@ -27,6 +27,26 @@ def expert_mlp(
     )
     act = grouped_activation(hidden, group_sizes, config.activation)
     return grouped_matmul(act, down.astype(dtype), group_sizes, out_rows=order, zero_tail=False)
+
+
+def shared_mlp(tokens: jax.Array, shared_gate_up, shared_down, shared_gate, config: MoEConfig) -> jax.Array:
+    """The shared experts on every token of the shard: tokens [T, H] -> [T, H] in the compute dtype.
+
+    shared_gate_up [H, 2Fs] (gated activation; [H, Fs] otherwise) and shared_down [Fs, H]: one dense FFN
+    with the routed experts' activation (math in fp32), GEMMs in the compute dtype with fp32 accumulation.
+    shared_gate [H, 1] or None: the output scaled per token by sigmoid(tokens @ shared_gate), in fp32. Reads
+    nothing the routed path computes, so XLA may schedule it beside the row exchange."""
+    dtype = jnp.dtype(config.dtype)
+    tokens = tokens.astype(dtype)
+
+    def matmul(a, b):  # the compute dtype, fp32 accumulation
+        return jnp.dot(a, b.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+
+    out = matmul(apply_activation(matmul(tokens, shared_gate_up), config.activation), shared_down)
+    if shared_gate is None:
+        return out
+    logits = jnp.dot(tokens, shared_gate.astype(dtype), preferred_element_type=jnp.float32)  # [T, 1]
+    return (jax.nn.sigmoid(logits) * out.astype(jnp.float32)).astype(dtype)
 
 
 def expert_major_rows(

@@ -8,7 +8,8 @@ host sync). Tokens are sharded over (data axes..., EP axis) on their batch axis,
     shards, partial losses psum-ed) -> token_dispatch (aligned, or capacity C) -> exchange ->
     grouped_matmul(x, gate_up) reading the received rows in expert-major order -> activation ->
     grouped_matmul(., down) writing them back in the received order -> reverse exchange -> token_combine
-    with the merging probs.
+    with the merging probs (+ the shared experts' FFN of the shard's tokens, optionally gated per token,
+    where shared weights are given: computed from the tokens alone, with no dependency on the exchange).
 
 The received rows arrive grouped by source rank. The padded exchange places them straight in expert-major
 order (and takes the results back out of it) by the chunk sort's row map (`_expert_major_rows`: the
@@ -53,7 +54,7 @@ from ..permutation import token_combine, token_dispatch
 from ..router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 from .config import MoEConfig
 from .exchange import exchanged_experts
-from .experts import expert_mlp
+from .experts import expert_mlp, shared_mlp
 
 #: Row exchanges and expert activations: the shared layer rules' names (moetriton.kernels.rules.moe).
 EXCHANGES = layer_rules.JAX_EXCHANGES
@@ -88,8 +89,9 @@ def _router(x_flat, gate, expert_bias, config: MoEConfig, num_tokens_global: int
     return weights, indices, routed, loss.astype(jnp.float32)
 
 
-def _shard(x, gate, gate_up, down, expert_bias, *, config: MoEConfig):
-    """What one token shard computes: x [B_local, S, H] -> (out [B_local, S, H], aux loss, dropped)."""
+def _shard(x, gate, gate_up, down, expert_bias, shared_weights, *, config: MoEConfig):
+    """What one token shard computes: x [B_local, S, H] -> (out [B_local, S, H], aux loss, dropped).
+    shared_weights: (shared_gate_up, shared_down, shared_gate or None), or None without shared experts."""
     shape = x.shape
     num_tokens, hidden = shape[0] * shape[1], shape[2]
     num_experts = gate.shape[1]
@@ -106,6 +108,8 @@ def _shard(x, gate, gate_up, down, expert_bias, *, config: MoEConfig):
         x_flat, gate, expert_bias, config, num_tokens * config.num_shards
     )
     tokens = x_flat.astype(config.dtype)
+    # From the tokens alone: no data dependency on the dispatch or the exchange.
+    shared = None if shared_weights is None else shared_mlp(tokens, *shared_weights, config)  # [T, H]
     if layout.dropless:
         send, _, row_id_map, pad_offsets, counts = token_dispatch(
             tokens, indices=indices, num_experts=num_experts, align_size=layout.align_size
@@ -120,6 +124,8 @@ def _shard(x, gate, gate_up, down, expert_bias, *, config: MoEConfig):
     else:
         expert_out = exchanged_experts(send, counts, gate_up, down, layout, config)
     out = token_combine(expert_out, row_id_map, weights, pad_offsets)
+    if shared is not None:  # summed in fp32, rounded once to x.dtype below
+        out = out.astype(jnp.float32) + shared.astype(jnp.float32)
     dropped = dropped_slots(routed, layout).astype(jnp.int32)
     if config.token_axes:
         aux_loss = jax.lax.psum(aux_loss, config.token_axes)
@@ -179,6 +185,9 @@ def moe(
     ep_axis: str | None = "ep",
     data_axes: tuple[str, ...] = (),
     exchange: str = "auto",
+    shared_gate_up: jax.Array | None = None,
+    shared_down: jax.Array | None = None,
+    shared_gate: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A mixture-of-experts MLP layer with expert parallelism.
 
@@ -216,6 +225,15 @@ def moe(
             ragged all-to-all is far slower between the GPUs of one host, and between GPUs of different
             processes jaxlib 0.11 runs it only with
             XLA_FLAGS=--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true (docs/moe.md).
+        shared_gate_up, shared_down: the shared experts, an always-on dense FFN every token also goes
+            through (DeepSeek-V3, Qwen-MoE), added to the routed output: shared_gate_up [H, 2Fs] ([gate | up]
+            for a gated activation; [H, Fs] otherwise) and shared_down [Fs, H], the routed experts' layout
+            without the expert axis, in the compute dtype; several shared experts are one FFN of their
+            summed width Fs. Both or neither (None: no shared experts, the layer as without them). They
+            take PartitionSpec() (replicated over the data and EP axes): every token shard runs the FFN on
+            its own tokens, with no collective and no dependency on the routed path's exchange.
+        shared_gate: [H, 1] or None (PartitionSpec()): the shared FFN's output scaled per token by
+            sigmoid(x @ shared_gate) (fp32 logits and sigmoid), as Qwen-MoE does.
 
     Returns:
         (out [B, S, H] in x.dtype, aux_loss fp32 scalar, dropped int32 scalar: routed slots the capacity
@@ -247,8 +265,15 @@ def moe(
         activation=activation,
         score_function=score_function,
     )
-    for name, array in (("x", x), ("gate", gate), ("gate_up", gate_up), ("down", down)):
-        if not jnp.issubdtype(array.dtype, jnp.floating):
+    shared = dict(shared_gate_up=shared_gate_up, shared_down=shared_down, shared_gate=shared_gate)
+    layer_rules.check_shared_weights(
+        hidden=hidden,
+        activation=activation,
+        **{name: None if array is None else tuple(array.shape) for name, array in shared.items()},
+    )
+    arrays = dict(x=x, gate=gate, gate_up=gate_up, down=down, **shared)
+    for name, array in arrays.items():
+        if array is not None and not jnp.issubdtype(array.dtype, jnp.floating):
             raise ValueError(f"{name}: expected a floating dtype, got {array.dtype}")
     batch = x.shape[0]
     data_axes = tuple(data_axes)
@@ -285,20 +310,21 @@ def moe(
         num_shards=num_shards,
         ep_size=ep_size,
     )
-    return _moe(x, gate, gate_up, down, expert_bias, config)
+    shared_weights = None if shared_gate_up is None else (shared_gate_up, shared_down, shared_gate)
+    return _moe(x, gate, gate_up, down, expert_bias, shared_weights, config)
 
 
-@partial(jax.jit, static_argnums=(5,))
-def _moe(x, gate, gate_up, down, expert_bias, config: MoEConfig):
+@partial(jax.jit, static_argnums=(6,))
+def _moe(x, gate, gate_up, down, expert_bias, shared_weights, config: MoEConfig):
     if config.mesh is None:
-        return _shard(x, gate, gate_up, down, expert_bias, config=config)
+        return _shard(x, gate, gate_up, down, expert_bias, shared_weights, config=config)
     tokens = PartitionSpec(config.token_axes or None)
     experts = PartitionSpec(config.ep_axis)
-    arrays = (x, gate, gate_up, down) + ((expert_bias,) if expert_bias is not None else ())
-    specs = (tokens, PartitionSpec(), experts, experts, PartitionSpec())[: len(arrays)]
+    # The shared experts' weights are replicated (PartitionSpec() for every leaf; None leaves are no arrays).
+    specs = (tokens, PartitionSpec(), experts, experts, PartitionSpec(), PartitionSpec())
 
-    def body(x, gate, gate_up, down, expert_bias=None):
-        return _shard(x, gate, gate_up, down, expert_bias, config=config)
+    def body(x, gate, gate_up, down, expert_bias, shared_weights):
+        return _shard(x, gate, gate_up, down, expert_bias, shared_weights, config=config)
 
     # check_vma=False: our ops' custom_vjp rules and host callbacks do not carry varying-axis types; every
     # collective here is explicit, and JAX still psums the gradients of replicated inputs.
@@ -309,4 +335,4 @@ def _moe(x, gate, gate_up, down, expert_bias, config: MoEConfig):
         out_specs=(tokens, PartitionSpec(), PartitionSpec()),
         check_vma=False,
     )
-    return sharded(*arrays)
+    return sharded(x, gate, gate_up, down, expert_bias, shared_weights)

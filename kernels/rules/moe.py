@@ -33,6 +33,10 @@ TORCH_EXCHANGES = ("auto", "all_to_all", "peer")
 JAX_EXCHANGES = ("auto", "all_to_all", "ragged", "padded")
 
 
+#: The shared experts' weight arguments of both layers (and parameters of both modules), in this order.
+SHARED_WEIGHTS = ("shared_gate_up", "shared_down", "shared_gate")
+
+
 def _fail(name: str, message: str) -> None:
     raise ValueError(f"{name}: {message}")
 
@@ -102,3 +106,67 @@ def check_weights(
         if list(expert_bias) != [num_experts]:
             _fail("expert_bias", f"expected [E] = [{num_experts}], got {list(expert_bias)}")
     return LayerShape(hidden, num_experts, ffn)
+
+
+def shared_ffn_dim(num_shared_experts, ffn: int, shared_expert_gate: bool) -> int:
+    """Width Fs of the modules' shared FFN: `num_shared_experts` always-on experts of F = `ffn` columns
+    each are one FFN of width num_shared_experts * F (as Megatron builds them); 0 for none. A gate needs a
+    shared FFN to scale."""
+    count = num_shared_experts
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        _fail("num_shared_experts", f"expected an int >= 0, got {num_shared_experts!r}")
+    if shared_expert_gate and num_shared_experts == 0:
+        _fail("shared_expert_gate", "expected False without shared experts (num_shared_experts = 0)")
+    return num_shared_experts * ffn
+
+
+def shared_weight_shapes(
+    *, hidden: int, ffn: int, num_shared_experts, shared_expert_gate: bool, activation: str
+) -> dict[str, tuple[int, ...]]:
+    """The modules' shared-expert parameters by name (validating the two options): shared_gate_up [H, 2Fs]
+    (gated) or [H, Fs] and shared_down [Fs, H] with Fs = num_shared_experts * F, and shared_gate [H, 1]
+    with the gate; none without shared experts."""
+    shared_ffn = shared_ffn_dim(num_shared_experts, ffn, shared_expert_gate)
+    if not shared_ffn:
+        return {}
+    shapes = dict(shared_gate_up=(hidden, gate_up_width(activation, shared_ffn)))
+    shapes["shared_down"] = (shared_ffn, hidden)
+    if shared_expert_gate:
+        shapes["shared_gate"] = (hidden, 1)
+    return shapes
+
+
+def check_shared_weights(
+    *,
+    hidden: int,
+    activation: str,
+    shared_gate_up: tuple[int, ...] | None,
+    shared_down: tuple[int, ...] | None,
+    shared_gate: tuple[int, ...] | None,
+) -> int | None:
+    """Shapes of the shared experts' weights; returns the shared FFN width Fs, or None without one.
+
+    The routed experts' layout without the expert axis, the same in both frameworks: shared_gate_up
+    [H, 2Fs] ([gate | up], gated activations) or [H, Fs], shared_down [Fs, H] (both or neither), and the
+    optional per-token gate weight shared_gate [H, 1] (only with the shared FFN)."""
+    if shared_gate_up is None and shared_down is None:
+        if shared_gate is not None:
+            _fail("shared_gate", "expected None without shared_gate_up and shared_down (nothing to gate)")
+        return None
+    for name, shape in (("shared_gate_up", shared_gate_up), ("shared_down", shared_down)):
+        if shape is None:
+            _fail(name, "expected an array: shared_gate_up and shared_down come together, got None")
+    if len(shared_down) != 2 or shared_down[1] != hidden:
+        _fail("shared_down", f"expected [Fs, H] with H = {hidden}, got shape {list(shared_down)}")
+    shared_ffn = shared_down[0]
+    expected = [hidden, gate_up_width(activation, shared_ffn)]
+    if list(shared_gate_up) != expected:
+        columns = "2Fs" if GATED_ACTIVATIONS[activation] else "Fs"
+        _fail(
+            "shared_gate_up",
+            f"expected [H, {columns}] = {expected} (Fs = {shared_ffn} from shared_down), got"
+            f" {list(shared_gate_up)}",
+        )
+    if shared_gate is not None and list(shared_gate) != [hidden, 1]:
+        _fail("shared_gate", f"expected [H, 1] = [{hidden}, 1], got {list(shared_gate)}")
+    return shared_ffn

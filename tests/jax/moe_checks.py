@@ -1,7 +1,8 @@
 """Expert-parallel MoE layer checks, run in a subprocess with 8 host CPU devices (see test_moe.py) or on GPUs.
 
 `python -m tests.jax.moe_checks CHECK` runs one check and prints "CHECK: ok". Every check compares
-`moetriton.jax.moe` (forward, aux loss, dropped count, and the gradients of x, gate, gate_up and down) with
+`moetriton.jax.moe` (forward, aux loss, dropped count, and the gradients of x, gate, gate_up, down and the
+shared experts' weights where a problem has them) with
 the dense single-device reference `moetriton.jax.reference_moe`, on a mesh of (data, ep) devices:
 
 * mesh-DxE: problems drawn from tests/strategies_moe.py on a D x E mesh, each run dropless without and with
@@ -13,6 +14,8 @@ the dense single-device reference `moetriton.jax.reference_moe`, on a mesh of (d
 * exchanges (GPUs only): exchange="ragged" and "padded" against the reference and each other, bitwise;
 * exchange-blocks: the padded exchange with each block size it picks (balanced to skewed routing) against a
   numpy simulation, with the gradient of its round trip;
+* shared-experts: shared experts (with and without the per-token gate, gated and ungated activations,
+  dropless and capacity) on meshes 1x2 and 2x2, and the Flax block's replicated shared parameters;
 * flax: the Flax MoEBlock on a mesh with logical-axis rules equals the functional layer;
 * errors: mesh-dependent argument errors;
 * benchmark: benchmarks/moe_jax.py's baseline against the layer, and one step of its command line.
@@ -39,7 +42,8 @@ from moetriton.jax import reference_router
 from moetriton.jax.moe import moe
 from moetriton.jax.reference_moe import moe_reference
 from moetriton.kernels.rules.expert_parallel import ep_layout
-from tests.strategies_moe import MoEProblem, moe_problems
+from moetriton.kernels.rules.moe import SHARED_WEIGHTS
+from tests.strategies_moe import MoEProblem, moe_problems, with_shared_experts
 
 _SETTINGS = dict(
     deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck), print_blob=True
@@ -53,7 +57,13 @@ def make_mesh(data: int, ep: int) -> Mesh:
 
 
 def _arrays(problem: MoEProblem) -> tuple[jax.Array, ...]:
-    return tuple(jnp.asarray(a) for a in (problem.x, problem.gate, problem.gate_up, problem.down))
+    """(x, gate, gate_up, down, then the shared experts' weights the problem has, in SHARED order)."""
+    arrays = (problem.x, problem.gate, problem.gate_up, problem.down, *problem.shared_weights.values())
+    return tuple(jnp.asarray(a) for a in arrays)
+
+
+#: Differentiable layer arguments in `_arrays` order.
+ARGUMENTS = ("x", "gate", "gate_up", "down", *SHARED_WEIGHTS)
 
 
 def _options(problem: MoEProblem) -> dict:
@@ -61,29 +71,33 @@ def _options(problem: MoEProblem) -> dict:
     return dict(problem.layer_options(aux_loss_coeff=1e-2), expert_bias=expert_bias)
 
 
-def step(layer, cotangent):
-    """jit of (x, gate, gate_up, down) -> ((loss, (out, aux_loss, dropped)), gradients): one compiled program
-    for the forward results and every gradient, loss = <out, cotangent> + aux loss."""
+def step(layer, cotangent, num_arrays: int = 4):
+    """jit of (x, gate, gate_up, down, shared weights...) -> ((loss, (out, aux_loss, dropped)), gradients):
+    one compiled program for the forward results and every gradient, loss = <out, cotangent> + aux loss."""
 
-    def loss(x, gate, gate_up, down):
-        results = layer(x, gate, gate_up, down)
+    def loss(*arrays):
+        results = layer(*arrays)
         return jnp.sum(results[0].astype(jnp.float32) * cotangent) + results[1], results
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(num_arrays)), has_aux=True))
 
 
 def layer_and_reference(problem: MoEProblem, mesh: Mesh | None, **extra):
-    """(layer, reference): functions of (x, gate, gate_up, down) -> (out, aux_loss, dropped). Without a mesh
-    the layer runs on one device without collectives."""
+    """(layer, reference): functions of (x, gate, gate_up, down, the problem's shared weights) -> (out,
+    aux_loss, dropped). Without a mesh the layer runs on one device without collectives."""
     options = _options(problem)
     num_shards = 1 if mesh is None else mesh.size
     placement = {} if mesh is None else dict(mesh=mesh, ep_axis="ep", data_axes=("data",))
 
-    def layer(x, gate, gate_up, down):
-        return moe(x, gate, gate_up, down, **placement, **options, **extra)
+    shared_names = tuple(problem.shared_weights)
 
-    def reference(x, gate, gate_up, down):
-        return moe_reference(x, gate, gate_up, down, num_shards=num_shards, **options)
+    def layer(x, gate, gate_up, down, *shared):
+        shared = dict(zip(shared_names, shared, strict=True))
+        return moe(x, gate, gate_up, down, **placement, **options, **extra, **shared)
+
+    def reference(x, gate, gate_up, down, *shared):
+        shared = dict(zip(shared_names, shared, strict=True))
+        return moe_reference(x, gate, gate_up, down, num_shards=num_shards, **options, **shared)
 
     return layer, reference
 
@@ -104,14 +118,15 @@ def check_against_reference(problem: MoEProblem, mesh: Mesh | None, **extra) -> 
     arrays = _arrays(problem)
     what = f"{problem} on mesh {None if mesh is None else dict(mesh.shape)} {extra}"
     cotangent = jnp.asarray(np.random.default_rng(1).normal(size=problem.x.shape).astype(np.float32))
-    (_, got), grads = step(layer, cotangent)(*arrays)
-    (_, expected), expected_grads = step(reference, cotangent)(*arrays)
+    (_, got), grads = step(layer, cotangent, len(arrays))(*arrays)
+    (_, expected), expected_grads = step(reference, cotangent, len(arrays))(*arrays)
     _close(got[0], expected[0], f"out of {what}", rtol)
     _close(got[1], expected[1], f"aux loss of {what}")
     assert got[0].shape == problem.x.shape and got[0].dtype == arrays[0].dtype, what
     assert got[2].dtype == jnp.int32, what
     assert int(got[2]) == int(expected[2]), (int(got[2]), int(expected[2]), what)
-    for name, g, e in zip(("x", "gate", "gate_up", "down"), grads, expected_grads, strict=True):
+    names = ("x", "gate", "gate_up", "down", *problem.shared_weights)
+    for name, g, e in zip(names, grads, expected_grads, strict=True):
         _close(g, e, f"grad {name} of {what}", grad_rtol)
     return got, grads
 
@@ -377,6 +392,40 @@ def _exchange_blocks_round_trips(mesh: Mesh, layout, hidden: int) -> set[int]:
     return chosen
 
 
+def check_shared_experts() -> None:
+    """Shared experts on meshes 1x2 and 2x2 (replicated weights, gradients summed over the token shards):
+    gated and ungated activations, with and without the gate, dropless and capacity; then the Flax block
+    with shared experts: parameters replicated by the default rules, its result the functional layer's."""
+    from flax import linen as nn
+
+    from moetriton.jax.flax import MoEBlock, init_sharded
+
+    for (data, ep), gate, activation, capacity_factor in (
+        ((1, 2), True, "swiglu", None),
+        ((1, 2), False, "gelu", 0.5),
+        ((2, 2), True, "relu", None),
+    ):
+        problem = fixed_problem(
+            data, ep, routing="empty_ranks", topk=2, align_size=2, capacity_factor=capacity_factor
+        )
+        check_against_reference(
+            with_shared_experts(problem, gate=gate, activation=activation), make_mesh(data, ep)
+        )
+    mesh = make_mesh(2, 2)
+    x = jnp.asarray(fixed_problem(2, 2, routing="empty_ranks", topk=2, align_size=2).x)
+    options = dict(topk=2, aux_loss_coeff=1e-2, mesh=mesh, ep_axis="ep", data_axes=("data",))
+    block = MoEBlock(num_experts=4, ffn_dim=8, num_shared_experts=2, shared_expert_gate=True, **options)
+    params = nn.meta.unbox(init_sharded(block, jax.random.key(0), x, mesh=mesh)["params"])
+    shared = {name: params[name] for name in ARGUMENTS[4:]}
+    assert [shared[name].shape for name in shared] == [(8, 32), (16, 8), (8, 1)], shared
+    for name, weight in shared.items():
+        assert all(axis is None for axis in weight.sharding.spec), (name, weight.sharding)
+    out = jax.jit(block.apply)({"params": params}, x)
+    expected = moe(x, params["gate"], params["gate_up"], params["down"], **options, **shared)
+    for a, b in zip(out, expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def check_flax() -> None:
     from flax import linen as nn
 
@@ -459,6 +508,7 @@ CHECKS = {
     "determinism": check_determinism,
     "exchanges": check_exchanges,
     "exchange-blocks": check_exchange_blocks,
+    "shared-experts": check_shared_experts,
     "flax": check_flax,
     "errors": check_errors,
     "benchmark": check_benchmark,
@@ -475,6 +525,7 @@ DEVICES.update(
         "determinism": 4,
         "exchanges": 2,
         "exchange-blocks": 2,
+        "shared-experts": 4,
         "flax": 4,
         "errors": 2,
         "benchmark": 2,

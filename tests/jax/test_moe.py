@@ -26,7 +26,7 @@ from moetriton.jax.moe import moe
 from moetriton.jax.moe.layer import resolve_exchange
 from tests.jax._helpers import gpu_count, run_python
 from tests.jax.moe_checks import CHECKS, DEVICES, check_against_reference, fixed_problem
-from tests.strategies_moe import moe_problems
+from tests.strategies_moe import moe_problems, with_shared_experts
 
 INTERPRETED = {"mesh-1x1", "mesh-1x2", "overflow", "errors"}
 
@@ -78,6 +78,46 @@ def test_bf16_compute_matches_fp32_reference():
         check_against_reference(problem, None, dtype="bfloat16")
 
 
+@pytest.mark.parametrize(
+    ("gate", "activation", "capacity_factor"),
+    [(False, "swiglu", None), (True, "gelu", None), (True, "swiglu", 0.5), (False, "relu", 0.5)],
+)
+def test_shared_experts_on_one_device_match_reference(gate, activation, capacity_factor):
+    """Forward, aux loss, dropped count and every gradient, the shared weights' included."""
+    problem = fixed_problem(1, 1, routing="rank0", topk=2, align_size=2, capacity_factor=capacity_factor)
+    with jax.default_matmul_precision("highest"):
+        check_against_reference(with_shared_experts(problem, gate=gate, activation=activation), None)
+
+
+def test_zero_shared_experts_leave_the_routed_output_bitwise():
+    """The shared output is added in fp32: shared experts that output zeros change no bit of the layer."""
+    arguments = _args(gate=jnp.asarray(np.random.default_rng(1).normal(size=(8, 4)), jnp.float32))
+    arguments["gate_up"] = jnp.ones_like(arguments["gate_up"])
+    arguments["down"] = jnp.ones_like(arguments["down"])
+    routed = moe(**arguments)
+    shared = moe(
+        **arguments,
+        shared_gate_up=jnp.ones((8, 16)),
+        shared_down=jnp.zeros((8, 8)),
+        shared_gate=jnp.ones((8, 1)),
+    )
+    for got, expected in zip(shared, routed, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
+def test_flax_block_refuses_bad_shared_expert_options():
+    from moetriton.jax.flax import MoEBlock
+
+    x = jnp.zeros((2, 3, 8))
+    for options, message in (
+        (dict(num_shared_experts=-1), "num_shared_experts: expected an int >= 0, got -1"),
+        (dict(shared_expert_gate=True), "shared_expert_gate: expected False without shared experts"),
+    ):
+        block = MoEBlock(num_experts=4, ffn_dim=4, topk=2, **options)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            block.init(jax.random.key(0), x)
+
+
 def _args(**change):
     rng = np.random.default_rng(0)
     hidden, ffn, experts = 8, 4, 4
@@ -115,6 +155,20 @@ def _args(**change):
         (dict(aux_loss_coeff=-1.0), "aux_loss_coeff: expected a finite number >= 0"),
         (dict(exchange="nccl"), "exchange: expected one of"),
         (dict(data_axes=("data",)), "data_axes: expected () without a mesh"),
+        (dict(shared_down=jnp.zeros((6, 8))), "shared_gate_up: expected an array: shared_gate_up and"),
+        (
+            dict(shared_gate_up=jnp.zeros((8, 12)), shared_down=jnp.zeros((6, 7))),
+            "shared_down: expected [Fs, H] with H = 8, got shape [6, 7]",
+        ),
+        (
+            dict(shared_gate_up=jnp.zeros((8, 6)), shared_down=jnp.zeros((6, 8))),
+            "shared_gate_up: expected [H, 2Fs] = [8, 12] (Fs = 6 from shared_down), got [8, 6]",
+        ),
+        (dict(shared_gate=jnp.zeros((8, 1))), "shared_gate: expected None without shared_gate_up"),
+        (
+            dict(shared_gate_up=jnp.zeros((8, 12), jnp.int32), shared_down=jnp.zeros((6, 8))),
+            "shared_gate_up: expected a floating dtype",
+        ),
     ],
 )
 def test_bad_arguments_raise_clear_errors(change, message):

@@ -6,9 +6,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moetriton.kernels.rules.moe import SHARED_WEIGHTS
 from tests.strategies_moe import MoEProblem
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # fp32 layer vs fp32 reference: GEMM and reduction order only
+#: The shared experts' weights: replicated on every rank, their gradients summed over the ranks as the
+#: router weight's.
+SHARED = SHARED_WEIGHTS
 
 
 def options(problem: MoEProblem) -> dict:
@@ -17,7 +21,8 @@ def options(problem: MoEProblem) -> dict:
 
 
 def tensors(problem: MoEProblem, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every rank's inputs, fp32 (torch gate weight is [E, H]) and the output cotangent [B, S, H]."""
+    """Every rank's inputs, fp32 (torch gate weight is [E, H]; the shared experts' weights where the
+    problem has them) and the output cotangent [B, S, H]."""
     generator = torch.Generator().manual_seed(problem.batch * 131 + problem.seq)
     values = dict(
         x=torch.from_numpy(problem.x),
@@ -25,6 +30,7 @@ def tensors(problem: MoEProblem, device: torch.device) -> dict[str, torch.Tensor
         gate_up=torch.from_numpy(problem.gate_up),
         down=torch.from_numpy(problem.down),
         cotangent=torch.randn(problem.x.shape, generator=generator),
+        **{name: torch.from_numpy(value) for name, value in problem.shared_weights.items()},
     )
     if problem.expert_bias is not None:
         values["expert_bias"] = torch.from_numpy(problem.expert_bias)
@@ -35,7 +41,7 @@ def run_layer(
     problem: MoEProblem, full: dict, rank: int, world: int, exchange: str = "auto", **groups
 ) -> dict:
     """This rank's layer call on its token shard (of `world`) and the experts of its place in ep_group (all
-    of them without one): outputs and gradients."""
+    of them without one), with the replicated shared experts' weights: outputs and gradients."""
     import moetriton.torch as mt
 
     ep_group = groups.get("ep_group")
@@ -48,11 +54,12 @@ def run_layer(
         gate_weight=full["gate_weight"].clone(),
         gate_up=full["gate_up"][experts].clone(),
         down=full["down"][experts].clone(),
+        **{name: full[name].clone() for name in SHARED if name in full},
     )
     for value in inputs.values():
         value.requires_grad_()
     out, aux_loss, dropped = mt.moe(
-        *inputs.values(),
+        **inputs,
         expert_bias=full.get("expert_bias"),
         exchange=exchange,
         **options(problem),
@@ -71,9 +78,10 @@ def reference(problem: MoEProblem, full: dict, num_shards: int = 1) -> dict:
     """The unsharded reference: outputs and gradients of every input."""
     from moetriton.torch.reference_moe import moe_reference
 
-    inputs = {name: full[name].clone().requires_grad_() for name in ("x", "gate_weight", "gate_up", "down")}
+    names = ("x", "gate_weight", "gate_up", "down", *(name for name in SHARED if name in full))
+    inputs = {name: full[name].clone().requires_grad_() for name in names}
     out, aux_loss, dropped = moe_reference(
-        *inputs.values(), expert_bias=full.get("expert_bias"), num_shards=num_shards, **options(problem)
+        **inputs, expert_bias=full.get("expert_bias"), num_shards=num_shards, **options(problem)
     )
     ((out * full["cotangent"]).sum() + aux_loss).backward()
     return dict(
@@ -89,7 +97,8 @@ def check_rank(
 ) -> None:
     """A rank's results against the reference: its token shard (of `world`), the experts of its place
     `ep_rank` in an EP group of `ep` ranks, the global aux loss and dropped count; `got["grad gate_weight"]`
-    must already be summed over the ranks, expert gradients over the ranks that hold the same experts."""
+    and the shared experts' gradients must already be summed over the ranks, expert gradients over the
+    ranks that hold the same experts."""
     batch, local = problem.batch // world, problem.num_experts // ep
     tokens = slice(rank * batch, (rank + 1) * batch)
     experts = slice(ep_rank * local, (ep_rank + 1) * local)
@@ -103,6 +112,7 @@ def check_rank(
         ("grad gate_weight", ...),
         ("grad gate_up", experts),
         ("grad down", experts),
+        *((f"grad {name}", ...) for name in SHARED if f"grad {name}" in expected),
     ):
         torch.testing.assert_close(
             got[name], expected[name][part], **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}"
@@ -158,7 +168,9 @@ def ep_worker(
                     runs.append(run_layer(problem, full, rank, world, exchange, **groups))
                     # Replicated parameters' gradients are summed over their replicas, as DDP would: the
                     # gate's over every rank, the experts' over the ranks that hold the same experts.
-                    dist.all_reduce(runs[-1]["grad gate_weight"])
+                    for name in ("gate_weight", *SHARED):
+                        if f"grad {name}" in runs[-1]:
+                            dist.all_reduce(runs[-1][f"grad {name}"])
                     if data > 1:
                         for name in ("grad gate_up", "grad down"):
                             dist.all_reduce(runs[-1][name], group=replicas[ep_rank])

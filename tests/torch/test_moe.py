@@ -6,6 +6,7 @@ torch._grouped_mm, CUDA-graph capture and torch.compile."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import gzip
 import importlib.util
 import json
@@ -21,7 +22,7 @@ import moetriton.torch as mt
 from moetriton.kernels.rules.expert_parallel import ep_layout, padded_counts
 from moetriton.torch.moe import expert_mlp, grouped_mm_supported
 from moetriton.torch.reference_moe import moe_reference
-from tests.strategies_moe import moe_problems
+from tests.strategies_moe import moe_problems, with_shared_experts
 from tests.torch._helpers import DEVICE
 from tests.torch._moe_helpers import (
     TOLERANCE,
@@ -67,6 +68,46 @@ def _run(x, weights, **kwargs):
 def test_layer_matches_the_dense_reference(problem):
     full = tensors(problem, DEVICE)
     check_rank(problem, run_layer(problem, full, 0, 1), reference(problem, full), 0, 1)
+
+
+#: Shared-expert variants: (per-token gate, activation, capacity factor): gated and ungated activations,
+#: with and without the gate, dropless and capacity.
+SHARED_VARIANTS = ((False, "swiglu", None), (True, "gelu", None), (True, "swiglu", 0.5), (False, "relu", 0.5))
+
+
+@settings(max_examples=2)
+@given(problem=moe_problems())
+def test_shared_experts_match_the_dense_reference(problem):
+    """Forward, aux loss, dropped count and every gradient, the shared weights' included."""
+    for gate, activation, capacity_factor in SHARED_VARIANTS:
+        variant = with_shared_experts(
+            dataclasses.replace(problem, capacity_factor=capacity_factor), gate=gate, activation=activation
+        )
+        full = tensors(variant, DEVICE)
+        got, expected = run_layer(variant, full, 0, 1), reference(variant, full)
+        assert {f"grad {name}" for name in variant.shared_weights} <= set(got)
+        check_rank(variant, got, expected, 0, 1)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_zero_shared_experts_leave_the_routed_output_bitwise(capacity_factor):
+    """The shared output is added in fp32: shared experts that output zeros change no bit of the layer."""
+    x, (gate, gate_up, down) = _tokens(10), _weights()
+    options = dict(topk=2, capacity_factor=capacity_factor)
+    routed = mt.moe(x, gate, gate_up, down, **options)
+    shared_gate_up = torch.randn(H, 4 * F, device=DEVICE)
+    shared = mt.moe(
+        x,
+        gate,
+        gate_up,
+        down,
+        shared_gate_up=shared_gate_up,
+        shared_down=torch.zeros(2 * F, H, device=DEVICE),
+        shared_gate=torch.randn(H, 1, device=DEVICE),
+        **options,
+    )
+    for got, expected in zip(shared, routed, strict=True):
+        assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("align_size", [None, 1, 3, 16])
@@ -252,6 +293,41 @@ def test_module_runs_the_functional_layer():
     assert "local_experts=4" in repr(layer)
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_module_shared_experts(activation):
+    """num_shared_experts shared experts of F columns each: one FFN of width Fs = n * F, replicated; with
+    shared_expert_gate a gate weight [H, 1]; forward is the functional layer on the parameters."""
+    layer = mt.MoELayer(
+        H, F, E, 2, activation=activation, num_shared_experts=2, shared_expert_gate=True, device=DEVICE
+    )
+    width = 4 * F if activation == "swiglu" else 2 * F
+    assert layer.shared_gate_up.shape == (H, width) and layer.shared_down.shape == (2 * F, H)
+    assert layer.shared_gate.shape == (H, 1) and "shared_ffn=16, shared_expert_gate=True" in repr(layer)
+    assert (
+        abs(float(layer.shared_down.detach().std()) * (2 * F) ** 0.5 - 1) < 0.5
+    )  # fan-in scaled like the experts
+    x = _tokens(6).view(2, 3, H)
+    out, _, _ = layer(x)
+    expected, _, _ = mt.moe(
+        x,
+        layer.gate_weight,
+        layer.gate_up,
+        layer.down,
+        topk=2,
+        activation=activation,
+        shared_gate_up=layer.shared_gate_up,
+        shared_down=layer.shared_down,
+        shared_gate=layer.shared_gate,
+    )
+    assert torch.equal(out, expected)
+    out.sum().backward()
+    for weight in (layer.shared_gate_up, layer.shared_down, layer.shared_gate):
+        assert weight.grad is not None and weight.grad.abs().sum() > 0
+    plain = mt.MoELayer(H, F, E, 2, device=DEVICE)
+    assert plain.shared_gate_up is None and plain.shared_gate is None
+    assert not any(name.startswith("shared") for name in plain.state_dict())
+
+
 def _bad(name: str):
     """Valid arguments of a small layer call with one of them broken; (args, kwargs)."""
     x = _tokens(4)
@@ -265,6 +341,16 @@ def _bad(name: str):
         "dtype": lambda: (x, gate.half(), gate_up, down),
         "x dtype": lambda: (x.double(), gate, gate_up, down),
     }
+    shared = dict(shared_gate_up=torch.zeros(H, 4 * F), shared_down=torch.zeros(2 * F, H))
+    shared = {name: value.to(DEVICE) for name, value in shared.items()}
+    bad_shared = {
+        "shared_down alone": dict(shared_down=shared["shared_down"]),
+        "shared_gate_up width": dict(shared, shared_gate_up=shared["shared_gate_up"][:, :-1]),
+        "shared_gate shape": dict(shared, shared_gate=torch.zeros(H, 2, device=DEVICE)),
+        "shared dtype": dict(shared, shared_down=shared["shared_down"].to(DEVICE, torch.float64)),
+    }
+    if name in bad_shared:
+        return (x, gate, gate_up, down), kwargs | bad_shared[name]
     if name in broken:
         return broken[name](), kwargs
     bad_kwargs = {
@@ -297,6 +383,10 @@ def _bad(name: str):
         ("aux_loss_coeff", "aux_loss_coeff"),
         ("topk", "topk"),
         ("expert_bias", "expert_bias"),
+        ("shared_down alone", "shared_gate_up: expected an array: shared_gate_up and shared_down come"),
+        ("shared_gate_up width", r"shared_gate_up: expected \[H, 2Fs\] = \[8, 32\] \(Fs = 16 from"),
+        ("shared_gate shape", r"shared_gate: expected \[H, 1\] = \[8, 1\], got \[8, 2\]"),
+        ("shared dtype", "shared_down: expected dtype torch.float32"),
     ],
 )
 def test_bad_input_is_named(case, match):
@@ -312,6 +402,10 @@ def test_module_validates_at_construction():
         mt.MoELayer(H, F, E, 2, capacity_factor=0)
     with pytest.raises(ValueError, match="exchange"):
         mt.MoELayer(H, F, E, 2, exchange="nccl")
+    with pytest.raises(ValueError, match="num_shared_experts: expected an int >= 0, got -1"):
+        mt.MoELayer(H, F, E, 2, num_shared_experts=-1)
+    with pytest.raises(ValueError, match="shared_expert_gate: expected False without shared experts"):
+        mt.MoELayer(H, F, E, 2, shared_expert_gate=True)
 
 
 # Process groups ---------------------------------------------------------------------------------------------
@@ -357,6 +451,23 @@ def test_expert_parallel_gloo_matches_the_dense_reference(tmp_path, world):
     @given(problems=_ep_problems(world))
     def check(problems):
         _spawn(tmp_path, world, "gloo", problems)
+
+    check()
+
+
+def test_shared_experts_under_expert_parallel_gloo(tmp_path):
+    """EP 2 with shared experts (replicated, their gradients summed over the ranks): gated swiglu dropless
+    and ungated gelu under a capacity, against the dense reference."""
+
+    @_ONE_SPAWN
+    @given(problems=_ep_problems(2))
+    def check(problems):
+        dropless, capacity = problems
+        shared = (
+            with_shared_experts(dropless, gate=True),
+            with_shared_experts(capacity, gate=False, activation="gelu"),
+        )
+        _spawn(tmp_path, 2, "gloo", shared)
 
     check()
 

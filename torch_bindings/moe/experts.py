@@ -92,3 +92,33 @@ def batched_mlp(rows: Tensor, gate_up: Tensor, down: Tensor, activation: str) ->
         act = _activate(hidden, activation)
     with stage("grouped_gemm"):
         return torch.bmm(act, down).reshape(rows.shape)
+
+
+def shared_mlp(
+    tokens: Tensor, shared_gate_up: Tensor, shared_down: Tensor, shared_gate: Tensor | None, activation: str
+) -> Tensor:
+    """The shared experts on every token: tokens [T, H] -> [T, H] in tokens.dtype.
+
+    shared_gate_up [H, 2Fs] (gated activation; [H, Fs] otherwise) and shared_down [Fs, H]: one dense FFN
+    with the routed experts' activation (math in fp32), GEMMs in tokens.dtype with fp32 accumulation.
+    shared_gate [H, 1] or None: the FFN's output scaled per token by sigmoid(tokens @ shared_gate) (logits
+    and sigmoid in fp32).
+    Reads nothing the routed path computes, so it can run beside the row exchange.
+
+    Example:
+        >>> out = shared_mlp(torch.randn(5, 8), torch.randn(8, 12), torch.randn(6, 8), None, "swiglu")
+        >>> out.shape
+        torch.Size([5, 8])
+    """
+    # The routed experts' stages: the profile attributes the shared FFN's GEMMs and activation alike.
+    with stage("grouped_gemm"):
+        hidden = tokens @ shared_gate_up  # [T, 2Fs] or [T, Fs]
+    with stage("activation"):
+        act = _activate(hidden, activation)  # [T, Fs]
+    with stage("grouped_gemm"):
+        out = act @ shared_down  # [T, H]
+        if shared_gate is None:
+            return out
+        # fp32 logits, as JAX's (an [H, 1] GEMV: the fp32 copy of the tokens is the cheap part of the FFN)
+        scale = torch.sigmoid(tokens.float() @ shared_gate.float())  # [T, 1]
+        return (scale * out.float()).to(out.dtype)

@@ -12,6 +12,7 @@ moetriton.kernels.rules.expert_parallel (EPLayout, dropless_exchange, dropped_sl
       -> rows exchanged with all_to_all_single -> receive buffer, source-major
       -> sort_chunks_by_index to expert-major -> grouped GEMM gate_up -> SwiGLU -> grouped GEMM down
       -> inverse chunk sort -> reverse all_to_all_single -> token_combine with w -> [T, H]
+      (+ the shared experts' FFN of x, optionally gated per token, where shared weights are given)
 
 Dropless with EP > 1 on GPUs of one host (exchange="auto" or "peer"), the exchanges and chunk sorts are
 replaced by moetriton.torch.moe.peer: token_dispatch writes into a symmetric staging buffer, every rank
@@ -66,6 +67,7 @@ from ..router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, f
 from .all_to_all import dropless_experts
 from .capacity import capacity_experts, check_same_tokens, gather_tokens
 from .collectives import gather_counts, global_sum, group_size_and_rank
+from .experts import shared_mlp
 from .peer import exchange_for, peer_dropless
 
 #: Expert activations and row exchanges (the dropless layer with EP > 1: "all_to_all" is all_to_all_single
@@ -85,6 +87,9 @@ def _check_moe(
     gate_up: Signature,
     down: Signature,
     expert_bias: Signature | None,
+    shared_gate_up: Signature | None,
+    shared_down: Signature | None,
+    shared_gate: Signature | None,
     ep_size: int,
     activation,
     score_function,
@@ -100,7 +105,8 @@ def _check_moe(
         exchange=exchange,
         exchanges=EXCHANGES,
     )
-    same_device(x=x, gate_weight=gate_weight, gate_up=gate_up, down=down, expert_bias=expert_bias)
+    shared = dict(shared_gate_up=shared_gate_up, shared_down=shared_down, shared_gate=shared_gate)
+    same_device(x=x, gate_weight=gate_weight, gate_up=gate_up, down=down, expert_bias=expert_bias, **shared)
     if len(gate_weight[0]) != 2:
         raise ValueError(f"gate_weight: expected [E, H], got shape {list(gate_weight[0])}")
     num_experts, hidden = gate_weight[0]
@@ -116,11 +122,17 @@ def _check_moe(
         activation=activation,
         score_function=score_function,
     )
+    layer_rules.check_shared_weights(
+        hidden=hidden,
+        activation=activation,
+        **{name: None if sig is None else tuple(sig[0]) for name, sig in shared.items()},
+    )
     dtype = x[1]
     if dtype not in _DTYPES:
         raise ValueError(f"x: expected dtype float32, bfloat16 or float16, got {dtype}")
-    for name, sig in (("gate_weight", gate_weight), ("gate_up", gate_up), ("down", down)):
-        if sig[1] != dtype:
+    weights = dict(gate_weight=gate_weight, gate_up=gate_up, down=down, **shared)
+    for name, sig in weights.items():
+        if sig is not None and sig[1] != dtype:
             raise ValueError(f"{name}: expected dtype {dtype} (as x), got {sig[1]}")
     return shape
 
@@ -171,6 +183,9 @@ def moe(
     ep_group: dist.ProcessGroup | None = None,
     token_group: dist.ProcessGroup | None = None,
     exchange: str = "auto",
+    shared_gate_up: Tensor | None = None,
+    shared_down: Tensor | None = None,
+    shared_gate: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One MoE layer on this rank's tokens, experts sharded over `ep_group` (see the module docstring).
 
@@ -202,12 +217,22 @@ def moe(
             machine's name and torchrun's node rank (GROUP_RANK); it is gathered over ep_group once, on the
             group's first call with exchange="peer" or with peer memory possible (moetriton.torch.moe.
             collectives.group_hosts).
+        shared_gate_up, shared_down: the shared experts, an always-on dense FFN every token also goes
+            through (DeepSeek-V3, Qwen-MoE), added to the routed output: shared_gate_up [H, 2Fs] ([gate | up]
+            for a gated activation; [H, Fs] otherwise) and shared_down [Fs, H], x.dtype, the routed experts'
+            layout without the expert axis; several shared experts are one FFN of their summed width Fs.
+            Both or neither (None: no shared experts, the layer as without them). The FFN runs on this
+            rank's tokens with no collective (replicate the weights over ep_group) and reads nothing of the
+            routed path's exchange.
+        shared_gate: [H, 1] x.dtype or None: the shared FFN's output scaled per token by
+            sigmoid(x @ shared_gate) (fp32), as Qwen-MoE does.
 
     Returns:
         (out [..., H] in x.dtype, aux_loss fp32 scalar, dropped int32 scalar): aux_loss has the same value
         on every rank and its backward gives each rank the gradient of its own tokens, so parameter
         gradients summed over token_group equal the unsharded layer's. Differentiable in x, gate_weight,
-        gate_up and down. Host syncs: one per call for dropless with EP > 1, none otherwise.
+        gate_up, down and the shared weights (replicated: sum their gradients over token_group as for
+        gate_weight). Host syncs: one per call for dropless with EP > 1, none otherwise.
 
     Example:
         >>> x = torch.randn(6, 8)
@@ -223,6 +248,9 @@ def moe(
         gate_up=signature(gate_up),
         down=signature(down),
         expert_bias=signature(expert_bias),
+        shared_gate_up=signature(shared_gate_up),
+        shared_down=signature(shared_down),
+        shared_gate=signature(shared_gate),
         ep_size=ep_size,
         activation=activation,
         score_function=score_function,
@@ -266,6 +294,10 @@ def moe(
             aux_loss_coeff,
             token_group if token_group is not None else ep_group,
         )
+    shared = None
+    if shared_gate_up is not None:
+        # From the tokens alone, before the dispatch: no data dependency on the routed path's exchange.
+        shared = shared_mlp(tokens, shared_gate_up, shared_down, shared_gate, activation)  # [T, H]
     if layout.dropless:
         gathered = None
         if ep_size > 1:
@@ -288,7 +320,7 @@ def moe(
                     down,
                     activation,
                 )
-                return combined.reshape(x.shape), aux_loss, dropped
+                return _plus_shared(combined, shared).reshape(x.shape), aux_loss, dropped
         with stage("dispatch"):
             send, _, row_id_map, pad_offsets, send_counts = token_dispatch(
                 tokens, indices=indices, num_experts=num_experts, align_size=layout.align_size
@@ -306,7 +338,15 @@ def moe(
         out = capacity_experts(send, layout, ep_group, gate_up, down, activation)
     with stage("combine"):
         combined = token_combine(out, row_id_map, merging_probs=merging, pad_offsets=pad_offsets)
-    return combined.reshape(x.shape), aux_loss, dropped
+    return _plus_shared(combined, shared).reshape(x.shape), aux_loss, dropped
+
+
+def _plus_shared(routed: Tensor, shared: Tensor | None) -> Tensor:
+    """routed [T, H] + shared [T, H], summed in fp32 and rounded once to routed.dtype; routed itself
+    (untouched) without shared experts."""
+    if shared is None:
+        return routed
+    return (routed.float() + shared.float()).to(routed.dtype)
 
 
 class MoELayer(nn.Module):
@@ -315,7 +355,10 @@ class MoELayer(nn.Module):
     Parameters: gate_weight [E, H]; gate_up [L, H, 2F] (SwiGLU; [L, H, F] non-gated) and down [L, F, H] for
     this rank's L = E / EP experts (rank r holds experts r * L ... r * L + L - 1); with `expert_bias=True`
     an fp32 buffer expert_bias [E] (sigmoid / sqrtsoftplus; update it from the routed counts outside the
-    layer, as aux-loss-free balancing does).
+    layer, as aux-loss-free balancing does). With `num_shared_experts=n > 0` (DeepSeek-V3: 1) the shared
+    experts, one always-on FFN of width Fs = n * F: shared_gate_up [H, 2Fs] ([H, Fs] non-gated) and
+    shared_down [Fs, H], replicated on every rank; with `shared_expert_gate=True` (Qwen-MoE) also
+    shared_gate [H, 1], scaling their output per token by sigmoid(x @ shared_gate) (see `moe`).
 
     forward(x [..., H]) -> (out [..., H], aux_loss fp32 scalar, dropped int32 scalar).
 
@@ -352,6 +395,8 @@ class MoELayer(nn.Module):
         ep_group: dist.ProcessGroup | None = None,
         token_group: dist.ProcessGroup | None = None,
         exchange: str = "auto",
+        num_shared_experts: int = 0,
+        shared_expert_gate: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -378,6 +423,17 @@ class MoELayer(nn.Module):
         self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
         self.gate_up = nn.Parameter(torch.empty(local, hidden_size, width, **factory))
         self.down = nn.Parameter(torch.empty(local, ffn_hidden_size, hidden_size, **factory))
+        shared_shapes = layer_rules.shared_weight_shapes(
+            hidden=hidden_size,
+            ffn=ffn_hidden_size,
+            num_shared_experts=num_shared_experts,
+            shared_expert_gate=shared_expert_gate,
+            activation=activation,
+        )
+        for name in layer_rules.SHARED_WEIGHTS:  # absent ones are None attributes
+            shape = shared_shapes.get(name)
+            weight = None if shape is None else nn.Parameter(torch.empty(shape, **factory))
+            self.register_parameter(name, weight)
         bias = torch.zeros(num_experts, dtype=torch.float32, device=device) if expert_bias else None
         self.register_buffer("expert_bias", bias)
         self.ep_group = ep_group
@@ -398,9 +454,13 @@ class MoELayer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Normal weights with standard deviation fan_in ** -0.5 (fan_in: H, H and F)."""
+        """Normal weights with standard deviation fan_in ** -0.5 (fan_in: H, H and F; the shared experts'
+        H, Fs and the shared gate's H, as the routed experts')."""
         for weight in (self.gate_weight, self.gate_up, self.down):
             nn.init.normal_(weight, std=weight.shape[1] ** -0.5)
+        for weight in (self.shared_gate_up, self.shared_down, self.shared_gate):
+            if weight is not None:  # [fan_in, fan_out]: the routed experts' layout without the expert axis
+                nn.init.normal_(weight, std=weight.shape[0] ** -0.5)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return moe(
@@ -411,6 +471,9 @@ class MoELayer(nn.Module):
             expert_bias=self.expert_bias,
             ep_group=self.ep_group,
             token_group=self.token_group,
+            shared_gate_up=self.shared_gate_up,
+            shared_down=self.shared_down,
+            shared_gate=self.shared_gate,
             **self.options,
         )
 
@@ -418,4 +481,9 @@ class MoELayer(nn.Module):
         experts, hidden = self.gate_weight.shape
         ffn = self.down.shape[1]
         options = ", ".join(f"{name}={value}" for name, value in self.options.items())
-        return f"hidden={hidden}, ffn={ffn}, experts={experts}, local_experts={self.down.shape[0]}, {options}"
+        shared = "" if self.shared_down is None else f", shared_ffn={self.shared_down.shape[0]}"
+        shared += ", shared_expert_gate=True" if self.shared_gate is not None else ""
+        return (
+            f"hidden={hidden}, ffn={ffn}, experts={experts}, local_experts={self.down.shape[0]}{shared},"
+            f" {options}"
+        )
