@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 
 from .strategies import numpy_dtype
@@ -34,6 +35,16 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
 PATTERNS = ("random", "random", "ties", "tied_groups", "nonfinite")
 TIE_VALUES = np.array([-1.5, -0.25, -0.0, 0.0, 0.5, 1.25, 2.0], dtype=np.float32)
+
+
+def large_bitmap_cases(test):
+    """Parametrizes a bitmap-against-bytemap test of both frameworks with TransformerEngine's bitmap test
+    sizes and DeepSeek-V3's router, under both score functions (sizes for compiled kernels)."""
+    sizes = pytest.mark.parametrize(
+        ("num_tokens", "num_experts", "topk", "groups", "group_topk"),
+        [(2048, 32, 4, None, None), (2048, 128, 4, None, None), (4096, 256, 8, 8, 4)],
+    )
+    return pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])(sizes(test))
 
 
 @dataclass(frozen=True)

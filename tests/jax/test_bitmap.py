@@ -17,6 +17,7 @@ import pytest
 import moetriton.jax as mj
 from moetriton.jax import executor, reference, reference_router
 from moetriton.kernels import router as plans
+from tests.strategies_router import large_bitmap_cases
 
 # (E, K, groups, group_topk): E a multiple of 8, not one, below 8, 1; groups of a power-of-two size and not.
 _SHAPES = [(16, 3, None, None), (12, 4, 2, 2), (5, 2, None, None), (1, 1, None, None), (24, 4, 3, 1)]
@@ -80,11 +81,7 @@ def test_aux_scores_bitmap_is_the_packed_bytemap_under_jit(num_experts, topk):
 
 
 @pytest.mark.skipif(not executor.on_gpu(), reason="sizes for compiled kernels (the interpreter is slow)")
-@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
-@pytest.mark.parametrize(
-    ("num_tokens", "num_experts", "topk", "groups", "group_topk"),
-    [(2048, 32, 4, None, None), (2048, 128, 4, None, None), (4096, 256, 8, 8, 4)],
-)
+@large_bitmap_cases
 def test_large_bitmap_results_are_bitwise_the_bytemaps(
     num_tokens, num_experts, topk, groups, group_topk, score_function
 ):

@@ -15,6 +15,7 @@ import torch
 
 import moetriton.torch as mt
 from moetriton.torch import reference, reference_router
+from tests.strategies_router import large_bitmap_cases
 
 from ._helpers import DEVICE
 
@@ -80,11 +81,7 @@ def test_aux_scores_bitmap_is_the_packed_bytemap(num_experts, topk):
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="sizes for compiled kernels (the interpreter is slow)")
-@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
-@pytest.mark.parametrize(
-    ("num_tokens", "num_experts", "topk", "groups", "group_topk"),
-    [(2048, 32, 4, None, None), (2048, 128, 4, None, None), (4096, 256, 8, 8, 4)],
-)
+@large_bitmap_cases
 def test_large_bitmap_results_are_bitwise_the_bytemaps(
     num_tokens, num_experts, topk, groups, group_topk, score_function
 ):
