@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from moetriton.kernels.rules.expert_parallel import shard_capacity
+from moetriton.kernels.rules.moe import LayerOptions
 
 from . import reference_router
 from .activation import apply_activation
@@ -42,24 +43,17 @@ def moe_reference(
     gate_up: jax.Array,
     down: jax.Array,
     *,
-    topk: int,
     expert_bias: jax.Array | None = None,
-    score_function: str = "softmax",
-    use_pre_softmax: bool = False,
-    num_groups: int | None = None,
-    group_topk: int | None = None,
-    scaling_factor: float | None = None,
-    aux_loss_coeff: float = 0.0,
-    align_size: int | None = None,
-    capacity_factor: float | None = None,
-    activation: str = "swiglu",
-    num_shards: int = 1,
     shared_gate_up: jax.Array | None = None,
     shared_down: jax.Array | None = None,
     shared_gate: jax.Array | None = None,
+    num_shards: int = 1,
+    **options,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Reference of `moetriton.jax.moe` on one device: same arguments (no mesh; `num_shards` token shards
-    only matter for capacity drops), same results (out [B, S, H] fp32, aux_loss fp32, dropped int32).
+    """Reference of `moetriton.jax.moe` on one device: same arrays, the options (topk, ...,
+    capacity_factor: the fields of `moetriton.kernels.rules.moe.LayerOptions`) as keywords, no mesh
+    (`num_shards` token shards only matter for capacity drops), same results (out [B, S, H] fp32,
+    aux_loss fp32, dropped int32).
     shared_gate_up [H, 2Fs] (or [H, Fs]), shared_down [Fs, H], shared_gate [H, 1]: the shared experts, a
     dense FFN of every token added to the routed output (times sigmoid(x @ shared_gate) per token).
 
@@ -67,21 +61,30 @@ def moe_reference(
         >>> out, aux_loss, dropped = moe_reference(x, gate, gate_up, down, topk=2, capacity_factor=1.0,
         ...                                        num_shards=4)
     """
+    opts = LayerOptions(**options)
+    topk, activation, aux_loss_coeff, score_function = (
+        opts.topk,
+        opts.activation,
+        opts.aux_loss_coeff,
+        opts.score_function,
+    )
     batch, seq, hidden = x.shape
     num_experts = gate.shape[1]
     num_tokens = batch * seq
     shard_tokens = num_tokens // num_shards
-    capacity = shard_capacity(num_tokens, num_shards, num_experts, topk, align_size, capacity_factor)
+    capacity = shard_capacity(
+        num_tokens, num_shards, num_experts, topk, opts.align_size, opts.capacity_factor
+    )
     x_flat = x.reshape(num_tokens, hidden).astype(jnp.float32)
     logits = jnp.dot(x_flat, gate.astype(jnp.float32), precision=_HIGHEST)
     bias = None if expert_bias is None else jax.lax.stop_gradient(expert_bias.astype(jnp.float32))
     probs, routing_map, indices = reference_router.fused_topk_with_score_function(
         logits,
         topk,
-        use_pre_softmax,
-        num_groups,
-        group_topk,
-        scaling_factor,
+        opts.use_pre_softmax,
+        opts.num_groups,
+        opts.group_topk,
+        opts.scaling_factor,
         score_function,
         bias,
         return_indices=True,

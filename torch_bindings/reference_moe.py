@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moetriton.kernels.rules.expert_parallel import shard_capacity
+from moetriton.kernels.rules.moe import LayerOptions
 
 from . import reference_router
 
@@ -33,21 +34,12 @@ def moe_reference(
     gate_up: Tensor,
     down: Tensor,
     *,
-    topk: int,
     expert_bias: Tensor | None = None,
-    score_function: str = "softmax",
-    use_pre_softmax: bool = False,
-    num_groups: int | None = None,
-    group_topk: int | None = None,
-    scaling_factor: float | None = None,
-    aux_loss_coeff: float = 0.0,
-    align_size: int | None = None,
-    activation: str = "swiglu",
-    capacity_factor: float | None = None,
-    num_shards: int = 1,
     shared_gate_up: Tensor | None = None,
     shared_down: Tensor | None = None,
     shared_gate: Tensor | None = None,
+    num_shards: int = 1,
+    **options,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Reference of `moe` on the unsharded batch.
 
@@ -58,7 +50,8 @@ def moe_reference(
         num_shards: token shards of the capacity policy (the token group's size).
         shared_gate_up [H, 2Fs] (or [H, Fs]), shared_down [Fs, H], shared_gate [H, 1]: the shared experts,
             a dense FFN of every token added to the routed output (times sigmoid(x @ shared_gate) per token).
-        The other arguments are `moe`'s.
+        expert_bias and options (topk, score_function, ..., capacity_factor: the fields of
+            `moetriton.kernels.rules.moe.LayerOptions`): `moe`'s.
 
     Returns:
         (out [..., H] fp32, aux_loss fp32 scalar, dropped int64 scalar: slots past the capacity).
@@ -69,6 +62,8 @@ def moe_reference(
         >>> moe_reference(x, gate, gate_up, down, topk=2)[0].shape
         torch.Size([6, 8])
     """
+    opts = LayerOptions(**options)
+    topk, activation, aux_loss_coeff = opts.topk, opts.activation, opts.aux_loss_coeff
     num_experts, hidden = gate_weight.shape
     tokens = x.reshape(-1, hidden).float()  # [T, H]
     num_tokens = tokens.shape[0]
@@ -80,17 +75,19 @@ def moe_reference(
     probs, routing_map = reference_router.fused_topk_with_score_function(
         logits,
         topk,
-        use_pre_softmax=use_pre_softmax,
-        num_groups=num_groups,
-        group_topk=group_topk,
-        scaling_factor=scaling_factor,
-        score_function=score_function,
+        use_pre_softmax=opts.use_pre_softmax,
+        num_groups=opts.num_groups,
+        group_topk=opts.group_topk,
+        scaling_factor=opts.scaling_factor,
+        score_function=opts.score_function,
         expert_bias=None if expert_bias is None else expert_bias.float(),
     )
     kept = routing_map.clone()  # [T, E]
-    if capacity_factor is not None:
+    if opts.capacity_factor is not None:
         shard_tokens = num_tokens // num_shards
-        capacity = shard_capacity(num_tokens, num_shards, num_experts, topk, align_size, capacity_factor)
+        capacity = shard_capacity(
+            num_tokens, num_shards, num_experts, topk, opts.align_size, opts.capacity_factor
+        )
         for start in range(0, num_tokens, max(shard_tokens, 1)):
             for expert in range(num_experts):
                 routed = kept[start : start + shard_tokens, expert].nonzero().squeeze(1) + start
@@ -107,7 +104,7 @@ def moe_reference(
         out = out + shared
     aux_loss = torch.zeros((), dtype=torch.float32, device=x.device)
     if aux_loss_coeff > 0 and num_tokens > 0:  # no tokens: no loss (the layer's zero)
-        _, scores = reference_router.fused_compute_score_for_moe_aux_loss(logits, topk, score_function)
+        _, scores = reference_router.fused_compute_score_for_moe_aux_loss(logits, topk, opts.score_function)
         tokens_per_expert = routing_map.sum(0).float()
         scale = aux_loss_coeff * num_experts / (topk * num_tokens**2)
         aux_loss = scale * (scores.sum(0) * tokens_per_expert).sum()

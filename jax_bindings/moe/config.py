@@ -7,21 +7,14 @@ import dataclasses
 
 from jax.sharding import Mesh
 
+from moetriton.kernels.rules.moe import LayerOptions
 
-@dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    """Static configuration of one layer call (hashable: the jit cache key)."""
 
-    topk: int
-    score_function: str
-    use_pre_softmax: bool
-    num_groups: int | None
-    group_topk: int | None
-    scaling_factor: float | None
-    aux_loss_coeff: float
-    align_size: int | None
-    capacity_factor: float | None
-    activation: str
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig(LayerOptions):
+    """Static configuration of one layer call (hashable: the jit cache key): the layer's options and how
+    this call runs them."""
+
     dtype: str
     mesh: Mesh | None
     ep_axis: str | None

@@ -59,6 +59,24 @@ def check_options(
 
 
 @dataclass(frozen=True)
+class LayerOptions:
+    """The layer's scalar options with the defaults both layers give them (the functional layers and
+    modules spell them out as keywords; the dense references take them as ``**options`` through this
+    record, so an option added here reaches both references at once)."""
+
+    topk: int
+    score_function: str = "softmax"
+    use_pre_softmax: bool = False
+    num_groups: int | None = None
+    group_topk: int | None = None
+    scaling_factor: float | None = None
+    aux_loss_coeff: float = 0.0
+    align_size: int | None = None
+    activation: str = "swiglu"
+    capacity_factor: float | None = None
+
+
+@dataclass(frozen=True)
 class LayerShape:
     hidden: int  # H
     num_experts: int  # E
