@@ -6,12 +6,13 @@ tests/jax and tests/torch so that both layers are tested on the same problems.
 function (groups sometimes), alignment on or off, and a capacity policy (dropless, or a capacity factor small
 enough to force overflow sometimes). Values are small and well scaled, so bf16 and fp32 runs stay close to the
 fp32 dense reference. `with_shared_experts(problem, ...)` adds the shared experts' weights (and picks the
-activation) to a problem.
+activation) to a problem; `with_recipe_options(problem, ...)` a padding mask, the other two losses and the
+drop policy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from hypothesis import strategies as st
@@ -43,6 +44,8 @@ class MoEProblem:
     shared_gate_up: np.ndarray | None = None  # [H, 2Fs] float32 ([H, Fs] for a non-gated activation)
     shared_down: np.ndarray | None = None  # [Fs, H] float32
     shared_gate: np.ndarray | None = None  # [H, 1] float32
+    token_mask: np.ndarray | None = None  # [B, S] bool, False: padding
+    options: dict = field(default_factory=dict)  # more layer options: seq / z-loss coefficients, drop_policy
 
     @property
     def shared_weights(self) -> dict[str, np.ndarray]:
@@ -60,7 +63,8 @@ class MoEProblem:
         router = dict(topk=self.topk, score_function=self.score_function)
         router.update(num_groups=self.num_groups, group_topk=self.group_topk)
         layout = dict(align_size=self.align_size, capacity_factor=self.capacity_factor)
-        return dict(router, **layout, aux_loss_coeff=aux_loss_coeff, activation=self.activation)
+        losses = dict(aux_loss_coeff=aux_loss_coeff, **self.options)
+        return dict(router, **layout, **losses, activation=self.activation)
 
 
 def with_shared_experts(
@@ -81,6 +85,26 @@ def with_shared_experts(
         shared_down=rng.normal(0, 1 / np.sqrt(shared_ffn), (shared_ffn, hidden)).astype(np.float32),
         shared_gate=rng.normal(0, scale, (hidden, 1)).astype(np.float32) if gate else None,
     )
+
+
+def with_recipe_options(
+    problem: MoEProblem,
+    *,
+    masked: bool = True,
+    seq_aux_loss_coeff: float = 0.05,
+    z_loss_coeff: float = 1e-3,
+    drop_policy: str = "probs",
+) -> MoEProblem:
+    """`problem` with a padding mask (the tail of every other sequence, and all of the last one when there
+    are several: a sequence of padding alone), the sequence-wise loss, the z-loss and a drop policy."""
+    mask = None
+    if masked:
+        mask = np.ones((problem.batch, problem.seq), bool)
+        mask[::2, (problem.seq + 1) // 2 :] = False
+        if problem.batch > 1:
+            mask[-1] = False
+    options = dict(seq_aux_loss_coeff=seq_aux_loss_coeff, z_loss_coeff=z_loss_coeff, drop_policy=drop_policy)
+    return replace(problem, token_mask=mask, options=options)
 
 
 @st.composite

@@ -6,7 +6,7 @@ was set before import, and otherwise the pure-PyTorch reference (`moetriton.torc
 """
 
 from . import reference, reference_moe, reference_router
-from .moe import MoELayer, moe
+from .moe import MoELayer, MoEStats, moe, update_expert_bias
 from .permutation import sort_chunks_by_index, token_combine, token_dispatch
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 from .te import (
@@ -20,6 +20,7 @@ from .te import (
 
 __all__ = [
     "MoELayer",
+    "MoEStats",
     "fused_compute_score_for_moe_aux_loss",
     "fused_moe_aux_loss",
     "fused_topk_with_score_function",
@@ -36,4 +37,5 @@ __all__ = [
     "sort_chunks_by_index",
     "token_combine",
     "token_dispatch",
+    "update_expert_bias",
 ]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moetriton.kernels.rules.expert_parallel import shard_capacity
-from moetriton.kernels.rules.moe import LayerOptions
+from moetriton.kernels.rules.moe import LayerOptions, MoEStats
 
 from . import reference_router
 
@@ -38,9 +38,11 @@ def moe_reference(
     shared_gate_up: Tensor | None = None,
     shared_down: Tensor | None = None,
     shared_gate: Tensor | None = None,
+    token_mask: Tensor | None = None,
     num_shards: int = 1,
+    return_stats: bool = False,
     **options,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor] | tuple[Tensor, Tensor, Tensor, MoEStats]:
     """Reference of `moe` on the unsharded batch.
 
     Args:
@@ -50,11 +52,12 @@ def moe_reference(
         num_shards: token shards of the capacity policy (the token group's size).
         shared_gate_up [H, 2Fs] (or [H, Fs]), shared_down [Fs, H], shared_gate [H, 1]: the shared experts,
             a dense FFN of every token added to the routed output (times sigmoid(x @ shared_gate) per token).
-        expert_bias and options (topk, score_function, ..., capacity_factor: the fields of
-            `moetriton.kernels.rules.moe.LayerOptions`): `moe`'s.
+        expert_bias, token_mask, return_stats and options (topk, score_function, ..., drop_policy: the
+            fields of `moetriton.kernels.rules.moe.LayerOptions`): `moe`'s.
 
     Returns:
-        (out [..., H] fp32, aux_loss fp32 scalar, dropped int64 scalar: slots past the capacity).
+        (out [..., H] fp32, aux_loss fp32 scalar, dropped int64 scalar: slots past the capacity), and with
+        return_stats the MoEStats (int64 counts) as kernels/rules/moe.py defines them.
 
     Example:
         >>> x = torch.randn(6, 8)
@@ -63,12 +66,13 @@ def moe_reference(
         torch.Size([6, 8])
     """
     opts = LayerOptions(**options)
-    topk, activation, aux_loss_coeff = opts.topk, opts.activation, opts.aux_loss_coeff
+    topk, activation = opts.topk, opts.activation
     num_experts, hidden = gate_weight.shape
     tokens = x.reshape(-1, hidden).float()  # [T, H]
     num_tokens = tokens.shape[0]
     if num_tokens % num_shards:
         raise ValueError(f"num_shards: expected a divisor of the token count {num_tokens}, got {num_shards}")
+    valid = torch.ones(num_tokens, dtype=torch.bool) if token_mask is None else token_mask.reshape(-1).cpu()
     # The layer's logits are in x.dtype (one rounding of an fp32 accumulation): round alike, so bf16 and fp16
     # inputs route the same tokens to the same experts here.
     logits = F.linear(tokens, gate_weight.float()).to(x.dtype).float()
@@ -82,6 +86,7 @@ def moe_reference(
         score_function=opts.score_function,
         expert_bias=None if expert_bias is None else expert_bias.float(),
     )
+    routing_map = routing_map & valid.to(routing_map.device)[:, None]  # padding is routed nowhere
     kept = routing_map.clone()  # [T, E]
     if opts.capacity_factor is not None:
         shard_tokens = num_tokens // num_shards
@@ -91,6 +96,9 @@ def moe_reference(
         for start in range(0, num_tokens, max(shard_tokens, 1)):
             for expert in range(num_experts):
                 routed = kept[start : start + shard_tokens, expert].nonzero().squeeze(1) + start
+                if opts.drop_policy == "probs":  # highest probability first, earlier tokens first on ties
+                    order = sorted(range(len(routed)), key=lambda i: (-probs[routed[i], expert].item(), i))
+                    routed = routed[order]
                 kept[routed[capacity:], expert] = False
     out = torch.zeros_like(tokens)
     for expert in range(num_experts):
@@ -101,12 +109,46 @@ def moe_reference(
         shared = _expert(tokens, shared_gate_up.float(), shared_down.float(), activation)  # [T, H]
         if shared_gate is not None:
             shared = torch.sigmoid(tokens @ shared_gate.float()) * shared
-        out = out + shared
-    aux_loss = torch.zeros((), dtype=torch.float32, device=x.device)
-    if aux_loss_coeff > 0 and num_tokens > 0:  # no tokens: no loss (the layer's zero)
-        _, scores = reference_router.fused_compute_score_for_moe_aux_loss(logits, topk, opts.score_function)
-        tokens_per_expert = routing_map.sum(0).float()
-        scale = aux_loss_coeff * num_experts / (topk * num_tokens**2)
-        aux_loss = scale * (scores.sum(0) * tokens_per_expert).sum()
-    dropped = (routing_map.sum() - kept.sum()).to(torch.int64)
-    return out.reshape(x.shape), aux_loss, dropped
+        out = out + shared * valid.to(out.device)[:, None]
+    losses = _losses(logits, routing_map, valid, opts, x.shape[0] if x.dim() == 3 else None)
+    routed_counts, kept_counts = routing_map.sum(0), kept.sum(0)
+    dropped = (routed_counts - kept_counts).sum()
+    result = out.reshape(x.shape), sum(losses), dropped
+    if not return_stats:
+        return result
+    loads = kept_counts.max(), kept_counts.float().mean()
+    stats = MoEStats(*losses, routed_counts, kept_counts, dropped, *loads)
+    return *result, stats
+
+
+def _losses(logits: Tensor, routing_map: Tensor, valid: Tensor, opts: LayerOptions, batch: int | None):
+    """The three weighted losses of LOSSES (fp32 scalars, zero where the coefficient is), straight from
+    their definitions over the unmasked tokens."""
+    num_experts, topk = logits.shape[1], opts.topk
+    _, scores = reference_router.fused_compute_score_for_moe_aux_loss(logits, topk, opts.score_function)
+    device = logits.device
+    valid = valid.to(device)
+    count = int(valid.sum())
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    balance = sequence = z_loss = zero
+    if opts.aux_loss_coeff > 0 and count:
+        load = routing_map.sum(0).float()
+        balance = opts.aux_loss_coeff * num_experts / (topk * count**2) * (scores[valid].sum(0) * load).sum()
+    if opts.seq_aux_loss_coeff > 0:
+        per_sequence = []
+        for sequence_valid, sequence_map, sequence_scores in zip(
+            valid.reshape(batch, -1),
+            routing_map.reshape(batch, -1, num_experts),
+            scores.reshape(batch, -1, num_experts),
+            strict=True,
+        ):
+            length = int(sequence_valid.sum())
+            if length:  # a sequence of padding alone is no sequence
+                load = num_experts / (topk * length) * sequence_map.sum(0).float()
+                mean_score = sequence_scores[sequence_valid].sum(0) / length
+                per_sequence.append((load * mean_score).sum())
+        if per_sequence:
+            sequence = opts.seq_aux_loss_coeff * torch.stack(per_sequence).mean()
+    if opts.z_loss_coeff > 0 and count:
+        z_loss = opts.z_loss_coeff * torch.logsumexp(logits[valid], dim=-1).square().mean()
+    return balance, sequence, z_loss

@@ -259,6 +259,14 @@ def exchange_block_index(counts_all: Any, layout: EPLayout) -> Any:
     return sum(((largest_pair > size) * 1 for size in layout.exchange_block_rows[:-1]), largest_pair * 0)
 
 
+def kept_slots(routed_per_expert: Any, layout: EPLayout) -> Any:
+    """Routed slots per expert [E] a rank keeps under its capacity policy: min(routed, C) (either drop
+    policy keeps that many), all of them for dropless."""
+    if layout.dropless:
+        return routed_per_expert
+    return routed_per_expert.clip(max=layout.capacity)
+
+
 def dropped_slots(routed_per_expert: Any, layout: EPLayout) -> Any:
     """Routed slots a rank drops under capacity_factor: sum over experts of max(0, routed - C), from its
     routed (unpadded) slots per expert [E]. 0 for dropless (nothing is dropped there)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from .expert_parallel import GATED_ACTIVATIONS, gate_up_width
 from .router import SCORE_FUNCTIONS
@@ -33,6 +34,48 @@ TORCH_EXCHANGES = ("auto", "all_to_all", "peer")
 JAX_EXCHANGES = ("auto", "all_to_all", "ragged", "padded")
 
 
+#: Capacity drop policies (with capacity_factor): which of its routed slots a full expert keeps. Either way
+#: every expert keeps min(routed, C) slots, so `dropped` is the same number.
+DROP_POLICIES = {
+    "position": "its first C slots in (token, slot) order: earlier tokens win",
+    "probs": "its C slots of highest routing probability, ties to the earlier slot in (token, slot) order",
+}
+
+#: The layer's losses, by coefficient. Each is global over the token group (every rank's unmasked tokens),
+#: scaled by its coefficient, and added into the layer's aux_loss; MoEStats reports each one.
+#: T: unmasked tokens of the token group; E experts, top K; routed_e: slots routed to expert e;
+#: score_te: the normalised aux scores of `fused_compute_score_for_moe_aux_loss` (softmax, or sigmoid /
+#: sqrtsoftplus divided by their sum over E); logits_t: the router logits in fp32.
+LOSSES = {
+    "aux_loss_coeff": "load_balancing_loss = coeff * E / (K * T^2) * sum_e routed_e * sum_t score_te "
+    "(switch / GShard)",
+    "seq_aux_loss_coeff": "seq_load_balancing_loss = coeff * mean over sequences b with n_b > 0 unmasked "
+    "tokens of sum_e (E / (K * n_b) * routed_be) * (1 / n_b * sum_{t in b} score_te) (DeepSeek-V3's "
+    "sequence-wise loss; needs x [B, S, H])",
+    "z_loss_coeff": "z_loss = coeff / T * sum_t logsumexp(logits_t)^2 (ST-MoE router z-loss)",
+}
+
+
+class MoEStats(NamedTuple):
+    """What one layer call measured, every field a device array (no host sync), global over the token
+    group; the layers return it with `return_stats=True`.
+
+    load_balancing_loss, seq_load_balancing_loss, z_loss: fp32 scalars, each times its coefficient
+    (LOSSES; zero with a zero coefficient); their sum is the layer's aux_loss.
+    routed: [E] int32, slots routed to each expert; kept: [E] int32, those the capacity policy kept
+    (routed when dropless); dropped: int32 scalar, sum(routed - kept); max_load: int32 scalar, max(kept);
+    mean_load: fp32 scalar, mean(kept) (max_load / mean_load is the load imbalance)."""
+
+    load_balancing_loss: Any
+    seq_load_balancing_loss: Any
+    z_loss: Any
+    routed: Any
+    kept: Any
+    dropped: Any
+    max_load: Any
+    mean_load: Any
+
+
 #: The shared experts' weight arguments of both layers (and parameters of both modules), in this order.
 SHARED_WEIGHTS = ("shared_gate_up", "shared_down", "shared_gate")
 
@@ -41,21 +84,56 @@ def _fail(name: str, message: str) -> None:
     raise ValueError(f"{name}: {message}")
 
 
+def check_coefficient(name: str, value) -> None:
+    """A loss coefficient or rate: a finite Python number >= 0 (TypeError for a non-number)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name}: expected a Python float, got {type(value).__name__}")
+    if not (0 <= value < math.inf):  # comparisons: torch.compile traces them on a Python float
+        _fail(name, f"expected a finite number >= 0, got {value!r}")
+
+
 def check_options(
-    *, activation, score_function, aux_loss_coeff, exchange, exchanges: tuple[str, ...]
+    *,
+    activation,
+    score_function,
+    exchange,
+    exchanges: tuple[str, ...],
+    drop_policy="position",
+    **coefficients,
 ) -> None:
-    """The layer's option values: an activation of ACTIVATIONS, a score function, a finite aux-loss
-    coefficient >= 0 (TypeError for a non-number) and an exchange among the framework's `exchanges`."""
+    """The layer's option values: an activation of ACTIVATIONS, a score function, an exchange among the
+    framework's `exchanges`, a drop policy of DROP_POLICIES and, for each loss coefficient given by name
+    (aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff: LOSSES), a finite number >= 0 (TypeError for a
+    non-number)."""
     if activation not in ACTIVATIONS:
         _fail("activation", f"expected one of {ACTIVATIONS}, got {activation!r}")
     if score_function not in SCORE_FUNCTIONS:
         _fail("score_function", f"expected one of {SCORE_FUNCTIONS}, got {score_function!r}")
-    if isinstance(aux_loss_coeff, bool) or not isinstance(aux_loss_coeff, int | float):
-        raise TypeError(f"aux_loss_coeff: expected a Python float, got {type(aux_loss_coeff).__name__}")
-    if not (0 <= aux_loss_coeff < math.inf):  # comparisons: torch.compile traces them on a Python float
-        _fail("aux_loss_coeff", f"expected a finite number >= 0, got {aux_loss_coeff!r}")
+    for name, coeff in coefficients.items():
+        if name not in LOSSES:
+            raise TypeError(f"check_options: unexpected keyword {name!r}")
+        check_coefficient(name, coeff)
     if exchange not in exchanges:
         _fail("exchange", f"expected one of {exchanges}, got {exchange!r}")
+    if drop_policy not in DROP_POLICIES:
+        _fail("drop_policy", f"expected one of {tuple(DROP_POLICIES)}, got {drop_policy!r}")
+
+
+def check_tokens(
+    *, x_shape: tuple[int, ...], token_mask: tuple[tuple[int, ...], str] | None, seq_aux_loss_coeff
+) -> None:
+    """x [..., H] against the token options: token_mask (its shape and dtype name, or None) must be bool
+    of x's leading shape (True: a token the layer routes; False: padding, routed nowhere, counted in no
+    loss, load or capacity, output zero); the sequence-wise loss needs x [B, S, H]."""
+    if seq_aux_loss_coeff and len(x_shape) != 3:
+        _fail("x", f"expected [B, S, H] with seq_aux_loss_coeff > 0 (sequences), got {list(x_shape)}")
+    if token_mask is None:
+        return
+    shape, dtype = token_mask
+    if list(shape) != list(x_shape[:-1]) or dtype != "bool":
+        _fail(
+            "token_mask", f"expected bool {list(x_shape[:-1])} (x's leading shape), got {dtype} {list(shape)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -74,6 +152,9 @@ class LayerOptions:
     align_size: int | None = None
     activation: str = "swiglu"
     capacity_factor: float | None = None
+    seq_aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    drop_policy: str = "position"
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ def tensors(problem: MoEProblem, device: torch.device) -> dict[str, torch.Tensor
     )
     if problem.expert_bias is not None:
         values["expert_bias"] = torch.from_numpy(problem.expert_bias)
+    if problem.token_mask is not None:
+        values["token_mask"] = torch.from_numpy(problem.token_mask)
     return {name: value.to(device) for name, value in values.items()}
 
 
@@ -58,10 +60,13 @@ def run_layer(
     )
     for value in inputs.values():
         value.requires_grad_()
-    out, aux_loss, dropped = mt.moe(
+    mask = full.get("token_mask")
+    out, aux_loss, dropped, stats = mt.moe(
         **inputs,
         expert_bias=full.get("expert_bias"),
+        token_mask=None if mask is None else mask[tokens],
         exchange=exchange,
+        return_stats=True,
         **options(problem),
         **groups,
     )
@@ -70,6 +75,7 @@ def run_layer(
         out=out.detach(),
         aux_loss=aux_loss.detach(),
         dropped=dropped,
+        stats=stats,
         **{f"grad {name}": value.grad for name, value in inputs.items()},
     )
 
@@ -80,16 +86,34 @@ def reference(problem: MoEProblem, full: dict, num_shards: int = 1) -> dict:
 
     names = ("x", "gate_weight", "gate_up", "down", *(name for name in SHARED if name in full))
     inputs = {name: full[name].clone().requires_grad_() for name in names}
-    out, aux_loss, dropped = moe_reference(
-        **inputs, expert_bias=full.get("expert_bias"), num_shards=num_shards, **options(problem)
+    out, aux_loss, dropped, stats = moe_reference(
+        **inputs,
+        expert_bias=full.get("expert_bias"),
+        token_mask=full.get("token_mask"),
+        num_shards=num_shards,
+        return_stats=True,
+        **options(problem),
     )
     ((out * full["cotangent"]).sum() + aux_loss).backward()
     return dict(
         out=out.detach(),
         aux_loss=aux_loss.detach(),
         dropped=dropped,
+        stats=stats,
         **{f"grad {name}": value.grad for name, value in inputs.items()},
     )
+
+
+def check_stats(got, expected) -> None:
+    """A layer's MoEStats against the reference's: losses to fp32 rounding, counts exactly."""
+    for name, value in got._asdict().items():
+        want = getattr(expected, name)
+        if name.endswith("loss") or name == "mean_load":
+            assert value.dtype == torch.float32, (name, value.dtype)
+            torch.testing.assert_close(value, want.to(value), **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
+        else:
+            assert value.dtype == torch.int32, (name, value.dtype)
+            assert value.tolist() == want.tolist(), (name, value, want)
 
 
 def check_rank(
@@ -105,6 +129,7 @@ def check_rank(
     assert got["dropped"].dtype == torch.int32 and got["dropped"].shape == ()
     assert int(got["dropped"]) == int(expected["dropped"]), (got["dropped"], expected["dropped"])
     assert got["aux_loss"].dtype == torch.float32
+    check_stats(got["stats"], expected["stats"])
     for name, part in (
         ("out", tokens),
         ("aux_loss", ...),
@@ -176,7 +201,12 @@ def ep_worker(
                             dist.all_reduce(runs[-1][name], group=replicas[ep_rank])
                 check_rank(problem, runs[0], expected, rank, world, ep_rank, ep)
                 for name, value in runs[0].items():
-                    assert torch.equal(runs[-1][name], value), f"{name} differs between two runs"
+                    pairs = (
+                        zip(runs[-1][name], value, strict=True)
+                        if name == "stats"
+                        else [(runs[-1][name], value)]
+                    )
+                    assert all(torch.equal(*pair) for pair in pairs), f"{name} differs between two runs"
         if data == 1:
             _check_ep_errors(problems[0], device)
     finally:

@@ -1,7 +1,8 @@
 """moetriton.torch.MoELayer / moe against the dense fp32 reference: forward, aux loss, dropped count and the
 gradients of the input and every parameter, in one process and over gloo (CPU) / NCCL (2 GPUs) EP groups of
-spawned processes; capacity overflow, alignment, determinism, empty experts, errors; on a GPU
-torch._grouped_mm, CUDA-graph capture and torch.compile."""
+spawned processes; the recipe options (padding mask, the three losses, the drop policy, stats, the expert-bias
+update); capacity overflow, alignment, determinism, empty experts, errors; on a GPU torch._grouped_mm,
+CUDA-graph capture and torch.compile."""
 
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ import moetriton.torch as mt
 from moetriton.kernels.rules.expert_parallel import ep_layout, padded_counts
 from moetriton.torch.moe import expert_mlp, grouped_mm_supported
 from moetriton.torch.reference_moe import moe_reference
-from tests.strategies_moe import moe_problems, with_shared_experts
+from tests.strategies_moe import moe_problems, with_recipe_options, with_shared_experts
 from tests.torch._helpers import DEVICE
 from tests.torch._moe_helpers import (
     TOLERANCE,
     check_rank,
+    check_stats,
     ep_worker,
     reference,
     routing_worker,
@@ -87,6 +89,120 @@ def test_shared_experts_match_the_dense_reference(problem):
         got, expected = run_layer(variant, full, 0, 1), reference(variant, full)
         assert {f"grad {name}" for name in variant.shared_weights} <= set(got)
         check_rank(variant, got, expected, 0, 1)
+
+
+#: Recipe variants: (padding mask, drop policy, capacity factor, shared experts).
+RECIPE_VARIANTS = (
+    (True, "probs", 0.5, False),
+    (True, "position", None, True),
+    (False, "probs", 0.25, True),
+    (True, "position", 1.0, False),
+)
+
+
+@settings(max_examples=3)
+@given(problem=moe_problems())
+def test_recipe_options_match_the_dense_reference(problem):
+    """Padding mask x the three losses x drop policy x capacity x shared experts: forward, aux loss,
+    dropped count, every MoEStats field and every gradient."""
+    for masked, drop_policy, capacity_factor, shared in RECIPE_VARIANTS:
+        variant = dataclasses.replace(problem, capacity_factor=capacity_factor)
+        variant = with_recipe_options(variant, masked=masked, drop_policy=drop_policy)
+        if shared:
+            variant = with_shared_experts(variant, gate=True)
+        full = tensors(variant, DEVICE)
+        check_rank(variant, run_layer(variant, full, 0, 1), reference(variant, full), 0, 1)
+
+
+@pytest.mark.parametrize("loss", ["aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff"])
+def test_each_loss_alone_is_its_stats_field(loss):
+    """One coefficient on: aux_loss is that loss alone, the reference's, and its MoEStats field; the others
+    are exact zeros."""
+    x, weights = _tokens(12).reshape(3, 4, H), _weights()
+    _, aux_loss, _, stats = mt.moe(x, *weights, topk=2, return_stats=True, **{loss: 0.3})
+    _, expected, _, expected_stats = moe_reference(x, *weights, topk=2, return_stats=True, **{loss: 0.3})
+    torch.testing.assert_close(aux_loss, expected.to(aux_loss), **TOLERANCE)
+    check_stats(stats, expected_stats)
+    fields = dict(
+        aux_loss_coeff=stats.load_balancing_loss,
+        seq_aux_loss_coeff=stats.seq_load_balancing_loss,
+        z_loss_coeff=stats.z_loss,
+    )
+    assert float(aux_loss) > 0 and torch.equal(fields.pop(loss), aux_loss)
+    assert all(float(value) == 0 for value in fields.values())
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_padding_is_the_layer_on_the_real_tokens_alone(capacity_factor):
+    """Masked tokens: exact zero output and input gradient; the real tokens' outputs, switch and z losses,
+    routed counts and gradients equal the layer's on the real tokens alone (dropless; under a capacity the
+    real tokens keep their places, since padding takes none)."""
+    x, weights = _tokens(12), _weights()
+    mask = torch.tensor([1, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1, 1], dtype=torch.bool, device=DEVICE)
+    kwargs = dict(topk=2, aux_loss_coeff=0.1, z_loss_coeff=0.01, capacity_factor=capacity_factor)
+    leaves = [x.clone().requires_grad_(), *(w.clone().requires_grad_() for w in weights)]
+    out, aux_loss, dropped, stats = mt.moe(*leaves, token_mask=mask, return_stats=True, **kwargs)
+    (out.square().sum() + aux_loss).backward()
+    assert torch.equal(out[~mask], torch.zeros_like(out[~mask]))
+    assert torch.equal(leaves[0].grad[~mask], torch.zeros_like(leaves[0].grad[~mask]))
+    if capacity_factor is None:
+        real = [x[mask].clone().requires_grad_(), *(w.clone().requires_grad_() for w in weights)]
+        real_out, real_aux, _, real_stats = mt.moe(*real, return_stats=True, **kwargs)
+        (real_out.square().sum() + real_aux).backward()
+        torch.testing.assert_close(out[mask], real_out, **TOLERANCE)
+        torch.testing.assert_close(aux_loss, real_aux, **TOLERANCE)
+        assert torch.equal(stats.routed, real_stats.routed)
+        torch.testing.assert_close(leaves[0].grad[mask], real[0].grad, **TOLERANCE)
+        for got, want in zip(leaves[1:], real[1:], strict=True):
+            torch.testing.assert_close(got.grad, want.grad, **TOLERANCE)
+    assert int(stats.routed.sum()) == 2 * int(mask.sum()) and int(dropped) == int(stats.dropped)
+
+
+@pytest.mark.parametrize("align_size", [None, 4])
+def test_probs_policy_keeps_the_likeliest_slots_ties_to_the_earlier(align_size):
+    """Identical tokens tie on every probability: each expert keeps the earliest C of them (as "position");
+    a token made likelier for its experts wins a place over earlier ones."""
+    gate, gate_up, down = _weights()
+    x = _tokens(1).repeat(8, 1)  # [8, H], one token eight times
+    layout = ep_layout(
+        num_tokens=8, num_experts=E, topk=1, ep_size=1, align_size=align_size, capacity_factor=1.0
+    )
+    # Pre-softmax: with top-1 the post-softmax probability is always 1, a tie whatever the logits.
+    kwargs = dict(topk=1, use_pre_softmax=True, capacity_factor=1.0, align_size=align_size, return_stats=True)
+    out, _, dropped, _ = mt.moe(x, gate, gate_up, down, drop_policy="probs", **kwargs)
+    position = mt.moe(x, gate, gate_up, down, **kwargs)[0]
+    assert torch.equal(out, position) and int(dropped) == 8 - layout.capacity
+    kept = out.abs().sum(1) > 0
+    assert kept.tolist() == [row < layout.capacity for row in range(8)]
+    likelier = x.clone()
+    likelier[7] *= 2  # the same expert (logits scale), a higher softmax probability
+    out = mt.moe(likelier, gate, gate_up, down, drop_policy="probs", **kwargs)[0]
+    expected = moe_reference(likelier, gate, gate_up, down, drop_policy="probs", **kwargs)[0]
+    torch.testing.assert_close(out, expected.to(out), **TOLERANCE)
+    assert float(out[7].abs().sum()) > 0
+
+
+def test_update_expert_bias_follows_the_sign_rule():
+    bias = torch.tensor([0.5, -0.25, 0.0, 1.0], device=DEVICE)
+    routed = torch.tensor([3, 1, 2, 2], dtype=torch.int32, device=DEVICE)  # mean 2
+    updated = mt.update_expert_bias(bias, routed, 0.125)
+    assert updated.dtype == torch.float32 and updated.tolist() == [0.375, -0.125, 0.0, 1.0]
+    assert bias.tolist() == [0.5, -0.25, 0.0, 1.0]  # untouched
+    layer = mt.MoELayer(H, F, E, 2, score_function="sigmoid", expert_bias=True, device=DEVICE)
+    _, _, _, stats = layer(_tokens(6), return_stats=True)
+    expected = mt.update_expert_bias(layer.expert_bias, stats.routed, 1e-3)
+    layer.update_expert_bias(stats.routed, 1e-3)
+    assert torch.equal(layer.expert_bias, expected) and layer.expert_bias.requires_grad is False
+    with pytest.raises(ValueError, match="update_expert_bias needs a layer built with expert_bias=True"):
+        mt.MoELayer(H, F, E, 2, device=DEVICE).update_expert_bias(stats.routed, 1e-3)
+    with pytest.raises(ValueError, match=r"routed: expected \[E\] = \[4\], got \[3\]"):
+        mt.update_expert_bias(bias, routed[:3], 0.1)
+    with pytest.raises(ValueError, match="update_rate: expected a finite number >= 0"):
+        mt.update_expert_bias(bias, routed, float("nan"))
+    with pytest.raises(TypeError, match="update_rate: expected a Python float"):
+        mt.update_expert_bias(bias, routed, torch.tensor(0.1))
+    with pytest.raises(ValueError, match="expert_bias: expected a float"):
+        mt.update_expert_bias(routed, routed, 0.1)
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
@@ -360,6 +476,12 @@ def _bad(name: str):
         "activation": dict(activation="tanh"),
         "exchange": dict(exchange="nvlink"),
         "aux_loss_coeff": dict(aux_loss_coeff=-1.0),
+        "seq_aux_loss_coeff": dict(seq_aux_loss_coeff=float("nan")),
+        "z_loss_coeff": dict(z_loss_coeff=float("inf")),
+        "drop_policy": dict(drop_policy="random"),
+        "token_mask shape": dict(token_mask=torch.ones(5, dtype=torch.bool, device=DEVICE)),
+        "token_mask dtype": dict(token_mask=torch.ones(4, device=DEVICE)),
+        "sequences": dict(seq_aux_loss_coeff=0.1),
         "topk": dict(topk=E + 1),
         "expert_bias": dict(expert_bias=torch.zeros(E + 1, device=DEVICE)),
     }
@@ -381,6 +503,12 @@ def _bad(name: str):
         ("activation", "activation"),
         ("exchange", "exchange: expected one of"),
         ("aux_loss_coeff", "aux_loss_coeff"),
+        ("seq_aux_loss_coeff", "seq_aux_loss_coeff: expected a finite number >= 0, got nan"),
+        ("z_loss_coeff", "z_loss_coeff: expected a finite number >= 0, got inf"),
+        ("drop_policy", r"drop_policy: expected one of \('position', 'probs'\), got 'random'"),
+        ("token_mask shape", r"token_mask: expected bool \[4\] \(x's leading shape\), got bool \[5\]"),
+        ("token_mask dtype", r"token_mask: expected bool \[4\] \(x's leading shape\), got float32 \[4\]"),
+        ("sequences", r"x: expected \[B, S, H\] with seq_aux_loss_coeff > 0"),
         ("topk", "topk"),
         ("expert_bias", "expert_bias"),
         ("shared_down alone", "shared_gate_up: expected an array: shared_gate_up and shared_down come"),
@@ -406,6 +534,10 @@ def test_module_validates_at_construction():
         mt.MoELayer(H, F, E, 2, num_shared_experts=-1)
     with pytest.raises(ValueError, match="shared_expert_gate: expected False without shared experts"):
         mt.MoELayer(H, F, E, 2, shared_expert_gate=True)
+    with pytest.raises(ValueError, match="drop_policy"):
+        mt.MoELayer(H, F, E, 2, drop_policy="largest")
+    with pytest.raises(ValueError, match="z_loss_coeff"):
+        mt.MoELayer(H, F, E, 2, z_loss_coeff=-0.1)
 
 
 # Process groups ---------------------------------------------------------------------------------------------
@@ -468,6 +600,19 @@ def test_shared_experts_under_expert_parallel_gloo(tmp_path):
             with_shared_experts(capacity, gate=False, activation="gelu"),
         )
         _spawn(tmp_path, 2, "gloo", shared)
+
+    check()
+
+
+@pytest.mark.parametrize("world, data", [(2, 1), (4, 2)])
+def test_recipe_options_under_expert_parallel_gloo(tmp_path, world, data):
+    """Padding mask, the three losses and the probs policy (dropless and capacity) over EP and data x EP:
+    global losses and stats, per-rank outputs and gradients against the dense reference."""
+
+    @_ONE_SPAWN
+    @given(problems=_ep_problems(world))
+    def check(problems):
+        _spawn(tmp_path, world, "gloo", [with_recipe_options(problem) for problem in problems], data=data)
 
     check()
 
@@ -668,23 +813,34 @@ def test_grouped_mm_matches_the_fallback():
     assert torch.equal(results[0][0][40:], torch.zeros_like(results[0][0][40:]))
 
 
+def _recipe(recipe: bool, capacity_factor, x: torch.Tensor) -> dict:
+    """Layer options of the GPU checks: with `recipe`, a padding mask of x's leading shape, all three losses,
+    the probs policy and the stats."""
+    kwargs = dict(topk=2, capacity_factor=capacity_factor, align_size=8, aux_loss_coeff=0.01)
+    if recipe:
+        mask = torch.arange(x.shape[:-1].numel(), device=x.device).reshape(x.shape[:-1]) % 5 != 3
+        kwargs.update(seq_aux_loss_coeff=0.01, z_loss_coeff=1e-3, drop_policy="probs", token_mask=mask)
+    return kwargs
+
+
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("recipe", [False, True])
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
-def test_single_rank_layer_never_syncs_with_the_host(capacity_factor):
-    """EP = 1, dropless or capacity: forward and backward issue no host sync (torch's sync debug mode
-    raises on one)."""
+def test_single_rank_layer_never_syncs_with_the_host(capacity_factor, recipe):
+    """EP = 1, dropless or capacity, with or without the recipe options: forward and backward issue no host
+    sync (torch's sync debug mode raises on one)."""
     x, weights = (
-        _tokens(64, dtype=torch.bfloat16, hidden=64),
+        _tokens(64, dtype=torch.bfloat16, hidden=64).reshape(4, 16, 64),
         _weights(dtype=torch.bfloat16, hidden=64, ffn=32),
     )
-    kwargs = dict(topk=2, capacity_factor=capacity_factor, align_size=8, aux_loss_coeff=0.01)
+    kwargs = _recipe(recipe, capacity_factor, x)
     _run(x, weights, **kwargs)  # warm up: kernels compiled, checks memoised
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         leaves = [x.clone().requires_grad_(), *(w.clone().requires_grad_() for w in weights)]
-        out, aux_loss, _ = mt.moe(*leaves, **kwargs)
+        out, aux_loss, *_ = mt.moe(*leaves, return_stats=recipe, **kwargs)
         torch.autograd.backward([out, aux_loss], [torch.ones_like(out), torch.ones_like(aux_loss)])
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -692,12 +848,13 @@ def test_single_rank_layer_never_syncs_with_the_host(capacity_factor):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_capacity_layer_captures_in_a_cuda_graph():
+@pytest.mark.parametrize("recipe", [False, True])
+def test_capacity_layer_captures_in_a_cuda_graph(recipe):
     x, weights = (
-        _tokens(64, dtype=torch.bfloat16, hidden=64),
+        _tokens(64, dtype=torch.bfloat16, hidden=64).reshape(4, 16, 64),
         _weights(dtype=torch.bfloat16, hidden=64, ffn=32),
     )
-    kwargs = dict(topk=2, capacity_factor=1.0, align_size=8, aux_loss_coeff=0.01)
+    kwargs = dict(_recipe(recipe, 1.0, x), return_stats=recipe)
     static_x = x.clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -708,11 +865,12 @@ def test_capacity_layer_captures_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = mt.moe(static_x, *weights, **kwargs)
-    fresh = _tokens(64, seed=5, dtype=torch.bfloat16, hidden=64)
+    fresh = _tokens(64, seed=5, dtype=torch.bfloat16, hidden=64).reshape(x.shape)
     static_x.copy_(fresh)
     graph.replay()
     expected = mt.moe(fresh, *weights, **kwargs)
-    for got, want in zip(static_out, expected, strict=True):
+    results = [[*result[:3], *(result[3] if recipe else ())] for result in (static_out, expected)]
+    for got, want in zip(*results, strict=True):
         assert torch.equal(got, want)
 
 

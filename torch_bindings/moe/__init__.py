@@ -1,8 +1,12 @@
-"""The expert-parallel MoE layer for PyTorch (`MoELayer`, `moe`), one module per part: `layer` (the layer,
-its arguments and statistics), `experts` (the grouped MLP), `collectives`, and the row exchanges
-`all_to_all`, `peer` (GPUs of one host) and `capacity` (fixed slabs). See docs/moe.md."""
+"""The expert-parallel MoE layer for PyTorch (`MoELayer`, `moe`), one module per part: `layer` (the layer and
+its arguments), `statistics` (losses and loads), `balancing` (the expert-bias update), `experts` (the
+grouped MLP), `collectives`, and the row exchanges `all_to_all`, `peer` (GPUs of one host) and `capacity`
+(fixed slabs). See docs/moe.md."""
+
+from moetriton.kernels.rules.moe import MoEStats
 
 from .._stages import STAGES
+from .balancing import update_expert_bias
 from .collectives import HOSTS_VARIABLE, all_to_all_rows, group_hosts
 from .experts import expert_mlp, grouped_mm_supported
 from .layer import ACTIVATIONS, EXCHANGES, MoELayer, moe
@@ -14,6 +18,7 @@ __all__ = [
     "HOSTS_VARIABLE",
     "STAGES",
     "MoELayer",
+    "MoEStats",
     "all_to_all_rows",
     "choose_exchange",
     "exchange_for",
@@ -21,4 +26,5 @@ __all__ = [
     "group_hosts",
     "grouped_mm_supported",
     "moe",
+    "update_expert_bias",
 ]

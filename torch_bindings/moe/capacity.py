@@ -35,6 +35,25 @@ def capacity_experts(send, layout, group, gate_up, down, activation) -> Tensor:
         return all_to_all_rows(source_major, None, None, send.shape[0], group)
 
 
+def most_probable_slots(indices: Tensor, merging: Tensor, layout: EPLayout) -> Tensor:
+    """drop_policy "probs": indices [T, K] with every slot an expert drops set to -1 (no expert), so that
+    the dispatch's position capacity keeps all the rest. Each expert keeps its C = layout.capacity slots of
+    highest merging weight (merging [T, K]), ties to the earlier slot in (token, slot) order; slots already
+    -1 (masked tokens) stay -1. Sorts on the device: static shapes, no host sync, deterministic."""
+    num_experts = layout.num_experts
+    experts = indices.reshape(-1).long()
+    experts = torch.where(experts >= 0, experts, num_experts)  # [T * K]; no expert sorts last
+    # Stable sorts: by weight (descending; ties keep slot order), then by expert.
+    by_weight = torch.sort(merging.reshape(-1).float(), descending=True, stable=True).indices
+    order = by_weight[torch.sort(experts[by_weight], stable=True).indices]  # [T * K] expert-major
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=indices.device)
+    counts.scatter_add_(0, experts, torch.ones_like(experts))  # scatter_add: bincount would sync
+    starts = counts.cumsum(0) - counts
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=indices.device) - starts[experts[order]]
+    return torch.where((rank < layout.capacity).reshape(indices.shape), indices, -1)
+
+
 def gather_tokens(layout: EPLayout, group, device: torch.device) -> Callable[[], np.ndarray] | None:
     """Capacity with EP > 1 moves [L, C] slabs whose C follows from T, so every rank must hold the same T.
     Eager calls gather every rank's T first (queued before the router, awaited before the rows move: the

@@ -46,29 +46,28 @@ uses torch.bmm on every device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moetriton.kernels.rules import moe as layer_rules
-from moetriton.kernels.rules.expert_parallel import (
-    EPLayout,
-    dropped_slots,
-    ep_layout,
-    gate_up_width,
-    padded_counts,
-)
+from moetriton.kernels.rules.expert_parallel import ep_layout, gate_up_width, padded_counts
+from moetriton.kernels.rules.moe import MoEStats
 
 from .._checks import Signature, memoised, same_device, signature
 from .._stages import stage
 from ..permutation import token_combine, token_dispatch
-from ..router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
+from ..router import fused_topk_with_score_function
 from .all_to_all import dropless_experts
-from .capacity import capacity_experts, check_same_tokens, gather_tokens
-from .collectives import gather_counts, global_sum, group_size_and_rank
-from .experts import shared_mlp
+from .balancing import update_expert_bias
+from .capacity import capacity_experts, check_same_tokens, gather_tokens, most_probable_slots
+from .collectives import gather_counts, group_size_and_rank
+from .experts import start_shared_mlp
 from .peer import exchange_for, peer_dropless
+from .statistics import routing_statistics
 
 #: Expert activations and row exchanges (the dropless layer with EP > 1: "all_to_all" is all_to_all_single
 #: then chunk sorts to expert-major and back, "peer" moetriton.torch.moe.peer's copies through peer
@@ -90,23 +89,32 @@ def _check_moe(
     shared_gate_up: Signature | None,
     shared_down: Signature | None,
     shared_gate: Signature | None,
+    token_mask: Signature | None,
     ep_size: int,
     activation,
     score_function,
-    aux_loss_coeff,
     exchange,
+    drop_policy,
+    **coefficients,
 ) -> layer_rules.LayerShape:
     """(hidden H, experts E, ffn F) of valid layer arguments: the shared layer rules (the same errors as
     the JAX layer's), then PyTorch's own: one dtype for x and the weights, one device."""
     layer_rules.check_options(
         activation=activation,
         score_function=score_function,
-        aux_loss_coeff=aux_loss_coeff,
         exchange=exchange,
         exchanges=EXCHANGES,
+        drop_policy=drop_policy,
+        **coefficients,
     )
     shared = dict(shared_gate_up=shared_gate_up, shared_down=shared_down, shared_gate=shared_gate)
-    same_device(x=x, gate_weight=gate_weight, gate_up=gate_up, down=down, expert_bias=expert_bias, **shared)
+    arrays = dict(gate_weight=gate_weight, gate_up=gate_up, down=down, expert_bias=expert_bias, **shared)
+    same_device(x=x, token_mask=token_mask, **arrays)
+    layer_rules.check_tokens(
+        x_shape=tuple(x[0]),
+        token_mask=None if token_mask is None else (tuple(token_mask[0]), str(token_mask[1]).split(".")[-1]),
+        seq_aux_loss_coeff=coefficients["seq_aux_loss_coeff"],
+    )
     if len(gate_weight[0]) != 2:
         raise ValueError(f"gate_weight: expected [E, H], got shape {list(gate_weight[0])}")
     num_experts, hidden = gate_weight[0]
@@ -137,32 +145,6 @@ def _check_moe(
     return shape
 
 
-def _routing_statistics(
-    logits: Tensor, routed: Tensor, layout: EPLayout, score_function: str, coeff: float, group
-) -> tuple[Tensor, Tensor]:
-    """(aux_loss fp32 scalar, dropped int32 scalar), both global over `group` (None: this rank alone).
-    routed [E]: this rank's routed slots per expert. One all_reduce carries the routed counts, T and the
-    dropped slots; no host sync."""
-    num_experts = layout.num_experts
-    dropped = dropped_slots(routed, layout)
-    total_tokens: int | Tensor = layout.num_tokens
-    group_size, _ = group_size_and_rank(group)
-    if group_size > 1 and (coeff > 0 or not layout.dropless):
-        stats = torch.cat([routed, dropped.reshape(1), routed.new_full((1,), layout.num_tokens)])
-        dist.all_reduce(stats, group=group)
-        routed, dropped, total_tokens = stats[:num_experts], stats[num_experts], stats[num_experts + 1]
-    aux_loss = torch.zeros((), dtype=torch.float32, device=logits.device)
-    if coeff > 0:
-        # A rank without tokens adds a zero partial, but still joins the sum: every rank reaches every
-        # collective whatever its batch, or the others would wait for it.
-        if layout.num_tokens > 0:
-            _, scores = fused_compute_score_for_moe_aux_loss(logits, layout.topk, score_function)
-            aux_loss = fused_moe_aux_loss(scores, routed, total_tokens, num_experts, layout.topk, coeff)
-        if group_size > 1:
-            aux_loss = global_sum(aux_loss, group)
-    return aux_loss, dropped.to(torch.int32)
-
-
 def moe(
     x: Tensor,
     gate_weight: Tensor,
@@ -186,7 +168,12 @@ def moe(
     shared_gate_up: Tensor | None = None,
     shared_down: Tensor | None = None,
     shared_gate: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    seq_aux_loss_coeff: float = 0.0,
+    z_loss_coeff: float = 0.0,
+    drop_policy: str = "position",
+    token_mask: Tensor | None = None,
+    return_stats: bool = False,
+) -> tuple[Tensor, Tensor, Tensor] | tuple[Tensor, Tensor, Tensor, MoEStats]:
     """One MoE layer on this rank's tokens, experts sharded over `ep_group` (see the module docstring).
 
     Args:
@@ -197,11 +184,16 @@ def moe(
         down: [L, F, H] down-projection weights of the local experts.
         topk, expert_bias, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor: the
             router's (moetriton.torch.fused_topk_with_score_function); expert_bias [E] steers selection only.
-        aux_loss_coeff: load-balancing loss weight (0: no loss, a zero scalar).
+        aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff: weights of the switch load-balancing loss, the
+            sequence-wise one of DeepSeek-V3 (needs x [B, S, H]) and the router z-loss, each global over
+            token_group as moetriton.kernels.rules.moe.LOSSES defines it (0: that loss is off); aux_loss is
+            their sum.
         align_size: rows per expert block padded to a multiple of this (dropless; the capacity is rounded
             up to it).
         activation: "swiglu" (default), "geglu" (gated), "gelu" or "relu" (non-gated): ACTIVATIONS.
         capacity_factor: None for dropless; c > 0 for C = c x the balanced load per (rank, expert).
+        drop_policy: which slots a full expert keeps under capacity_factor: "position" (its first C, in
+            token order) or "probs" (its C of highest merging weight, ties to the earlier slot).
         ep_group: the expert-parallel process group (None: one rank, every expert local). Every rank calls
             with the same T, E, K and options.
         token_group: the group over which the aux loss and the dropped count are global: every rank whose
@@ -226,11 +218,16 @@ def moe(
             routed path's exchange.
         shared_gate: [H, 1] x.dtype or None: the shared FFN's output scaled per token by
             sigmoid(x @ shared_gate) (fp32), as Qwen-MoE does.
+        token_mask: bool [...] (x's leading shape) or None: False marks padding, which takes no expert
+            slot, counts in no loss, load or capacity, and gets a zero output row and zero gradient.
+        return_stats: also return the call's MoEStats (losses by name, per-expert routed and kept slots,
+            loads), device tensors global over token_group.
 
     Returns:
-        (out [..., H] in x.dtype, aux_loss fp32 scalar, dropped int32 scalar): aux_loss has the same value
-        on every rank and its backward gives each rank the gradient of its own tokens, so parameter
-        gradients summed over token_group equal the unsharded layer's. Differentiable in x, gate_weight,
+        (out [..., H] in x.dtype, aux_loss fp32 scalar, dropped int32 scalar), and the MoEStats with
+        return_stats: aux_loss has the same value on every rank and its backward gives each rank the
+        gradient of its own tokens, so parameter gradients summed over token_group equal the unsharded
+        layer's. Differentiable in x, gate_weight,
         gate_up, down and the shared weights (replicated: sum their gradients over token_group as for
         gate_weight). Host syncs: one per call for dropless with EP > 1, none otherwise.
 
@@ -251,14 +248,19 @@ def moe(
         shared_gate_up=signature(shared_gate_up),
         shared_down=signature(shared_down),
         shared_gate=signature(shared_gate),
+        token_mask=signature(token_mask),
         ep_size=ep_size,
         activation=activation,
         score_function=score_function,
-        aux_loss_coeff=aux_loss_coeff,
         exchange=exchange,
+        drop_policy=drop_policy,
+        aux_loss_coeff=aux_loss_coeff,
+        seq_aux_loss_coeff=seq_aux_loss_coeff,
+        z_loss_coeff=z_loss_coeff,
     )
     hidden, num_experts = shape.hidden, shape.num_experts
     tokens = x.reshape(-1, hidden)  # [T, H]
+    valid = None if token_mask is None else token_mask.reshape(-1)  # [T]
     layout = ep_layout(
         num_tokens=tokens.shape[0],
         num_experts=num_experts,
@@ -285,19 +287,29 @@ def moe(
             return_indices=True,
         )
         merging = probs.gather(1, indices.long())  # [T, K]
-        routed = routing_map.sum(0)  # [E] int64
-        aux_loss, dropped = _routing_statistics(
+        if valid is not None:  # padding: no slot (-1 is no expert to the dispatch), no weight, no count
+            routing_map = routing_map & valid[:, None]
+            indices = torch.where(valid[:, None], indices, -1)
+            merging = merging * valid[:, None]
+        aux_loss, dropped, stats = routing_statistics(
             logits,
-            routed,
+            routing_map,
+            valid,
             layout,
-            score_function,
-            aux_loss_coeff,
-            token_group if token_group is not None else ep_group,
+            score_function=score_function,
+            coefficients=(aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff),
+            batch=x.shape[0] if x.dim() == 3 else None,
+            group=token_group if token_group is not None else ep_group,
+            want_stats=return_stats,
         )
-    shared = None
+        routed = routing_map.sum(0)  # [E] int64, this rank's
+        if drop_policy == "probs" and not layout.dropless:
+            indices = most_probable_slots(indices, merging, layout)
+    join_shared = None
     if shared_gate_up is not None:
-        # From the tokens alone, before the dispatch: no data dependency on the routed path's exchange.
-        shared = shared_mlp(tokens, shared_gate_up, shared_down, shared_gate, activation)  # [T, H]
+        # From the tokens alone: no data dependency on the routed path, so it runs beside the exchange.
+        join_shared = start_shared_mlp(tokens, shared_gate_up, shared_down, shared_gate, activation)
+    extra = (stats,) if return_stats else ()
     if layout.dropless:
         gathered = None
         if ep_size > 1:
@@ -320,7 +332,8 @@ def moe(
                     down,
                     activation,
                 )
-                return _plus_shared(combined, shared).reshape(x.shape), aux_loss, dropped
+                out = _plus_shared(combined, join_shared, valid).reshape(x.shape)
+                return out, aux_loss, dropped, *extra
         with stage("dispatch"):
             send, _, row_id_map, pad_offsets, send_counts = token_dispatch(
                 tokens, indices=indices, num_experts=num_experts, align_size=layout.align_size
@@ -338,15 +351,18 @@ def moe(
         out = capacity_experts(send, layout, ep_group, gate_up, down, activation)
     with stage("combine"):
         combined = token_combine(out, row_id_map, merging_probs=merging, pad_offsets=pad_offsets)
-    return _plus_shared(combined, shared).reshape(x.shape), aux_loss, dropped
+    return _plus_shared(combined, join_shared, valid).reshape(x.shape), aux_loss, dropped, *extra
 
 
-def _plus_shared(routed: Tensor, shared: Tensor | None) -> Tensor:
-    """routed [T, H] + shared [T, H], summed in fp32 and rounded once to routed.dtype; routed itself
-    (untouched) without shared experts."""
-    if shared is None:
+def _plus_shared(routed: Tensor, join_shared: Callable[[], Tensor] | None, valid: Tensor | None) -> Tensor:
+    """routed [T, H] + the shared experts' [T, H] (zero on padding, valid [T] False), summed in fp32 and
+    rounded once to routed.dtype; routed itself (untouched) without shared experts."""
+    if join_shared is None:
         return routed
-    return (routed.float() + shared.float()).to(routed.dtype)
+    shared = join_shared().float()
+    if valid is not None:
+        shared = shared * valid[:, None]
+    return (routed.float() + shared).to(routed.dtype)
 
 
 class MoELayer(nn.Module):
@@ -354,13 +370,15 @@ class MoELayer(nn.Module):
 
     Parameters: gate_weight [E, H]; gate_up [L, H, 2F] (SwiGLU; [L, H, F] non-gated) and down [L, F, H] for
     this rank's L = E / EP experts (rank r holds experts r * L ... r * L + L - 1); with `expert_bias=True`
-    an fp32 buffer expert_bias [E] (sigmoid / sqrtsoftplus; update it from the routed counts outside the
-    layer, as aux-loss-free balancing does). With `num_shared_experts=n > 0` (DeepSeek-V3: 1) the shared
+    an fp32 buffer expert_bias [E] (sigmoid / sqrtsoftplus), which aux-loss-free balancing moves after
+    each optimizer step: `layer.update_expert_bias(stats.routed, update_rate)` with the stats of
+    `layer(x, return_stats=True)`. With `num_shared_experts=n > 0` (DeepSeek-V3: 1) the shared
     experts, one always-on FFN of width Fs = n * F: shared_gate_up [H, 2Fs] ([H, Fs] non-gated) and
     shared_down [Fs, H], replicated on every rank; with `shared_expert_gate=True` (Qwen-MoE) also
     shared_gate [H, 1], scaling their output per token by sigmoid(x @ shared_gate) (see `moe`).
 
-    forward(x [..., H]) -> (out [..., H], aux_loss fp32 scalar, dropped int32 scalar).
+    forward(x [..., H], token_mask=None, return_stats=False) -> (out [..., H], aux_loss fp32 scalar,
+    dropped int32 scalar[, MoEStats]); the loss coefficients and drop_policy are `moe`'s options.
 
     The dropless row exchange with EP > 1 is `exchange` ("auto": peer memory on GPUs of one host,
     all_to_all_single otherwise, an EP group that spans hosts included); every rank's host comes from the
@@ -397,6 +415,9 @@ class MoELayer(nn.Module):
         exchange: str = "auto",
         num_shared_experts: int = 0,
         shared_expert_gate: bool = False,
+        seq_aux_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+        drop_policy: str = "position",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -404,9 +425,12 @@ class MoELayer(nn.Module):
         layer_rules.check_options(  # now rather than at the first call
             activation=activation,
             score_function=score_function,
-            aux_loss_coeff=aux_loss_coeff,
             exchange=exchange,
             exchanges=EXCHANGES,
+            drop_policy=drop_policy,
+            aux_loss_coeff=aux_loss_coeff,
+            seq_aux_loss_coeff=seq_aux_loss_coeff,
+            z_loss_coeff=z_loss_coeff,
         )
         ep_size, _ = group_size_and_rank(ep_group)
         ep_layout(  # validates E, K, EP, align_size and capacity_factor now rather than at the first call
@@ -450,6 +474,9 @@ class MoELayer(nn.Module):
             activation=activation,
             capacity_factor=capacity_factor,
             exchange=exchange,
+            seq_aux_loss_coeff=seq_aux_loss_coeff,
+            z_loss_coeff=z_loss_coeff,
+            drop_policy=drop_policy,
         )
         self.reset_parameters()
 
@@ -462,7 +489,10 @@ class MoELayer(nn.Module):
             if weight is not None:  # [fan_in, fan_out]: the routed experts' layout without the expert axis
                 nn.init.normal_(weight, std=weight.shape[0] ** -0.5)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(
+        self, x: Tensor, token_mask: Tensor | None = None, return_stats: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor] | tuple[Tensor, Tensor, Tensor, MoEStats]:
+        """`moe` with this layer's parameters and options: (out, aux_loss, dropped[, stats])."""
         return moe(
             x,
             self.gate_weight,
@@ -474,8 +504,19 @@ class MoELayer(nn.Module):
             shared_gate_up=self.shared_gate_up,
             shared_down=self.shared_down,
             shared_gate=self.shared_gate,
+            token_mask=token_mask,
+            return_stats=return_stats,
             **self.options,
         )
+
+    @torch.no_grad()
+    def update_expert_bias(self, routed: Tensor, update_rate: float) -> None:
+        """Aux-loss-free balancing: the expert_bias buffer moved in place by `update_expert_bias` from a
+        step's routed counts [E] (`MoEStats.routed`, global over token_group, so every rank applies the same
+        update); call it once per optimizer step. Needs `expert_bias=True`."""
+        if self.expert_bias is None:
+            raise ValueError("expert_bias: update_expert_bias needs a layer built with expert_bias=True")
+        self.expert_bias.copy_(update_expert_bias(self.expert_bias, routed, update_rate))
 
     def extra_repr(self) -> str:
         experts, hidden = self.gate_weight.shape

@@ -1,0 +1,107 @@
+"""The MoE layer's routing statistics: its three losses (kernels/rules/moe.LOSSES), the dropped slots and the
+per-expert loads of `MoEStats`, all global over the token group with no host sync."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from moetriton.kernels.rules.expert_parallel import EPLayout, kept_slots
+from moetriton.kernels.rules.moe import MoEStats
+
+from ..router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss
+from .collectives import global_sum, group_size_and_rank
+
+
+def _sequence_balance(scores: Tensor, routing_map: Tensor, per_sequence: Tensor, topk: int) -> Tensor:
+    """Sum over this rank's B sequences of DeepSeek-V3's sequence-wise balance (LOSSES, unscaled): scores
+    [T, E] fp32 and routing_map [T, E] bool, masked rows zero, T = B * S; per_sequence [B]: the unmasked
+    tokens n_b of each. A sequence without one adds zero."""
+    batch, num_experts = per_sequence.shape[0], scores.shape[1]
+    routed = routing_map.reshape(batch, -1, num_experts).sum(1, dtype=torch.float32)  # [B, E]
+    score_sums = scores.reshape(batch, -1, num_experts).sum(1)  # [B, E]
+    # sum_e (E / (K n_b) routed_be) (score_sums_be / n_b)
+    balance = (routed * score_sums).sum(1) * (num_experts / topk)  # [B]
+    return (balance / per_sequence.float().square().clamp(min=1)).sum()
+
+
+def routing_statistics(
+    logits: Tensor,
+    routing_map: Tensor,
+    valid: Tensor | None,
+    layout: EPLayout,
+    *,
+    score_function: str,
+    coefficients: tuple[float, float, float],
+    batch: int | None,
+    group,
+    want_stats: bool,
+) -> tuple[Tensor, Tensor, MoEStats | None]:
+    """(aux_loss fp32 scalar, dropped int32 scalar, MoEStats or None), global over `group` (None: this rank).
+
+    logits [T, E] (x.dtype) and routing_map [T, E] bool of this rank's tokens, masked tokens' rows cleared;
+    valid [T] bool (None: every token counts); coefficients: (aux_loss_coeff, seq_aux_loss_coeff,
+    z_loss_coeff); batch: B of x [B, S, H] (for the sequence-wise loss). One all_reduce carries the routed and
+    kept counts, the unmasked tokens and the sequences holding one; a second, differentiable, sums the three
+    losses' partials. A rank without tokens still joins both: every rank reaches every collective whatever
+    its batch, or the others would wait for it."""
+    num_experts, topk = layout.num_experts, layout.topk
+    balance_coeff, sequence_coeff, z_coeff = coefficients
+    routed = routing_map.sum(0)  # [E] int64
+    kept = kept_slots(routed, layout)
+    if valid is None:
+        tokens = routed.new_full((1,), layout.num_tokens)
+        per_sequence = routed.new_full((batch or 0,), layout.num_tokens // max(batch or 1, 1))
+    else:
+        tokens = valid.sum().reshape(1)
+        per_sequence = valid.reshape(batch, -1).sum(1) if batch else None
+    sequences = (per_sequence > 0).sum().reshape(1) if sequence_coeff > 0 else routed.new_zeros(1)
+    group_size, _ = group_size_and_rank(group)
+    any_loss = any(coeff > 0 for coeff in coefficients)
+    if group_size > 1 and (any_loss or not layout.dropless or want_stats):
+        counts = torch.cat([routed, kept, tokens, sequences])
+        dist.all_reduce(counts, group=group)
+        routed, kept = counts[:num_experts], counts[num_experts : 2 * num_experts]
+        tokens, sequences = counts[2 * num_experts :].unbind()
+    else:
+        tokens, sequences = tokens[0], sequences[0]
+    dropped = (routed - kept).sum().to(torch.int32)
+    losses = logits.new_zeros(3, dtype=torch.float32)
+    if any_loss and layout.num_tokens > 0:
+        # Every denominator is clamped to 1: a group of padding alone gives zero losses, not NaN.
+        partials = list(losses.unbind())
+        if balance_coeff > 0 or sequence_coeff > 0:
+            _, scores = fused_compute_score_for_moe_aux_loss(logits, topk, score_function)  # [T, E] fp32
+            if valid is not None:
+                scores = scores * valid[:, None]
+            if balance_coeff > 0:
+                partials[0] = fused_moe_aux_loss(
+                    scores, routed, tokens.clamp(min=1), num_experts, topk, balance_coeff
+                )
+            if sequence_coeff > 0:
+                balance = _sequence_balance(scores, routing_map, per_sequence, topk)
+                partials[1] = sequence_coeff * balance / sequences.clamp(min=1)
+        if z_coeff > 0:
+            square = torch.logsumexp(logits.float(), dim=-1).square()  # [T]
+            if valid is not None:
+                square = square * valid
+            partials[2] = z_coeff * square.sum() / tokens.clamp(min=1)
+        losses = torch.stack(partials)
+    if any_loss and group_size > 1:
+        losses = global_sum(losses, group)
+    aux_loss = losses.sum()
+    if not want_stats:
+        return aux_loss, dropped, None
+    kept = kept.to(torch.int32)
+    stats = MoEStats(
+        load_balancing_loss=losses[0],
+        seq_load_balancing_loss=losses[1],
+        z_loss=losses[2],
+        routed=routed.to(torch.int32),
+        kept=kept,
+        dropped=dropped,
+        max_load=kept.max(),
+        mean_load=kept.float().mean(),
+    )
+    return aux_loss, dropped, stats
