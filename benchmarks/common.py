@@ -24,6 +24,8 @@ import subprocess
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from moetriton import kernels
 from moetriton.kernels.rules.expert_parallel import EPLayout, ep_layout
 from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES, MoELayerShape, MoEShape
@@ -90,6 +92,48 @@ def shape_dispatch_plan(
     return kernels.dispatch_plan(
         **sizes, is_mask=is_mask, has_probs=True, scale_cols=None, device=device, config=config
     )
+
+
+#: Variants of the moetriton layer rows of both layer benchmarks (--variants), by the recipe options each
+#: turns on: "plain" (the layer alone), "shared" (one shared expert of the routed FFN size), each option of
+#: the training recipes alone, and "recipe" (all of them but the shared expert). Their step time against
+#: "plain" is what the option costs.
+LAYER_VARIANTS = {
+    "plain": {},
+    "shared": dict(num_shared_experts=1),
+    "seq_aux": dict(seq_aux_loss_coeff=1e-4),
+    "z_loss": dict(z_loss_coeff=1e-3),
+    "mask": dict(padding=True),
+    "stats": dict(return_stats=True),
+    "probs": dict(drop_policy="probs"),
+    "recipe": dict(
+        seq_aux_loss_coeff=1e-4, z_loss_coeff=1e-3, padding=True, return_stats=True, drop_policy="probs"
+    ),
+}
+#: Tokens per sequence of the layer benchmarks' [B, S, H] inputs (the sequence-wise loss reads S).
+SEQUENCE_LENGTH = 4096
+#: Every PADDING_PERIOD-th token of the "mask" variants is padding.
+PADDING_PERIOD = 16
+
+
+def variant_options(variant: str, num_tokens: int) -> tuple[dict, int, np.ndarray | None]:
+    """(layer keyword options, shared experts, token mask [T] bool or None) of a LAYER_VARIANTS name;
+    "probs" only acts under a capacity."""
+    options = dict(LAYER_VARIANTS[variant])
+    shared = options.pop("num_shared_experts", 0)
+    mask = (
+        np.arange(num_tokens) % PADDING_PERIOD != PADDING_PERIOD - 1
+        if options.pop("padding", False)
+        else None
+    )
+    return options, shared, mask
+
+
+def sequences(num_tokens: int) -> tuple[int, int]:
+    """(B, S) of a layer benchmark's T tokens: sequences of SEQUENCE_LENGTH where T divides into them, else
+    one sequence."""
+    length = SEQUENCE_LENGTH if num_tokens % SEQUENCE_LENGTH == 0 else num_tokens
+    return num_tokens // max(length, 1), length
 
 
 def router_options(shape: MoELayerShape) -> dict:

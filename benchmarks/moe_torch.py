@@ -21,9 +21,15 @@ show; sums below are over the layers). Implementations:
   unpermutation, all_to_all_single with host split sizes, chunk sort by torch.split + torch.cat; the same
   grouped GEMMs (`moetriton.torch.moe.expert_mlp`: torch._grouped_mm where supported) and SwiGLU.
 
-Each row (impl x shape x EP) reports: step_ms (median wall time of `--steps` synchronised steps, slowest
-rank); the stage breakdown from a torch.profiler trace of two steps, each started together on every rank:
-every stage is a record_function range "moe.<stage>" in the forward, and backward work
+`--variants plain,shared,recipe,...` (benchmarks.common.LAYER_VARIANTS) runs the moetriton impls once per
+variant: a shared expert of the routed FFN size (its FFN alone, forward + backward, is timed beside the step
+as shared_ffn_ms: step(shared) - step(plain) below it is the part the side stream hid), each training-recipe
+option alone, or all of them; the step time against "plain" is what an option costs. Tokens are [B, S, H]
+with S = benchmarks.common.SEQUENCE_LENGTH.
+
+Each row (impl x variant x shape x EP) reports: step_ms (median wall time of `--steps` synchronised steps,
+slowest rank); the stage breakdown from a torch.profiler trace of two steps, each started together on every
+rank: every stage is a record_function range "moe.<stage>" in the forward, and backward work
 (autograd::engine::evaluate_function events) is attributed to the stage whose forward op created the autograd
 node (matched by sequence number); on GPUs per kernel, from the host context that launched it (its innermost
 stage range, which the peer exchange opens inside its autograd functions too, else that rule for its
@@ -69,10 +75,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks import trace_gaps
-from benchmarks.common import add_out_option, router_options, write_results
+from benchmarks.common import (
+    LAYER_VARIANTS,
+    add_out_option,
+    router_options,
+    sequences,
+    variant_options,
+    write_results,
+)
 from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES, MoELayerShape
 from moetriton.torch.moe import STAGES as LAYER_STAGES
 from moetriton.torch.moe import all_to_all_rows, expert_mlp, moe, peer
+from moetriton.torch.moe.experts import shared_mlp
 
 IMPLS = ("moetriton", "moetriton_a2a", "megatron")
 PEAK_TFLOPS = 790.0  # H100 SXM dense bf16
@@ -254,27 +268,49 @@ def _plain_all_to_all_gbps(rows: int, hidden: int, dtype, device, group) -> floa
 # Rows -------------------------------------------------------------------------------------------------------
 
 
-def _inputs(shape: MoELayerShape, tokens: int, rank: int, ep: int, device, dtype, layers: int = 1) -> dict:
-    """Tokens, output cotangent and this rank's parameters of each of `layers` layers, drawn on the device
-    (dsv3's expert weights are billions of values)."""
+def _inputs(
+    shape: MoELayerShape,
+    tokens: int,
+    rank: int,
+    ep: int,
+    device,
+    dtype,
+    layers: int = 1,
+    variant: str = "plain",
+) -> dict:
+    """Tokens [B, S, H], output cotangent and this rank's parameters of each of `layers` layers (with the
+    variant's shared expert: [H, 2F] and [F, H], replicated), drawn on the device (dsv3's expert weights are
+    billions of values); the variant's layer options and token mask."""
     generator = torch.Generator(device).manual_seed(1000 + rank)
     shared = torch.Generator(device).manual_seed(7)  # the gate is replicated: the same on every rank
     local = shape.num_experts // ep
+    options, shared_experts, mask = variant_options(variant, tokens)
 
     def normal(*size, scale=1.0, source=generator):
         return torch.randn(*size, generator=source, device=device, dtype=dtype) * scale
 
-    stack = [
-        [
+    stack = []
+    for _ in range(layers):
+        params = [
             normal(shape.num_experts, shape.hidden, scale=shape.hidden**-0.5, source=shared),  # gate_weight
             normal(local, shape.hidden, 2 * shape.ffn, scale=shape.hidden**-0.5),  # gate_up
             normal(local, shape.ffn, shape.hidden, scale=shape.ffn**-0.5),  # down
         ]
-        for _ in range(layers)
-    ]
+        if shared_experts:
+            width = shared_experts * shape.ffn
+            params.append(normal(shape.hidden, 2 * width, scale=shape.hidden**-0.5, source=shared))
+            params.append(normal(width, shape.hidden, scale=width**-0.5, source=shared))
+        stack.append(params)
     for param in (param for params in stack for param in params):
         param.requires_grad_()
-    return dict(x=normal(tokens, shape.hidden), cotangent=normal(tokens, shape.hidden), stack=stack)
+    batch, length = sequences(tokens)
+    return dict(
+        x=normal(batch, length, shape.hidden),
+        cotangent=normal(batch, length, shape.hidden),
+        stack=stack,
+        options=options,
+        token_mask=None if mask is None else torch.from_numpy(mask).to(device).reshape(batch, length),
+    )
 
 
 def _layer_step(impl: str, shape: MoELayerShape, inputs: dict, args, group) -> Callable[[], None]:
@@ -289,7 +325,7 @@ def _layer_step(impl: str, shape: MoELayerShape, inputs: dict, args, group) -> C
                 param.grad = None
         out, aux_losses = x, []
         for params in inputs["stack"]:
-            out, aux_loss = _layer(impl, shape, out, params, args, group)
+            out, aux_loss = _layer(impl, shape, out, params, inputs, args, group)
             aux_losses.append(aux_loss)
         aux_loss = torch.stack(aux_losses).sum()
         torch.autograd.backward([out, aux_loss], [inputs["cotangent"], torch.ones_like(aux_loss)])
@@ -297,11 +333,16 @@ def _layer_step(impl: str, shape: MoELayerShape, inputs: dict, args, group) -> C
     return step
 
 
-def _layer(impl: str, shape: MoELayerShape, x, params, args, group) -> tuple[torch.Tensor, torch.Tensor]:
+def _layer(
+    impl: str, shape: MoELayerShape, x, params, inputs, args, group
+) -> tuple[torch.Tensor, torch.Tensor]:
     if impl.startswith("moetriton"):
-        out, aux_loss, _ = moe(
+        gate_weight, gate_up, down, *shared = params
+        out, aux_loss, *_ = moe(
             x,
-            *params,
+            gate_weight,
+            gate_up,
+            down,
             topk=shape.topk,
             **router_options(shape),
             aux_loss_coeff=AUX_LOSS_COEFF,
@@ -309,16 +350,35 @@ def _layer(impl: str, shape: MoELayerShape, x, params, args, group) -> tuple[tor
             capacity_factor=args.capacity_factor,
             ep_group=group,
             exchange="all_to_all" if impl == "moetriton_a2a" else "auto",
+            shared_gate_up=shared[0] if shared else None,
+            shared_down=shared[1] if shared else None,
+            token_mask=inputs["token_mask"],
+            **inputs["options"],
         )
         return out, aux_loss
-    return megatron_moe(x, *params, shape, group)
+    out, aux_loss = megatron_moe(x.reshape(-1, shape.hidden), *params, shape, group)
+    return out.reshape(x.shape), aux_loss
 
 
-def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict:
+def _shared_ffn_ms(inputs: dict, steps: int, device, group) -> float:
+    """Median ms of the shared experts' FFN alone, forward + backward, on the layer's tokens: what the
+    layer step would add if nothing overlapped it."""
+    _, _, _, shared_gate_up, shared_down = inputs["stack"][0]
+    tokens = inputs["x"].reshape(-1, inputs["x"].shape[-1]).detach().requires_grad_()
+    cotangent = inputs["cotangent"].reshape(tokens.shape)
+
+    def step() -> None:
+        torch.autograd.backward(shared_mlp(tokens, shared_gate_up, shared_down, None, "swiglu"), cotangent)
+
+    step()
+    return _median_ms(step, steps, device, group)
+
+
+def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group, variant: str = "plain") -> dict:
     ep = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     tokens = args.tokens or shape.num_tokens
-    row = dict(impl=impl, shape=shape.name, ep=ep, tokens_per_gpu=tokens, layers=args.layers)
+    row = dict(impl=impl, variant=variant, shape=shape.name, ep=ep, tokens_per_gpu=tokens, layers=args.layers)
     row.update(hidden=shape.hidden, ffn=shape.ffn, experts=shape.num_experts, topk=shape.topk)
     row.update(
         policy="dropless" if args.capacity_factor is None else f"capacity {args.capacity_factor}",
@@ -327,11 +387,13 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     )
     on_gpu = device.type == "cuda"
-    inputs = _inputs(shape, tokens, rank, ep, device, dtype, args.layers)
+    inputs = _inputs(shape, tokens, rank, ep, device, dtype, args.layers, variant)
     step = _layer_step(impl, shape, inputs, args, group)
     for _ in range(1 if args.tiny else 2):  # compile the kernels, fill the allocator cache
         step()
     step_ms = _median_ms(step, args.steps, device, group)
+    if len(inputs["stack"][0]) > 3:  # shared experts: their FFN alone, beside the step that overlaps it
+        row.update(shared_ffn_ms=round(_shared_ffn_ms(inputs, args.steps, device, group), 4))
     if on_gpu:
         row.update(peak_allocated_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2))
         if impl == "moetriton" and ep > 1:  # the peer exchange's (the others leave it as they found it)
@@ -363,6 +425,9 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group) -> dict
     total = sum(stages.values())
     rows = tokens * shape.topk * args.layers  # routed slots of all layers
     gemm_flops = 3 * (2 * rows * shape.hidden * 2 * shape.ffn + 2 * rows * shape.ffn * shape.hidden)
+    if "shared_ffn_ms" in row:  # the shared FFN's GEMMs run in the grouped_gemm stage too
+        shared_width = inputs["stack"][0][4].shape[0]
+        gemm_flops += 3 * 6 * tokens * args.layers * shape.hidden * shared_width
     gemm_tflops = gemm_flops / (stages["grouped_gemm"] * 1e-3) / 1e12 if stages["grouped_gemm"] else 0.0
     row.update(step_ms=round(step_ms, 4), align_wait_ms=round(align_ms, 4))
     row.update({f"{stage}_ms": round(ms, 4) for stage, ms in stages.items()})
@@ -486,6 +551,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="layers per step, each feeding the next, as in a model (default 1)",
     )
+    parser.add_argument(
+        "--variants",
+        default="plain",
+        help=f"comma-separated moetriton layer variants, from {tuple(LAYER_VARIANTS)} (benchmarks.common;"
+        " the baseline runs plain only)",
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU, one step (smoke test)")
     parser.add_argument(
         "--trace",
@@ -508,6 +579,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         if name not in MOE_LAYER_SHAPES:
             parser.error(f"--shapes: expected names from {sorted(MOE_LAYER_SHAPES)}, got {name!r}")
+    variants = [variant for variant in args.variants.split(",") if variant]
+    for variant in variants:
+        if variant not in LAYER_VARIANTS:
+            parser.error(f"--variants: expected names from {tuple(LAYER_VARIANTS)}, got {variant!r}")
     device, dtype, group = _setup(args.tiny)
     rank = dist.get_rank() if group is not None else 0
     ep = dist.get_world_size() if group is not None else 1
@@ -529,16 +604,18 @@ def main(argv: list[str] | None = None) -> int:
             if impl == "megatron" and args.capacity_factor is not None:
                 report(f"{impl} {shape.name}: the baseline is dropless only; skipped under --capacity-factor")
                 continue
-            try:
-                row = run_row(impl, shape, args, device, dtype, group)
-            except torch.OutOfMemoryError as error:
-                row = dict(impl=impl, shape=shape.name, ep=ep, note=f"OOM: {str(error).splitlines()[0]}")
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)  # peak_allocated_gib is per row
-            rows.append(row)
-            report(_describe(row))
+            for variant in variants if impl.startswith("moetriton") else ["plain"]:
+                try:
+                    row = run_row(impl, shape, args, device, dtype, group, variant)
+                except torch.OutOfMemoryError as error:
+                    note = f"OOM: {str(error).splitlines()[0]}"
+                    row = dict(impl=impl, variant=variant, shape=shape.name, ep=ep, note=note)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(device)  # peak_allocated_gib is per row
+                rows.append(row)
+                report(_describe(row))
     if rank == 0:
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"wrote {write_results('moe_torch', rows, device_name, ep, args.out)}")
@@ -548,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _describe(row: dict) -> str:
-    head = f"{row['impl']:<10} {row['shape']:<13} EP={row['ep']}"
+    head = f"{row['impl']:<10} {row.get('variant', 'plain'):<7} {row['shape']:<13} EP={row['ep']}"
     if row.get("layers", 1) > 1:
         head += f" x{row['layers']} layers"
     if "note" in row:
@@ -567,6 +644,8 @@ def _describe(row: dict) -> str:
         )
     if "gpu_idle_ms" in row:
         a2a += f" | GPU idle {row['gpu_idle_ms']:.3f} ms"
+    if "shared_ffn_ms" in row:
+        a2a += f" | shared FFN alone {row['shared_ffn_ms']:.3f} ms"
     return (
         f"{head} {row['policy']} step {row['step_ms']:.3f} ms | routing {row['routing_share_pct']:.1f}% | "
         f"grouped GEMM {row['gemm_tflops']:.0f} TFLOP/s ({row['gemm_pct_of_peak']:.0f}% of {PEAK_TFLOPS:.0f})"
