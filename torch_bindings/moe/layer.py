@@ -33,9 +33,11 @@ Capacity policies (the same as the JAX layer):
   nothing syncs.
 * capacity (`capacity_factor=c`): every (source rank, expert) pair keeps its first C = layout.capacity slots
   in token order (earlier tokens win) and drops the rest (a dropped slot adds nothing to its token's output;
-  the remaining weights are not renormalised). The exchange moves fixed [L, C] slabs and the experts run a
-  batched GEMM over [L, EP * C] rows: no size depends on data, nothing syncs, and the step captures in a CUDA
-  graph. `dropped` counts the dropped slots over the token group exactly.
+  the remaining weights are not renormalised; drop_policy="probs" keeps the likeliest C instead). The
+  exchange moves fixed [L, C] slabs (through peer memory on GPUs of one host, straight into the experts'
+  [L, EP * C] order; else all_to_all_single and chunk sorts) and the experts run a batched GEMM over
+  [L, EP * C] rows: no size depends on data, nothing syncs, and the step captures in a CUDA graph.
+  `dropped` counts the dropped slots over the token group exactly.
 
 Grouped GEMMs: dropless rows go through `torch._grouped_mm` (offsets = int32 cumulative group ends) on CUDA
 GPUs of compute capability 9.0 or later, with bf16 tensors whose hidden and FFN sizes are multiples of 8
@@ -66,7 +68,7 @@ from .balancing import update_expert_bias
 from .capacity import capacity_experts, check_same_tokens, gather_tokens, most_probable_slots
 from .collectives import gather_counts, group_size_and_rank
 from .experts import start_shared_mlp
-from .peer import exchange_for, peer_dropless
+from .peer import exchange_for, peer_capacity, peer_dropless
 from .statistics import routing_statistics
 
 #: Expert activations and row exchanges (the dropless layer with EP > 1: "all_to_all" is all_to_all_single
@@ -198,17 +200,17 @@ def moe(
             with the same T, E, K and options.
         token_group: the group over which the aux loss and the dropped count are global: every rank whose
             tokens share the loss (EP and data parallel ranks; None: ep_group).
-        exchange: the dropless row exchange with EP > 1, one of EXCHANGES: "all_to_all", "peer" (GPUs of
+        exchange: the row exchange with EP > 1, one of EXCHANGES: "all_to_all", "peer" (GPUs of
             one host; where ep_group spans hosts or `peer_exchange_available` is False, the same ValueError
             on every rank) or "auto" (peer where available; all_to_all for a group that spans hosts).
             `moetriton.torch.moe.exchange_for(ep_group, x.device, exchange)` says which one runs. Both give
-            the same outputs and gradients up to rounding; the capacity path always uses
-            all_to_all_single. The host of every rank is what the launcher declares: the environment
-            variable MOETRITON_HOST_OF_RANK where set (host labels separated by commas, one per global
-            rank, the same on every rank: "0,0,1,1" poses four ranks as two hosts of two), else the
-            machine's name and torchrun's node rank (GROUP_RANK); it is gathered over ep_group once, on the
-            group's first call with exchange="peer" or with peer memory possible (moetriton.torch.moe.
-            collectives.group_hosts).
+            the same outputs and gradients up to rounding; the capacity path takes the same choice
+            (peer: fixed slabs, no count exchange). The host of every rank is what the launcher
+            declares: the environment variable MOETRITON_HOST_OF_RANK where set (host labels separated by
+            commas, one per global rank, the same on every rank: "0,0,1,1" poses four ranks as two hosts
+            of two), else the machine's name and torchrun's node rank (GROUP_RANK); it is gathered over
+            ep_group once, on the group's first call with exchange="peer" or with peer memory possible
+            (moetriton.torch.moe.collectives.group_hosts).
         shared_gate_up, shared_down: the shared experts, an always-on dense FFN every token also goes
             through (DeepSeek-V3, Qwen-MoE), added to the routed output: shared_gate_up [H, 2Fs] ([gate | up]
             for a gated activation; [H, Fs] otherwise) and shared_down [Fs, H], x.dtype, the routed experts'
@@ -271,7 +273,7 @@ def moe(
     )
     # Decided before any collective of the step (the hosts are gathered once per group, on its first call):
     # every rank takes the same path, and a bad choice fails on every rank at once.
-    use_peer = layout.dropless and ep_size > 1 and exchange_for(ep_group, tokens.device, exchange) == "peer"
+    use_peer = ep_size > 1 and exchange_for(ep_group, tokens.device, exchange) == "peer"
     same_tokens = gather_tokens(layout, ep_group, tokens.device)
     with stage("router"):
         logits = F.linear(tokens, gate_weight)  # [T, E]
@@ -341,6 +343,13 @@ def moe(
         out = dropless_experts(
             send, send_counts, gathered, layout, ep_rank, ep_group, gate_up, down, activation
         )
+    elif use_peer:
+        if same_tokens is not None:  # before the first barrier: a bad T fails on every rank alike
+            check_same_tokens(same_tokens())
+        combined = peer_capacity(
+            tokens, indices, merging, layout, ep_rank, ep_group, gate_up, down, activation
+        )
+        return _plus_shared(combined, join_shared, valid).reshape(x.shape), aux_loss, dropped, *extra
     else:
         with stage("dispatch"):
             send, _, row_id_map, pad_offsets, _ = token_dispatch(

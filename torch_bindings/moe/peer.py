@@ -21,10 +21,12 @@ peer still copies. So one staging buffer per (group, device) serves every layer 
 
 Needs CUDA GPUs of one host with peer access and an NCCL group; the layer picks it with exchange="auto"
 where `peer_exchange_available` says so, and `exchange_for` says which exchange a group gets: an EP group
-whose ranks span hosts (moetriton.torch.moe.collectives.group_hosts) exchanges through all_to_all. The
-receive buffer is sized exactly, from the counts on the host: the same one host sync per call as the
-all-to-all path. Not for torch.compile or CUDA graphs (the layer takes the all-to-all path while
-compiling).
+whose ranks span hosts (moetriton.torch.moe.collectives.group_hosts) exchanges through all_to_all.
+Dropless, the receive buffer is sized exactly, from the counts on the host: the same one host sync per call
+as the all-to-all path, so no CUDA graph. Under a capacity (`peer_capacity`) every chunk is C rows at a
+fixed place, so nothing is counted or synced and the step captures in a CUDA graph once the staging buffer
+exists (its allocation, a collective, happens on the group's first eager call). Not for torch.compile (the
+layer takes the all-to-all path while compiling).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from .._stages import stage
 from ..executor import bound, dtype_name
 from ..permutation import DISPATCH_BACKWARD, dispatch_sizes, token_combine
 from .collectives import group_hosts
-from .experts import expert_mlp
+from .experts import batched_mlp, expert_mlp
 
 
 def _peer_memory(group: dist.ProcessGroup | None, device: torch.device) -> bool:
@@ -255,13 +257,16 @@ def peer_plan(
 
 
 def _dispatch_into(plan: PeerPlan, inp: Tensor, probs: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """token_dispatch of inp [T, H] (and probs [T, K]) into the staging buffer: (row_id_map, pad_offsets,
-    tokens_per_expert)."""
+    """token_dispatch of inp [T, H] (and probs [T, K]) into the staging buffer, aligned (dropless) or in
+    capacity slabs: (row_id_map, pad_offsets, tokens_per_expert)."""
     layout, staging = plan.layout, plan.staging
     rows = layout.send_rows
     slots = layout.num_tokens * layout.topk
     inputs = dict(inp=inp, routing=plan.indices, probs=probs, scales=None)
-    config = DispatchConfig(layout.num_experts, False, slots, layout.align_size, None)
+    if layout.dropless:
+        config = DispatchConfig(layout.num_experts, False, slots, layout.align_size, None)
+    else:  # [E, C] slabs, each expert's first C slots (the layer applied its drop policy to the indices)
+        config = DispatchConfig(layout.num_experts, False, None, None, layout.capacity)
     executable = bound(kernels.dispatch_plan, inp.device, **dispatch_sizes(inputs, config))
     inputs.update(
         output=staging.rows_view(rows, inp.shape[1], inp.dtype),
@@ -422,8 +427,8 @@ def peer_experts(
     tokens: Tensor,
     merging: Tensor,
     plan: PeerPlan,
-    group_sizes: Tensor,
-    experts: Callable[[Tensor, Tensor], Tensor],
+    group_sizes: Tensor | None,
+    experts: Callable[[Tensor, Tensor | None], Tensor],
 ) -> Tensor:
     """tokens [T, H] (float32 / bfloat16 / float16) through dispatch, the peer exchange,
     `experts(rows [R, H], group_sizes [L]) -> [R, H]` and the exchange back and weighted combine with merging
@@ -462,4 +467,28 @@ def peer_dropless(
         plan,
         group_sizes,
         lambda rows, sizes: expert_mlp(rows, sizes, gate_up, down, activation),
+    )
+
+
+def peer_capacity(tokens, indices, merging, layout, ep_rank, group, gate_up, down, activation) -> Tensor:
+    """The capacity policy through the peer exchange: tokens [T, H] -> combined [T, H]. Every (source,
+    expert) chunk is C rows at row e * C of the source's [E, C] slabs, so the receiving layout is fixed: no
+    count exchange, no host sync, and each rank pulls its [L, EP, C] rows straight into the batched
+    experts' expert-major order (no chunk sort). Every rank must hold the same T (the layer checks it)."""
+    ep, local, capacity = layout.ep_size, layout.local_experts, layout.capacity
+    counts_all = torch.full((ep, layout.num_experts), capacity, dtype=torch.int64, device=tokens.device)
+    chunks = peer_chunks(counts_all, ep_rank, layout)
+    received = ep * local * capacity
+    plan = peer_plan(
+        group,
+        chunks,
+        indices,
+        layout,
+        tokens.shape[1],
+        tokens.dtype,
+        lambda: received,
+        lambda: layout.send_rows,
+    )
+    return peer_experts(
+        tokens, merging, plan, None, lambda rows, _: batched_mlp(rows, gate_up, down, activation)
     )
