@@ -50,7 +50,8 @@ benchmarks.common: <gpu> is prefixed with the largest EP run, e.g. 2x_NVIDIA_H20
   routing_share = router + dispatch + chunk sorts + combine.
 * gemm_tflops: grouped-GEMM flops (2 * rows * H * 2F + 2 * rows * F * H forward, x3 for forward +
   backward, rows = routed slots T * K per GPU) over the grouped-GEMM stage time per GPU and step (step time
-  for the baseline), and its % of the 790 TFLOP/s bf16 peak.
+  for the baseline), beside dense_gemm_tflops (a jitted [8192, 8192] x [8192, 8192] bf16 matmul on the same
+  GPU in the same run) as gemm_pct_of_dense.
 * a2a_gbps (EP > 1): routed-slot bytes of the four exchanges of a step (forward, reverse, and their
   transposes: 4 * T * K * H * 2 bytes per GPU) over the all-to-all stage time per GPU and step, beside
   plain_a2a_gbps: the same bytes through four plain jax.lax.all_to_all calls (median wall time).
@@ -92,6 +93,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import os
 import re
 import statistics
@@ -127,7 +129,8 @@ from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES, MoELayerShape
 
 from .common import add_out_option, router_options, shape_layout, write_results
 
-PEAK_TFLOPS = 790.0  # H100 SXM dense bf16
+#: Side of the square bf16 matmul whose rate, measured in the same run, is the layer GEMMs' ceiling.
+DENSE_GEMM_SIZE = 8192
 TINY_SHAPES = {
     "mixtral": MoELayerShape("mixtral-tiny", 64, 32, 48, 8, 2),
     "dsv3": MoELayerShape("dsv3-tiny", 64, 32, 16, 16, 4, "sigmoid", 4, 2),
@@ -171,7 +174,8 @@ COLUMNS = (
     "routing_share",
     "stage_method",
     "gemm_tflops",
-    "gemm_peak_pct",
+    "dense_gemm_tflops",
+    "gemm_pct_of_dense",
     "a2a_gbps",
     "plain_a2a_gbps",
     "a2a_gbps_least_waiting",
@@ -213,6 +217,19 @@ def median_ms(function, *args, steps: int) -> float:
         jax.block_until_ready(function(*args))
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+@functools.cache
+def dense_gemm_tflops(steps: int) -> float:
+    """TFLOP/s of a jitted [N, N] x [N, N] bf16 matmul (N = DENSE_GEMM_SIZE) on the first device, measured
+    once per process: the ceiling of the layer's GEMMs on the same GPU in the same run (0 on CPU smoke
+    runs)."""
+    if jax.devices()[0].platform == "cpu":
+        return 0.0
+    size = DENSE_GEMM_SIZE
+    keys = jax.random.split(jax.random.key(0))
+    lhs, rhs = (jax.random.normal(key, (size, size), jnp.bfloat16) for key in keys)
+    return 2 * size**3 / (median_ms(jax.jit(jnp.dot), lhs, rhs, steps=steps) * 1e-3) / 1e12
 
 
 def make_mesh(ep: int) -> Mesh | None:
@@ -578,7 +595,9 @@ def measure(impl: str, case: Case, steps: int) -> dict:
                 row["a2a_moved_ratio"] = _significant(moved_rows_ratio(case, mesh, arrays))
     tflops = flops / (gemm_ms * 1e-3) / 1e12
     row["gemm_tflops"] = _significant(tflops)
-    row["gemm_peak_pct"] = _significant(100 * tflops / PEAK_TFLOPS)
+    dense = dense_gemm_tflops(steps)
+    row["dense_gemm_tflops"] = _significant(dense)
+    row["gemm_pct_of_dense"] = _significant(100 * tflops / dense) if dense else 0.0
     return row
 
 

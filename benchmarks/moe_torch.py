@@ -32,26 +32,27 @@ slowest rank); the stage breakdown from a torch.profiler trace of two steps, eac
 rank: every stage is a record_function range "moe.<stage>" in the forward, and backward work
 (autograd::engine::evaluate_function events) is attributed to the stage whose forward op created the autograd
 node (matched by sequence number); on GPUs per kernel, from the host context that launched it (its innermost
-stage range, which the peer exchange opens inside its autograd functions too, else that rule for its
-backward node; benchmarks.trace_gaps), as GPU time; on CPU as CPU time of the ranges; shares are of
-the profiled total ("other": the loss and gradient accumulation; the barrier that starts each profiled step
-together on every rank is left out and its wait reported as align_wait_ms); routing share = router + dispatch
-+ chunk_sort + combine; grouped-GEMM TFLOP/s = 3 x (2 rows H 2F + 2 rows F H) / grouped_gemm time, rows = T x
-K routed slots, against the 790 TFLOP/s bf16 peak; with EP > 1, all-to-all GB/s = bytes this rank sends in the
-4 token exchanges of a step (4 x T K H x 2 bytes, padding not counted) / all_to_all stage time (the row
+stage range, which the peer exchange opens inside its autograd functions too, else that rule for its backward
+node; benchmarks.trace_gaps), as GPU time; on CPU as CPU time of the ranges; shares are of the profiled total
+("other": the loss and gradient accumulation; the barrier that starts each profiled step together on every
+rank is left out and its wait reported as align_wait_ms); routing share = router + dispatch + chunk_sort +
+combine; grouped-GEMM TFLOP/s = 3 x (2 rows H 2F + 2 rows F H) / grouped_gemm time, rows = T x K routed slots,
+against dense_gemm_tflops: a [8192, 8192] x [8192, 8192] cuBLAS matmul in the same dtype, timed on the same
+GPU at the start of the run (gemm_pct_of_dense); with EP > 1, all-to-all GB/s = bytes this rank sends in the 4
+token exchanges of a step (4 x T K H x 2 bytes, padding not counted) / all_to_all stage time (the row
 exchanges; the count exchange before them, with its host copy and its wait for the slower rank, is the
 exchange_sizes stage), against a plain all_to_all_single of [T K, H] with equal splits; a2a_gbps_least_waiting
 is the same bytes over the all_to_all stage of the rank whose exchanges took least (the others include waiting
 for a later peer); a2a_transfer_gbps splits the wait off exactly: from every rank's trace, each exchange's
-NCCL kernel counts from the latest rank's start to its own end (a2a_wait_ms: the rest, per step, mean over
-the ranks; processes on one host share the clock; for the peer exchange: its barrier kernels, which only
-wait for the other ranks, against its copies). gpu_idle_ms: per profiled step, the time from the end of
-its starting barrier to its last GPU work with no kernel, copy or memset running (benchmarks.trace_gaps;
---trace DIR keeps every rank's trace). peak_allocated_gib: the caching allocator's peak on rank 0 during
-the row; staging_mib: rank 0's peer-exchange staging allocation (symmetric memory, not in that peak), rows x
-(H x 2 + 4) bytes for the group's largest send buffer of T K rows. A row that runs out of memory is
-printed and written as OOM, and the next row runs (under torchrun an OOM on one rank only would leave the
-other waiting for the collective timeout).
+NCCL kernel counts from the latest rank's start to its own end (a2a_wait_ms: the rest, per step, mean over the
+ranks; processes on one host share the clock; for the peer exchange: its barrier kernels, which only wait for
+the other ranks, against its copies). gpu_idle_ms: per profiled step, the time from the end of its starting
+barrier to its last GPU work with no kernel, copy or memset running (benchmarks.trace_gaps; --trace DIR keeps
+every rank's trace). peak_allocated_gib: the caching allocator's peak on rank 0 during the row; staging_mib:
+rank 0's peer-exchange staging allocation (symmetric memory, not in that peak), rows x (H x 2 + 4) bytes for
+the group's largest send buffer of T K rows. A row that runs out of memory is printed and written as OOM, and
+the next row runs (under torchrun an OOM on one rank only would leave the other waiting for the collective
+timeout).
 """
 
 from __future__ import annotations
@@ -83,13 +84,13 @@ from benchmarks.common import (
     variant_options,
     write_results,
 )
+from benchmarks.timing import dense_gemm_tflops
 from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES, MoELayerShape
 from moetriton.torch.moe import STAGES as LAYER_STAGES
 from moetriton.torch.moe import all_to_all_rows, expert_mlp, moe, peer
 from moetriton.torch.moe.experts import shared_mlp
 
 IMPLS = ("moetriton", "moetriton_a2a", "megatron")
-PEAK_TFLOPS = 790.0  # H100 SXM dense bf16
 AUX_LOSS_COEFF = 1e-2
 BACKWARD = "autograd::engine::evaluate_function"
 STAGES = (*LAYER_STAGES, "other")  # "other": the loss and gradient accumulation
@@ -438,7 +439,8 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group, variant
     row.update(
         routing_share_pct=round(100 * routing / total, 2) if total else 0.0,
         gemm_tflops=round(gemm_tflops, 1),
-        gemm_pct_of_peak=round(100 * gemm_tflops / PEAK_TFLOPS, 1),
+        dense_gemm_tflops=round(args.dense_tflops, 1),
+        gemm_pct_of_dense=round(100 * gemm_tflops / args.dense_tflops, 1) if args.dense_tflops else 0.0,
     )
     if group is not None and stages["all_to_all"]:
         sent = 4 * rows * shape.hidden * inputs["x"].element_size()
@@ -589,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tiny and device.type != "cuda":
         print("the layer benchmark needs a CUDA GPU (or --tiny for a CPU smoke run); nothing to do")
         return 0
+    args.dense_tflops = 0.0 if args.tiny else dense_gemm_tflops(dtype)
     rows = []
 
     def report(line: str) -> None:
@@ -648,7 +651,8 @@ def _describe(row: dict) -> str:
         a2a += f" | shared FFN alone {row['shared_ffn_ms']:.3f} ms"
     return (
         f"{head} {row['policy']} step {row['step_ms']:.3f} ms | routing {row['routing_share_pct']:.1f}% | "
-        f"grouped GEMM {row['gemm_tflops']:.0f} TFLOP/s ({row['gemm_pct_of_peak']:.0f}% of {PEAK_TFLOPS:.0f})"
+        f"grouped GEMM {row['gemm_tflops']:.0f} TFLOP/s ({row['gemm_pct_of_dense']:.0f}% of a dense"
+        f" {row['dense_gemm_tflops']:.0f})"
         f"{a2a} | {shares}"
     )
 

@@ -76,6 +76,17 @@ def time_eager(calls: list[Callable[[], object]], rounds: int = 5) -> float:
     return statistics.median(times)
 
 
+#: Side of the square matmul whose rate is the GEMM ceiling of the layer and grouped-GEMM benchmarks.
+DENSE_GEMM_SIZE = 8192
+
+
+def dense_gemm_tflops(dtype: torch.dtype = torch.bfloat16, size: int = DENSE_GEMM_SIZE) -> float:
+    """TFLOP/s of a [size, size] x [size, size] cuBLAS matmul in `dtype` on the current GPU (CUDA-graph
+    replays): the ceiling a benchmark's GEMMs are measured against, taken in the same run as they are."""
+    lhs, rhs = (torch.randn(size, size, device="cuda").to(dtype) for _ in range(2))
+    return 2 * size**3 / (time_graph([lambda: lhs @ rhs]) * 1e-3) / 1e12
+
+
 @triton.jit
 def _copy_kernel(src_ptr, num_elements, dst_ptr, BLOCK: tl.constexpr):
     """Grid (cdiv(n, BLOCK),): program p copies elements [p*BLOCK, (p+1)*BLOCK) in 16-byte vectors."""
