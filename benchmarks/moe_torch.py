@@ -46,13 +46,15 @@ is the same bytes over the all_to_all stage of the rank whose exchanges took lea
 for a later peer); a2a_transfer_gbps splits the wait off exactly: from every rank's trace, each exchange's
 NCCL kernel counts from the latest rank's start to its own end (a2a_wait_ms: the rest, per step, mean over the
 ranks; processes on one host share the clock; for the peer exchange: its barrier kernels, which only wait for
-the other ranks, against its copies). gpu_idle_ms: per profiled step, the time from the end of its starting
-barrier to its last GPU work with no kernel, copy or memset running (benchmarks.trace_gaps; --trace DIR keeps
-every rank's trace). peak_allocated_gib: the caching allocator's peak on rank 0 during the row; staging_mib:
-rank 0's peer-exchange staging allocation (symmetric memory, not in that peak), rows x (H x 2 + 4) bytes for
-the group's largest send buffer of T K rows. A row that runs out of memory is printed and written as OOM, and
-the next row runs (under torchrun an OOM on one rank only would leave the other waiting for the collective
-timeout).
+the other ranks, against its copies). exchange_ms / exposed_exchange_ms (EP > 1, GPU): per profiled step, the
+time some exchange kernel runs, and the part of it with no kernel of another stage beside it
+(benchmarks.trace_gaps.exposed_us; exposed_exchange_pct: of step_ms). gpu_idle_ms: per profiled step, the time
+from the end of its starting barrier to its last GPU work with no kernel, copy or memset running
+(benchmarks.trace_gaps; --trace DIR keeps every rank's trace). peak_allocated_gib: the caching allocator's
+peak on rank 0 during the row; staging_mib: rank 0's peer-exchange staging allocation (symmetric memory, not
+in that peak), rows x (H x 2 + 4) bytes for the group's largest send buffer of T K rows. A row that runs out
+of memory is printed and written as OOM, and the next row runs (under torchrun an OOM on one rank only would
+leave the other waiting for the collective timeout).
 """
 
 from __future__ import annotations
@@ -469,6 +471,13 @@ def run_row(impl: str, shape: MoELayerShape, args, device, dtype, group, variant
             )
     if timeline is not None:
         row.update(gpu_idle_ms=round(statistics.mean(trace_gaps.idle_per_step(timeline)) / 1e3, 4))
+        if group is not None:
+            exchange_us, exposed = trace_gaps.exposed_us(timeline, "all_to_all")
+            row.update(
+                exchange_ms=round(exchange_us / 1e3 / profiled_steps, 4),
+                exposed_exchange_ms=round(exposed / 1e3 / profiled_steps, 4),
+                exposed_exchange_pct=round(100 * exposed / 1e3 / profiled_steps / step_ms, 2),
+            )
     return row
 
 
@@ -647,6 +656,8 @@ def _describe(row: dict) -> str:
         )
     if "gpu_idle_ms" in row:
         a2a += f" | GPU idle {row['gpu_idle_ms']:.3f} ms"
+    if "exposed_exchange_ms" in row:
+        a2a += f" | exchange {row['exchange_ms']:.3f} ms, exposed {row['exposed_exchange_ms']:.3f} ms"
     if "shared_ffn_ms" in row:
         a2a += f" | shared FFN alone {row['shared_ffn_ms']:.3f} ms"
     return (

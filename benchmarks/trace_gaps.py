@@ -156,6 +156,36 @@ def idle_per_step(activities: list[Activity]) -> list[float]:
     return [end - begin - busy_and_gaps(activities, (begin, end))[0] for begin, end in windows]
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The disjoint, ordered intervals covering `intervals`."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def exposed_us(activities: list[Activity], stage: str) -> tuple[float, float]:
+    """(µs with some activity of layer stage `stage` running, µs of those with nothing of any other stage
+    running beside it): for the exchange, its time and its exposed time (what overlapping it with compute,
+    e.g. the shared experts on their side stream, takes off the step). The step barriers' work is no
+    stage."""
+    mine = _union([(a.start, a.end) for a in activities if a.layer_stage == stage])
+    others = _union([(a.start, a.end) for a in activities if a.layer_stage not in (stage, ALIGN)])
+    total = sum(end - start for start, end in mine)
+    covered, index = 0.0, 0
+    for start, end in mine:
+        while index < len(others) and others[index][1] <= start:
+            index += 1
+        probe = index
+        while probe < len(others) and others[probe][0] < end:
+            covered += min(end, others[probe][1]) - max(start, others[probe][0])
+            probe += 1
+    return total, total - covered
+
+
 def report_rank(rank: int, activities: list[Activity], top: int) -> None:
     windows = step_windows(activities)
     for step, window in enumerate(windows):

@@ -775,6 +775,22 @@ def test_trace_gaps_busy_share_and_collective_waits(tmp_path):
     assert times["moe.all_to_all"] == (1, 80.0, 20.0, 60.0)
 
 
+def test_exposed_exchange_is_the_time_no_other_stage_runs_beside_it():
+    """Exchange kernels [0, 10) and [20, 30); compute beside them over [5, 8), [6, 7) and [25, 40): 20 us of
+    exchange, 8 of them overlapped (nested and repeated overlaps counted once), 12 exposed."""
+    from benchmarks.trace_gaps import ALIGN, Activity, exposed_us
+
+    activities = [
+        Activity("copy", 0, 10, layer_stage="all_to_all"),
+        Activity("gemm", 5, 8, layer_stage="grouped_gemm"),
+        Activity("topk", 6, 7, layer_stage="router"),
+        Activity("copy", 20, 30, layer_stage="all_to_all"),
+        Activity("gemm", 25, 40, layer_stage="grouped_gemm"),
+        Activity("barrier", 0, 30, layer_stage=ALIGN),  # the step barrier is no stage
+    ]
+    assert exposed_us(activities, "all_to_all") == (20, 12)
+
+
 def test_trace_layer_stage_of_kernels_in_stage_ranges_and_backward_nodes(tmp_path):
     """Activity.layer_stage: the innermost moe.<stage> range around the launch, even inside a backward
     node (the peer exchange's autograd functions open them); elsewhere in a backward node, the stage of the
