@@ -307,10 +307,15 @@ def moe(
         routed = routing_map.sum(0)  # [E] int64, this rank's
         if drop_policy == "probs" and not layout.dropless:
             indices = most_probable_slots(indices, merging, layout)
-    join_shared = None
-    if shared_gate_up is not None:
-        # From the tokens alone: no data dependency on the routed path, so it runs beside the exchange.
-        join_shared = start_shared_mlp(tokens, shared_gate_up, shared_down, shared_gate, activation)
+
+    def start_shared() -> Callable[[], Tensor] | None:
+        # From the tokens alone: no data dependency on the routed path. Started where the row exchange
+        # begins, so its GEMMs run beside the exchange's copies rather than beside the short routing
+        # kernels, and (created after the dispatch) its backward runs first, beside the combine backward's.
+        if shared_gate_up is None:
+            return None
+        return start_shared_mlp(tokens, shared_gate_up, shared_down, shared_gate, activation)
+
     extra = (stats,) if return_stats else ()
     if layout.dropless:
         gathered = None
@@ -321,6 +326,7 @@ def moe(
                 everyone, on_host = gather_counts(mine, ep_size, ep_group)
                 gathered = (everyone[:, :num_experts], lambda: on_host()[:, :num_experts])
             if use_peer:
+                join_shared = start_shared()
                 combined = peer_dropless(
                     tokens,
                     indices,
@@ -340,12 +346,14 @@ def moe(
             send, _, row_id_map, pad_offsets, send_counts = token_dispatch(
                 tokens, indices=indices, num_experts=num_experts, align_size=layout.align_size
             )
+        join_shared = start_shared()
         out = dropless_experts(
             send, send_counts, gathered, layout, ep_rank, ep_group, gate_up, down, activation
         )
     elif use_peer:
         if same_tokens is not None:  # before the first barrier: a bad T fails on every rank alike
             check_same_tokens(same_tokens())
+        join_shared = start_shared()
         combined = peer_capacity(
             tokens, indices, merging, layout, ep_rank, ep_group, gate_up, down, activation
         )
@@ -357,6 +365,7 @@ def moe(
             )
         if same_tokens is not None:
             check_same_tokens(same_tokens())
+        join_shared = start_shared()
         out = capacity_experts(send, layout, ep_group, gate_up, down, activation)
     with stage("combine"):
         combined = token_combine(out, row_id_map, merging_probs=merging, pad_offsets=pad_offsets)
