@@ -8,7 +8,9 @@ replicated by the default rules. DEFAULT_LOGICAL_AXIS_RULES puts "experts"
 on the "ep" mesh axis and replicates the rest, which is the layout `moetriton.jax.moe` computes in; rules
 that also shard "embed" or "mlp" (FSDP) work too: jit gathers those weights before the layer. The optional
 expert bias (sigmoid / sqrtsoftplus routing) is not trained by gradients: it lives in the "moe" collection,
-for the caller's load-balancing update rule. Importing this module imports flax; `moetriton.jax` does not.
+for the caller's load-balancing update rule (`moetriton.jax.update_expert_bias`, aux-loss-free balancing, as
+a train-state update: the block never mutates it). Importing this module imports flax; `moetriton.jax` does
+not.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from jax.sharding import Mesh
 
 from moetriton.kernels.rules import moe as layer_rules
 from moetriton.kernels.rules.expert_parallel import gate_up_width
+from moetriton.kernels.rules.moe import MoEStats
 
 from .moe import moe
 
@@ -61,15 +64,22 @@ _SHARED_INIT_AND_AXES = {
 
 
 class MoEBlock(nn.Module):
-    """Mixture-of-experts MLP with expert parallelism; `__call__(x [B, S, H])` returns (out [B, S, H],
-    aux_loss fp32 scalar, dropped int32 scalar), as `moetriton.jax.moe`, whose docstring explains every
-    option below.
+    """Mixture-of-experts MLP with expert parallelism; `__call__(x [B, S, H], token_mask=None,
+    return_stats=False)` returns (out [B, S, H], aux_loss fp32 scalar, dropped int32 scalar), and with
+    `return_stats` a fourth element, `moetriton.kernels.rules.moe.MoEStats`, as `moetriton.jax.moe`, whose
+    docstring explains every option below. token_mask: [B, S] bool or None (False: padding, routed nowhere,
+    counted nowhere, output zero). return_stats is a Python bool, static under jit: bind it outside the
+    jitted function (`jax.jit(functools.partial(block.apply, return_stats=True))`) or call apply inside one.
 
     Attributes:
         num_experts: E (a multiple of the EP size). ffn_dim: F. topk: K.
         score_function, use_pre_softmax, num_groups, group_topk, scaling_factor: router options.
-        use_expert_bias: keep an [E] selection bias in the "moe" collection (sigmoid / sqrtsoftplus only).
-        aux_loss_coeff, align_size, capacity_factor (None: dropless), activation: layer options.
+        use_expert_bias: keep an [E] fp32 selection bias in the "moe" collection (sigmoid / sqrtsoftplus
+            only), zeros at init; the block only reads it (aux-loss-free balancing updates it, see below).
+        aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff: weights of the load-balancing, sequence-wise
+            load-balancing and router z losses (moetriton.kernels.rules.moe.LOSSES; aux_loss is their sum).
+        align_size, capacity_factor (None: dropless), drop_policy ("position" or "probs": which slots a full
+            expert keeps), activation: layer options.
         num_shared_experts: always-on shared experts (DeepSeek-V3: 1), one FFN of width
             Fs = num_shared_experts * ffn_dim (parameters shared_gate_up [H, 2Fs] or [H, Fs] and
             shared_down [Fs, H], initialised by expert_init); 0: none.
@@ -82,6 +92,25 @@ class MoEBlock(nn.Module):
         >>> block = MoEBlock(num_experts=8, ffn_dim=512, topk=2, mesh=mesh, data_axes=("data",))
         >>> variables = init_sharded(block, jax.random.key(0), x, mesh=mesh)  # gate_up, down over "ep"
         >>> out, aux_loss, dropped = jax.jit(block.apply)(variables, x)
+
+    Aux-loss-free balancing (DeepSeek-V3): a training step reads the routed counts from the stats and
+    returns the "moe" collection's new expert_bias with the new params (the block never mutates it):
+        >>> from moetriton.jax import update_expert_bias
+        >>> block = MoEBlock(num_experts=8, ffn_dim=512, topk=2, score_function="sigmoid",
+        ...                  use_expert_bias=True, seq_aux_loss_coeff=1e-4)
+        >>> variables = nn.meta.unbox(block.init(jax.random.key(0), x))  # {"params": ..., "moe": ...}
+        >>> @jax.jit
+        ... def train_step(variables, x, token_mask):
+        ...     def loss_fn(params):
+        ...         out, aux_loss, _, stats = block.apply(
+        ...             {**variables, "params": params}, x, token_mask, return_stats=True
+        ...         )
+        ...         return jnp.mean(out**2) + aux_loss, stats
+        ...     grads, stats = jax.grad(loss_fn, has_aux=True)(variables["params"])
+        ...     params = jax.tree.map(lambda p, g: p - 1e-2 * g, variables["params"], grads)
+        ...     bias = update_expert_bias(variables["moe"]["expert_bias"], stats.routed, 1e-3)
+        ...     return {"params": params, "moe": {"expert_bias": bias}}
+        >>> variables = train_step(variables, x, token_mask)
     """
 
     num_experts: int
@@ -94,8 +123,11 @@ class MoEBlock(nn.Module):
     scaling_factor: float | None = None
     use_expert_bias: bool = False
     aux_loss_coeff: float = 0.0
+    seq_aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
     align_size: int | None = None
     capacity_factor: float | None = None
+    drop_policy: str = "position"
     activation: str = "swiglu"
     dtype: Any = None
     param_dtype: Any = jnp.float32
@@ -109,13 +141,18 @@ class MoEBlock(nn.Module):
     shared_expert_gate: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def __call__(
+        self, x: jax.Array, token_mask: jax.Array | None = None, return_stats: bool = False
+    ) -> tuple[jax.Array, jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array, MoEStats]:
         layer_rules.check_options(  # before the weights' shapes are derived from the activation
             activation=self.activation,
             score_function=self.score_function,
             aux_loss_coeff=self.aux_loss_coeff,
+            seq_aux_loss_coeff=self.seq_aux_loss_coeff,
+            z_loss_coeff=self.z_loss_coeff,
             exchange=self.exchange,
             exchanges=layer_rules.JAX_EXCHANGES,
+            drop_policy=self.drop_policy,
         )
         hidden, experts = x.shape[-1], self.num_experts
         shared_shapes = layer_rules.shared_weight_shapes(
@@ -181,4 +218,9 @@ class MoEBlock(nn.Module):
             data_axes=self.data_axes,
             exchange=self.exchange,
             **shared,
+            seq_aux_loss_coeff=self.seq_aux_loss_coeff,
+            z_loss_coeff=self.z_loss_coeff,
+            drop_policy=self.drop_policy,
+            token_mask=token_mask,
+            return_stats=return_stats,
         )

@@ -22,6 +22,7 @@ class MoEConfig(LayerOptions):
     exchange: str  # "ragged" or "padded" (resolved)
     num_shards: int  # token shards: the product of the data axes' and the EP axis' sizes
     ep_size: int
+    return_stats: bool = False  # the layer also returns MoEStats
 
     @property
     def token_axes(self) -> tuple[str, ...]:

@@ -29,6 +29,14 @@ def expert_mlp(
     return grouped_matmul(act, down.astype(dtype), group_sizes, out_rows=order, zero_tail=False)
 
 
+def dense_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b with fp32 accumulation and full-precision inputs: for float32 operands XLA's default on GPUs
+    rounds them to TF32, which the layer's other GEMMs (moetriton's) and PyTorch's do not (bf16 and fp16
+    operands are exact either way)."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
+
+
 def shared_mlp(tokens: jax.Array, shared_gate_up, shared_down, shared_gate, config: MoEConfig) -> jax.Array:
     """The shared experts on every token of the shard: tokens [T, H] -> [T, H] in the compute dtype.
 
@@ -40,12 +48,12 @@ def shared_mlp(tokens: jax.Array, shared_gate_up, shared_down, shared_gate, conf
     tokens = tokens.astype(dtype)
 
     def matmul(a, b):  # the compute dtype, fp32 accumulation
-        return jnp.dot(a, b.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+        return dense_dot(a, b.astype(dtype)).astype(dtype)
 
     out = matmul(apply_activation(matmul(tokens, shared_gate_up), config.activation), shared_down)
     if shared_gate is None:
         return out
-    logits = jnp.dot(tokens, shared_gate.astype(dtype), preferred_element_type=jnp.float32)  # [T, 1]
+    logits = dense_dot(tokens, shared_gate.astype(dtype))  # [T, 1]
     return (jax.nn.sigmoid(logits) * out.astype(jnp.float32)).astype(dtype)
 
 

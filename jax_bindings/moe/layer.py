@@ -4,12 +4,14 @@
 host sync). Tokens are sharded over (data axes..., EP axis) on their batch axis, experts over the EP axis
 (expert e lives on EP rank e // L, L = E / EP). Every token shard runs, inside one `jax.shard_map`:
 
-    logits = x @ gate (fp32) -> fused top-k (indices) -> aux loss (global: counts psum-ed over all token
-    shards, partial losses psum-ed) -> token_dispatch (aligned, or capacity C) -> exchange ->
-    grouped_matmul(x, gate_up) reading the received rows in expert-major order -> activation ->
-    grouped_matmul(., down) writing them back in the received order -> reverse exchange -> token_combine
-    with the merging probs (+ the shared experts' FFN of the shard's tokens, optionally gated per token,
-    where shared weights are given: computed from the tokens alone, with no dependency on the exchange).
+    logits = x @ gate (fp32) -> fused top-k (indices; masked tokens' slots -1: no expert) -> losses and
+    counts (global: counts psum-ed over all token shards, partial losses psum-ed) -> with drop_policy
+    "probs", the slots each expert drops set to -1 (`most_probable_slots`) -> token_dispatch (aligned, or
+    capacity C) -> exchange -> grouped_matmul(x, gate_up) reading the received rows in expert-major order
+    -> activation -> grouped_matmul(., down) writing them back in the received order -> reverse exchange
+    -> token_combine with the merging probs (+ the shared experts' FFN of the shard's tokens, optionally
+    gated per token, where shared weights are given: computed from the tokens alone, with no dependency on
+    the exchange).
 
 The received rows arrive grouped by source rank. The padded exchange places them straight in expert-major
 order (and takes the results back out of it) by the chunk sort's row map (`_expert_major_rows`: the
@@ -18,7 +20,8 @@ write them through that permutation instead. Either way no chunk sort copies the
 GEMMs (nor back in the backward pass).
 
 The exchange sizes and static buffer sizes come from moetriton.kernels.rules.expert_parallel (`ep_layout`,
-`dropless_exchange`, `dropped_slots`); nothing here re-derives them. Two exchanges move the same rows:
+`dropless_exchange`, `dropped_slots`, `kept_slots`); nothing here re-derives them. Two exchanges move the
+same rows:
 
 * "ragged": `jax.lax.ragged_all_to_all` into the static receive buffer (GPU meshes only);
 * "padded": every (source, destination) pair's rows padded to one block size and moved with a fixed-size
@@ -48,23 +51,25 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from moetriton.kernels.rules import moe as layer_rules
-from moetriton.kernels.rules.expert_parallel import dropped_slots, ep_layout
+from moetriton.kernels.rules.expert_parallel import dropped_slots, ep_layout, kept_slots
+from moetriton.kernels.rules.moe import MoEStats
 
 from ..permutation import token_combine, token_dispatch
 from ..router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 from .config import MoEConfig
 from .exchange import exchanged_experts
-from .experts import expert_mlp, shared_mlp
+from .experts import dense_dot, expert_mlp, shared_mlp
 
 #: Row exchanges and expert activations: the shared layer rules' names (moetriton.kernels.rules.moe).
 EXCHANGES = layer_rules.JAX_EXCHANGES
 ACTIVATIONS = layer_rules.ACTIVATIONS
 
 
-def _router(x_flat, gate, expert_bias, config: MoEConfig, num_tokens_global: int):
-    """(merging weights [T, K] fp32, indices [T, K] int32, routed slots per expert [E] int32, partial aux
-    loss of this shard (fp32 scalar; the psum over token shards is the global loss))."""
-    logits = jnp.dot(x_flat, gate.astype(x_flat.dtype), preferred_element_type=jnp.float32)  # [T, E]
+def _route(x_flat, gate, expert_bias, valid, config: MoEConfig):
+    """(logits [T, E] fp32, merging weights [T, K] fp32, indices [T, K] int32, routing map [T, E] bool).
+    valid [T] bool or None: a masked token's slots get index -1 (no expert), weight 0 and no routing-map
+    row, so it takes no expert row, no capacity and no count."""
+    logits = dense_dot(x_flat, gate.astype(x_flat.dtype))  # [T, E]
     probs, routing_map, indices = fused_topk_with_score_function(
         logits,
         config.topk,
@@ -76,7 +81,19 @@ def _router(x_flat, gate, expert_bias, config: MoEConfig, num_tokens_global: int
         None if expert_bias is None else jax.lax.stop_gradient(expert_bias.astype(jnp.float32)),
         return_indices=True,
     )
-    weights = jnp.take_along_axis(probs, indices, axis=1)
+    weights = jnp.take_along_axis(probs, indices, axis=1)  # before masking: -1 would wrap around
+    if valid is not None:
+        weights = jnp.where(valid[:, None], weights, 0.0)
+        indices = jnp.where(valid[:, None], indices, -1)
+        routing_map = routing_map & valid[:, None]
+    return logits, weights, indices, routing_map
+
+
+def _router(x_flat, gate, expert_bias, config: MoEConfig, num_tokens_global: int):
+    """The router stage alone, without a mask, as benchmarks/moe_jax.py times it: (merging weights [T, K]
+    fp32, indices [T, K] int32, routed slots per expert [E] int32, partial load-balancing loss of this shard
+    (fp32 scalar; the psum over token shards is the global loss))."""
+    logits, weights, indices, routing_map = _route(x_flat, gate, expert_bias, None, config)
     routed = routing_map.sum(0, dtype=jnp.int32)
     if config.aux_loss_coeff == 0 or num_tokens_global == 0:  # no tokens anywhere: no loss
         return weights, indices, routed, jnp.zeros((), jnp.float32)
@@ -89,9 +106,123 @@ def _router(x_flat, gate, expert_bias, config: MoEConfig, num_tokens_global: int
     return weights, indices, routed, loss.astype(jnp.float32)
 
 
-def _shard(x, gate, gate_up, down, expert_bias, shared_weights, *, config: MoEConfig):
-    """What one token shard computes: x [B_local, S, H] -> (out [B_local, S, H], aux loss, dropped).
-    shared_weights: (shared_gate_up, shared_down, shared_gate or None), or None without shared experts."""
+def most_probable_slots(indices: jax.Array, weights: jax.Array, capacity: int, num_experts: int) -> jax.Array:
+    """drop_policy "probs": indices [T, K] int32 with every slot its expert drops set to -1 (no expert), so
+    that the dispatch's position capacity then keeps all the rest (no expert has more than `capacity` left).
+    Each expert keeps its `capacity` slots of highest merging weight (weights [T, K]), ties to the earlier
+    slot in (token, slot) order; slots already -1 (masked tokens) stay -1. Static shapes, deterministic."""
+    flat = indices.reshape(-1)
+    experts = jnp.where(flat >= 0, flat, num_experts)  # [T * K]; no expert sorts last and is never kept
+    # Two stable sorts: by weight (descending; equal weights keep slot order), then by expert.
+    by_weight = jnp.argsort(-weights.reshape(-1).astype(jnp.float32), stable=True)
+    order = by_weight[jnp.argsort(experts[by_weight], stable=True)]  # expert-major, heaviest first
+    counts = jnp.bincount(experts, length=num_experts + 1)
+    starts = jnp.cumsum(counts) - counts  # where each expert's slots begin in `order`
+    rank_in_order = jnp.arange(flat.shape[0], dtype=jnp.int32) - starts[experts[order]].astype(jnp.int32)
+    rank = jnp.zeros_like(rank_in_order).at[order].set(rank_in_order, unique_indices=True)
+    return jnp.where((rank < capacity).reshape(indices.shape), indices, -1)
+
+
+def _sequence_balance(scores, routing_map, per_sequence, topk: int):
+    """Sum over this shard's B sequences of DeepSeek-V3's sequence-wise balance (LOSSES, unscaled):
+    sum_e (E / (K n_b) routed_be) (1 / n_b sum_t score_te). scores [T, E] fp32 and routing_map [T, E] bool
+    with masked rows zero, T = B * S; per_sequence [B]: unmasked tokens n_b. A sequence without one adds 0."""
+    batch, num_experts = per_sequence.shape[0], scores.shape[1]
+    routed = routing_map.reshape(batch, -1, num_experts).sum(1, dtype=jnp.float32)  # [B, E]
+    score_sums = scores.reshape(batch, -1, num_experts).sum(1)  # [B, E]
+    balance = (routed * score_sums).sum(1) * (num_experts / topk)  # [B]
+    return (balance / jnp.maximum(per_sequence, 1).astype(jnp.float32) ** 2).sum()
+
+
+def _losses_and_counts(logits, routing_map, valid, layout, config: MoEConfig, batch: int):
+    """(aux_loss fp32 scalar, dropped int32 scalar, MoEStats with config.return_stats or None), all global
+    over the token shards.
+
+    logits [T, E] fp32 and routing_map [T, E] bool of this shard (masked rows cleared); valid [T] bool or None
+    (every token counts); batch: B of the shard's x [B, S, H]. One psum carries the integer counts that are
+    needed (routed and kept slots per expert, unmasked tokens, sequences holding one), a second the losses'
+    partials. Without a mask the token counts are static. Every division is guarded: a group of padding
+    alone gives zero losses, never NaN."""
+    axes, return_stats = config.token_axes, config.return_stats
+
+    def total(value):
+        return jax.lax.psum(value, axes) if axes else value
+
+    num_experts, topk = layout.num_experts, layout.topk
+    balance_coeff, sequence_coeff = config.aux_loss_coeff, config.seq_aux_loss_coeff
+    z_coeff = config.z_loss_coeff
+    has_tokens = layout.num_tokens > 0  # the same on every shard: shards hold equal shapes
+    routed = routing_map.sum(0, dtype=jnp.int32)  # [E]
+    per_sequence = None
+    counts = {}
+    if (balance_coeff and has_tokens) or return_stats:
+        counts["routed"] = routed
+    if return_stats:
+        counts["kept"] = kept_slots(routed, layout).astype(jnp.int32)
+    if valid is not None and has_tokens:
+        if balance_coeff or z_coeff:
+            counts["tokens"] = valid.sum(dtype=jnp.int32)[None]
+        if sequence_coeff:
+            per_sequence = valid.reshape(batch, -1).sum(1, dtype=jnp.int32)  # [B]
+            counts["sequences"] = (per_sequence > 0).sum(dtype=jnp.int32)[None]
+    if len(counts) == 1:
+        counts = {name: total(value) for name, value in counts.items()}
+    elif counts:  # one collective for every count
+        sizes = [value.shape[0] for value in counts.values()]
+        merged = total(jnp.concatenate(list(counts.values())))
+        parts = jnp.split(merged, [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)])
+        counts = dict(zip(counts, parts, strict=True))
+    # Without a mask every token counts and every sequence holds one: static counts.
+    tokens = counts["tokens"][0] if "tokens" in counts else layout.num_tokens * config.num_shards
+    sequences = counts["sequences"][0] if "sequences" in counts else batch * config.num_shards
+    if per_sequence is None and sequence_coeff and has_tokens:
+        per_sequence = jnp.full((batch,), layout.num_tokens // batch, jnp.int32)
+
+    partials = [None, None, None]  # this shard's share of each global loss
+    if has_tokens and (balance_coeff or sequence_coeff):
+        _, scores = fused_compute_score_for_moe_aux_loss(logits, topk, config.score_function)  # [T, E] fp32
+        if valid is not None:
+            scores = jnp.where(valid[:, None], scores, 0.0)
+        if balance_coeff:
+            # A traced total: fused_moe_aux_loss divides by its square, so at least 1 (routed is then 0).
+            guarded = tokens if isinstance(tokens, int) else jnp.maximum(tokens, 1)
+            loss = fused_moe_aux_loss(scores, counts["routed"], guarded, num_experts, topk, balance_coeff)
+            partials[0] = loss.astype(jnp.float32)
+        if sequence_coeff:
+            balance = _sequence_balance(scores, routing_map, per_sequence, topk)
+            partials[1] = sequence_coeff * balance / jnp.maximum(sequences, 1).astype(jnp.float32)
+    if has_tokens and z_coeff:
+        squares = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2  # [T]
+        if valid is not None:
+            squares = jnp.where(valid, squares, 0.0)
+        partials[2] = z_coeff * squares.sum() / jnp.maximum(tokens, 1).astype(jnp.float32)
+
+    if not return_stats:
+        present = [loss for loss in partials if loss is not None]
+        aux_loss = sum(present[1:], present[0]) if present else jnp.zeros((), jnp.float32)
+        return total(aux_loss), total(dropped_slots(routed, layout).astype(jnp.int32)), None
+    zero = jnp.zeros((), jnp.float32)
+    losses = jnp.stack([zero if loss is None else loss for loss in partials])  # [3]
+    if any(loss is not None for loss in partials):
+        losses = total(losses)
+    routed, kept = counts["routed"], counts["kept"]
+    stats = MoEStats(
+        load_balancing_loss=losses[0],
+        seq_load_balancing_loss=losses[1],
+        z_loss=losses[2],
+        routed=routed,
+        kept=kept,
+        dropped=(routed - kept).sum(dtype=jnp.int32),
+        max_load=kept.max(),
+        mean_load=kept.astype(jnp.float32).mean(),
+    )
+    return losses.sum(), stats.dropped, stats
+
+
+def _shard(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, *, config: MoEConfig):
+    """What one token shard computes: x [B_local, S, H] -> (out [B_local, S, H], aux loss, dropped), and
+    MoEStats with config.return_stats. shared_weights: (shared_gate_up, shared_down, shared_gate or None),
+    or None without shared experts; token_mask: [B_local, S] bool or None."""
     shape = x.shape
     num_tokens, hidden = shape[0] * shape[1], shape[2]
     num_experts = gate.shape[1]
@@ -104,9 +235,14 @@ def _shard(x, gate, gate_up, down, expert_bias, shared_weights, *, config: MoECo
         capacity_factor=config.capacity_factor,
     )
     x_flat = x.reshape(num_tokens, hidden)
-    weights, indices, routed, aux_loss = _router(
-        x_flat, gate, expert_bias, config, num_tokens * config.num_shards
-    )
+    valid = None if token_mask is None else token_mask.reshape(num_tokens)
+    if valid is not None:
+        # Padding tokens enter as zeros: whatever they hold (NaN included) reaches no result or gradient.
+        x_flat = jnp.where(valid[:, None], x_flat, jnp.zeros((), x_flat.dtype))
+    logits, weights, indices, routing_map = _route(x_flat, gate, expert_bias, valid, config)
+    aux_loss, dropped, stats = _losses_and_counts(logits, routing_map, valid, layout, config, shape[0])
+    if not layout.dropless and config.drop_policy == "probs":
+        indices = most_probable_slots(indices, weights, layout.capacity, num_experts)
     tokens = x_flat.astype(config.dtype)
     # From the tokens alone: no data dependency on the dispatch or the exchange.
     shared = None if shared_weights is None else shared_mlp(tokens, *shared_weights, config)  # [T, H]
@@ -123,14 +259,14 @@ def _shard(x, gate, gate_up, down, expert_bias, shared_weights, *, config: MoECo
         expert_out = expert_mlp(send, counts, gate_up, down, config)
     else:
         expert_out = exchanged_experts(send, counts, gate_up, down, layout, config)
-    out = token_combine(expert_out, row_id_map, weights, pad_offsets)
+    out = token_combine(expert_out, row_id_map, weights, pad_offsets)  # masked tokens: no row, zeros
     if shared is not None:  # summed in fp32, rounded once to x.dtype below
-        out = out.astype(jnp.float32) + shared.astype(jnp.float32)
-    dropped = dropped_slots(routed, layout).astype(jnp.int32)
-    if config.token_axes:
-        aux_loss = jax.lax.psum(aux_loss, config.token_axes)
-        dropped = jax.lax.psum(dropped, config.token_axes)
-    return out.astype(x.dtype).reshape(shape), aux_loss, dropped
+        shared = shared.astype(jnp.float32)
+        if valid is not None:
+            shared = jnp.where(valid[:, None], shared, 0.0)
+        out = out.astype(jnp.float32) + shared
+    out = out.astype(x.dtype).reshape(shape)
+    return (out, aux_loss, dropped) if stats is None else (out, aux_loss, dropped, stats)
 
 
 def resolve_exchange(exchange: str) -> str:
@@ -188,7 +324,12 @@ def moe(
     shared_gate_up: jax.Array | None = None,
     shared_down: jax.Array | None = None,
     shared_gate: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    seq_aux_loss_coeff: float = 0.0,
+    z_loss_coeff: float = 0.0,
+    drop_policy: str = "position",
+    token_mask: jax.Array | None = None,
+    return_stats: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array, MoEStats]:
     """A mixture-of-experts MLP layer with expert parallelism.
 
     Args:
@@ -199,16 +340,19 @@ def moe(
             F columns are the gate, the last F the up projection), or [E, H, F] for "gelu" / "relu".
         down: [E, F, H] down projections.
         topk: K experts per token (1 <= K <= E).
-        expert_bias: [E] selection bias (sigmoid / sqrtsoftplus only; no gradient).
+        expert_bias: [E] selection bias (sigmoid / sqrtsoftplus only; no gradient). Aux-loss-free balancing
+            updates it between steps from the routed counts: `update_expert_bias(expert_bias,
+            stats.routed, rate)`.
         score_function, use_pre_softmax, num_groups, group_topk, scaling_factor: the router's options, as in
             `fused_topk_with_score_function`.
-        aux_loss_coeff: weight of the load-balancing loss (0 disables it; the loss is then 0). The loss is
-            global: the same value and gradients as the unsharded layer's.
+        aux_loss_coeff: weight of the switch / GShard load-balancing loss (0 disables it; the loss is then
+            0). Every loss is global over the token shards (the same value and gradients as the unsharded
+            layer's) and defined in moetriton.kernels.rules.moe.LOSSES.
         align_size: rows of every expert block rounded up to a multiple of this (grouped-GEMM tiles).
         capacity_factor: None for the dropless policy; c > 0 for the capacity policy: every (token shard,
-            expert) pair keeps its first C = align * max(1, ceil(c * T * K / (E * align))) routed slots in
-            token order (earlier tokens win) and drops the rest (a dropped slot adds nothing to its token; the
-            other weights are not renormalised). T is the tokens of one shard.
+            expert) pair keeps C = align * max(1, ceil(c * T * K / (E * align))) of its routed slots, which
+            ones by `drop_policy`, and drops the rest (a dropped slot adds nothing to its token; the other
+            weights are not renormalised). T is the tokens of one shard, padding included.
         activation: "swiglu" (default), "geglu", "gelu" or "relu".
         dtype: compute dtype of the dispatched tokens, the expert weights and the grouped GEMMs (default
             x.dtype). The router runs in fp32; the output is in x.dtype.
@@ -234,24 +378,58 @@ def moe(
             its own tokens, with no collective and no dependency on the routed path's exchange.
         shared_gate: [H, 1] or None (PartitionSpec()): the shared FFN's output scaled per token by
             sigmoid(x @ shared_gate) (fp32 logits and sigmoid), as Qwen-MoE does.
+        seq_aux_loss_coeff: weight of DeepSeek-V3's sequence-wise balancing loss: per sequence of x (a row
+            of B), averaged over the sequences holding an unmasked token (0 disables it).
+        z_loss_coeff: weight of the ST-MoE router z-loss, the mean over unmasked tokens of
+            logsumexp(logits)^2 (0 disables it).
+        drop_policy: which routed slots a full expert keeps under capacity_factor (ignored when dropless):
+            "position" (default) its first C in (token, slot) order, "probs" its C of highest merging weight,
+            ties to the earlier slot. Both keep min(routed, C) per expert, so `dropped` is the same.
+        token_mask: [B, S] bool or None (every token counts), sharded like x: False marks padding, routed to
+            no expert and counted in no loss, load, capacity or token count, with an output row of exactly
+            zero (shared experts' included) and a zero gradient. No host sync: the counts stay on device.
+        return_stats: also return a `moetriton.kernels.rules.moe.MoEStats` (every field global over the
+            token shards). False: the outputs and the compiled program are those without it.
 
     Returns:
-        (out [B, S, H] in x.dtype, aux_loss fp32 scalar, dropped int32 scalar: routed slots the capacity
-        policy dropped over all token shards, 0 for dropless).
+        (out [B, S, H] in x.dtype, aux_loss fp32 scalar: the sum of the three weighted losses, dropped
+        int32 scalar: routed slots the capacity policy dropped over all token shards, 0 for dropless), and
+        with `return_stats` a fourth element, MoEStats: load_balancing_loss, seq_load_balancing_loss,
+        z_loss (fp32 scalars, each times its coefficient), routed [E] int32 (slots routed per expert,
+        padding excluded), kept [E] int32 (per shard min(routed, C), summed; routed when dropless), dropped
+        (the third output), max_load int32 = max(kept) and mean_load fp32 = mean(kept).
 
     Example:
         >>> mesh = jax.make_mesh((4,), ("ep",))
         >>> out, aux_loss, dropped = moe(x, gate, gate_up, down, topk=2, mesh=mesh, aux_loss_coeff=1e-2)
+        >>> out, aux_loss, dropped, stats = moe(
+        ...     x, gate, gate_up, down, topk=2, mesh=mesh, z_loss_coeff=1e-3, token_mask=mask,
+        ...     capacity_factor=1.25, drop_policy="probs", return_stats=True,
+        ... )
+        >>> stats.max_load / stats.mean_load  # the load imbalance of this step
     """
     layer_rules.check_options(
         activation=activation,
         score_function=score_function,
         aux_loss_coeff=aux_loss_coeff,
+        seq_aux_loss_coeff=seq_aux_loss_coeff,
+        z_loss_coeff=z_loss_coeff,
         exchange=exchange,
         exchanges=EXCHANGES,
+        drop_policy=drop_policy,
     )
+    if not isinstance(return_stats, bool):
+        raise TypeError(f"return_stats: expected a bool, got {type(return_stats).__name__}")
     if x.ndim != 3:
         raise ValueError(f"x: expected rank 3 [B, S, H], got shape {tuple(x.shape)}")
+    if token_mask is not None:
+        token_mask = jnp.asarray(token_mask)
+    mask_type = None if token_mask is None else (tuple(token_mask.shape), jnp.dtype(token_mask.dtype).name)
+    layer_rules.check_tokens(
+        x_shape=tuple(x.shape),
+        token_mask=mask_type,
+        seq_aux_loss_coeff=seq_aux_loss_coeff,
+    )
     if gate.ndim != 2:
         raise ValueError(f"gate: expected [H, E], got shape {list(gate.shape)}")
     hidden, num_experts = gate.shape
@@ -302,6 +480,9 @@ def moe(
         align_size=align_size,
         capacity_factor=None if capacity_factor is None else float(capacity_factor),
         activation=activation,
+        seq_aux_loss_coeff=float(seq_aux_loss_coeff),
+        z_loss_coeff=float(z_loss_coeff),
+        drop_policy=drop_policy,
         dtype=jnp.dtype(dtype or x.dtype).name,
         mesh=mesh,
         ep_axis=ep_axis if mesh is not None else None,
@@ -309,30 +490,28 @@ def moe(
         exchange=resolve_exchange(exchange),
         num_shards=num_shards,
         ep_size=ep_size,
+        return_stats=return_stats,
     )
     shared_weights = None if shared_gate_up is None else (shared_gate_up, shared_down, shared_gate)
-    return _moe(x, gate, gate_up, down, expert_bias, shared_weights, config)
+    return _moe(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, config)
 
 
-@partial(jax.jit, static_argnums=(6,))
-def _moe(x, gate, gate_up, down, expert_bias, shared_weights, config: MoEConfig):
+@partial(jax.jit, static_argnums=(7,))
+def _moe(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, config: MoEConfig):
     if config.mesh is None:
-        return _shard(x, gate, gate_up, down, expert_bias, shared_weights, config=config)
+        return _shard(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, config=config)
     tokens = PartitionSpec(config.token_axes or None)
     experts = PartitionSpec(config.ep_axis)
-    # The shared experts' weights are replicated (PartitionSpec() for every leaf; None leaves are no arrays).
-    specs = (tokens, PartitionSpec(), experts, experts, PartitionSpec(), PartitionSpec())
+    # The shared experts' weights are replicated (PartitionSpec() for every leaf; None leaves are no arrays);
+    # the token mask [B, S] shards like x, on its batch axis.
+    specs = (tokens, PartitionSpec(), experts, experts, PartitionSpec(), PartitionSpec(), tokens)
 
-    def body(x, gate, gate_up, down, expert_bias, shared_weights):
-        return _shard(x, gate, gate_up, down, expert_bias, shared_weights, config=config)
+    def body(x, gate, gate_up, down, expert_bias, shared_weights, token_mask):
+        return _shard(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, config=config)
 
+    # Every result but the output is global (replicated): the scalars and every MoEStats field.
+    out_specs = (tokens, *(PartitionSpec(),) * (3 if config.return_stats else 2))
     # check_vma=False: our ops' custom_vjp rules and host callbacks do not carry varying-axis types; every
     # collective here is explicit, and JAX still psums the gradients of replicated inputs.
-    sharded = jax.shard_map(
-        body,
-        mesh=config.mesh,
-        in_specs=specs,
-        out_specs=(tokens, PartitionSpec(), PartitionSpec()),
-        check_vma=False,
-    )
-    return sharded(x, gate, gate_up, down, expert_bias, shared_weights)
+    sharded = jax.shard_map(body, mesh=config.mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
+    return sharded(x, gate, gate_up, down, expert_bias, shared_weights, token_mask)

@@ -18,6 +18,9 @@ the dense single-device reference `moetriton.jax.reference_moe`, on a mesh of (d
   dropless and capacity) on meshes 1x2 and 2x2, and the Flax block's replicated shared parameters;
 * flax: the Flax MoEBlock on a mesh with logical-axis rules equals the functional layer;
 * errors: mesh-dependent argument errors;
+* options-DxE: the losses (seq_aux_loss_coeff, z_loss_coeff), token_mask, drop_policy="probs" (exact ties
+  included) and return_stats's MoEStats, with and without capacity and shared experts, and the psums each
+  option set compiles to;
 * benchmark: benchmarks/moe_jax.py's baseline against the layer, and one step of its command line.
 
 On CPU the exchange is the padded all_to_all fallback (XLA:CPU has no ragged all-to-all); on GPUs "auto"
@@ -30,6 +33,7 @@ import csv
 import dataclasses
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -42,7 +46,7 @@ from moetriton.jax import reference_router
 from moetriton.jax.moe import moe
 from moetriton.jax.reference_moe import moe_reference
 from moetriton.kernels.rules.expert_parallel import ep_layout
-from moetriton.kernels.rules.moe import SHARED_WEIGHTS
+from moetriton.kernels.rules.moe import SHARED_WEIGHTS, MoEStats
 from tests.strategies_moe import MoEProblem, moe_problems, with_shared_experts
 
 _SETTINGS = dict(
@@ -66,14 +70,16 @@ def _arrays(problem: MoEProblem) -> tuple[jax.Array, ...]:
 ARGUMENTS = ("x", "gate", "gate_up", "down", *SHARED_WEIGHTS)
 
 
-def _options(problem: MoEProblem) -> dict:
+def _options(problem: MoEProblem, options: dict | None = None) -> dict:
+    """The layer's and the reference's options: the problem's, aux_loss_coeff 1e-2, then `options`."""
     expert_bias = None if problem.expert_bias is None else jnp.asarray(problem.expert_bias)
-    return dict(problem.layer_options(aux_loss_coeff=1e-2), expert_bias=expert_bias)
+    return dict(problem.layer_options(aux_loss_coeff=1e-2), expert_bias=expert_bias, **(options or {}))
 
 
 def step(layer, cotangent, num_arrays: int = 4):
-    """jit of (x, gate, gate_up, down, shared weights...) -> ((loss, (out, aux_loss, dropped)), gradients):
-    one compiled program for the forward results and every gradient, loss = <out, cotangent> + aux loss."""
+    """jit of (x, gate, gate_up, down, shared weights...) -> ((loss, (out, aux_loss, dropped[, stats])),
+    gradients): one compiled program for the forward results and every gradient, loss = <out, cotangent> +
+    aux loss."""
 
     def loss(*arrays):
         results = layer(*arrays)
@@ -82,10 +88,24 @@ def step(layer, cotangent, num_arrays: int = 4):
     return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(num_arrays)), has_aux=True))
 
 
-def layer_and_reference(problem: MoEProblem, mesh: Mesh | None, **extra):
+def layer_and_reference(
+    problem: MoEProblem,
+    mesh: Mesh | None,
+    *,
+    options: dict | None = None,
+    token_mask: np.ndarray | None = None,
+    stats: bool = False,
+    **extra,
+):
     """(layer, reference): functions of (x, gate, gate_up, down, the problem's shared weights) -> (out,
-    aux_loss, dropped). Without a mesh the layer runs on one device without collectives."""
-    options = _options(problem)
+    aux_loss, dropped[, MoEStats with `stats`]). `options` (losses, drop_policy, ...) and `token_mask`
+    [B, S] bool go to both, `extra` to the layer only. Without a mesh the layer runs on one device without
+    collectives."""
+    options = _options(problem, options)
+    if token_mask is not None:
+        options["token_mask"] = jnp.asarray(token_mask)
+    if stats:
+        options["return_stats"] = True
     num_shards = 1 if mesh is None else mesh.size
     placement = {} if mesh is None else dict(mesh=mesh, ep_axis="ep", data_axes=("data",))
 
@@ -110,24 +130,63 @@ def _close(got, expected, what: str, rtol: float = 2e-5) -> None:
     )
 
 
-def check_against_reference(problem: MoEProblem, mesh: Mesh | None, **extra) -> tuple:
-    """Forward, aux loss, dropped count and every gradient of the layer against the reference; returns the
-    layer's (forward results, gradients). A bf16 compute `dtype` in `extra` gets bf16 tolerances."""
+def _check_stats(got: MoEStats, expected: MoEStats, results: tuple, what: str) -> None:
+    """MoEStats against the reference's: losses to fp32 rounding, counts exactly; and against the layer's
+    own results: aux_loss the sum of the losses, dropped the third output, loads from kept."""
+    assert isinstance(got, MoEStats), (type(got), what)
+    for name in ("load_balancing_loss", "seq_load_balancing_loss", "z_loss", "mean_load"):
+        value = getattr(got, name)
+        assert value.shape == () and value.dtype == jnp.float32, (name, value, what)
+        _close(value, getattr(expected, name), f"stats.{name} of {what}")
+    for name in ("routed", "kept", "dropped", "max_load"):
+        value = getattr(got, name)
+        assert value.dtype == jnp.int32, (name, value.dtype, what)
+        np.testing.assert_array_equal(
+            np.asarray(value), np.asarray(getattr(expected, name)), f"{name} {what}"
+        )
+    _close(got.load_balancing_loss + got.seq_load_balancing_loss + got.z_loss, results[1], f"aux sum {what}")
+    assert int(got.dropped) == int(results[2]), what
+    assert int(got.max_load) == int(got.kept.max()) and (got.kept <= got.routed).all(), what
+
+
+def check_against_reference(
+    problem: MoEProblem,
+    mesh: Mesh | None,
+    *,
+    options: dict | None = None,
+    token_mask: np.ndarray | None = None,
+    stats: bool = False,
+    **extra,
+) -> tuple:
+    """Forward, aux loss, dropped count, the stats (with `stats`) and every gradient of the layer against
+    the reference; returns the layer's (forward results, gradients). `options` and `token_mask` go to both
+    (`layer_and_reference`); with a mask, masked tokens' output rows and x gradients must be exactly zero.
+    A bf16 compute `dtype` in `extra` gets bf16 tolerances."""
     rtol, grad_rtol = (2e-5, 1e-4) if extra.get("dtype") is None else (3e-2, 5e-2)
-    layer, reference = layer_and_reference(problem, mesh, **extra)
+    layer, reference = layer_and_reference(
+        problem, mesh, options=options, token_mask=token_mask, stats=stats, **extra
+    )
     arrays = _arrays(problem)
-    what = f"{problem} on mesh {None if mesh is None else dict(mesh.shape)} {extra}"
+    what = f"{problem} on mesh {None if mesh is None else dict(mesh.shape)} {options} {extra}"
     cotangent = jnp.asarray(np.random.default_rng(1).normal(size=problem.x.shape).astype(np.float32))
     (_, got), grads = step(layer, cotangent, len(arrays))(*arrays)
     (_, expected), expected_grads = step(reference, cotangent, len(arrays))(*arrays)
+    assert len(got) == (4 if stats else 3), what
     _close(got[0], expected[0], f"out of {what}", rtol)
     _close(got[1], expected[1], f"aux loss of {what}")
     assert got[0].shape == problem.x.shape and got[0].dtype == arrays[0].dtype, what
+    assert got[1].shape == () and got[1].dtype == jnp.float32, what
     assert got[2].dtype == jnp.int32, what
     assert int(got[2]) == int(expected[2]), (int(got[2]), int(expected[2]), what)
+    if stats:
+        _check_stats(got[3], expected[3], got, what)
     names = ("x", "gate", "gate_up", "down", *problem.shared_weights)
     for name, g, e in zip(names, grads, expected_grads, strict=True):
         _close(g, e, f"grad {name} of {what}", grad_rtol)
+    if token_mask is not None:
+        padding = ~np.asarray(token_mask)
+        assert (np.asarray(got[0])[padding] == 0).all(), f"masked output rows of {what}"
+        assert (np.asarray(grads[0])[padding] == 0).all(), f"masked x gradient rows of {what}"
     return got, grads
 
 
@@ -224,24 +283,20 @@ def check_overflow() -> None:
         assert int(got[2]) == dropped, (int(got[2]), dropped)
 
 
-def check_routing_extremes() -> None:
-    """All tokens on EP rank 0's experts (K = L = 2: the dropless worst case, alignment included), whole
-    ranks without a token, and no tokens at all."""
-    for (data, ep), routing, align_size in (
-        ((1, 4), "rank0", 4),
-        ((1, 4), "empty_ranks", None),
-        ((2, 2), "rank0", None),
-        ((2, 2), "empty_ranks", 4),
-    ):
+def check_routing_extremes(data: int, ep: int) -> None:
+    """On a data x EP mesh: all tokens on EP rank 0's experts (K = L = 2 at EP 4: the dropless worst case,
+    alignment included) and whole ranks without a token."""
+    # One mesh per process: with jaxlib 0.11.2 XLA's compiler crashed (SIGSEGV in backend_compile_and_load,
+    # on four H100s and on CPU devices) compiling the fourth of these programs after the first three in one
+    # process; each compiles alone and in any pair (docs/moe.md).
+    for routing, align_size in (("rank0", 4 if ep == 4 else None), ("empty_ranks", None if ep == 4 else 4)):
         print(f"routing {routing} on data {data} x EP {ep}, align_size {align_size}", flush=True)
         problem = fixed_problem(data, ep, routing=routing, topk=2, align_size=align_size)
         check_against_reference(problem, make_mesh(data, ep))
-        # On four H100s (jaxlib 0.11.2) XLA's GPU compiler crashes (SIGSEGV in backend_compile_and_load)
-        # compiling the fourth of these programs after the first three in one process; each compiles alone,
-        # in any pair, and in sequence with command buffers off (--xla_gpu_enable_command_buffer=) or with
-        # JAX's caches cleared in between, which is what this check does (docs/moe.md).
-        jax.clear_caches()
-    # No tokens at all, dropless and under a capacity.
+
+
+def check_no_tokens() -> None:
+    """No tokens at all, dropless and under a capacity."""
     for capacity_factor in (None, 1.0):
         problem = fixed_problem(1, 2, routing="rank0", topk=2, align_size=2, capacity_factor=capacity_factor)
         empty = dataclasses.replace(problem, batch=0, x=problem.x[:0])
@@ -445,6 +500,17 @@ def check_flax() -> None:
     expected = moe(x, params["gate"], params["gate_up"], params["down"], **options)
     for a, b in zip((out, aux_loss, dropped), expected, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The new options pass through: losses, drop policy, token mask and stats, the same as the layer's.
+    options = dict(options, capacity_factor=0.5, drop_policy="probs", **ALL_LOSSES)
+    block = MoEBlock(num_experts=problem.num_experts, ffn_dim=problem.ffn, **options)
+    mask = jnp.asarray(padding_mask(problem.batch, problem.seq))
+    got = jax.jit(partial(block.apply, return_stats=True))(variables, x, mask)
+    expected = moe(
+        x, params["gate"], params["gate_up"], params["down"], token_mask=mask, return_stats=True, **options
+    )
+    assert isinstance(got[3], MoEStats) and len(got) == 4, got
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def check_errors() -> None:
@@ -467,6 +533,71 @@ def check_errors() -> None:
             assert message in str(error), (message, str(error))
         else:
             raise AssertionError(f"no error for {change}")
+
+
+#: Every loss at once, each with a weight that makes it matter (LOSSES of moetriton.kernels.rules.moe).
+ALL_LOSSES = dict(aux_loss_coeff=1e-2, seq_aux_loss_coeff=3e-2, z_loss_coeff=1e-3)
+
+
+def padding_mask(batch: int, seq: int, seed: int = 5) -> np.ndarray:
+    """[B, S] bool token mask: sequence 0 all padding (no token, no sequence in the sequence-wise mean),
+    sequence 1 all tokens, the others about 70% tokens."""
+    mask = np.random.default_rng(seed).random((batch, seq)) < 0.7
+    mask[0], mask[1] = False, True
+    return mask
+
+
+def with_ties(problem: MoEProblem) -> MoEProblem:
+    """`problem` with exact routing ties inside every token shard: token 1 of each sequence repeats token 0,
+    and sequence 1 repeats sequence 0 (the same rows give the same weights bit for bit)."""
+    x = problem.x.copy()
+    x[:, 1] = x[:, 0]
+    x[1::2] = x[0::2]
+    return dataclasses.replace(problem, x=x)
+
+
+def _all_reduces(layer, problem: MoEProblem) -> int:
+    """all_reduce ops (psums) in the layer's forward program."""
+    return jax.jit(layer).lower(*_arrays(problem)).as_text().count("all_reduce")
+
+
+def check_options(data: int, ep: int) -> None:
+    """The losses, token_mask, drop_policy and return_stats on a data x EP mesh, against the reference
+    (forward, aux loss, dropped, every stats field, gradients): masks with every loss, dropless and under
+    capacity with both policies (exact ties included), with shared experts; then the collectives: without
+    return_stats, no psum beyond what the options need."""
+    mesh = make_mesh(data, ep)
+    base = fixed_problem(data, ep, routing="empty_ranks", topk=2, align_size=2)
+    capacity = dataclasses.replace(base, capacity_factor=0.5)
+    mask = padding_mask(base.batch, base.seq)
+    cases = [
+        (base, ALL_LOSSES, mask),
+        (capacity, dict(ALL_LOSSES, drop_policy="probs"), mask),
+        (with_shared_experts(capacity, gate=True), dict(ALL_LOSSES, drop_policy="position"), mask),
+        (with_ties(dataclasses.replace(capacity, align_size=None)), dict(drop_policy="probs"), None),
+        (with_ties(capacity), dict(z_loss_coeff=1e-3, drop_policy="probs"), mask),
+    ]
+    for problem, options, token_mask in cases:
+        print(
+            f"options {options}, mask {token_mask is not None}, capacity {problem.capacity_factor}",
+            flush=True,
+        )
+        got, _ = check_against_reference(problem, mesh, options=options, token_mask=token_mask, stats=True)
+        assert problem.capacity_factor is None or int(got[2]) > 0, "the capacity cases must drop slots"
+    check_against_reference(base, mesh, options=ALL_LOSSES, token_mask=mask)  # the three outputs alone
+    # psums: aux_loss and dropped by default; one more for the routed counts of the load-balancing loss
+    # (with a mask the token count travels with them); return_stats sums the counts and the losses instead.
+    for options, mask_or_none, stats, expected in (
+        (dict(aux_loss_coeff=0.0), None, False, 2),
+        (dict(), None, False, 3),
+        (dict(), mask, False, 3),
+        (ALL_LOSSES, mask, False, 3),
+        (dict(aux_loss_coeff=0.0), None, True, 1),
+        (ALL_LOSSES, mask, True, 2),
+    ):
+        layer, _ = layer_and_reference(base, mesh, options=options, token_mask=mask_or_none, stats=stats)
+        found = _all_reduces(layer, base)
+        assert found == expected, (options, mask_or_none is not None, stats, found, expected)
 
 
 def check_benchmark() -> None:
@@ -504,7 +635,9 @@ CHECKS = {
     "mesh-2x2": lambda: check_mesh(2, 2, 1),
     "mesh-2x4": lambda: check_mesh(2, 4, 1),
     "overflow": check_overflow,
-    "routing-extremes": check_routing_extremes,
+    "routing-extremes-1x4": lambda: check_routing_extremes(1, 4),
+    "routing-extremes-2x2": lambda: check_routing_extremes(2, 2),
+    "no-tokens": check_no_tokens,
     "determinism": check_determinism,
     "exchanges": check_exchanges,
     "exchange-blocks": check_exchange_blocks,
@@ -512,6 +645,8 @@ CHECKS = {
     "flax": check_flax,
     "errors": check_errors,
     "benchmark": check_benchmark,
+    "options-1x2": lambda: check_options(1, 2),
+    "options-2x2": lambda: check_options(2, 2),
 }
 
 #: Devices each check needs.
@@ -521,7 +656,9 @@ DEVICES = {
 DEVICES.update(
     {
         "overflow": 2,
-        "routing-extremes": 4,
+        "routing-extremes-1x4": 4,
+        "routing-extremes-2x2": 4,
+        "no-tokens": 2,
         "determinism": 4,
         "exchanges": 2,
         "exchange-blocks": 2,
@@ -529,6 +666,8 @@ DEVICES.update(
         "flax": 4,
         "errors": 2,
         "benchmark": 2,
+        "options-1x2": 2,
+        "options-2x2": 4,
     }
 )
 

@@ -23,12 +23,21 @@ import pytest
 from hypothesis import assume, given, settings
 
 from moetriton.jax.moe import moe
-from moetriton.jax.moe.layer import resolve_exchange
+from moetriton.jax.moe.layer import most_probable_slots, resolve_exchange
+from moetriton.kernels.rules.moe import MoEStats
 from tests.jax._helpers import gpu_count, run_python
-from tests.jax.moe_checks import CHECKS, DEVICES, check_against_reference, fixed_problem
+from tests.jax.moe_checks import (
+    ALL_LOSSES,
+    CHECKS,
+    DEVICES,
+    check_against_reference,
+    fixed_problem,
+    padding_mask,
+    with_ties,
+)
 from tests.strategies_moe import moe_problems, with_shared_experts
 
-INTERPRETED = {"mesh-1x1", "mesh-1x2", "overflow", "errors"}
+INTERPRETED = {"mesh-1x1", "mesh-1x2", "overflow", "errors", "options-1x2"}
 
 
 def _run_check(name: str, env: dict) -> None:
@@ -90,8 +99,15 @@ def test_shared_experts_on_one_device_match_reference(gate, activation, capacity
 
 
 def test_zero_shared_experts_leave_the_routed_output_bitwise():
-    """The shared output is added in fp32: shared experts that output zeros change no bit of the layer."""
-    arguments = _args(gate=jnp.asarray(np.random.default_rng(1).normal(size=(8, 4)), jnp.float32))
+    """The shared output is added in fp32: shared experts that output zeros change no bit of the layer.
+    Small integer tokens and gate: every logit is exact whatever GEMM XLA picks for the router in either
+    program (its autotuner may choose differently per compilation, and fp32 sums in another order round
+    differently)."""
+    rng = np.random.default_rng(1)
+    arguments = _args(
+        x=jnp.asarray(rng.integers(-3, 4, size=(2, 3, 8)), jnp.float32),
+        gate=jnp.asarray(rng.integers(-2, 3, size=(8, 4)), jnp.float32),
+    )
     arguments["gate_up"] = jnp.ones_like(arguments["gate_up"])
     arguments["down"] = jnp.ones_like(arguments["down"])
     routed = moe(**arguments)
@@ -103,6 +119,249 @@ def test_zero_shared_experts_leave_the_routed_output_bitwise():
     )
     for got, expected in zip(shared, routed, strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
+def _one_device_problem(**change):
+    """A tiny one-device problem: x [4, 3, 8], E = 4 with K = 2, experts 2 and 3 never chosen (so a capacity
+    overflows), or `change`d."""
+    problem = fixed_problem(1, 2, routing="empty_ranks", topk=2, align_size=2)
+    return dataclasses.replace(problem, **change)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(aux_loss_coeff=1e-2),
+        dict(aux_loss_coeff=0.0, seq_aux_loss_coeff=3e-2),
+        dict(aux_loss_coeff=0.0, z_loss_coeff=1e-3),
+        ALL_LOSSES,
+    ],
+    ids=["load-balancing", "sequence", "z", "all"],
+)
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_each_loss_on_one_device_matches_reference(options, score_function):
+    """Each loss alone and all three: aux_loss, every MoEStats field (the other losses zero) and the
+    gradients the losses add."""
+    problem = _one_device_problem(score_function=score_function)
+    with jax.default_matmul_precision("highest"):
+        got, _ = check_against_reference(problem, None, options=options, stats=True)
+    stats = got[3]
+    for name, coeff in (
+        ("load_balancing_loss", "aux_loss_coeff"),
+        ("seq_load_balancing_loss", "seq_aux_loss_coeff"),
+        ("z_loss", "z_loss_coeff"),
+    ):
+        assert (float(getattr(stats, name)) > 0) == bool(options.get(coeff)), (name, stats)
+
+
+@pytest.mark.parametrize(
+    ("capacity_factor", "drop_policy", "shared", "options"),
+    [
+        (None, "position", False, ALL_LOSSES),
+        (0.5, "position", False, ALL_LOSSES),
+        (0.5, "probs", False, ALL_LOSSES),
+        (0.5, "probs", True, dict(aux_loss_coeff=1e-2, z_loss_coeff=1e-3)),
+        (None, "position", True, dict(seq_aux_loss_coeff=3e-2)),
+    ],
+)
+def test_token_mask_on_one_device_matches_reference(capacity_factor, drop_policy, shared, options):
+    """Padding (a whole sequence of it, and scattered tokens) takes no expert slot, no capacity, no count
+    and no loss; its output rows and x gradients are exactly zero (checked by check_against_reference)."""
+    problem = _one_device_problem(capacity_factor=capacity_factor)
+    if shared:
+        problem = with_shared_experts(problem, gate=True)
+    mask = padding_mask(problem.batch, problem.seq)
+    with jax.default_matmul_precision("highest"):
+        got, _ = check_against_reference(
+            problem, None, options=dict(options, drop_policy=drop_policy), token_mask=mask, stats=True
+        )
+    assert int(got[3].routed.sum()) == problem.topk * int(mask.sum()), got[3]
+
+
+def test_all_padding_gives_zeros_without_nan():
+    """Every token masked: zero output, zero losses (no division by zero), zero counts, zero gradients."""
+    problem = _one_device_problem(capacity_factor=0.5)
+    mask = np.zeros((problem.batch, problem.seq), bool)
+    with jax.default_matmul_precision("highest"):
+        got, grads = check_against_reference(problem, None, options=ALL_LOSSES, token_mask=mask, stats=True)
+    for leaf in jax.tree.leaves((got, grads)):
+        np.testing.assert_array_equal(np.asarray(leaf), 0)
+
+
+def test_padding_content_reaches_nothing():
+    """Whatever padding holds (NaN, huge values) changes no bit of the results or gradients: the layer with
+    NaN padding equals the layer with zero padding."""
+    problem = _one_device_problem(capacity_factor=0.5)
+    mask = padding_mask(problem.batch, problem.seq)
+    arguments = _problem_arguments(problem, token_mask=jnp.asarray(mask), return_stats=True, **ALL_LOSSES)
+    x = np.where(mask[..., None], problem.x, 0.0).astype(np.float32)
+    poisoned = np.where(mask[..., None], problem.x, np.nan).astype(np.float32)
+
+    def run(x):
+        def loss(x, gate):
+            results = moe(x, gate, **{k: v for k, v in arguments.items() if k not in ("x", "gate")})
+            return jnp.sum(results[0]) + results[1], results
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+            jnp.asarray(x), arguments["gate"]
+        )
+
+    for a, b in zip(jax.tree.leaves(run(poisoned)), jax.tree.leaves(run(x)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_mask_of_all_tokens_changes_nothing():
+    """token_mask all True gives the layer without a mask: the same output bit for bit, the same losses to
+    fp32 rounding (a traced token count instead of a static one)."""
+    problem = _one_device_problem(capacity_factor=0.5)
+    arguments = _problem_arguments(problem, return_stats=True, drop_policy="probs", **ALL_LOSSES)
+    full = jnp.ones((problem.batch, problem.seq), bool)
+    masked, unmasked = moe(**arguments, token_mask=full), moe(**arguments)
+    np.testing.assert_array_equal(np.asarray(masked[0]), np.asarray(unmasked[0]))
+    for a, b in zip(jax.tree.leaves(masked[1:]), jax.tree.leaves(unmasked[1:]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+# C = 3, 5, 2, 6: in each, two slots of equal weight straddle some expert's cut, so the tie rule decides.
+@pytest.mark.parametrize(("align_size", "capacity_factor"), [(None, 0.5), (None, 0.75), (2, 0.25), (2, 0.75)])
+def test_probs_policy_with_exact_ties_matches_reference(align_size, capacity_factor):
+    """drop_policy="probs" keeps each expert's C heaviest slots, equal weights (duplicated tokens) to the
+    earlier slot, against the reference's pairwise ranking, alignment rounding C up or not; and it keeps
+    other slots than "position"."""
+    problem = with_ties(_one_device_problem(align_size=align_size, capacity_factor=capacity_factor))
+    with jax.default_matmul_precision("highest"):
+        probs, _ = check_against_reference(problem, None, options=dict(drop_policy="probs"), stats=True)
+        position, _ = check_against_reference(problem, None, options=dict(drop_policy="position"), stats=True)
+    assert int(probs[2]) > 0 and int(probs[2]) == int(position[2]), (probs[2], position[2])
+    for name in ("routed", "kept"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(probs[3], name)), np.asarray(getattr(position[3], name))
+        )
+    assert not np.array_equal(np.asarray(probs[0]), np.asarray(position[0])), (
+        "the policies kept the same slots"
+    )
+
+
+def test_probs_policy_on_identical_tokens_is_the_position_policy():
+    """Every token the same: every weight ties, so "probs" keeps the earliest slots, as "position" does."""
+    problem = _one_device_problem(capacity_factor=0.5)
+    x = np.broadcast_to(problem.x[:1, :1], problem.x.shape).copy()
+    arguments = _problem_arguments(dataclasses.replace(problem, x=x), return_stats=True)
+    probs, position = moe(**arguments, drop_policy="probs"), moe(**arguments, drop_policy="position")
+    assert int(probs[2]) > 0, probs[2]
+    for a, b in zip(jax.tree.leaves(probs), jax.tree.leaves(position), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _kept_by_weight(indices: np.ndarray, weights: np.ndarray, capacity: int, num_experts: int) -> np.ndarray:
+    """numpy: each expert's `capacity` slots of highest weight, ties to the earlier (token, slot)."""
+    flat, weight = indices.reshape(-1), weights.reshape(-1)
+    kept = np.zeros(flat.shape, bool)
+    for expert in range(num_experts):
+        slots = np.flatnonzero(flat == expert)
+        ranked = slots[np.lexsort((slots, -weight[slots]))]  # last key first: weight descending, then slot
+        kept[ranked[:capacity]] = True
+    return np.where(kept.reshape(indices.shape), indices, -1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_most_probable_slots_match_numpy(seed):
+    """The two stable sorts of drop_policy="probs" against a per-expert ranking in numpy: random experts
+    (-1: masked slots), weights drawn from few values (many exact ties), capacities from 0 to all slots."""
+    rng = np.random.default_rng(seed)
+    tokens, topk, num_experts = rng.integers(1, 12), rng.integers(1, 4), 5
+    indices = rng.integers(-1, num_experts, (tokens, topk)).astype(np.int32)
+    weights = rng.choice(np.array([0.0, 0.25, 0.5, 0.75], np.float32), (tokens, topk))
+    keep = jax.jit(most_probable_slots, static_argnums=3)  # capacity traced: one program for them all
+    for capacity in range(tokens * topk + 1):
+        got = keep(indices, weights, capacity, num_experts)
+        expected = _kept_by_weight(indices, weights, capacity, num_experts)
+        np.testing.assert_array_equal(np.asarray(got), expected, err_msg=f"capacity {capacity}")
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_stats_on_one_device_match_reference(capacity_factor):
+    """Stats without any loss: routed and kept counts (kept = routed when dropless), dropped, max and mean
+    load, and zero losses; the first three outputs are those of the call without return_stats."""
+    problem = _one_device_problem(capacity_factor=capacity_factor)
+    with jax.default_matmul_precision("highest"):
+        got, _ = check_against_reference(problem, None, options=dict(aux_loss_coeff=0.0), stats=True)
+    stats = got[3]
+    assert isinstance(stats, MoEStats)
+    if capacity_factor is None:
+        np.testing.assert_array_equal(np.asarray(stats.kept), np.asarray(stats.routed))
+    else:
+        assert int(stats.dropped) > 0, stats
+    assert int(stats.routed.sum()) == problem.num_tokens * problem.topk, stats
+    assert float(stats.mean_load) == float(stats.kept.sum()) / problem.num_experts, stats
+    arguments = _problem_arguments(problem, aux_loss_coeff=1e-2)
+    with_stats, without = moe(**arguments, return_stats=True), moe(**arguments)
+    assert len(without) == 3
+    for a, b in zip(with_stats[:3], without, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_flax_block_passes_the_options_through():
+    """MoEBlock's loss, drop-policy attributes, token_mask and return_stats give the functional layer's
+    results on the block's parameters, bit for bit."""
+    from flax import linen as nn
+
+    from moetriton.jax.flax import MoEBlock
+
+    problem = _one_device_problem()
+    x, mask = jnp.asarray(problem.x), jnp.asarray(padding_mask(problem.batch, problem.seq))
+    options = dict(topk=2, capacity_factor=0.5, drop_policy="probs", **ALL_LOSSES)
+    block = MoEBlock(num_experts=4, ffn_dim=8, num_shared_experts=1, **options)
+    variables = block.init(jax.random.key(0), x)
+    params = nn.meta.unbox(variables["params"])
+    got = block.apply(variables, x, mask, return_stats=True)
+    shared = {name: params[name] for name in ("shared_gate_up", "shared_down")}
+    expected = moe(
+        x,
+        params["gate"],
+        params["gate_up"],
+        params["down"],
+        token_mask=mask,
+        return_stats=True,
+        **options,
+        **shared,
+    )
+    assert isinstance(got[3], MoEStats)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert len(block.apply(variables, x)) == 3
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        (
+            dict(drop_policy="random"),
+            ValueError,
+            "drop_policy: expected one of ('position', 'probs'), got 'random'",
+        ),
+        (dict(seq_aux_loss_coeff=-1.0), ValueError, "seq_aux_loss_coeff: expected a finite number >= 0"),
+        (dict(z_loss_coeff=float("nan")), ValueError, "z_loss_coeff: expected a finite number >= 0, got nan"),
+        (dict(z_loss_coeff="1e-3"), TypeError, "z_loss_coeff: expected a Python float, got str"),
+    ],
+)
+def test_flax_block_refuses_bad_options(options, error, message):
+    from moetriton.jax.flax import MoEBlock
+
+    block = MoEBlock(num_experts=4, ffn_dim=4, topk=2, **options)
+    with pytest.raises(error, match=re.escape(message)):
+        block.init(jax.random.key(0), jnp.zeros((2, 3, 8)))
+
+
+def _problem_arguments(problem, **options) -> dict:
+    """moe's arguments for a problem (no shared experts), its options and `options`."""
+    return dict(
+        x=jnp.asarray(problem.x),
+        gate=jnp.asarray(problem.gate),
+        gate_up=jnp.asarray(problem.gate_up),
+        down=jnp.asarray(problem.down),
+        **dict(problem.layer_options(aux_loss_coeff=0.0), **options),
+    )
 
 
 def test_flax_block_refuses_bad_shared_expert_options():
@@ -153,6 +412,27 @@ def _args(**change):
         (dict(expert_bias=jnp.zeros(4)), "expert_bias: only supported with score_function 'sigmoid'"),
         (dict(expert_bias=jnp.zeros(3), score_function="sigmoid"), "expert_bias: expected [E] = [4]"),
         (dict(aux_loss_coeff=-1.0), "aux_loss_coeff: expected a finite number >= 0"),
+        (dict(seq_aux_loss_coeff=-0.5), "seq_aux_loss_coeff: expected a finite number >= 0, got -0.5"),
+        (dict(seq_aux_loss_coeff=float("nan")), "seq_aux_loss_coeff: expected a finite number >= 0, got nan"),
+        (dict(z_loss_coeff=-1.0), "z_loss_coeff: expected a finite number >= 0, got -1.0"),
+        (dict(z_loss_coeff=float("inf")), "z_loss_coeff: expected a finite number >= 0, got inf"),
+        (dict(drop_policy="capacity"), "drop_policy: expected one of ('position', 'probs'), got 'capacity'"),
+        (
+            dict(token_mask=jnp.ones((2, 4), bool)),
+            "token_mask: expected bool [2, 3] (x's leading shape), got bool",
+        ),
+        (
+            dict(token_mask=jnp.ones((6,), bool)),
+            "token_mask: expected bool [2, 3] (x's leading shape), got bool [6]",
+        ),
+        (
+            dict(token_mask=jnp.ones((2, 3), jnp.int32)),
+            "token_mask: expected bool [2, 3] (x's leading shape), got int32",
+        ),
+        (
+            dict(token_mask=np.ones((2, 3), np.float32)),
+            "token_mask: expected bool [2, 3] (x's leading shape), got float32",
+        ),
         (dict(exchange="nccl"), "exchange: expected one of"),
         (dict(data_axes=("data",)), "data_axes: expected () without a mesh"),
         (dict(shared_down=jnp.zeros((6, 8))), "shared_gate_up: expected an array: shared_gate_up and"),
@@ -173,6 +453,20 @@ def _args(**change):
 )
 def test_bad_arguments_raise_clear_errors(change, message):
     with pytest.raises(ValueError, match=re.escape(message)):
+        moe(**_args(**change))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(seq_aux_loss_coeff="0.1"), "seq_aux_loss_coeff: expected a Python float, got str"),
+        (dict(z_loss_coeff=True), "z_loss_coeff: expected a Python float, got bool"),
+        (dict(z_loss_coeff=jnp.float32(0.1)), "z_loss_coeff: expected a Python float, got"),
+        (dict(return_stats=1), "return_stats: expected a bool, got int"),
+    ],
+)
+def test_bad_option_types_raise_type_errors(change, message):
+    with pytest.raises(TypeError, match=re.escape(message)):
         moe(**_args(**change))
 
 
