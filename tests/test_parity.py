@@ -257,11 +257,16 @@ def test_layers_name_their_exchanges_from_one_vocabulary():
     assert {"auto", "all_to_all"} <= set(torch_names) & set(jax_names)
 
 
-@pytest.mark.parametrize(("gate", "activation"), [(True, "swiglu"), (False, "gelu")])
-def test_layers_with_shared_experts_agree(gate, activation):
-    """The two layers with shared experts on the same inputs: outputs and every gradient (the shared weights'
-    included) agree to fp32 rounding (their GEMMs differ: PyTorch's and XLA's)."""
-    from tests.strategies_moe import MoEProblem, with_shared_experts
+@pytest.mark.parametrize(
+    ("gate", "activation", "recipe"),
+    [(True, "swiglu", False), (False, "gelu", False), (True, "swiglu", True)],
+)
+def test_layers_with_shared_experts_agree(gate, activation, recipe):
+    """The two layers with shared experts on the same inputs (with `recipe`: a padding mask, all three losses
+    and the probs drop policy too): outputs, aux loss, dropped count, every MoEStats field and every
+    gradient (the shared weights' included) agree to fp32 rounding (their GEMMs differ: PyTorch's and
+    XLA's); the counts exactly."""
+    from tests.strategies_moe import MoEProblem, with_recipe_options, with_shared_experts
 
     rng = np.random.default_rng(3)
     problem = MoEProblem(
@@ -275,26 +280,51 @@ def test_layers_with_shared_experts_agree(gate, activation):
         down=rng.normal(0, _F**-0.5, (_E, _F, _H)).astype(np.float32),
     )
     problem = with_shared_experts(problem, gate=gate, activation=activation)
+    if recipe:
+        problem = with_recipe_options(problem)
     cotangent = rng.normal(size=problem.x.shape).astype(np.float32)
     arrays = dict(x=problem.x, gate=problem.gate, gate_up=problem.gate_up, down=problem.down)
     arrays.update(problem.shared_weights)
     options = problem.layer_options(aux_loss_coeff=1e-2)
+    mask = problem.token_mask
 
     def jax_loss(x, gate, gate_up, down, *weights):
         named = dict(zip(list(arrays)[4:], weights, strict=True))
-        out, aux_loss, _ = mj.moe(x, gate, gate_up, down, **named, **options)
-        return jnp.sum(out * cotangent) + aux_loss, out
+        token_mask = None if mask is None else _jax(mask)
+        out, aux_loss, dropped, stats = mj.moe(
+            x, gate, gate_up, down, **named, **options, token_mask=token_mask, return_stats=True
+        )
+        return jnp.sum(out * cotangent) + aux_loss, (out, aux_loss, dropped, stats)
 
-    (_, jax_out), jax_grads = jax.value_and_grad(jax_loss, argnums=tuple(range(len(arrays))), has_aux=True)(
-        *map(_jax, arrays.values())
-    )
+    (_, jax_results), jax_grads = jax.value_and_grad(
+        jax_loss, argnums=tuple(range(len(arrays))), has_aux=True
+    )(*map(_jax, arrays.values()))
     leaves = {name: _torch(value).requires_grad_() for name, value in arrays.items()}
     named = {name: leaves[name] for name in list(arrays)[4:]}
-    out, aux_loss, _ = mt.moe(
-        leaves["x"], leaves["gate"].t(), leaves["gate_up"], leaves["down"], **named, **options
+    token_mask = None if mask is None else _torch(mask)
+    out, aux_loss, dropped, stats = mt.moe(
+        leaves["x"],
+        leaves["gate"].t(),
+        leaves["gate_up"],
+        leaves["down"],
+        **named,
+        **options,
+        token_mask=token_mask,
+        return_stats=True,
     )
     ((out * _torch(cotangent)).sum() + aux_loss).backward()
+    jax_out, jax_aux, jax_dropped, jax_stats = jax_results
     np.testing.assert_allclose(np.asarray(jax_out), out.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax_aux), aux_loss.detach().cpu().numpy(), rtol=1e-5)
+    assert int(jax_dropped) == int(dropped)
+    for name, value in stats._asdict().items():
+        theirs = np.asarray(getattr(jax_stats, name))
+        if value.dtype == torch.int32:
+            np.testing.assert_array_equal(theirs, value.cpu().numpy(), err_msg=name)
+        else:
+            np.testing.assert_allclose(
+                theirs, value.detach().cpu().numpy(), rtol=1e-5, atol=1e-7, err_msg=name
+            )
     for name, grad in zip(arrays, jax_grads, strict=True):
         np.testing.assert_allclose(
             np.asarray(grad), leaves[name].grad.cpu().numpy(), rtol=1e-5, atol=1e-5, err_msg=name

@@ -159,6 +159,25 @@ def test_padding_is_the_layer_on_the_real_tokens_alone(capacity_factor):
     assert int(stats.routed.sum()) == 2 * int(mask.sum()) and int(dropped) == int(stats.dropped)
 
 
+def test_padding_content_reaches_nothing():
+    """NaN and huge values in padded tokens change no output, loss, statistic or gradient of the others."""
+    x, weights = _tokens(12).reshape(3, 4, H), _weights()
+    mask = torch.ones(3, 4, dtype=torch.bool, device=DEVICE)
+    mask[1, 2:] = False
+    kwargs = dict(topk=2, aux_loss_coeff=0.1, seq_aux_loss_coeff=0.1, z_loss_coeff=0.01, return_stats=True)
+    results = []
+    for fill in (0.0, float("nan"), 1e30):
+        poisoned = x.clone()
+        poisoned[~mask] = fill
+        leaves = [poisoned.requires_grad_(), *(w.clone().requires_grad_() for w in weights)]
+        out, aux_loss, _, stats = mt.moe(*leaves, token_mask=mask, **kwargs)
+        (out.square().sum() + aux_loss).backward()
+        results.append([out, aux_loss, *stats, *(leaf.grad for leaf in leaves)])
+    for poisoned in results[1:]:
+        for got, want in zip(poisoned, results[0], strict=True):
+            assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("align_size", [None, 4])
 def test_probs_policy_keeps_the_likeliest_slots_ties_to_the_earlier(align_size):
     """Identical tokens tie on every probability: each expert keeps the earliest C of them (as "position");

@@ -263,6 +263,8 @@ def moe(
     hidden, num_experts = shape.hidden, shape.num_experts
     tokens = x.reshape(-1, hidden)  # [T, H]
     valid = None if token_mask is None else token_mask.reshape(-1)  # [T]
+    if valid is not None:  # padding enters as zeros: whatever it holds (NaN included) reaches nothing
+        tokens = torch.where(valid[:, None], tokens, 0)
     layout = ep_layout(
         num_tokens=tokens.shape[0],
         num_experts=num_experts,
