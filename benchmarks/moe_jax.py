@@ -7,8 +7,13 @@ built the MaxText way (argsort permutation + jax.lax.ragged_dot, no Triton).
     python -m benchmarks.moe_jax --processes 1,2         # EP = 2 as 1 process of 2 GPUs and 2 processes of 1
     python -m benchmarks.moe_jax --processes 2 --tiny --steps 1   # CPU: 2 processes of one CPU device each
 
-Rows (one per impl x shape x EP x process count; printed and written to <out>/<gpu>/moe_jax.csv,
+Rows (one per impl x variant x shape x EP x process count; printed and written to <out>/<gpu>/moe_jax.csv,
 benchmarks.common: <gpu> is prefixed with the largest EP run, e.g. 2x_NVIDIA_H200):
+
+* variant (`--variants plain,shared,recipe,...`, benchmarks.common.LAYER_VARIANTS; moetriton rows): the
+  layer plain, with a shared expert of the routed FFN size (its weights differentiated too), with one
+  training-recipe option or all of them; its step_ms against plain's is what the option costs. The
+  per-stage timings (the method off GPUs, below) time the plain layer's stages whatever the variant.
 
 * processes: how many processes ran the step. 1: this module as one process driving every device (the
   default). N > 1 (`--processes N`): a jax.distributed group of N processes on this machine, one GPU each
@@ -127,7 +132,14 @@ from moetriton.jax.moe.layer import _router, resolve_exchange
 from moetriton.kernels.rules.expert_parallel import ep_layout
 from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES, MoELayerShape
 
-from .common import add_out_option, router_options, shape_layout, write_results
+from .common import (
+    LAYER_VARIANTS,
+    add_out_option,
+    router_options,
+    shape_layout,
+    variant_options,
+    write_results,
+)
 
 #: Side of the square bf16 matmul whose rate, measured in the same run, is the layer GEMMs' ceiling.
 DENSE_GEMM_SIZE = 8192
@@ -162,6 +174,7 @@ KERNEL_STAGES = {
 COLLECTIVE_ACTIVITY = re.compile(r"nccl|alltoall|allgather|allreduce|memcpy ptop", re.IGNORECASE)
 COLUMNS = (
     "impl",
+    "variant",
     "shape",
     "ep",
     "processes",
@@ -192,6 +205,7 @@ class Case:
     align_size: int | None
     seq: int  # tokens per sequence: x is [EP * tokens / seq, seq, H]
     exchange: str = "auto"  # the moetriton layer's `exchange` argument
+    variant: str = "plain"  # of benchmarks.common.LAYER_VARIANTS (moetriton rows)
 
     @property
     def batch(self) -> int:
@@ -240,31 +254,48 @@ def make_mesh(ep: int) -> Mesh | None:
 
 
 def make_inputs(case: Case, mesh: Mesh | None):
-    """(x [B, S, H], gate [H, E], gate_up [E, H, 2F], down [E, F, H]) in bf16, placed as the layer wants:
-    global arrays drawn under jit with the layer's shardings, so each device draws only its own shard (in a
-    group of processes, each process builds the shards of its devices), the same values in every mode."""
+    """(x [B, S, H], gate [H, E], gate_up [E, H, 2F], down [E, F, H], then the variant's shared_gate_up
+    [H, 2F] and shared_down [F, H] and its token_mask [B, S]) in bf16 (the mask bool), placed as the layer
+    wants: global arrays drawn under jit with the layer's shardings, so each device draws only its own shard
+    (in a group of processes, each process builds the shards of its devices), the same values in every
+    mode."""
     shape, dtype = case.shape, jnp.bfloat16
-    keys = jax.random.split(jax.random.key(0), 4)
+    keys = jax.random.split(jax.random.key(0), 6)
     hidden, ffn, experts = shape.hidden, shape.ffn, shape.num_experts
+
+    def place(make, spec):
+        if mesh is None:
+            return jax.jit(make)()
+        return jax.jit(make, out_shardings=NamedSharding(mesh, spec))()
 
     def normal(key, dims, scale, spec):
         # Drawn in bf16: an fp32 draw of dsv3's expert weights alone would take 45 GB.
-        make = jax.jit(lambda: jax.random.normal(key, dims, dtype) * jnp.asarray(scale, dtype))
-        if mesh is None:
-            return make()
-        return jax.jit(make, out_shardings=NamedSharding(mesh, spec))()
+        return place(lambda: jax.random.normal(key, dims, dtype) * jnp.asarray(scale, dtype), spec)
 
     tokens, experts_spec = PartitionSpec("ep"), PartitionSpec("ep")
-    return (
+    arrays = [
         normal(keys[0], (case.batch, case.seq, hidden), 1.0, tokens),
         normal(keys[1], (hidden, experts), hidden**-0.5, PartitionSpec()),
         normal(keys[2], (experts, hidden, 2 * ffn), hidden**-0.5, experts_spec),
         normal(keys[3], (experts, ffn, hidden), ffn**-0.5, experts_spec),
-    )
+    ]
+    _, shared, mask = variant_options(case.variant, case.batch * case.seq)
+    if shared:
+        width = shared * ffn
+        arrays.append(normal(keys[4], (hidden, 2 * width), hidden**-0.5, PartitionSpec()))
+        arrays.append(normal(keys[5], (width, hidden), width**-0.5, PartitionSpec()))
+    if mask is not None:
+        arrays.append(place(lambda: jnp.asarray(mask).reshape(case.batch, case.seq), tokens))
+    return tuple(arrays)
 
 
 def moetriton_layer(case: Case, mesh: Mesh | None):
-    def layer(x, gate, gate_up, down):
+    options, shared, mask = variant_options(case.variant, 0)
+
+    def layer(x, gate, gate_up, down, *extra):
+        named = dict(shared_gate_up=extra[0], shared_down=extra[1]) if shared else {}
+        if mask is not None:
+            named["token_mask"] = extra[-1]
         return moe(
             x,
             gate,
@@ -277,6 +308,8 @@ def moetriton_layer(case: Case, mesh: Mesh | None):
             ep_axis="ep",
             exchange=case.exchange,
             **router_options(case.shape),
+            **options,
+            **named,
         )
 
     return layer
@@ -379,14 +412,15 @@ def baseline_layer(case: Case, mesh: Mesh | None):
 # Steps and stages ---------------------------------------------------------------------------------------
 
 
-def train_step(layer):
-    """jit(value_and_grad) of <out, 1> + aux loss w.r.t. x and every weight."""
+def train_step(layer, num_diff: int = 4):
+    """jit(value_and_grad) of <out, 1> + aux loss w.r.t. x and every weight (the first `num_diff` arrays; a
+    token mask after them is no weight)."""
 
-    def loss(x, gate, gate_up, down):
-        out, aux_loss, _ = layer(x, gate, gate_up, down)
-        return jnp.sum(out.astype(jnp.float32)) * 1e-3 + aux_loss
+    def loss(*arrays):
+        out, aux_loss, *rest = layer(*arrays)  # rest: dropped (and the stats): outputs of the step
+        return jnp.sum(out.astype(jnp.float32)) * 1e-3 + aux_loss, rest
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(num_diff)), has_aux=True))
 
 
 def _fwd_bwd(function, num_diff: int):
@@ -557,12 +591,13 @@ def plain_all_to_all_ms(case: Case, mesh: Mesh, steps: int) -> float:
 
 def measure(impl: str, case: Case, steps: int) -> dict:
     shape = case.shape
-    row = dict(impl=impl, shape=shape.name, ep=case.ep, processes=jax.process_count(), exchange=case.exchange)
-    row["tokens_per_gpu"] = shape.num_tokens
+    row = dict(impl=impl, variant=case.variant, shape=shape.name, ep=case.ep, processes=jax.process_count())
+    row.update(exchange=case.exchange, tokens_per_gpu=shape.num_tokens)
     mesh = make_mesh(case.ep)
     arrays = make_inputs(case, mesh)
     layer = moetriton_layer(case, mesh) if impl == "moetriton" else baseline_layer(case, mesh)
-    step = train_step(layer)
+    shared = variant_options(case.variant, 0)[1]
+    step = train_step(layer, 6 if shared else 4)
     step_ms = median_ms(step, *arrays, steps=steps)
     row["step_ms"] = _significant(step_ms)
     rows = shape.num_tokens * shape.topk
@@ -575,7 +610,7 @@ def measure(impl: str, case: Case, steps: int) -> dict:
             row["gpu_busy_ms"] = _significant(share_denominator_ms)
             row["stage_method"] = f"CUPTI profile of {PROFILED_STEPS} steps"
         else:
-            stages, least_all_to_all_ms = stage_times(case, mesh, arrays, steps), None
+            stages, least_all_to_all_ms = stage_times(case, mesh, arrays[:4], steps), None
             share_denominator_ms = step_ms
             row["stage_method"] = "per-stage jitted fwd+bwd timings"
         for stage, ms in stages.items():
@@ -592,7 +627,7 @@ def measure(impl: str, case: Case, steps: int) -> dict:
             if least_all_to_all_ms:
                 row["a2a_gbps_least_waiting"] = _significant(a2a_bytes / (least_all_to_all_ms * 1e-3) / 1e9)
             if _config(case, mesh).exchange == "padded":
-                row["a2a_moved_ratio"] = _significant(moved_rows_ratio(case, mesh, arrays))
+                row["a2a_moved_ratio"] = _significant(moved_rows_ratio(case, mesh, arrays[:4]))
     tflops = flops / (gemm_ms * 1e-3) / 1e12
     row["gemm_tflops"] = _significant(tflops)
     dense = dense_gemm_tflops(steps)
@@ -616,6 +651,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement (median)")
     add_out_option(parser)
     parser.add_argument("--exchange", default="auto", help="the moetriton layer's: auto, ragged or padded")
+    parser.add_argument(
+        "--variants",
+        default="plain",
+        help=f"comma-separated moetriton layer variants, from {tuple(LAYER_VARIANTS)} (benchmarks.common;"
+        " the baseline runs plain only)",
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     parser.add_argument(
         "--isolate",
@@ -638,6 +679,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-processes", type=int, help="set by --processes: processes in the group")
     parser.add_argument("--process-id", type=int, help="set by --processes: this process's index")
     args = parser.parse_args(argv)
+    for variant in args.variants.split(","):
+        if variant not in LAYER_VARIANTS:
+            parser.error(f"--variants: expected names from {tuple(LAYER_VARIANTS)}, got {variant!r}")
 
     def say(text: str) -> None:
         print(text, flush=True)
@@ -677,12 +721,17 @@ def main(argv: list[str] | None = None) -> int:
                 report(f"skipping {name} EP={ep}: {devices} device(s), {need}")
                 continue
             case = Case(shape, ep, args.align or None, seq=min(shape.num_tokens, 512), exchange=args.exchange)
-            for impl in args.impl.split(","):
+            runs = [(impl, "plain") for impl in args.impl.split(",") if impl != "moetriton"]
+            if "moetriton" in args.impl.split(","):
+                runs[:0] = [("moetriton", variant) for variant in args.variants.split(",")]
+            for impl, variant in runs:
                 try:
-                    row = measure(impl, case, args.steps)
+                    row = measure(impl, replace(case, variant=variant), args.steps)
                 except Exception as error:  # out of memory and any other failure: report the row, go on
                     say(f"process {process}: {traceback.format_exc(limit=3)}")
-                    row = dict(impl=impl, shape=shape.name, ep=ep, processes=jax.process_count())
+                    row = dict(
+                        impl=impl, variant=variant, shape=shape.name, ep=ep, processes=jax.process_count()
+                    )
                     row["tokens_per_gpu"] = shape.num_tokens
                     row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
                 rows.append(row)
@@ -733,6 +782,7 @@ def _run_process_counts(args: argparse.Namespace, say) -> int:
 def _child_options(args: argparse.Namespace) -> list[str]:
     """The measurement options of `args` as a child of this module takes them."""
     options = ["--steps", str(args.steps), "--align", str(args.align), "--exchange", args.exchange]
+    options += ["--variants", args.variants]
     options += ["--tokens", str(args.tokens)] if args.tokens else []
     return options + (["--tiny"] if args.tiny else [])
 
