@@ -3,9 +3,6 @@ masked per-expert loop elsewhere) and the batched MLP of the capacity policy."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
@@ -125,32 +122,3 @@ def shared_mlp(
         # fp32 logits, as JAX's (an [H, 1] GEMV: the fp32 copy of the tokens is the cheap part of the FFN)
         scale = torch.sigmoid(tokens.float() @ shared_gate.float())  # [T, 1]
         return (scale * out.float()).to(out.dtype)
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
-
-
-def start_shared_mlp(
-    tokens: Tensor, shared_gate_up: Tensor, shared_down: Tensor, shared_gate: Tensor | None, activation: str
-) -> Callable[[], Tensor]:
-    """`shared_mlp` started now, on a side stream on CUDA, so its GEMMs run while the current stream routes,
-    dispatches and exchanges the rows; returns the function that joins it (the current stream waits for the
-    side stream) and gives the [T, H] result. Autograd runs each backward op on its forward op's stream, so
-    the backward overlaps the same way. The side stream forks from the current one, which CUDA-graph
-    capture accepts; torch.compile and CPU tensors run it in place."""
-    if not tokens.is_cuda or torch.compiler.is_compiling():
-        out = shared_mlp(tokens, shared_gate_up, shared_down, shared_gate, activation)
-        return lambda: out
-    current, side = torch.cuda.current_stream(tokens.device), _side_stream(tokens.device)
-    side.wait_stream(current)  # the tokens and weights are ready
-    with torch.cuda.stream(side):
-        out = shared_mlp(tokens, shared_gate_up, shared_down, shared_gate, activation)
-
-    def join() -> Tensor:
-        current.wait_stream(side)
-        out.record_stream(current)  # allocated on the side stream, consumed on the current one
-        return out
-
-    return join

@@ -35,8 +35,9 @@ Capacity policies (the same as the JAX layer):
   in token order (earlier tokens win) and drops the rest (a dropped slot adds nothing to its token's output;
   the remaining weights are not renormalised; drop_policy="probs" keeps the likeliest C instead). The
   exchange moves fixed [L, C] slabs (through peer memory on GPUs of one host, straight into the experts'
-  [L, EP * C] order; else all_to_all_single and chunk sorts) and the experts run a batched GEMM over
-  [L, EP * C] rows: no size depends on data, nothing syncs, and the step captures in a CUDA graph.
+  [L, EP * C] order; else, and while a CUDA graph is captured, all_to_all_single and chunk sorts) and
+  the experts run a batched GEMM over [L, EP * C] rows: no size depends on data and nothing syncs (an
+  EP = 1 step is tested in a CUDA graph).
   `dropped` counts the dropped slots over the token group exactly.
 
 Grouped GEMMs: dropless rows go through `torch._grouped_mm` (offsets = int32 cumulative group ends) on CUDA
@@ -47,8 +48,6 @@ uses torch.bmm on every device.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -67,7 +66,7 @@ from .all_to_all import dropless_experts
 from .balancing import update_expert_bias
 from .capacity import capacity_experts, check_same_tokens, gather_tokens, most_probable_slots
 from .collectives import gather_counts, group_size_and_rank
-from .experts import start_shared_mlp
+from .experts import shared_mlp
 from .peer import exchange_for, peer_capacity, peer_dropless
 from .statistics import routing_statistics
 
@@ -310,13 +309,13 @@ def moe(
         if drop_policy == "probs" and not layout.dropless:
             indices = most_probable_slots(indices, merging, layout)
 
-    def start_shared() -> Callable[[], Tensor] | None:
-        # From the tokens alone: no data dependency on the routed path. Started where the row exchange
-        # begins, so its GEMMs run beside the exchange's copies rather than beside the short routing
-        # kernels, and (created after the dispatch) its backward runs first, beside the combine backward's.
+    def shared_ffn() -> Tensor | None:
+        # From the tokens alone: no data dependency on the routed path. On the layer's stream: a side stream
+        # hid 0.5 of 6.6 ms of exchange but lengthened the step by 0.6 ms more than this (two H100s, dsv3,
+        # EP 2; docs/performance.md), since the peer copies and the GEMMs each fill every SM.
         if shared_gate_up is None:
             return None
-        return start_shared_mlp(tokens, shared_gate_up, shared_down, shared_gate, activation)
+        return shared_mlp(tokens, shared_gate_up, shared_down, shared_gate, activation)
 
     extra = (stats,) if return_stats else ()
     if layout.dropless:
@@ -328,7 +327,7 @@ def moe(
                 everyone, on_host = gather_counts(mine, ep_size, ep_group)
                 gathered = (everyone[:, :num_experts], lambda: on_host()[:, :num_experts])
             if use_peer:
-                join_shared = start_shared()
+                shared = shared_ffn()
                 combined = peer_dropless(
                     tokens,
                     indices,
@@ -342,24 +341,24 @@ def moe(
                     down,
                     activation,
                 )
-                out = _plus_shared(combined, join_shared, valid).reshape(x.shape)
+                out = _plus_shared(combined, shared, valid).reshape(x.shape)
                 return out, aux_loss, dropped, *extra
         with stage("dispatch"):
             send, _, row_id_map, pad_offsets, send_counts = token_dispatch(
                 tokens, indices=indices, num_experts=num_experts, align_size=layout.align_size
             )
-        join_shared = start_shared()
+        shared = shared_ffn()
         out = dropless_experts(
             send, send_counts, gathered, layout, ep_rank, ep_group, gate_up, down, activation
         )
     elif use_peer:
         if same_tokens is not None:  # before the first barrier: a bad T fails on every rank alike
             check_same_tokens(same_tokens())
-        join_shared = start_shared()
+        shared = shared_ffn()
         combined = peer_capacity(
             tokens, indices, merging, layout, ep_rank, ep_group, gate_up, down, activation
         )
-        return _plus_shared(combined, join_shared, valid).reshape(x.shape), aux_loss, dropped, *extra
+        return _plus_shared(combined, shared, valid).reshape(x.shape), aux_loss, dropped, *extra
     else:
         with stage("dispatch"):
             send, _, row_id_map, pad_offsets, _ = token_dispatch(
@@ -367,19 +366,19 @@ def moe(
             )
         if same_tokens is not None:
             check_same_tokens(same_tokens())
-        join_shared = start_shared()
+        shared = shared_ffn()
         out = capacity_experts(send, layout, ep_group, gate_up, down, activation)
     with stage("combine"):
         combined = token_combine(out, row_id_map, merging_probs=merging, pad_offsets=pad_offsets)
-    return _plus_shared(combined, join_shared, valid).reshape(x.shape), aux_loss, dropped, *extra
+    return _plus_shared(combined, shared, valid).reshape(x.shape), aux_loss, dropped, *extra
 
 
-def _plus_shared(routed: Tensor, join_shared: Callable[[], Tensor] | None, valid: Tensor | None) -> Tensor:
+def _plus_shared(routed: Tensor, shared: Tensor | None, valid: Tensor | None) -> Tensor:
     """routed [T, H] + the shared experts' [T, H] (zero on padding, valid [T] False), summed in fp32 and
     rounded once to routed.dtype; routed itself (untouched) without shared experts."""
-    if join_shared is None:
+    if shared is None:
         return routed
-    shared = join_shared().float()
+    shared = shared.float()
     if valid is not None:
         shared = shared * valid[:, None]
     return (routed.float() + shared).to(routed.dtype)
