@@ -152,6 +152,10 @@ def _run_triton(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
     env = dict(inputs)
     dummy = jnp.zeros((0,), jnp.int32)
     for launch in plan.launches:
+        if launch.num_programs == 0:
+            # No program would run (an empty batch): skipped, as Triton's own launcher skips it; XLA would
+            # pass the zero grid to CUDA, which refuses it. Its outputs stay unwritten (zeros below).
+            continue
         for name in launch.args:
             # A buffer no earlier launch wrote (the empty block counts when T = 0) starts as zeros.
             if isinstance(name, str) and name not in env:

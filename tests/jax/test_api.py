@@ -332,3 +332,33 @@ def test_chunk_sort_with_the_hidden_axis_split_over_programs():
         assert_same(g, e, name)
     grad = jax.jit(jax.grad(lambda r: jnp.sum(mj.sort_chunks_by_index(r, sizes, order)[0] * rows)))(rows)
     assert_same(grad, rows[np.asarray(got[1])], "gradient")
+
+
+def test_compiled_path_skips_launches_of_no_program(monkeypatch):
+    """A zero grid (an empty batch) never reaches jax-triton, whose CUDA launch would refuse it; the launch
+    after it still runs, and an output no launch wrote comes back as zeros. jax-triton is faked: the
+    compiled path is otherwise GPU-only."""
+    calls = []
+
+    class FakeJaxTriton:
+        @staticmethod
+        def triton_call(*args, kernel, out_shape, grid, **options):
+            calls.append(grid)
+            return [jnp.full(spec.shape, 7, spec.dtype) for spec in out_shape]
+
+    monkeypatch.setattr(executor, "_jax_triton", lambda: FakeJaxTriton)
+    buffers = dict(
+        empty=kernels.Buffer((0, 4), "float32"),
+        counts=kernels.Buffer((3,), "int32", zero=True),
+        out=kernels.Buffer((2,), "int32"),
+    )
+    launches = (
+        kernels.Launch(None, (0,), ("x",), ("empty", "counts")),
+        kernels.Launch(None, (2, 1), ("x",), ("out",)),
+    )
+    plan = kernels.Plan(buffers, launches, ("empty", "counts", "out"))
+    empty, counts, out = executor._run_triton(plan, dict(x=jnp.zeros((0, 4))))
+    assert calls == [(2, 1)]
+    assert empty.shape == (0, 4)
+    np.testing.assert_array_equal(np.asarray(counts), np.zeros(3, np.int32))
+    np.testing.assert_array_equal(np.asarray(out), np.full(2, 7, np.int32))
