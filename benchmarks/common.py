@@ -116,6 +116,24 @@ SEQUENCE_LENGTH = 4096
 PADDING_PERIOD = 16
 
 
+def add_variants_option(parser: argparse.ArgumentParser) -> None:
+    """--variants of the layer benchmarks: comma-separated LAYER_VARIANTS names (default "plain")."""
+    parser.add_argument(
+        "--variants",
+        default="plain",
+        type=_variant_names,
+        help=f"comma-separated moetriton layer variants, from {tuple(LAYER_VARIANTS)} (the baseline runs"
+        " plain only)",
+    )
+
+
+def _variant_names(text: str) -> str:
+    unknown = [name for name in text.split(",") if name not in LAYER_VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"expected names from {tuple(LAYER_VARIANTS)}, got {unknown}")
+    return text
+
+
 def variant_options(variant: str, num_tokens: int) -> tuple[dict, int, np.ndarray | None]:
     """(layer keyword options, shared experts, token mask [T] bool or None) of a LAYER_VARIANTS name;
     "probs" only acts under a capacity."""

@@ -133,8 +133,8 @@ from moetriton.kernels.rules.expert_parallel import ep_layout
 from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES, MoELayerShape
 
 from .common import (
-    LAYER_VARIANTS,
     add_out_option,
+    add_variants_option,
     router_options,
     shape_layout,
     variant_options,
@@ -651,12 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement (median)")
     add_out_option(parser)
     parser.add_argument("--exchange", default="auto", help="the moetriton layer's: auto, ragged or padded")
-    parser.add_argument(
-        "--variants",
-        default="plain",
-        help=f"comma-separated moetriton layer variants, from {tuple(LAYER_VARIANTS)} (benchmarks.common;"
-        " the baseline runs plain only)",
-    )
+    add_variants_option(parser)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     parser.add_argument(
         "--isolate",
@@ -679,9 +674,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-processes", type=int, help="set by --processes: processes in the group")
     parser.add_argument("--process-id", type=int, help="set by --processes: this process's index")
     args = parser.parse_args(argv)
-    for variant in args.variants.split(","):
-        if variant not in LAYER_VARIANTS:
-            parser.error(f"--variants: expected names from {tuple(LAYER_VARIANTS)}, got {variant!r}")
 
     def say(text: str) -> None:
         print(text, flush=True)

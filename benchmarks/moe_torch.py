@@ -79,8 +79,8 @@ import torch.nn.functional as F
 
 from benchmarks import trace_gaps
 from benchmarks.common import (
-    LAYER_VARIANTS,
     add_out_option,
+    add_variants_option,
     router_options,
     sequences,
     variant_options,
@@ -562,12 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="layers per step, each feeding the next, as in a model (default 1)",
     )
-    parser.add_argument(
-        "--variants",
-        default="plain",
-        help=f"comma-separated moetriton layer variants, from {tuple(LAYER_VARIANTS)} (benchmarks.common;"
-        " the baseline runs plain only)",
-    )
+    add_variants_option(parser)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU, one step (smoke test)")
     parser.add_argument(
         "--trace",
@@ -590,10 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         if name not in MOE_LAYER_SHAPES:
             parser.error(f"--shapes: expected names from {sorted(MOE_LAYER_SHAPES)}, got {name!r}")
-    variants = [variant for variant in args.variants.split(",") if variant]
-    for variant in variants:
-        if variant not in LAYER_VARIANTS:
-            parser.error(f"--variants: expected names from {tuple(LAYER_VARIANTS)}, got {variant!r}")
+    variants = args.variants.split(",")
     device, dtype, group = _setup(args.tiny)
     rank = dist.get_rank() if group is not None else 0
     ep = dist.get_world_size() if group is not None else 1

@@ -180,14 +180,6 @@ def moe_reference(
     per_expert = indices.reshape(-1)[:, None] == experts[None, :]  # [T * K, E]
     routed_per_expert = jnp.sum(per_expert & routed.reshape(-1, 1), axis=0, dtype=jnp.int32)
     kept_per_expert = jnp.sum(per_expert & kept.reshape(-1, 1), axis=0, dtype=jnp.int32)
-    stats = MoEStats(
-        load_balancing_loss=losses[0],
-        seq_load_balancing_loss=losses[1],
-        z_loss=losses[2],
-        routed=routed_per_expert,
-        kept=kept_per_expert,
-        dropped=dropped,
-        max_load=kept_per_expert.max(),
-        mean_load=kept_per_expert.astype(jnp.float32).mean(),
-    )
+    mean_load = kept_per_expert.astype(jnp.float32).mean()
+    stats = MoEStats.of(losses, routed_per_expert, kept_per_expert, dropped, mean_load)
     return (*results, stats)

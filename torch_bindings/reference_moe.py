@@ -116,8 +116,7 @@ def moe_reference(
     result = out.reshape(x.shape), sum(losses), dropped
     if not return_stats:
         return result
-    loads = kept_counts.max(), kept_counts.float().mean()
-    stats = MoEStats(*losses, routed_counts, kept_counts, dropped, *loads)
+    stats = MoEStats.of(losses, routed_counts, kept_counts, dropped, kept_counts.float().mean())
     return *result, stats
 
 

@@ -7,6 +7,7 @@ import dataclasses
 
 from jax.sharding import Mesh
 
+from moetriton.kernels.rules.expert_parallel import EPLayout, ep_layout
 from moetriton.kernels.rules.moe import LayerOptions
 
 
@@ -27,3 +28,15 @@ class MoEConfig(LayerOptions):
     @property
     def token_axes(self) -> tuple[str, ...]:
         return self.data_axes + ((self.ep_axis,) if self.ep_axis else ())
+
+    def layout(self, num_tokens: int, num_experts: int) -> EPLayout:
+        """The exchange layout of a token shard of `num_tokens` tokens and `num_experts` experts (validating
+        topk, E against the EP size, align_size and capacity_factor with the layout's messages)."""
+        return ep_layout(
+            num_tokens=num_tokens,
+            num_experts=num_experts,
+            topk=self.topk,
+            ep_size=self.ep_size,
+            align_size=self.align_size,
+            capacity_factor=self.capacity_factor,
+        )

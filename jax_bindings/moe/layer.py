@@ -43,6 +43,7 @@ ragged_dot to E-times-padded dots on GPUs). Never imports torch or flax.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 
@@ -51,7 +52,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from moetriton.kernels.rules import moe as layer_rules
-from moetriton.kernels.rules.expert_parallel import dropped_slots, ep_layout, kept_slots
+from moetriton.kernels.rules.expert_parallel import dropped_slots, kept_slots
 from moetriton.kernels.rules.moe import MoEStats
 
 from ..permutation import token_combine, token_dispatch
@@ -206,16 +207,8 @@ def _losses_and_counts(logits, routing_map, valid, layout, config: MoEConfig, ba
     if any(loss is not None for loss in partials):
         losses = total(losses)
     routed, kept = counts["routed"], counts["kept"]
-    stats = MoEStats(
-        load_balancing_loss=losses[0],
-        seq_load_balancing_loss=losses[1],
-        z_loss=losses[2],
-        routed=routed,
-        kept=kept,
-        dropped=(routed - kept).sum(dtype=jnp.int32),
-        max_load=kept.max(),
-        mean_load=kept.astype(jnp.float32).mean(),
-    )
+    dropped = (routed - kept).sum(dtype=jnp.int32)
+    stats = MoEStats.of(losses, routed, kept, dropped, kept.astype(jnp.float32).mean())
     return losses.sum(), stats.dropped, stats
 
 
@@ -226,14 +219,7 @@ def _shard(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, *, c
     shape = x.shape
     num_tokens, hidden = shape[0] * shape[1], shape[2]
     num_experts = gate.shape[1]
-    layout = ep_layout(
-        num_tokens=num_tokens,
-        num_experts=num_experts,
-        topk=config.topk,
-        ep_size=config.ep_size,
-        align_size=config.align_size,
-        capacity_factor=config.capacity_factor,
-    )
+    layout = config.layout(num_tokens, num_experts)
     x_flat = x.reshape(num_tokens, hidden)
     valid = None if token_mask is None else token_mask.reshape(num_tokens)
     if valid is not None:
@@ -460,15 +446,6 @@ def moe(
         raise ValueError(
             f"x: expected a batch size B that is a multiple of the token shards {num_shards}, got {batch}"
         )
-    # Validates topk, E against the EP size, align_size and capacity_factor with the layout's messages.
-    ep_layout(
-        num_tokens=batch // num_shards * x.shape[1],
-        num_experts=num_experts,
-        topk=topk,
-        ep_size=ep_size,
-        align_size=align_size,
-        capacity_factor=capacity_factor,
-    )
     config = MoEConfig(
         topk=topk,
         score_function=score_function,
@@ -478,7 +455,7 @@ def moe(
         scaling_factor=scaling_factor,
         aux_loss_coeff=float(aux_loss_coeff),
         align_size=align_size,
-        capacity_factor=None if capacity_factor is None else float(capacity_factor),
+        capacity_factor=capacity_factor,
         activation=activation,
         seq_aux_loss_coeff=float(seq_aux_loss_coeff),
         z_loss_coeff=float(z_loss_coeff),
@@ -492,6 +469,9 @@ def moe(
         ep_size=ep_size,
         return_stats=return_stats,
     )
+    config.layout(batch // num_shards * x.shape[1], num_experts)  # validates the layout's arguments
+    if capacity_factor is not None:  # a float in the jit key: 1 and 1.0 compile once
+        config = dataclasses.replace(config, capacity_factor=float(capacity_factor))
     shared_weights = None if shared_gate_up is None else (shared_gate_up, shared_down, shared_gate)
     return _moe(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, config)
 

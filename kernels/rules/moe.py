@@ -75,6 +75,11 @@ class MoEStats(NamedTuple):
     max_load: Any
     mean_load: Any
 
+    @classmethod
+    def of(cls, losses: Any, routed: Any, kept: Any, dropped: Any, mean_load: Any) -> MoEStats:
+        """From the [3] losses (LOSSES' order), the counts and the mean load, in the framework's arrays."""
+        return cls(losses[0], losses[1], losses[2], routed, kept, dropped, kept.max(), mean_load)
+
 
 #: The shared experts' weight arguments of both layers (and parameters of both modules), in this order.
 SHARED_WEIGHTS = ("shared_gate_up", "shared_down", "shared_gate")

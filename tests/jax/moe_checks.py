@@ -149,25 +149,16 @@ def _check_stats(got: MoEStats, expected: MoEStats, results: tuple, what: str) -
     assert int(got.max_load) == int(got.kept.max()) and (got.kept <= got.routed).all(), what
 
 
-def check_against_reference(
-    problem: MoEProblem,
-    mesh: Mesh | None,
-    *,
-    options: dict | None = None,
-    token_mask: np.ndarray | None = None,
-    stats: bool = False,
-    **extra,
-) -> tuple:
+def check_against_reference(problem: MoEProblem, mesh: Mesh | None, **call) -> tuple:
     """Forward, aux loss, dropped count, the stats (with `stats`) and every gradient of the layer against
-    the reference; returns the layer's (forward results, gradients). `options` and `token_mask` go to both
-    (`layer_and_reference`); with a mask, masked tokens' output rows and x gradients must be exactly zero.
-    A bf16 compute `dtype` in `extra` gets bf16 tolerances."""
-    rtol, grad_rtol = (2e-5, 1e-4) if extra.get("dtype") is None else (3e-2, 5e-2)
-    layer, reference = layer_and_reference(
-        problem, mesh, options=options, token_mask=token_mask, stats=stats, **extra
-    )
+    the reference; returns the layer's (forward results, gradients). `call`: `layer_and_reference`'s
+    keywords (options, token_mask, stats, layer-only extras); with a mask, masked tokens' output rows and x
+    gradients must be exactly zero. A bf16 compute `dtype` gets bf16 tolerances."""
+    token_mask, stats = call.get("token_mask"), call.get("stats", False)
+    rtol, grad_rtol = (2e-5, 1e-4) if call.get("dtype") is None else (3e-2, 5e-2)
+    layer, reference = layer_and_reference(problem, mesh, **call)
     arrays = _arrays(problem)
-    what = f"{problem} on mesh {None if mesh is None else dict(mesh.shape)} {options} {extra}"
+    what = f"{problem} on mesh {None if mesh is None else dict(mesh.shape)} {call}"
     cotangent = jnp.asarray(np.random.default_rng(1).normal(size=problem.x.shape).astype(np.float32))
     (_, got), grads = step(layer, cotangent, len(arrays))(*arrays)
     (_, expected), expected_grads = step(reference, cotangent, len(arrays))(*arrays)

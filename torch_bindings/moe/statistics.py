@@ -94,14 +94,5 @@ def routing_statistics(
     if not want_stats:
         return aux_loss, dropped, None
     kept = kept.to(torch.int32)
-    stats = MoEStats(
-        load_balancing_loss=losses[0],
-        seq_load_balancing_loss=losses[1],
-        z_loss=losses[2],
-        routed=routed.to(torch.int32),
-        kept=kept,
-        dropped=dropped,
-        max_load=kept.max(),
-        mean_load=kept.float().mean(),
-    )
+    stats = MoEStats.of(losses, routed.to(torch.int32), kept, dropped, kept.float().mean())
     return aux_loss, dropped, stats
