@@ -98,7 +98,21 @@ def run(small: bool = False) -> dict[str, dict[str, float]]:
         f"mesh {dict(mesh.shape)} on {jax.default_backend()}, x {arrays[0].shape}, E {sizes['num_experts']}"
     )
     results = {}
-    for name, policy in (("dropless", {}), ("capacity 0.5", {"capacity_factor": 0.5})):
+    # DeepSeek-V3-style routing: sigmoid scores, group-limited top-k, a selection bias, the sequence-wise
+    # balance loss and the z-loss (docs/moe.md, "Training-recipe options").
+    dsv3_style = dict(
+        score_function="sigmoid",
+        num_groups=4,
+        group_topk=2,
+        expert_bias=jnp.linspace(-0.1, 0.1, sizes["num_experts"]),
+        seq_aux_loss_coeff=1e-3,
+        z_loss_coeff=1e-3,
+    )
+    for name, policy in (
+        ("dropless", {}),
+        ("capacity 0.5", {"capacity_factor": 0.5}),
+        ("dsv3-style, capacity 1.0, probs", dict(dsv3_style, capacity_factor=1.0, drop_policy="probs")),
+    ):
         print(f"{name}:")
         options = dict(topk=2, align_size=8 if big else 2, aux_loss_coeff=1e-2, **policy)
         results[name] = check(mesh, arrays, options)
