@@ -446,19 +446,16 @@ def moe(
         raise ValueError(
             f"x: expected a batch size B that is a multiple of the token shards {num_shards}, got {batch}"
         )
+    router = dict(topk=topk, score_function=score_function, use_pre_softmax=use_pre_softmax)
+    router.update(num_groups=num_groups, group_topk=group_topk, scaling_factor=scaling_factor)
+    losses = dict(aux_loss_coeff=float(aux_loss_coeff), seq_aux_loss_coeff=float(seq_aux_loss_coeff))
+    losses.update(z_loss_coeff=float(z_loss_coeff))
     config = MoEConfig(
-        topk=topk,
-        score_function=score_function,
-        use_pre_softmax=use_pre_softmax,
-        num_groups=num_groups,
-        group_topk=group_topk,
-        scaling_factor=scaling_factor,
-        aux_loss_coeff=float(aux_loss_coeff),
+        **router,
+        **losses,
         align_size=align_size,
         capacity_factor=capacity_factor,
         activation=activation,
-        seq_aux_loss_coeff=float(seq_aux_loss_coeff),
-        z_loss_coeff=float(z_loss_coeff),
         drop_policy=drop_policy,
         dtype=jnp.dtype(dtype or x.dtype).name,
         mesh=mesh,
