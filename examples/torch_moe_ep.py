@@ -6,8 +6,11 @@ dense single-process reference on every rank.
     torchrun --nproc-per-node 4 examples/torch_moe_ep.py --small  # small shapes even on GPUs
 
 Every rank builds the same global weights from one seed, keeps its E / EP experts and its shard of the
-tokens, runs one forward + backward step for each capacity policy (dropless, capacity_factor=1), and compares
-its outputs and gradients with the reference's (gate gradient summed over the ranks). On CPU the Triton
+sequences, runs one forward + backward step for each configuration (dropless; capacity_factor=1; a
+DeepSeek-V3-style layer: sigmoid scores, group-limited top-k, a selection bias, a shared expert, the
+sequence-wise and z losses, the probs drop policy, then the aux-loss-free bias update from the step's
+statistics), and compares its outputs and gradients with the reference's (replicated weights' gradients
+summed over the ranks). On CPU the Triton
 kernels run under the Triton interpreter (TRITON_INTERPRET=1, set here before moetriton is imported).
 """
 
@@ -38,13 +41,32 @@ def _setup() -> tuple[int, int, torch.device]:
 
 
 def _step(mt, layer, x, cotangent):
-    """One forward + backward of the layer: (out, aux_loss, dropped, grads by parameter name, x grad)."""
+    """One forward + backward of the layer: (out, aux_loss, dropped, grads by name, x grad, stats)."""
     layer.zero_grad()
     xg = x.detach().clone().requires_grad_()
-    out, aux_loss, dropped = layer(xg)
+    out, aux_loss, dropped, stats = layer(xg, return_stats=True)
     ((out.float() * cotangent).sum() + aux_loss).backward()
     grads = {name: param.grad.float().clone() for name, param in layer.named_parameters()}
-    return out.detach(), aux_loss.detach(), dropped, grads, xg.grad
+    return out.detach(), aux_loss.detach(), dropped, grads, xg.grad, stats
+
+
+#: The configurations every rank runs: name -> MoELayer options (beside the sizes, alignment and group).
+CONFIGS = {
+    "dropless": {},
+    "capacity 1.0": dict(capacity_factor=1.0),
+    "dsv3-style": dict(
+        score_function="sigmoid",
+        num_groups=4,
+        group_topk=2,
+        expert_bias=True,
+        num_shared_experts=1,
+        seq_aux_loss_coeff=1e-3,
+        z_loss_coeff=1e-3,
+        capacity_factor=1.0,
+        drop_policy="probs",
+    ),
+}
+SEQUENCE = 8  # tokens per sequence: x is [B, S, H]
 
 
 def run(small: bool) -> dict[str, float]:
@@ -62,11 +84,11 @@ def run(small: bool) -> dict[str, float]:
     tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-4
     group = dist.group.WORLD if world > 1 else None
     generator = torch.Generator().manual_seed(0)
-    x_all = torch.randn(world * tokens, hidden, generator=generator)
-    cotangent_all = torch.randn(world * tokens, hidden, generator=generator)
-    shard = slice(rank * tokens, (rank + 1) * tokens)
+    x_all = torch.randn(world * tokens // SEQUENCE, SEQUENCE, hidden, generator=generator)
+    cotangent_all = torch.randn(x_all.shape, generator=generator)
+    shard = slice(rank * tokens // SEQUENCE, (rank + 1) * tokens // SEQUENCE)
     errors = {}
-    for policy, capacity_factor in (("dropless", None), ("capacity 1.0", 1.0)):
+    for policy, options in CONFIGS.items():
         layer = mt.MoELayer(
             hidden,
             ffn,
@@ -74,52 +96,64 @@ def run(small: bool) -> dict[str, float]:
             topk,
             aux_loss_coeff=1e-2,
             align_size=align_size,
-            capacity_factor=capacity_factor,
             ep_group=group,
             dtype=dtype,
             device=device,
+            **options,
         )
         torch.manual_seed(1)  # the same global weights on every rank; each keeps its experts
-        gate = torch.randn(num_experts, hidden) / hidden**0.5
-        gate_up = torch.randn(num_experts, hidden, 2 * ffn) / hidden**0.5
-        down = torch.randn(num_experts, ffn, hidden) / ffn**0.5
+        weights = dict(
+            gate_weight=torch.randn(num_experts, hidden) / hidden**0.5,
+            gate_up=torch.randn(num_experts, hidden, 2 * ffn) / hidden**0.5,
+            down=torch.randn(num_experts, ffn, hidden) / ffn**0.5,
+        )
+        if layer.shared_gate_up is not None:
+            weights.update(
+                shared_gate_up=torch.randn(layer.shared_gate_up.shape) / hidden**0.5,
+                shared_down=torch.randn(layer.shared_down.shape) / ffn**0.5,
+            )
         local = slice(rank * layer.down.shape[0], (rank + 1) * layer.down.shape[0])
         with torch.no_grad():
-            for param, value in (
-                (layer.gate_weight, gate),
-                (layer.gate_up, gate_up[local]),
-                (layer.down, down[local]),
-            ):
-                param.copy_(value)
+            for name, value in weights.items():
+                getattr(layer, name).copy_(value[local] if name in ("gate_up", "down") else value)
+            if layer.expert_bias is not None:
+                layer.expert_bias.copy_(torch.linspace(-0.1, 0.1, num_experts))
         x, cotangent = x_all[shard].to(device, dtype), cotangent_all[shard].to(device)
-        out, aux_loss, dropped, grads, grad_x = _step(mt, layer, x, cotangent)
+        out, aux_loss, dropped, grads, grad_x, stats = _step(mt, layer, x, cotangent)
         if group is not None:
-            dist.all_reduce(grads["gate_weight"], group=group)
-            dist.all_reduce(dropped, group=group, op=dist.ReduceOp.MAX)  # the same on every rank already
-        leaves = [t.to(device, dtype).clone().requires_grad_() for t in (x_all, gate, gate_up, down)]
+            for name in ("gate_weight", "shared_gate_up", "shared_down"):  # replicated on every rank
+                if name in grads:
+                    dist.all_reduce(grads[name], group=group)
+        leaves = {name: value.to(device, dtype).clone().requires_grad_() for name, value in weights.items()}
+        x_leaf = x_all.to(device, dtype).clone().requires_grad_()
+        reference_options = {name: value for name, value in options.items() if name != "num_shared_experts"}
+        reference_options["expert_bias"] = layer.expert_bias
         ref_out, ref_aux, ref_dropped = moe_reference(
-            *leaves,
+            x_leaf,
+            **leaves,
             topk=topk,
             aux_loss_coeff=1e-2,
             align_size=align_size,
-            capacity_factor=capacity_factor,
             num_shards=world,
+            **reference_options,
         )
         ((ref_out * cotangent_all.to(device)).sum() + ref_aux).backward()
         pairs = [
             (out.float(), ref_out.detach()[shard]),
             (aux_loss, ref_aux.detach()),
-            (grad_x.float(), leaves[0].grad[shard].float()),
-            (grads["gate_weight"], leaves[1].grad.float()),
-            (grads["gate_up"], leaves[2].grad[local].float()),
-            (grads["down"], leaves[3].grad[local].float()),
+            (grad_x.float(), x_leaf.grad[shard].float()),
         ]
+        for name, leaf in leaves.items():
+            expected = leaf.grad[local] if name in ("gate_up", "down") else leaf.grad
+            pairs.append((grads[name], expected.float()))
         error = torch.stack([((a - b).abs().max() / b.abs().max().clamp(min=1e-6)) for a, b in pairs]).max()
         if group is not None:
             dist.all_reduce(error, group=group, op=dist.ReduceOp.MAX)
         if int(dropped) != int(ref_dropped):
             raise RuntimeError(f"{policy}: dropped {int(dropped)} slots, the reference {int(ref_dropped)}")
         errors[policy] = float(error)
+        if layer.expert_bias is not None:  # aux-loss-free balancing, once per optimizer step
+            layer.update_expert_bias(stats.routed, update_rate=1e-3)
         if on_gpu:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -134,7 +168,8 @@ def run(small: bool) -> dict[str, float]:
                 f"{policy}: T={tokens}/rank H={hidden} F={ffn} E={num_experts} K={topk} "
                 f"{str(dtype).removeprefix('torch.')}"
                 f" | max relative error vs reference {error:.1e}, dropped {int(dropped)} (reference "
-                f"{int(ref_dropped)}), aux loss {float(aux_loss):.4f}, fwd+bwd {step_ms:.2f} ms"
+                f"{int(ref_dropped)}), aux loss {float(aux_loss):.4f}, load max / mean"
+                f" {float(stats.max_load) / max(float(stats.mean_load), 1e-9):.2f}, fwd+bwd {step_ms:.2f} ms"
             )
     if group is not None:
         dist.destroy_process_group()
