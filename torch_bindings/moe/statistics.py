@@ -48,6 +48,10 @@ def routing_statistics(
     its batch, or the others would wait for it."""
     num_experts, topk = layout.num_experts, layout.topk
     balance_coeff, sequence_coeff, z_coeff = coefficients
+    any_loss = any(coeff > 0 for coeff in coefficients)
+    if layout.dropless and not any_loss and not want_stats:  # the plain layer: nothing to count or reduce
+        zero = torch.zeros((), dtype=torch.float32, device=logits.device)
+        return zero, zero.to(torch.int32), None
     routed = routing_map.sum(0)  # [E] int64
     kept = kept_slots(routed, layout)
     if valid is None:
@@ -58,8 +62,7 @@ def routing_statistics(
         per_sequence = valid.reshape(batch, -1).sum(1) if batch else None
     sequences = (per_sequence > 0).sum().reshape(1) if sequence_coeff > 0 else routed.new_zeros(1)
     group_size, _ = group_size_and_rank(group)
-    any_loss = any(coeff > 0 for coeff in coefficients)
-    if group_size > 1 and (any_loss or not layout.dropless or want_stats):
+    if group_size > 1:
         counts = torch.cat([routed, kept, tokens, sequences])
         dist.all_reduce(counts, group=group)
         routed, kept = counts[:num_experts], counts[num_experts : 2 * num_experts]
