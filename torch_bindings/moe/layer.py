@@ -294,9 +294,11 @@ def moe(
             routing_map = routing_map & valid[:, None]
             indices = torch.where(valid[:, None], indices, -1)
             merging = merging * valid[:, None]
+        routed = routing_map.sum(0)  # [E] int64, this rank's
         aux_loss, dropped, stats = routing_statistics(
             logits,
             routing_map,
+            routed,
             valid,
             layout,
             score_function=score_function,
@@ -305,7 +307,6 @@ def moe(
             group=token_group if token_group is not None else ep_group,
             want_stats=return_stats,
         )
-        routed = routing_map.sum(0)  # [E] int64, this rank's
         if drop_policy == "probs" and not layout.dropless:
             indices = most_probable_slots(indices, merging, layout)
 

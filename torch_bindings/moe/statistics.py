@@ -29,6 +29,7 @@ def _sequence_balance(scores: Tensor, routing_map: Tensor, per_sequence: Tensor,
 def routing_statistics(
     logits: Tensor,
     routing_map: Tensor,
+    routed: Tensor,
     valid: Tensor | None,
     layout: EPLayout,
     *,
@@ -40,27 +41,28 @@ def routing_statistics(
 ) -> tuple[Tensor, Tensor, MoEStats | None]:
     """(aux_loss fp32 scalar, dropped int32 scalar, MoEStats or None), global over `group` (None: this rank).
 
-    logits [T, E] (x.dtype) and routing_map [T, E] bool of this rank's tokens, masked tokens' rows cleared;
+    logits [T, E] (x.dtype) and routing_map [T, E] bool of this rank's tokens, masked tokens' rows cleared,
+    and routed [E] its column sums (computed once by the layer, which also sizes the exchange from them);
     valid [T] bool (None: every token counts); coefficients: (aux_loss_coeff, seq_aux_loss_coeff,
     z_loss_coeff); batch: B of x [B, S, H] (for the sequence-wise loss). One all_reduce carries the routed and
     kept counts, the unmasked tokens and the sequences holding one; a second, differentiable, sums the three
-    losses' partials. A rank without tokens still joins both: every rank reaches every collective whatever
-    its batch, or the others would wait for it."""
+    losses' partials. A rank without tokens still joins both: every rank reaches every collective whatever its
+    batch, or the others would wait for it."""
     num_experts, topk = layout.num_experts, layout.topk
     balance_coeff, sequence_coeff, z_coeff = coefficients
     any_loss = any(coeff > 0 for coeff in coefficients)
     if layout.dropless and not any_loss and not want_stats:  # the plain layer: nothing to count or reduce
         zero = torch.zeros((), dtype=torch.float32, device=logits.device)
         return zero, zero.to(torch.int32), None
-    routed = routing_map.sum(0)  # [E] int64
     kept = kept_slots(routed, layout)
-    if valid is None:
-        tokens = routed.new_full((1,), layout.num_tokens)
-        per_sequence = routed.new_full((batch or 0,), layout.num_tokens // max(batch or 1, 1))
-    else:
-        tokens = valid.sum().reshape(1)
-        per_sequence = valid.reshape(batch, -1).sum(1) if batch else None
-    sequences = (per_sequence > 0).sum().reshape(1) if sequence_coeff > 0 else routed.new_zeros(1)
+    tokens = routed.new_full((1,), layout.num_tokens) if valid is None else valid.sum().reshape(1)
+    per_sequence, sequences = None, routed.new_zeros(1)
+    if sequence_coeff > 0:  # x is [B, S, H] (the layer checked it)
+        if valid is None:
+            per_sequence = routed.new_full((batch,), layout.num_tokens // max(batch, 1))
+        else:
+            per_sequence = valid.reshape(batch, -1).sum(1)
+        sequences = (per_sequence > 0).sum().reshape(1)
     group_size, _ = group_size_and_rank(group)
     if group_size > 1:
         counts = torch.cat([routed, kept, tokens, sequences])
