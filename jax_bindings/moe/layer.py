@@ -222,6 +222,14 @@ def _shard(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, *, c
     layout = config.layout(num_tokens, num_experts)
     x_flat = x.reshape(num_tokens, hidden)
     valid = None if token_mask is None else token_mask.reshape(num_tokens)
+    if num_tokens == 0:
+        # Every shard is empty (shards hold equal shapes): nothing to route, dispatch or exchange; only the
+        # counts' collectives remain. Built without the empty router, dispatch and exchange: nothing would
+        # launch, and jaxlib 0.11.2's compiler crashed (SIGSEGV) on that empty program, on GPUs and on
+        # CPU devices.
+        empty = jnp.zeros((0, num_experts), bool)
+        counted = _losses_and_counts(empty.astype(jnp.float32), empty, valid, layout, config, shape[0])
+        return (jnp.zeros(shape, x.dtype), *counted[: 3 if config.return_stats else 2])
     if valid is not None:
         # Padding tokens enter as zeros: whatever they hold (NaN included) reaches no result or gradient.
         x_flat = jnp.where(valid[:, None], x_flat, jnp.zeros((), x_flat.dtype))
