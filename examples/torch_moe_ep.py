@@ -10,7 +10,8 @@ sequences, runs one forward + backward step for each configuration (dropless; ca
 DeepSeek-V3-style layer: sigmoid scores, group-limited top-k, a selection bias, a shared expert, the
 sequence-wise and z losses, the probs drop policy, then the aux-loss-free bias update from the step's
 statistics), and compares its outputs and gradients with the reference's (replicated weights' gradients
-summed over the ranks). On CPU the Triton
+summed over the ranks). GPUs run bf16, but the DeepSeek-V3-style layer in fp32 (FP32_ON_GPU says why);
+CPUs fp32. On CPU the Triton
 kernels run under the Triton interpreter (TRITON_INTERPRET=1, set here before moetriton is imported).
 """
 
@@ -66,11 +67,21 @@ CONFIGS = {
         drop_policy="probs",
     ),
 }
+#: Configurations run in fp32 on GPUs too. With sigmoid scores, a selection bias and slots kept by
+#: probability, a last-bit difference between the bf16 logits of a rank's shard and of the reference's whole
+#: batch (cuBLAS picks its kernel by shape) moves whole slots between experts, so the bf16 outputs cannot be
+#: compared with the reference token for token; in fp32 they can.
+FP32_ON_GPU = {"dsv3-style"}
 SEQUENCE = 8  # tokens per sequence: x is [B, S, H]
 
 
+def tolerance(dtype: torch.dtype) -> float:
+    """The largest relative error accepted against the reference."""
+    return 5e-2 if dtype == torch.bfloat16 else 1e-4
+
+
 def run(small: bool) -> dict[str, float]:
-    """Worst error over the ranks per policy; printed by rank 0."""
+    """Worst error over the ranks per configuration; printed by rank 0."""
     rank, world, device = _setup()
     import moetriton.torch as mt
     from moetriton.torch.reference_moe import moe_reference
@@ -80,15 +91,15 @@ def run(small: bool) -> dict[str, float]:
     tokens, hidden, ffn = (4096, 1024, 512) if big else (16, 32, 16)
     align_size, timed_steps = (16, 3) if big else (4, 1)
     num_experts, topk = 4 * world, 2
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-4
+    default_dtype = torch.bfloat16 if on_gpu else torch.float32
     group = dist.group.WORLD if world > 1 else None
     generator = torch.Generator().manual_seed(0)
     x_all = torch.randn(world * tokens // SEQUENCE, SEQUENCE, hidden, generator=generator)
     cotangent_all = torch.randn(x_all.shape, generator=generator)
     shard = slice(rank * tokens // SEQUENCE, (rank + 1) * tokens // SEQUENCE)
-    errors = {}
+    errors, tolerances = {}, {}
     for policy, options in CONFIGS.items():
+        dtype = torch.float32 if policy in FP32_ON_GPU else default_dtype
         layer = mt.MoELayer(
             hidden,
             ffn,
@@ -152,6 +163,7 @@ def run(small: bool) -> dict[str, float]:
         if int(dropped) != int(ref_dropped):
             raise RuntimeError(f"{policy}: dropped {int(dropped)} slots, the reference {int(ref_dropped)}")
         errors[policy] = float(error)
+        tolerances[policy] = tolerance(dtype)
         if layer.expert_bias is not None:  # aux-loss-free balancing, once per optimizer step
             layer.update_expert_bias(stats.routed, update_rate=1e-3)
         if on_gpu:
@@ -167,15 +179,17 @@ def run(small: bool) -> dict[str, float]:
                 f"MoELayer EP={world} ({dist.get_backend() if group else 'no group'}, {device.type}) "
                 f"{policy}: T={tokens}/rank H={hidden} F={ffn} E={num_experts} K={topk} "
                 f"{str(dtype).removeprefix('torch.')}"
-                f" | max relative error vs reference {error:.1e}, dropped {int(dropped)} (reference "
+                f" | max relative error vs reference {float(error):.1e}, dropped {int(dropped)} (reference "
                 f"{int(ref_dropped)}), aux loss {float(aux_loss):.4f}, load max / mean"
                 f" {float(stats.max_load) / max(float(stats.mean_load), 1e-9):.2f}, fwd+bwd {step_ms:.2f} ms"
             )
     if group is not None:
         dist.destroy_process_group()
-    worst = max(errors.values())
-    if worst > tolerance:
-        raise RuntimeError(f"error {worst:.2e} above the tolerance {tolerance:.0e}: {errors}")
+    above = {
+        policy: (error, tolerances[policy]) for policy, error in errors.items() if error > tolerances[policy]
+    }
+    if above:
+        raise RuntimeError(f"errors above their dtype's tolerance, (error, tolerance) by config: {above}")
     return errors
 
 

@@ -713,8 +713,11 @@ def test_example_runs_and_agrees_with_the_reference(capsys):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     errors = example.run(small=True)
-    limit = 5e-2 if DEVICE.type == "cuda" else 1e-4  # the example runs bf16 on a GPU, fp32 on CPU
-    assert set(errors) == {"dropless", "capacity 1.0", "dsv3-style"} and max(errors.values()) < limit, errors
+    assert set(errors) == {"dropless", "capacity 1.0", "dsv3-style"}, errors
+    for config, error in errors.items():
+        # bf16 on a GPU, fp32 on CPU and for the configurations the example runs in fp32 everywhere
+        bf16 = DEVICE.type == "cuda" and config not in example.FP32_ON_GPU
+        assert error < (5e-2 if bf16 else 1e-4), (config, errors)
     assert "MoELayer EP=1" in capsys.readouterr().out
 
 
