@@ -371,3 +371,58 @@ def _dense(moe_reference, x_all, full, cotangent, options, world) -> dict:
         dropped=dropped,
         **{f"grad {key}": value.grad for key, value in leaves.items()},
     )
+
+
+def graph_worker(rank: int, world: int, store: str) -> None:
+    """One GPU rank: a capacity layer step (forward and backward, the peer exchange) captured in a CUDA graph
+    after eager warm-up steps (the staging buffer is allocated there), replayed on new tokens, against the
+    eager step on the same tokens: outputs and gradients bit for bit."""
+    import moetriton.torch as mt
+    from moetriton.torch.moe import exchange_for
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        assert exchange_for(dist.group.WORLD, device) == "peer"
+        generator = torch.Generator(device).manual_seed(11)
+        hidden, ffn, experts = 64, 32, 4 * world
+        gate = torch.randn(experts, hidden, device=device, generator=generator, dtype=torch.bfloat16) / 8
+        local = experts // world
+        gate_up = torch.randn(local, hidden, 2 * ffn, device=device, dtype=torch.bfloat16) / 8
+        down = torch.randn(local, ffn, hidden, device=device, dtype=torch.bfloat16) / 6
+        weights = [w.requires_grad_() for w in (gate, gate_up, down)]
+        kwargs = dict(topk=2, capacity_factor=1.0, aux_loss_coeff=0.01, ep_group=dist.group.WORLD)
+
+        def step(x):
+            out, aux_loss, dropped = mt.moe(x, *weights, **kwargs)
+            grads = torch.autograd.grad((out.float().square().sum() + aux_loss), [x, *weights])
+            return (out, aux_loss, dropped, *grads)
+
+        def tokens(seed):
+            source = torch.Generator(device).manual_seed(seed + rank)
+            return torch.randn(64, hidden, device=device, generator=source, dtype=torch.bfloat16)
+
+        static_x = tokens(0).requires_grad_()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step(static_x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_results = step(static_x)
+        fresh = tokens(100)
+        with torch.no_grad():
+            static_x.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = step(fresh.requires_grad_())
+        for got, want in zip(static_results, expected, strict=True):
+            assert torch.equal(got, want)
+        # Before the group goes: with a captured graph alive, NCCL's teardown waited forever on two H100s.
+        del graph
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()

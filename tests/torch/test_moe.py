@@ -30,6 +30,7 @@ from tests.torch._moe_helpers import (
     check_rank,
     check_stats,
     ep_worker,
+    graph_worker,
     reference,
     routing_worker,
     run_layer,
@@ -701,6 +702,14 @@ def test_recipe_options_under_expert_parallel_nccl(tmp_path, world):
         _spawn(tmp_path, world, "nccl", [with_recipe_options(problem) for problem in problems])
 
     check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", _gpu_worlds(2))
+def test_peer_capacity_step_captures_in_a_cuda_graph(tmp_path, world):
+    """EP over GPUs of one host under a capacity: the peer exchange (fixed slabs, no count exchange) runs
+    forward and backward inside a CUDA graph, and its replay equals an eager step on new tokens."""
+    mp.spawn(graph_worker, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
 
 
 # Example and benchmark smoke runs ---------------------------------------------------------------------------

@@ -35,9 +35,9 @@ Capacity policies (the same as the JAX layer):
   in token order (earlier tokens win) and drops the rest (a dropped slot adds nothing to its token's output;
   the remaining weights are not renormalised; drop_policy="probs" keeps the likeliest C instead). The
   exchange moves fixed [L, C] slabs (through peer memory on GPUs of one host, straight into the experts'
-  [L, EP * C] order; else, and while a CUDA graph is captured, all_to_all_single and chunk sorts) and
-  the experts run a batched GEMM over [L, EP * C] rows: no size depends on data and nothing syncs (an
-  EP = 1 step is tested in a CUDA graph).
+  [L, EP * C] order; else all_to_all_single and chunk sorts) and the experts run a batched GEMM over
+  [L, EP * C] rows: no size depends on data and nothing syncs (EP = 1 and EP = 2 through peer memory are
+  tested in a CUDA graph).
   `dropped` counts the dropped slots over the token group exactly.
 
 Grouped GEMMs: dropless rows go through `torch._grouped_mm` (offsets = int32 cumulative group ends) on CUDA

@@ -24,8 +24,9 @@ where `peer_exchange_available` says so, and `exchange_for` says which exchange 
 whose ranks span hosts (moetriton.torch.moe.collectives.group_hosts) exchanges through all_to_all.
 Dropless, the receive buffer is sized exactly, from the counts on the host: the same one host sync per call
 as the all-to-all path. Under a capacity (`peer_capacity`) every chunk is C rows at a fixed place, so
-nothing is counted or synced. Not for torch.compile or CUDA-graph capture (the layer takes the all-to-all
-path while compiling or capturing: a captured step through the device barriers hung on two H100s).
+nothing is counted or synced, and a step captures in a CUDA graph (free the graph before the process group:
+NCCL's teardown waited forever on two H100s while a graph that holds the group's work was alive). Not for
+torch.compile (the layer takes the all-to-all path while compiling).
 """
 
 from __future__ import annotations
@@ -52,10 +53,6 @@ def _peer_memory(group: dist.ProcessGroup | None, device: torch.device) -> bool:
     """Whether the ranks of `group` could map each other's memory were they on one host: an NCCL group of
     more than one rank, CUDA `device`s, outside torch.compile, with this torch's symmetric memory."""
     if group is None or device.type != "cuda" or torch.compiler.is_compiling():
-        return False
-    # Under CUDA-graph capture too: a captured step through the peer exchange's device barriers hung on two
-    # H100s (2026-11-27), so capture takes the all-to-all exchange.
-    if torch.cuda.is_current_stream_capturing():
         return False
     # "nccl", or a device-mapped backend string such as "cuda:nccl,cpu:gloo".
     if dist.get_world_size(group) < 2 or "nccl" not in str(dist.get_backend(group)):
@@ -108,8 +105,7 @@ def choose_exchange(exchange: str, hosts: Sequence[int] | None, peer_memory: boo
     usable = peer_memory and on_hosts is not None and len(on_hosts) == 1
     if exchange == "peer" and not usable:
         raise ValueError(
-            "exchange='peer' needs CUDA GPUs of one host in an NCCL group, outside torch.compile and"
-            " CUDA-graph capture"
+            "exchange='peer' needs CUDA GPUs of one host in an NCCL group, outside torch.compile"
         )
     return "peer" if usable else "all_to_all"
 
