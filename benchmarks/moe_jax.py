@@ -53,6 +53,10 @@ benchmarks.common: <gpu> is prefixed with the largest EP run, e.g. 2x_NVIDIA_H20
     need not add up to 100% (XLA overlaps and fuses across stages inside the step) and inflate small stages
     (each also sums its outputs and builds their cotangents); no other_share or gpu_busy_ms.
   routing_share = router + dispatch + chunk sorts + combine.
+* exchange_ms / exposed_exchange_ms (EP > 1, the profile only): per GPU and step, the time some all_to_all
+  activity runs, and the part of it with no activity of another stage beside it (what XLA's scheduling
+  hides of the exchange behind independent work, e.g. the shared experts, is the difference;
+  benchmarks.trace_gaps.exposed_time); exposed_exchange_pct: of step_ms.
 * gemm_tflops: grouped-GEMM flops (2 * rows * H * 2F + 2 * rows * F * H forward, x3 for forward +
   backward, rows = routed slots T * K per GPU) over the grouped-GEMM stage time per GPU and step (step time
   for the baseline), beside dense_gemm_tflops (a jitted [8192, 8192] x [8192, 8192] bf16 matmul on the same
@@ -140,6 +144,7 @@ from .common import (
     variant_options,
     write_results,
 )
+from .trace_gaps import exposed_time
 
 #: Side of the square bf16 matmul whose rate, measured in the same run, is the layer GEMMs' ceiling.
 DENSE_GEMM_SIZE = 8192
@@ -193,6 +198,9 @@ COLUMNS = (
     "plain_a2a_gbps",
     "a2a_gbps_least_waiting",
     "a2a_moved_ratio",
+    "exchange_ms",
+    "exposed_exchange_ms",
+    "exposed_exchange_pct",
     "other_top",
     "error",
 )
@@ -445,10 +453,12 @@ def activity_stage(name: str) -> str:
     return "all_to_all" if COLLECTIVE_ACTIVITY.search(name) else "other"
 
 
-def profiled_stage_ms(step, arrays, ep: int) -> tuple[dict[str, float], float, str]:
+def profiled_stage_ms(step, arrays, ep: int) -> tuple[dict[str, float], float, str, tuple[float, float]]:
     """(ms per GPU and step of every stage and "other": the summed durations of their GPU activities over
     PROFILED_STEPS runs of the compiled `step` on `ep` GPUs (module doc); the all-to-all ms per step of the
-    GPU with the least; the OTHER_TOP longest kernels of "other" as "name:ms ...", ms per GPU and step)."""
+    GPU with the least; the OTHER_TOP longest kernels of "other" as "name:ms ...", ms per GPU and step;
+    (exchange ms, exposed exchange ms) per GPU and step: the time some all_to_all activity runs, and the
+    part of it with no activity of another stage beside it)."""
     from .timing import gpu_activities_by_device  # imports torch: only where CUDA profiles
 
     def runs() -> None:
@@ -464,19 +474,25 @@ def profiled_stage_ms(step, arrays, ep: int) -> tuple[dict[str, float], float, s
     totals = dict.fromkeys((*STAGES, "other"), 0.0)
     other: dict[str, float] = {}
     all_to_all = []
+    exchange = [0.0, 0.0]  # µs over every device: some all_to_all activity running, and nothing else beside
     for activities in by_device.values():
         device_all_to_all = totals["all_to_all"]
+        intervals = {True: [], False: []}
         for name, start, end in activities:
             stage = activity_stage(name)
             totals[stage] += end - start
             if stage == "other":
                 other[name] = other.get(name, 0.0) + end - start
+            intervals[stage == "all_to_all"].append((start, end))
         all_to_all.append(totals["all_to_all"] - device_all_to_all)
+        for i, micros in enumerate(exposed_time(intervals[True], intervals[False])):
+            exchange[i] += micros
     per_step = 1e-3 / (ep * PROFILED_STEPS)
     stages = {stage: micros * per_step for stage, micros in totals.items()}
     longest = sorted(other.items(), key=lambda item: -item[1])[:OTHER_TOP]
     other_top = " ".join(f"{name[:48].replace(' ', '_')}:{micros * per_step:.3f}" for name, micros in longest)
-    return stages, min(all_to_all) * 1e-3 / PROFILED_STEPS, other_top
+    exchange_ms = tuple(micros * per_step for micros in exchange)
+    return stages, min(all_to_all) * 1e-3 / PROFILED_STEPS, other_top, exchange_ms
 
 
 def stage_times(case: Case, mesh: Mesh | None, arrays, steps: int) -> dict[str, float]:
@@ -605,7 +621,11 @@ def measure(impl: str, case: Case, steps: int) -> dict:
     gemm_ms = step_ms
     if impl == "moetriton":
         if jax.default_backend() == "gpu" and jax.process_count() == 1:
-            stages, least_all_to_all_ms, row["other_top"] = profiled_stage_ms(step, arrays, case.ep)
+            profile = profiled_stage_ms(step, arrays, case.ep)
+            stages, least_all_to_all_ms, row["other_top"], exchange_ms = profile
+            if case.ep > 1:
+                row["exchange_ms"], row["exposed_exchange_ms"] = map(_significant, exchange_ms)
+                row["exposed_exchange_pct"] = _significant(100 * exchange_ms[1] / step_ms)
             share_denominator_ms = sum(stages.values())
             row["gpu_busy_ms"] = _significant(share_denominator_ms)
             row["stage_method"] = f"CUPTI profile of {PROFILED_STEPS} steps"

@@ -167,13 +167,10 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(start, end) for start, end in merged]
 
 
-def exposed_us(activities: list[Activity], stage: str) -> tuple[float, float]:
-    """(µs with some activity of layer stage `stage` running, µs of those with nothing of any other stage
-    running beside it): for the exchange, its time and its exposed time (what overlapping it with compute,
-    e.g. the shared experts on their side stream, takes off the step). The step barriers' work is no
-    stage."""
-    mine = _union([(a.start, a.end) for a in activities if a.layer_stage == stage])
-    others = _union([(a.start, a.end) for a in activities if a.layer_stage not in (stage, ALIGN)])
+def exposed_time(mine: list[tuple[float, float]], others: list[tuple[float, float]]) -> tuple[float, float]:
+    """(time covered by the intervals `mine`, the part of it that no interval of `others` covers), each
+    overlap counted once however the intervals nest or repeat."""
+    mine, others = _union(mine), _union(others)
     total = sum(end - start for start, end in mine)
     covered, index = 0.0, 0
     for start, end in mine:
@@ -184,6 +181,17 @@ def exposed_us(activities: list[Activity], stage: str) -> tuple[float, float]:
             covered += min(end, others[probe][1]) - max(start, others[probe][0])
             probe += 1
     return total, total - covered
+
+
+def exposed_us(activities: list[Activity], stage: str) -> tuple[float, float]:
+    """(µs with some activity of layer stage `stage` running, µs of those with nothing of any other stage
+    running beside it): for the exchange, its time and its exposed time (what overlapping it with compute,
+    e.g. the shared experts on their side stream, takes off the step). The step barriers' work is no
+    stage."""
+    return exposed_time(
+        [(a.start, a.end) for a in activities if a.layer_stage == stage],
+        [(a.start, a.end) for a in activities if a.layer_stage not in (stage, ALIGN)],
+    )
 
 
 def report_rank(rank: int, activities: list[Activity], top: int) -> None:

@@ -530,3 +530,33 @@ def test_benchmark_process_group(tmp_path, timeout, expect_rows):
         assert float(row["step_ms"]) > 0 and float(row["gemm_tflops"]) > 0, row
     assert rows[0]["stage_method"] == "per-stage jitted fwd+bwd timings", rows[0]
     assert float(rows[0]["routing_share"]) > 0 and float(rows[0]["a2a_moved_ratio"]) >= 1, rows[0]
+
+
+def test_profiled_exchange_and_its_exposed_part(monkeypatch):
+    """benchmarks.moe_jax.profiled_stage_ms on synthetic GPU activities of 2 devices over PROFILED_STEPS
+    steps: the exchange time per GPU and step, and the part of it with nothing else running beside it
+    (an overlapping GEMM and a nested router kernel count once)."""
+    from benchmarks import moe_jax, timing
+
+    steps = moe_jax.PROFILED_STEPS
+    by_device = {
+        0: [
+            ("ncclDevKernel_SendRecv", 0.0, 10.0),
+            ("_grouped_matmul_kernel", 5.0, 8.0),
+            ("_topk_forward_kernel", 6.0, 7.0),
+            ("ncclDevKernel_SendRecv", 20.0, 30.0),
+            ("_grouped_matmul_kernel", 25.0, 40.0),
+        ],
+        1: [("ncclDevKernel_SendRecv", 0.0, 20.0), ("fusion_1", 30.0, 35.0)],
+    }
+    calls = []
+    monkeypatch.setattr(timing, "gpu_activities_by_device", lambda runs: (runs(), by_device)[1])
+    stages, least_ms, _, (exchange_ms, exposed_ms) = moe_jax.profiled_stage_ms(
+        lambda x: calls.append(x) or x, (jnp.zeros(()),), 2
+    )
+    assert len(calls) == steps
+    per_step = 1e-3 / (2 * steps)  # µs over both GPUs and every step -> ms per GPU and step
+    assert exchange_ms == pytest.approx((20 + 20) * per_step)
+    assert exposed_ms == pytest.approx((12 + 20) * per_step)
+    assert stages["all_to_all"] == pytest.approx(40 * per_step)
+    assert least_ms == pytest.approx(20 * 1e-3 / steps)
