@@ -84,7 +84,8 @@ def choose_exchange(exchange: str, hosts: Sequence[int] | None, peer_memory: boo
 
     "auto" takes peer for a group of one host with peer memory and all_to_all otherwise: a group that spans
     hosts moves every row through all_to_all, those between the GPUs of one host too (peer memory within
-    each host with the collective between hosts is not built: nothing measured it). "peer" where it cannot
+    each host with the collective between hosts is not built: NCCL already sends those pairs over NVLink
+    beside the slower network; docs/moe.md, "Running on many hosts"). "peer" where it cannot
     run raises ValueError; every rank holds the same arguments, so every rank raises the same one.
 
     Example:
