@@ -18,7 +18,10 @@
 # of benchmarks/results, so copying them there updates the committed results):
 #   tests       the test suite on the GPU (TEST_PATHS, default tests; TEST_WORKERS xdist workers, default 8;
 #               stopped with SIGINT after TESTS_TIMEOUT s, default 1800, so pytest still writes its report):
-#               OUTDIR/junit.xml, and OUTDIR/tests_not_run.txt lists the collected tests without a result
+#               OUTDIR/junit.xml, and OUTDIR/tests_not_run.txt lists the collected tests without a result.
+#               On GPUs the property tests draw 100 examples each (tests/conftest.py); HYPOTHESIS_PROFILE=ci
+#               draws CI's 25: on two H100s with 16 workers the suite took over 515 s with 100, and its
+#               slowest tests were JAX property tests (up to 149 s each)
 #   sanitize    compute-sanitizer --tool memcheck over pytest, one run per file of SANITIZE_TESTS (default
 #               "tests/torch/test_index_safety.py tests/jax/test_index_safety.py"), with the frameworks'
 #               caching allocators off so an out-of-bounds access inside a cached block is seen;
