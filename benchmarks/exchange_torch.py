@@ -1,6 +1,7 @@
 """Time the PyTorch MoE layer's dropless row exchange alone, beside a plain all_to_all_single.
 
     torchrun --nproc-per-node 2 -m benchmarks.exchange_torch [--shapes mixtral,dsv3] [--steps 10]
+    torchrun --nproc-per-node 2 -m benchmarks.exchange_torch --overlap   # beside the experts' GEMMs
 
 Per shape (MOE_LAYER_SHAPES, tokens per GPU as there): T * K routed rows of H bf16 per rank, routed
 uniformly at random; the forward exchange then the reverse one through moetriton.torch.moe.all_to_all_rows
@@ -15,6 +16,17 @@ With --landing, the forward exchange as the layer lands it in expert-major order
 (all_to_all_rows, then the chunk sort to expert-major: the layer's path) and "landing" (one NCCL send /
 receive per (peer, local expert) chunk through batch_isend_irecv, straight into expert-major order; the
 rows a rank keeps are copied in place by index). host_ms: the host time to issue one call, unsynchronised.
+
+With --overlap (CUDA GPUs of one host), how much of an exchange the GPU runs beside the experts' GEMMs,
+the question behind overlapping the layer's exchange with compute (in chunks, or beside the shared
+experts). Per transport, T * K rows of H bf16 per rank in EP equal blocks (the own block copied too):
+"nccl" (all_to_all_single: NCCL's kernels, on a few SMs), "copy_engine" (each block written into its
+peer's symmetric-memory buffer by cudaMemcpyAsync: the copy engines, no SMs; then a device barrier) and
+"sm_copy" (the same writes by an elementwise kernel over every SM, as the layer's peer copies do). The
+compute: moetriton.torch.moe.experts.expert_mlp forward on the same rows, L = E / EP local experts with
+equal groups. gemm_ms, exchange_ms and both_ms (the exchange on a second stream, launched with the GEMMs)
+are medians of calls started together on every rank; hidden_ms = gemm_ms + exchange_ms - both_ms is the
+exchange time the GEMMs absorbed, hidden_pct of exchange_ms (100: fully hidden; 0: the two took turns).
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -151,20 +164,99 @@ def measure_landing(name: str, steps: int, num_tokens: int, device: torch.device
             print(json.dumps(row), flush=True)
 
 
+def measure_overlap(name: str, steps: int, num_tokens: int, device: torch.device) -> None:
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    from moetriton.torch.moe.experts import expert_mlp
+
+    shape = layer_shape(name, num_tokens)
+    ep, rank = dist.get_world_size(), dist.get_rank()
+    local = shape.num_experts // ep
+    block = shape.num_tokens * shape.topk // ep  # rows for each destination rank
+    rows, hidden, ffn = block * ep, shape.hidden, shape.ffn
+    generator = torch.Generator(device).manual_seed(rank)
+    send = torch.randn(rows, hidden, generator=generator, device=device, dtype=torch.bfloat16)
+    received = torch.empty_like(send)
+    gate_up = torch.randn(local, hidden, 2 * ffn, generator=generator, device=device).div(hidden**0.5)
+    down = torch.randn(local, ffn, hidden, generator=generator, device=device).div(ffn**0.5)
+    gate_up, down = gate_up.to(torch.bfloat16), down.to(torch.bfloat16)
+    group_sizes = torch.full((local,), rows // local, dtype=torch.int64, device=device)  # tail: last group
+
+    def gemms() -> None:
+        expert_mlp(send, group_sizes, gate_up, down, "swiglu")
+
+    # Rank r's block for rank p lands at rows [r * block, (r + 1) * block) of p's buffer.
+    buffer = symm_mem.empty(rows * hidden, dtype=torch.bfloat16, device=device)
+    handle = symm_mem.rendezvous(buffer, dist.group.WORLD)
+    peers = [handle.get_buffer(peer, (rows, hidden), torch.bfloat16) for peer in range(ep)]
+
+    def writes(copy) -> Callable[[], None]:
+        def exchange() -> None:
+            for peer in range(ep):
+                copy(peers[peer][rank * block : (rank + 1) * block], send[peer * block : (peer + 1) * block])
+            handle.barrier(channel=0)  # every peer's writes into this rank's buffer have landed
+
+        return exchange
+
+    transports = {
+        "nccl": lambda: dist.all_to_all_single(received, send),
+        "copy_engine": writes(lambda target, source: target.copy_(source)),
+        "sm_copy": writes(lambda target, source: torch.mul(source, 1, out=target)),
+    }
+    side = torch.cuda.Stream(device)
+
+    def together(exchange: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                exchange()
+            gemms()
+            torch.cuda.current_stream().wait_stream(side)
+
+        return run
+
+    def timed(step: Callable[[], None]) -> float:
+        step()  # warm-up
+        return _median_ms(step, steps, device, dist.group.WORLD)
+
+    gemm_ms = timed(gemms)
+    flops = 2 * rows * hidden * 2 * ffn + 2 * rows * ffn * hidden
+    for transport, exchange in transports.items():
+        exchange_ms, both_ms = timed(exchange), timed(together(exchange))
+        hidden_ms = gemm_ms + exchange_ms - both_ms
+        if rank == 0:
+            row = dict(shape=name, ep=ep, transport=transport, gemm_ms=round(gemm_ms, 4))
+            row.update(exchange_ms=round(exchange_ms, 4), both_ms=round(both_ms, 4))
+            row.update(hidden_ms=round(hidden_ms, 4), hidden_pct=round(100 * hidden_ms / exchange_ms, 1))
+            row.update(
+                exchange_gbps=round(rows * hidden * 2 / 1e9 / (exchange_ms * 1e-3), 1),
+                gemm_tflops=round(flops / (gemm_ms * 1e-3) / 1e12, 1),
+            )
+            ROWS.append(row)
+            print(json.dumps(row), flush=True)
+
+
 def main() -> int:
     parser = exchange_parser(__doc__)
     parser.add_argument("--landing", action="store_true", help="time the expert-major landing variants")
+    parser.add_argument("--overlap", action="store_true", help="each transport beside the experts' GEMMs")
     args = parser.parse_args()
     on_gpu = torch.cuda.is_available()
+    if args.landing and args.overlap:
+        parser.error("--landing and --overlap are separate runs")
+    if args.overlap and not on_gpu:
+        parser.error("--overlap needs CUDA GPUs of one host (streams, symmetric memory)")
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if on_gpu else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    mode = "_landing" if args.landing else "_overlap" if args.overlap else ""
+    run = {"_landing": measure_landing, "_overlap": measure_overlap, "": measure}[mode]
     for name in args.shapes.split(","):
-        (measure_landing if args.landing else measure)(name, args.steps, args.tokens, device)
+        run(name, args.steps, args.tokens, device)
     if dist.get_rank() == 0:
         device_name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
-        name = "exchange_torch_landing" if args.landing else "exchange_torch"
+        name = "exchange_torch" + mode
         print(f"wrote {write_results(name, ROWS, device_name, dist.get_world_size(), args.out)}")
     dist.destroy_process_group()
     return 0

@@ -11,6 +11,8 @@ import dataclasses
 import gzip
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -728,6 +730,38 @@ def test_example_runs_and_agrees_with_the_reference(capsys):
         bf16 = DEVICE.type == "cuda" and config not in example.FP32_ON_GPU
         assert error < (5e-2 if bf16 else 1e-4), (config, errors)
     assert "MoELayer EP=1" in capsys.readouterr().out
+
+
+def _exchange_benchmark(tmp_path, world: int, *flags: str) -> subprocess.CompletedProcess:
+    """`benchmarks.exchange_torch` on `world` processes (torchrun), results under tmp_path."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
+    command += ["-m", "benchmarks.exchange_torch", "--out", str(tmp_path), *flags]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_exchange_overlap_benchmark_needs_gpus(tmp_path):
+    """Without CUDA the overlap probe refuses before any process group starts (streams and symmetric
+    memory are CUDA's)."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a machine without CUDA GPUs")
+    result = _exchange_benchmark(tmp_path, 1, "--overlap")
+    assert result.returncode != 0 and "--overlap needs CUDA GPUs" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", _gpu_worlds(2))
+def test_exchange_overlap_benchmark_writes_a_row_per_transport(tmp_path, world):
+    """The overlap probe on two GPUs, small: one row per transport with consistent times."""
+    result = _exchange_benchmark(tmp_path, world, "--overlap", "--shapes", "mixtral", "--tokens", "1024")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    (path,) = tmp_path.glob("*/exchange_torch_overlap.csv")
+    with path.open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["transport"] for row in rows] == ["nccl", "copy_engine", "sm_copy"]
+    for row in rows:
+        gemm, exchange, both = (float(row[key]) for key in ("gemm_ms", "exchange_ms", "both_ms"))
+        assert min(gemm, exchange) > 0 and both > 0, row
+        assert float(row["hidden_ms"]) == pytest.approx(gemm + exchange - both, abs=1e-3), row
 
 
 @pytest.mark.parametrize("layers", [1, 2])
