@@ -81,6 +81,19 @@ def test_one_device_without_mesh_matches_reference(problem):
             check_against_reference(variant, None)
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_no_tokens_on_one_device_with_every_option(capacity_factor):
+    """An empty batch with shared experts, a token mask, every loss and the statistics: zeros out, the
+    reference's losses and counts, zero-sized or zero gradients (the layer builds no router, dispatch or
+    exchange for it)."""
+    problem = fixed_problem(1, 1, routing="rank0", topk=2, align_size=2, capacity_factor=capacity_factor)
+    empty = with_shared_experts(dataclasses.replace(problem, batch=0, x=problem.x[:0]), gate=True)
+    mask = np.zeros((0, problem.seq), bool)
+    got, grads = check_against_reference(empty, None, options=ALL_LOSSES, token_mask=mask, stats=True)
+    assert got[0].shape == (0, problem.seq, problem.hidden) and int(got[2]) == 0
+    assert all(not np.asarray(g).any() for g in grads), "no token: every gradient is zero"
+
+
 def test_bf16_compute_matches_fp32_reference():
     problem = fixed_problem(1, 1, routing="empty_ranks", topk=2, align_size=4)
     with jax.default_matmul_precision("highest"):
