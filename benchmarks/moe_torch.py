@@ -23,7 +23,7 @@ show; sums below are over the layers). Implementations:
 
 `--variants plain,shared,recipe,...` (benchmarks.common.LAYER_VARIANTS) runs the moetriton impls once per
 variant: a shared expert of the routed FFN size (its FFN alone, forward + backward, is timed beside the step
-as shared_ffn_ms: step(shared) - step(plain) below it is the part the side stream hid), each training-recipe
+as shared_ffn_ms: step(shared) - step(plain) below it is the part other work hid), each training-recipe
 option alone, or all of them; the step time against "plain" is what an option costs. Tokens are [B, S, H]
 with S = benchmarks.common.SEQUENCE_LENGTH.
 

@@ -186,7 +186,7 @@ def exposed_time(mine: list[tuple[float, float]], others: list[tuple[float, floa
 def exposed_us(activities: list[Activity], stage: str) -> tuple[float, float]:
     """(µs with some activity of layer stage `stage` running, µs of those with nothing of any other stage
     running beside it): for the exchange, its time and its exposed time (what overlapping it with compute,
-    e.g. the shared experts on their side stream, takes off the step). The step barriers' work is no
+    e.g. with independent work such as the shared experts, takes off the step). The step barriers' work is no
     stage."""
     return exposed_time(
         [(a.start, a.end) for a in activities if a.layer_stage == stage],
