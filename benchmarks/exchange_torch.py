@@ -17,16 +17,18 @@ With --landing, the forward exchange as the layer lands it in expert-major order
 receive per (peer, local expert) chunk through batch_isend_irecv, straight into expert-major order; the
 rows a rank keeps are copied in place by index). host_ms: the host time to issue one call, unsynchronised.
 
-With --overlap (CUDA GPUs of one host), how much of an exchange the GPU runs beside the experts' GEMMs,
-the question behind overlapping the layer's exchange with compute (in chunks, or beside the shared
-experts). Per transport, T * K rows of H bf16 per rank in EP equal blocks (the own block copied too):
-"nccl" (all_to_all_single: NCCL's kernels, on a few SMs), "copy_engine" (each block written into its
-peer's symmetric-memory buffer by cudaMemcpyAsync: the copy engines, no SMs; then a device barrier) and
-"sm_copy" (the same writes by an elementwise kernel over every SM, as the layer's peer copies do). The
-compute: moetriton.torch.moe.experts.expert_mlp forward on the same rows, L = E / EP local experts with
-equal groups. gemm_ms, exchange_ms and both_ms (the exchange on a second stream, launched with the GEMMs)
-are medians of calls started together on every rank; hidden_ms = gemm_ms + exchange_ms - both_ms is the
-exchange time the GEMMs absorbed, hidden_pct of exchange_ms (100: fully hidden; 0: the two took turns).
+With --overlap (CUDA GPUs of one host), how much of an exchange the GPU runs beside the experts' GEMMs, the
+question behind overlapping the layer's exchange with compute (in chunks, or beside the shared experts). Per
+transport, T * K rows of H bf16 per rank in EP equal blocks (the own block copied too): "nccl"
+(all_to_all_single: NCCL's kernels, on a few SMs), "copy_engine" (each block written into its peer's
+symmetric-memory buffer by cudaMemcpyAsync: the copy engines, no SMs; then a device barrier), "sm_copy"
+(the same writes by an elementwise kernel over every SM) and "pull" (the layer's peer copy,
+moetriton.kernels.pull_rows_plan: every rank gathers its rows from all sources' buffers expert-major, between
+device barriers). The compute: moetriton.torch.moe.experts.expert_mlp forward on the same rows, L = E / EP
+local experts with equal groups. gemm_ms, exchange_ms and both_ms (the exchange on a second stream, launched
+with the GEMMs) are medians of calls started together on every rank; hidden_ms = gemm_ms + exchange_ms -
+both_ms is the exchange time the GEMMs absorbed, hidden_pct of exchange_ms (100: fully hidden; 0: the two took
+turns).
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ import torch.distributed as dist
 
 from benchmarks.common import exchange_parser, layer_shape, shape_layout, write_results
 from benchmarks.moe_torch import _median_ms
+from moetriton import kernels
 from moetriton.kernels.rules.expert_parallel import dropless_exchange
 from moetriton.torch import sort_chunks_by_index
+from moetriton.torch.executor import bound
 from moetriton.torch.moe import all_to_all_rows
 from moetriton.torch.moe.all_to_all import chunk_orders
 
@@ -198,10 +202,42 @@ def measure_overlap(name: str, steps: int, num_tokens: int, device: torch.device
 
         return exchange
 
+    # Chunk (j, p) of the expert-major receiving layout: local expert j's share of source p's block for
+    # this rank, at rows [rank * block + j * chunk, +chunk) of p's buffer.
+    chunk = block // local
+    chunk_sizes = torch.full((ep * local,), chunk, dtype=torch.int64, device=device)
+    source_offsets = rank * block + chunk * torch.arange(local, device=device).repeat_interleave(ep)
+    pull_inputs = dict(
+        peer_rows=torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device),
+        chunk_sizes=chunk_sizes,
+        source_offsets=source_offsets,
+    )
+
+    def pull() -> Callable[[], None]:
+        executable = bound(
+            kernels.pull_rows_plan,
+            device,
+            num_rows=chunk * ep * local,
+            num_chunks=ep * local,
+            num_sources=ep,
+            source_rows=rows,
+            hidden=hidden,
+            dtype="bfloat16",
+            element_bytes=2,
+        )
+
+        def exchange() -> None:
+            handle.barrier(channel=0)  # the sources' rows are in place
+            executable(pull_inputs)
+            handle.barrier(channel=0)  # no source reuses its buffer while a peer still reads
+
+        return exchange
+
     transports = {
         "nccl": lambda: dist.all_to_all_single(received, send),
         "copy_engine": writes(lambda target, source: target.copy_(source)),
         "sm_copy": writes(lambda target, source: torch.mul(source, 1, out=target)),
+        "pull": pull(),
     }
     side = torch.cuda.Stream(device)
 

@@ -757,7 +757,7 @@ def test_exchange_overlap_benchmark_writes_a_row_per_transport(tmp_path, world):
     (path,) = tmp_path.glob("*/exchange_torch_overlap.csv")
     with path.open() as handle:
         rows = list(csv.DictReader(handle))
-    assert [row["transport"] for row in rows] == ["nccl", "copy_engine", "sm_copy"]
+    assert [row["transport"] for row in rows] == ["nccl", "copy_engine", "sm_copy", "pull"]
     for row in rows:
         gemm, exchange, both = (float(row[key]) for key in ("gemm_ms", "exchange_ms", "both_ms"))
         assert min(gemm, exchange) > 0 and both > 0, row
