@@ -59,8 +59,8 @@ benchmarks.common: <gpu> is prefixed with the largest EP run, e.g. 2x_NVIDIA_H20
   benchmarks.trace_gaps.exposed_time); exposed_exchange_pct: of step_ms.
 * gemm_tflops: grouped-GEMM flops (2 * rows * H * 2F + 2 * rows * F * H forward, x3 for forward +
   backward, rows = routed slots T * K per GPU) over the grouped-GEMM stage time per GPU and step (step time
-  for the baseline), beside dense_gemm_tflops (a jitted [8192, 8192] x [8192, 8192] bf16 matmul on the same
-  GPU in the same run) as gemm_pct_of_dense.
+  for the baseline), beside dense_gemm_tflops ([8192, 8192] x [8192, 8192] bf16 matmuls, several per jitted
+  call, on the same GPU in the same run) as gemm_pct_of_dense.
 * a2a_gbps (EP > 1): routed-slot bytes of the four exchanges of a step (forward, reverse, and their
   transposes: 4 * T * K * H * 2 bytes per GPU) over the all-to-all stage time per GPU and step, beside
   plain_a2a_gbps: the same bytes through four plain jax.lax.all_to_all calls (median wall time).
@@ -241,17 +241,26 @@ def median_ms(function, *args, steps: int) -> float:
     return statistics.median(times)
 
 
+#: Independent [N, N] x [N, N] matmuls in the one jitted call that `dense_gemm_tflops` times: the call's
+#: launch and wait (about 0.3 ms on an H200, a fifth of one matmul) spread over them.
+DENSE_GEMM_REPEATS = 8
+
+
 @functools.cache
 def dense_gemm_tflops(steps: int) -> float:
-    """TFLOP/s of a jitted [N, N] x [N, N] bf16 matmul (N = DENSE_GEMM_SIZE) on the first device, measured
-    once per process: the ceiling of the layer's GEMMs on the same GPU in the same run (0 on CPU smoke
-    runs)."""
+    """TFLOP/s of jitted [N, N] x [N, N] bf16 matmuls (N = DENSE_GEMM_SIZE; DENSE_GEMM_REPEATS independent
+    ones per timed call, so the wall time is the GPU's) on the first device, measured once per process: the
+    ceiling of the layer's GEMMs on the same GPU in the same run (0 on CPU smoke runs)."""
     if jax.devices()[0].platform == "cpu":
         return 0.0
-    size = DENSE_GEMM_SIZE
-    keys = jax.random.split(jax.random.key(0))
-    lhs, rhs = (jax.random.normal(key, (size, size), jnp.bfloat16) for key in keys)
-    return 2 * size**3 / (median_ms(jax.jit(jnp.dot), lhs, rhs, steps=steps) * 1e-3) / 1e12
+    size, repeats = DENSE_GEMM_SIZE, DENSE_GEMM_REPEATS
+    keys = jax.random.split(jax.random.key(0), 2 * repeats)
+    lhs, rhs = (
+        [jax.random.normal(key, (size, size), jnp.bfloat16) for key in half]
+        for half in (keys[::2], keys[1::2])
+    )
+    products = jax.jit(lambda lhs, rhs: [left @ right for left, right in zip(lhs, rhs, strict=True)])
+    return repeats * 2 * size**3 / (median_ms(products, lhs, rhs, steps=steps) * 1e-3) / 1e12
 
 
 def make_mesh(ep: int) -> Mesh | None:
