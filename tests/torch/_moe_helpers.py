@@ -374,9 +374,9 @@ def _dense(moe_reference, x_all, full, cotangent, options, world) -> dict:
 
 
 def graph_worker(rank: int, world: int, store: str) -> None:
-    """One GPU rank: a capacity layer step (forward and backward, the peer exchange) captured in a CUDA graph
-    after eager warm-up steps (the staging buffer is allocated there), replayed on new tokens, against the
-    eager step on the same tokens: outputs and gradients bit for bit."""
+    """One GPU rank: a capacity layer step with a gated shared expert (forward and backward, the peer
+    exchange) captured in a CUDA graph after eager warm-up steps (the staging buffer is allocated there),
+    replayed on new tokens, against the eager step on the same tokens: outputs and gradients bit for bit."""
     import moetriton.torch as mt
     from moetriton.torch.moe import exchange_for
 
@@ -391,12 +391,18 @@ def graph_worker(rank: int, world: int, store: str) -> None:
         local = experts // world
         gate_up = torch.randn(local, hidden, 2 * ffn, device=device, dtype=torch.bfloat16) / 8
         down = torch.randn(local, ffn, hidden, device=device, dtype=torch.bfloat16) / 6
+        shared_gate_up = torch.randn(hidden, 2 * ffn, device=device, dtype=torch.bfloat16) / 8
+        shared_down = torch.randn(ffn, hidden, device=device, dtype=torch.bfloat16) / 6
+        shared_gate = torch.randn(hidden, 1, device=device, dtype=torch.bfloat16) / 8
         weights = [w.requires_grad_() for w in (gate, gate_up, down)]
+        shared = [w.requires_grad_() for w in (shared_gate_up, shared_down, shared_gate)]
         kwargs = dict(topk=2, capacity_factor=1.0, aux_loss_coeff=0.01, ep_group=dist.group.WORLD)
 
         def step(x):
-            out, aux_loss, dropped = mt.moe(x, *weights, **kwargs)
-            grads = torch.autograd.grad((out.float().square().sum() + aux_loss), [x, *weights])
+            out, aux_loss, dropped = mt.moe(
+                x, *weights, shared_gate_up=shared[0], shared_down=shared[1], shared_gate=shared[2], **kwargs
+            )
+            grads = torch.autograd.grad((out.float().square().sum() + aux_loss), [x, *weights, *shared])
             return (out, aux_loss, dropped, *grads)
 
         def tokens(seed):

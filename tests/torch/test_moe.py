@@ -707,6 +707,25 @@ def test_recipe_options_under_expert_parallel_nccl(tmp_path, world):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("world", _gpu_worlds(2, 4))
+def test_shared_experts_under_expert_parallel_nccl(tmp_path, world):
+    """Shared experts on GPUs, both row exchanges (the peer exchange and all_to_all): gated swiglu dropless
+    and ungated gelu under a capacity, against the dense reference."""
+
+    @settings(max_examples=2 if world == 2 else 1, phases=_NO_SHRINK)
+    @given(problems=_ep_problems(world))
+    def check(problems):
+        dropless, capacity = problems
+        shared = (
+            with_shared_experts(dropless, gate=True),
+            with_shared_experts(capacity, gate=False, activation="gelu"),
+        )
+        _spawn(tmp_path, world, "nccl", shared)
+
+    check()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("world", _gpu_worlds(2))
 def test_peer_capacity_step_captures_in_a_cuda_graph(tmp_path, world):
     """EP over GPUs of one host under a capacity: the peer exchange (fixed slabs, no count exchange) runs
