@@ -45,47 +45,67 @@ def _choose_block(block_rows: tuple[int, ...], block_index, branch: Callable[[in
     return lambda *operands: jax.lax.switch(block_index, [branch(rows) for rows in block_rows], *operands)
 
 
+def _block_kernel(take: bool, source: jax.Array, sizes: jax.Array, rows: int, out_rows: int, **where):
+    """The block kernels (moetriton.kernels.exchange): take (`take`) blocks of `rows` rows out of the layout
+    `source` [N, H], or place the blocks `source` [P, rows, H] into it, with out_rows as the plans read it;
+    `where`: dest_rows (a permutation of the layout's rows) or offsets (each block's first row), or
+    neither. Only the blocks' first sizes[p] rows are written."""
+    hidden = source.shape[-1]
+    builder = kernels.take_blocks_plan if take else kernels.place_blocks_plan
+    plan = builder(
+        num_blocks=sizes.shape[0],
+        rows=rows,
+        out_rows=out_rows,
+        width=hidden,
+        element_bytes=source.dtype.itemsize,
+        permuted=where.get("dest_rows") is not None,
+        offsets=where.get("offsets") is not None,
+    )
+    inputs = dict(dest_rows=None, offsets=None) | where | dict(sizes=sizes.astype(jnp.int32))
+    inputs["layout" if take else "blocks"] = source.reshape(-1, hidden)
+    (out,) = run_plan(plan, inputs)
+    return out.reshape(sizes.shape[0], rows, hidden) if take else out
+
+
 def _place_blocks(blocks: jax.Array, recv_sizes: jax.Array, out_rows: int, dest_rows) -> jax.Array:
     """[EP, rows, H] arriving blocks -> [EP * out_rows, H]: block p's first recv_sizes[p] rows at p *
     out_rows + j, or at dest_rows[p * out_rows + j] ([EP * out_rows] permutation, or None). The kernel
     writes those rows only (the rest unspecified: nothing reads them); XLA's pad and scatter, where the
     kernels do not run, write zeros."""
-    ep, rows, hidden = blocks.shape
+    rows, hidden = blocks.shape[1:]
     if not uses_kernels():
         out = jnp.pad(blocks, ((0, 0), (0, out_rows - rows), (0, 0))).reshape(-1, hidden)
         return out if dest_rows is None else jnp.zeros_like(out).at[dest_rows].set(out, unique_indices=True)
-    plan = kernels.place_blocks_plan(
-        num_blocks=ep,
-        rows=rows,
-        out_rows=out_rows,
-        width=hidden,
-        element_bytes=blocks.dtype.itemsize,
-        permuted=dest_rows is not None,
-    )
-    inputs = dict(blocks=blocks.reshape(-1, hidden), sizes=recv_sizes.astype(jnp.int32), dest_rows=dest_rows)
-    (out,) = run_plan(plan, inputs)
-    return out
+    return _block_kernel(False, blocks, recv_sizes, rows, out_rows, dest_rows=dest_rows)
 
 
 def _take_blocks(layout: jax.Array, recv_sizes: jax.Array, rows: int, dest_rows) -> jax.Array:
     """The inverse of `_place_blocks`: [EP * out_rows, H] -> departing blocks [EP, rows, H], block p's first
     recv_sizes[p] rows from p * out_rows + j (or dest_rows of it); its other rows unspecified (the
     receiving side keeps only the rows it sent)."""
-    hidden = layout.shape[1]
     ep = recv_sizes.shape[0]
     if not uses_kernels():
         ordered = layout if dest_rows is None else layout[dest_rows]
-        return ordered.reshape(ep, -1, hidden)[:, :rows]
-    plan = kernels.take_blocks_plan(
-        num_blocks=ep,
-        rows=rows,
-        out_rows=layout.shape[0] // ep,
-        width=hidden,
-        element_bytes=layout.dtype.itemsize,
-        permuted=dest_rows is not None,
-    )
-    (blocks,) = run_plan(plan, dict(layout=layout, sizes=recv_sizes.astype(jnp.int32), dest_rows=dest_rows))
-    return blocks.reshape(ep, rows, hidden)
+        return ordered.reshape(ep, -1, layout.shape[1])[:, :rows]
+    return _block_kernel(True, layout, recv_sizes, rows, layout.shape[0] // ep, dest_rows=dest_rows)
+
+
+def _departing_blocks(buffer: jax.Array, offsets: jax.Array, sizes: jax.Array, rows: int) -> jax.Array:
+    """[P, rows, H]: block p's first sizes[p] rows are buffer[offsets[p] + j]. The kernel writes those rows
+    only (the rest unspecified: the receiver places sizes[p] rows); `_block_rows` where the kernels do not
+    run."""
+    if not uses_kernels():
+        return _block_rows(buffer, offsets, sizes, rows)
+    return _block_kernel(True, buffer, sizes, rows, buffer.shape[0], offsets=offsets)
+
+
+def _arrived_rows(blocks: jax.Array, offsets: jax.Array, sizes: jax.Array, num_rows: int) -> jax.Array:
+    """The inverse of `_departing_blocks`: [num_rows, H] with blocks[p, :sizes[p]] at offsets[p]. The kernel
+    writes those rows only (the rest unspecified: the combine reads the rows it dispatched);
+    `_compact_blocks` (zeros elsewhere) where the kernels do not run."""
+    if not uses_kernels():
+        return _compact_blocks(blocks, offsets, sizes, num_rows)
+    return _block_kernel(False, blocks, sizes, blocks.shape[1], num_rows, offsets=offsets)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -94,13 +114,14 @@ def _send_blocks(shape, buffer, offsets, sizes, recv_sizes, block_index, dest_ro
     [EP * pair_rows, H], block p holding the recv_sizes[p] rows rank p sent this rank, each block's row j at
     p * pair_rows + j, or at dest_rows of that ([EP * pair_rows] permutation: the layer's expert-major
     order); every other row unspecified where the kernels run, zeros otherwise. shape = (N, block_rows,
-    EP axis name): the all_to_all moves blocks of block_rows[block_index] rows (at least every pair's rows),
-    which the receiver places into blocks of the worst case, the last size."""
-    _, block_rows, axis = shape
+    EP axis name, zeros): the all_to_all moves blocks of block_rows[block_index] rows (at least every pair's
+    rows), which the receiver places into blocks of the worst case, the last size; `zeros` is
+    `_return_blocks`' (this exchange's transpose)."""
+    _, block_rows, axis, _ = shape
 
     def branch(rows):
         def send(buffer, offsets, sizes, recv_sizes, dest_rows):
-            blocks = jax.lax.all_to_all(_block_rows(buffer, offsets, sizes, rows), axis, 0, 0)
+            blocks = jax.lax.all_to_all(_departing_blocks(buffer, offsets, sizes, rows), axis, 0, 0)
             return _place_blocks(blocks, recv_sizes, block_rows[-1], dest_rows)
 
         return send
@@ -112,13 +133,16 @@ def _send_blocks(shape, buffer, offsets, sizes, recv_sizes, block_index, dest_ro
 def _return_blocks(shape, layout, offsets, sizes, recv_sizes, block_index, dest_rows):
     """Inverse of `_send_blocks`: the rows of [EP * pair_rows, H] that `_send_blocks` placed (the same
     recv_sizes, block index and dest_rows) go back to their ranks, which place the first sizes[p] rows of
-    the block they get from rank p at offsets[p]: [N, H], zeros elsewhere."""
-    num_rows, block_rows, axis = shape
+    the block they get from rank p at offsets[p]: [N, H], zeros elsewhere where shape's `zeros` is True or
+    the kernels do not run, every other row unspecified otherwise."""
+    num_rows, block_rows, axis, zeros = shape
 
     def branch(rows):
         def send_back(layout, offsets, sizes, recv_sizes, dest_rows):
             received = jax.lax.all_to_all(_take_blocks(layout, recv_sizes, rows, dest_rows), axis, 0, 0)
-            return _compact_blocks(received, offsets, sizes, num_rows)
+            if zeros:
+                return _compact_blocks(received, offsets, sizes, num_rows)
+            return _arrived_rows(received, offsets, sizes, num_rows)
 
         return send_back
 
@@ -169,7 +193,7 @@ def dropless_forward(send, sizes: dict, layout: EPLayout, config: MoEConfig):
     if config.exchange == "ragged":
         keys = ("input_offsets", "send_sizes", "output_offsets", "recv_sizes")
         return _ragged(send, layout.recv_rows, *(sizes[key] for key in keys), config)
-    shape = (send.shape[0], layout.exchange_block_rows, config.ep_axis)
+    shape = (send.shape[0], layout.exchange_block_rows, config.ep_axis, True)
     blocks = _send_blocks(shape, send, *_padded_exchange_args(sizes), None)
     blocks = blocks.reshape(layout.ep_size, layout.pair_rows, -1)
     return _compact_blocks(blocks, sizes["recv_offsets"], sizes["recv_sizes"], layout.recv_rows)
@@ -182,7 +206,7 @@ def dropless_reverse(recv, sizes: dict, layout: EPLayout, config: MoEConfig):
         return _ragged(recv, layout.send_rows, *(sizes[key] for key in keys), config)
     blocks = _block_rows(recv, sizes["recv_offsets"], sizes["recv_sizes"], layout.pair_rows)
     blocks = blocks.reshape(-1, recv.shape[1])
-    shape = (layout.send_rows, layout.exchange_block_rows, config.ep_axis)
+    shape = (layout.send_rows, layout.exchange_block_rows, config.ep_axis, True)
     return _return_blocks(shape, blocks, *_padded_exchange_args(sizes), None)
 
 
@@ -213,7 +237,8 @@ def exchanged_experts(send, counts, gate_up, down, layout: EPLayout, config: MoE
             chunk_sizes = chunk_sizes.reshape(-1)  # [EP * (L + 1)]
             rows = ep * layout.pair_rows
             destinations = expert_major_rows(chunk_sizes, layout, True, rows, destinations=True)
-            block = (send.shape[0], layout.exchange_block_rows, config.ep_axis)
+            # The combine reads only the rows it dispatched: the returning rows need no zeros around them.
+            block = (send.shape[0], layout.exchange_block_rows, config.ep_axis, False)
             sent = (*_padded_exchange_args(sizes), destinations)
             expert_major = _send_blocks(block, send, *sent)
             return _return_blocks(block, expert_mlp(expert_major, group_sizes, gate_up, down, config), *sent)

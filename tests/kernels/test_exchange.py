@@ -1,7 +1,7 @@
 """The padded exchange's block placement and its inverse (moetriton.kernels.exchange) launched straight from
 their plans on torch buffers pre-filled with NaN: every block's first sizes[p] rows land at p * out_rows (or
-the permuted row) and come back, bit for bit, sizes clipped to [0, rows], and nothing else is written; both
-kernels compile for sm_90."""
+the permuted row, or the block's offset) and come back, bit for bit, sizes clipped to [0, rows], rows a bad
+offset puts outside the layout skipped, and nothing else is written; both kernels compile for sm_90."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from ._compile import in_child
 
 
 def _run(
-    take: bool, source: torch.Tensor, sizes: list[int], rows: int, out_rows: int, dest_rows
+    take: bool, source: torch.Tensor, sizes: list[int], rows: int, out_rows: int, dest_rows, offsets=None
 ) -> torch.Tensor:
-    """The place (take) plan on `source`, its result pre-filled with NaN."""
+    """The place (take) plan on `source`, its result pre-filled with NaN; `offsets` (a [P] tensor) for the
+    layout of out_rows rows in all with blocks at those rows."""
     builder = kernels.take_blocks_plan if take else kernels.place_blocks_plan
     plan = builder(
         num_blocks=len(sizes),
@@ -28,11 +29,13 @@ def _run(
         width=source.shape[1],
         element_bytes=source.element_size(),
         permuted=dest_rows is not None,
+        offsets=offsets is not None,
     )
     (result,) = plan.results
     out = torch.full(plan.buffers[result].shape, float("nan"), dtype=source.dtype, device=DEVICE)
-    inputs = {"layout" if take else "blocks": source, "dest_rows": dest_rows}
-    inputs["sizes"] = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+    inputs = {"layout" if take else "blocks": source, "dest_rows": dest_rows, "offsets": offsets}
+    wide = max(map(abs, sizes)) >= 2**31  # a size no int32 holds: as the int64 a caller may pass
+    inputs["sizes"] = torch.tensor(sizes, dtype=torch.int64 if wide else torch.int32, device=DEVICE)
     for launch in plan.launches:
         args = [inputs.get(arg, arg) if isinstance(arg, str) else arg for arg in launch.args]
         launch.kernel[launch.grid](*args, out, **launch.constexprs, num_warps=launch.num_warps)
@@ -69,6 +72,40 @@ def test_blocks_land_in_place_and_back_and_nothing_else_is_written(dtype, rows, 
     assert torch.equal(taken[kept], blocks[kept]) and taken[~kept].isnan().all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    ("layout_rows", "offsets", "sizes"),
+    [
+        (20, [0, 7, 12], [6, 5, 8]),  # a send buffer's rank blocks, a tail after them
+        (9, [4, 0], [5, 4]),  # blocks out of order
+        (10, [8, -3, 2**40, 3], [6, 6, 2, 2**33]),  # past the end, before the start, huge, huge size
+    ],
+    ids=["send-buffer", "out-of-order", "hostile"],
+)
+def test_blocks_at_offsets_come_out_and_go_back_and_nothing_else_is_written(
+    dtype, layout_rows, offsets, sizes
+):
+    """With offsets: block p's row j (j < sizes[p], clipped to [0, rows]) is layout row offsets[p] + j where
+    that row is inside the layout; taking blocks out of a layout and placing them into another one moves
+    exactly those rows, hostile offsets and sizes included, and writes nothing else (NaN guards)."""
+    rows, width = 8, 40
+    generator = torch.Generator().manual_seed(layout_rows)
+    layout = torch.randn(layout_rows, width, generator=generator).to(dtype)
+    starts = torch.tensor(offsets, dtype=torch.int64)
+    taken = _run(True, layout.to(DEVICE), sizes, rows, layout_rows, None, starts.to(DEVICE))
+    placed = _run(False, taken, sizes, rows, layout_rows, None, starts.to(DEVICE)).cpu()
+    taken = taken.cpu()
+    written = torch.zeros(layout_rows, dtype=torch.bool)
+    kept = torch.zeros(len(sizes) * rows, dtype=torch.bool)
+    for block, (start, size) in enumerate(zip(offsets, sizes, strict=True)):
+        for j in range(min(max(size, 0), rows)):
+            if 0 <= start + j < layout_rows:
+                assert torch.equal(taken[block * rows + j], layout[start + j]), (block, j)
+                kept[block * rows + j], written[start + j] = True, True
+    assert taken[~kept].isnan().all(), "a row outside a block's size or the layout was taken"
+    assert torch.equal(placed[written], layout[written]) and placed[~written].isnan().all()
+
+
 def test_plan_checks_and_empty_blocks():
     with pytest.raises(ValueError, match="out_rows >= rows"):
         kernels.place_blocks_plan(num_blocks=2, rows=5, out_rows=4, width=8, element_bytes=2)
@@ -76,6 +113,13 @@ def test_plan_checks_and_empty_blocks():
         kernels.take_blocks_plan(num_blocks=-1, rows=5, out_rows=5, width=8, element_bytes=2)
     plan = kernels.place_blocks_plan(num_blocks=2, rows=0, out_rows=4, width=8, element_bytes=2)
     assert plan.launches == () and plan.buffers["out"].shape == (8, 8)
+    with pytest.raises(ValueError, match="exclusive"):
+        kernels.take_blocks_plan(
+            num_blocks=2, rows=5, out_rows=9, width=8, element_bytes=2, permuted=True, offsets=True
+        )
+    # With offsets out_rows is the whole layout, which may hold fewer rows than a block.
+    plan = kernels.place_blocks_plan(num_blocks=2, rows=5, out_rows=3, width=8, element_bytes=2, offsets=True)
+    assert plan.buffers["out"].shape == (3, 8)
 
 
 def _compile_all() -> None:
@@ -84,18 +128,29 @@ def _compile_all() -> None:
 
     compiled = []
     pointers = dict(
-        blocks_ptr="*bf16", layout_ptr="*bf16", sizes_ptr="*i32", dest_rows_ptr="*i32", out_ptr="*bf16"
+        blocks_ptr="*bf16",
+        layout_ptr="*bf16",
+        sizes_ptr="*i32",
+        dest_rows_ptr="*i32",
+        offsets_ptr="*i64",
+        out_ptr="*bf16",
     )
     for take in (False, True):
-        for permuted in (False, True):
+        for mode in ("plain", "permuted", "offsets"):
             builder = kernels.take_blocks_plan if take else kernels.place_blocks_plan
             plan = builder(
-                num_blocks=2, rows=4096, out_rows=8192, width=7168, element_bytes=2, permuted=permuted
+                num_blocks=2,
+                rows=4096,
+                out_rows=8192,
+                width=7168,
+                element_bytes=2,
+                permuted=mode == "permuted",
+                offsets=mode == "offsets",
             )
             compile_sm90(plan.launches[0].kernel, plan.launches[0].constexprs, pointers)
-            compiled.append(f"{plan.launches[0].kernel.__name__}-{permuted}")
+            compiled.append(f"{plan.launches[0].kernel.__name__}-{mode}")
     print(json.dumps(compiled))
 
 
 def test_kernels_compile_for_sm90():
-    assert len(in_child("tests.kernels.test_exchange:_compile_all")) == 4
+    assert len(in_child("tests.kernels.test_exchange:_compile_all")) == 6

@@ -352,12 +352,12 @@ def _plan_cases():
     yield (
         "place blocks",
         kernels.place_blocks_plan(**blocks),
-        dict(blocks=rand(6, 8), sizes=block_sizes, dest_rows=None),
+        dict(blocks=rand(6, 8), sizes=block_sizes, dest_rows=None, offsets=None),
     )
     yield (
         "take blocks",
         kernels.take_blocks_plan(**blocks),
-        dict(layout=rand(10, 8), sizes=block_sizes, dest_rows=None),
+        dict(layout=rand(10, 8), sizes=block_sizes, dest_rows=None, offsets=None),
     )
     logits = rand(tokens, 8)
     topk_plan = kernels.router.topk_plan(
