@@ -213,31 +213,28 @@ def measure_overlap(name: str, steps: int, num_tokens: int, device: torch.device
         source_offsets=source_offsets,
     )
 
-    def pull() -> Callable[[], None]:
-        executable = bound(
-            kernels.pull_rows_plan,
-            device,
-            num_rows=chunk * ep * local,
-            num_chunks=ep * local,
-            num_sources=ep,
-            source_rows=rows,
-            hidden=hidden,
-            dtype="bfloat16",
-            element_bytes=2,
-        )
+    pull_rows = bound(
+        kernels.pull_rows_plan,
+        device,
+        num_rows=chunk * ep * local,
+        num_chunks=ep * local,
+        num_sources=ep,
+        source_rows=rows,
+        hidden=hidden,
+        dtype="bfloat16",
+        element_bytes=2,
+    )
 
-        def exchange() -> None:
-            handle.barrier(channel=0)  # the sources' rows are in place
-            executable(pull_inputs)
-            handle.barrier(channel=0)  # no source reuses its buffer while a peer still reads
-
-        return exchange
+    def pull() -> None:
+        handle.barrier(channel=0)  # the sources' rows are in place
+        pull_rows(pull_inputs)
+        handle.barrier(channel=0)  # no source reuses its buffer while a peer still reads
 
     transports = {
         "nccl": lambda: dist.all_to_all_single(received, send),
         "copy_engine": writes(lambda target, source: target.copy_(source)),
         "sm_copy": writes(lambda target, source: torch.mul(source, 1, out=target)),
-        "pull": pull(),
+        "pull": pull,
     }
     side = torch.cuda.Stream(device)
 
