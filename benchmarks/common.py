@@ -96,7 +96,8 @@ def shape_dispatch_plan(
 
 #: Variants of the moetriton layer rows of both layer benchmarks (--variants), by the recipe options each
 #: turns on: "plain" (the layer alone), "shared" (one shared expert of the routed FFN size), each option of
-#: the training recipes alone, and "recipe" (all of them but the shared expert). Their step time against
+#: the training recipes alone, "recipe" (all of them but the shared expert), and the dropless routed path in
+#: 2 or 4 pipelined token chunks (pipeline_chunks; with a shared expert too). Their step time against
 #: "plain" is what the option costs.
 LAYER_VARIANTS = {
     "plain": {},
@@ -109,6 +110,9 @@ LAYER_VARIANTS = {
     "recipe": dict(
         seq_aux_loss_coeff=1e-4, z_loss_coeff=1e-3, padding=True, return_stats=True, drop_policy="probs"
     ),
+    "pipeline2": dict(pipeline_chunks=2),
+    "pipeline4": dict(pipeline_chunks=4),
+    "shared_pipeline2": dict(num_shared_experts=1, pipeline_chunks=2),
 }
 #: Tokens per sequence of the layer benchmarks' [B, S, H] inputs (the sequence-wise loss reads S).
 SEQUENCE_LENGTH = 4096

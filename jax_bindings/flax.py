@@ -79,7 +79,8 @@ class MoEBlock(nn.Module):
         aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff: weights of the load-balancing, sequence-wise
             load-balancing and router z losses (moetriton.kernels.rules.moe.LOSSES; aux_loss is their sum).
         align_size, capacity_factor (None: dropless), drop_policy ("position" or "probs": which slots a full
-            expert keeps), activation: layer options.
+            expert keeps), activation, pipeline_chunks (dropless: the routed path in this many token
+            chunks): layer options.
         num_shared_experts: always-on shared experts (DeepSeek-V3: 1), one FFN of width
             Fs = num_shared_experts * ffn_dim (parameters shared_gate_up [H, 2Fs] or [H, Fs] and
             shared_down [Fs, H], initialised by expert_init); 0: none.
@@ -129,6 +130,7 @@ class MoEBlock(nn.Module):
     capacity_factor: float | None = None
     drop_policy: str = "position"
     activation: str = "swiglu"
+    pipeline_chunks: int = 1
     dtype: Any = None
     param_dtype: Any = jnp.float32
     gate_init: Any = nn.initializers.lecun_normal()
@@ -153,6 +155,8 @@ class MoEBlock(nn.Module):
             exchange=self.exchange,
             exchanges=layer_rules.JAX_EXCHANGES,
             drop_policy=self.drop_policy,
+            pipeline_chunks=self.pipeline_chunks,
+            capacity_factor=self.capacity_factor,
         )
         hidden, experts = x.shape[-1], self.num_experts
         shared_shapes = layer_rules.shared_weight_shapes(
@@ -221,6 +225,7 @@ class MoEBlock(nn.Module):
             seq_aux_loss_coeff=self.seq_aux_loss_coeff,
             z_loss_coeff=self.z_loss_coeff,
             drop_policy=self.drop_policy,
+            pipeline_chunks=self.pipeline_chunks,
             token_mask=token_mask,
             return_stats=return_stats,
         )

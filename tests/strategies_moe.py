@@ -107,6 +107,12 @@ def with_recipe_options(
     return replace(problem, token_mask=mask, options=options)
 
 
+def with_pipeline_chunks(problem: MoEProblem, chunks: int) -> MoEProblem:
+    """`problem` (dropless) with its routed path in `chunks` token chunks: an option of the layer that its
+    dense reference ignores (the results are the unchunked layer's)."""
+    return replace(problem, options={**problem.options, "pipeline_chunks": chunks})
+
+
 @st.composite
 def moe_problems(
     draw,

@@ -11,7 +11,8 @@ host sync). Tokens are sharded over (data axes..., EP axis) on their batch axis,
     -> activation -> grouped_matmul(., down) writing them back in the received order -> reverse exchange
     -> token_combine with the merging probs (+ the shared experts' FFN of the shard's tokens, optionally
     gated per token, where shared weights are given: computed from the tokens alone, with no dependency on
-    the exchange).
+    the exchange). Dropless, `pipeline_chunks` runs the dispatch-to-combine part on that many token chunks
+    of the shard, independent of each other, so that one chunk's exchange can run beside another's GEMMs.
 
 The received rows arrive grouped by source rank. The padded exchange places them straight in expert-major
 order (and takes the results back out of it) by the chunk sort's row map (`_expert_major_rows`: the
@@ -52,7 +53,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from moetriton.kernels.rules import moe as layer_rules
-from moetriton.kernels.rules.expert_parallel import dropped_slots, kept_slots
+from moetriton.kernels.rules.expert_parallel import dropped_slots, kept_slots, pipeline_chunk_bounds
 from moetriton.kernels.rules.moe import MoEStats
 
 from ..permutation import token_combine, token_dispatch
@@ -241,6 +242,42 @@ def _shard(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, *, c
     # From the tokens alone: no data dependency on the dispatch or the exchange.
     shared = None if shared_weights is None else shared_mlp(tokens, *shared_weights, config)  # [T, H]
     if layout.dropless:
+        # Static, non-empty chunks (every shard holds the same T): each is the dropless layer on its tokens;
+        # their exchanges depend on nothing of the other chunks, so XLA may run one beside another's GEMMs.
+        bounds = [
+            bound
+            for bound in pipeline_chunk_bounds(num_tokens, config.pipeline_chunks)
+            if bound[1] > bound[0]
+        ]
+        parts = [
+            _routed(
+                tokens[start:end],
+                indices[start:end],
+                weights[start:end],
+                gate_up,
+                down,
+                config.layout(end - start, num_experts),
+                config,
+            )
+            for start, end in bounds
+        ]
+        out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    else:
+        out = _routed(tokens, indices, weights, gate_up, down, layout, config)
+    if shared is not None:  # summed in fp32, rounded once to x.dtype below
+        shared = shared.astype(jnp.float32)
+        if valid is not None:
+            shared = jnp.where(valid[:, None], shared, 0.0)
+        out = out.astype(jnp.float32) + shared
+    out = out.astype(x.dtype).reshape(shape)
+    return (out, aux_loss, dropped) if stats is None else (out, aux_loss, dropped, stats)
+
+
+def _routed(tokens, indices, weights, gate_up, down, layout, config: MoEConfig):
+    """tokens [T, H] routed to their experts by indices [T, K] and merged with weights [T, K]: dispatch,
+    exchange (EP > 1), experts and combine -> [T, H] in tokens' dtype (masked tokens' rows zero)."""
+    num_experts = layout.num_experts
+    if layout.dropless:
         send, _, row_id_map, pad_offsets, counts = token_dispatch(
             tokens, indices=indices, num_experts=num_experts, align_size=layout.align_size
         )
@@ -253,14 +290,7 @@ def _shard(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, *, c
         expert_out = expert_mlp(send, counts, gate_up, down, config)
     else:
         expert_out = exchanged_experts(send, counts, gate_up, down, layout, config)
-    out = token_combine(expert_out, row_id_map, weights, pad_offsets)  # masked tokens: no row, zeros
-    if shared is not None:  # summed in fp32, rounded once to x.dtype below
-        shared = shared.astype(jnp.float32)
-        if valid is not None:
-            shared = jnp.where(valid[:, None], shared, 0.0)
-        out = out.astype(jnp.float32) + shared
-    out = out.astype(x.dtype).reshape(shape)
-    return (out, aux_loss, dropped) if stats is None else (out, aux_loss, dropped, stats)
+    return token_combine(expert_out, row_id_map, weights, pad_offsets)
 
 
 def resolve_exchange(exchange: str) -> str:
@@ -321,6 +351,7 @@ def moe(
     seq_aux_loss_coeff: float = 0.0,
     z_loss_coeff: float = 0.0,
     drop_policy: str = "position",
+    pipeline_chunks: int = 1,
     token_mask: jax.Array | None = None,
     return_stats: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array, MoEStats]:
@@ -379,6 +410,12 @@ def moe(
         drop_policy: which routed slots a full expert keeps under capacity_factor (ignored when dropless):
             "position" (default) its first C in (token, slot) order, "probs" its C of highest merging weight,
             ties to the earlier slot. Both keep min(routed, C) per expert, so `dropped` is the same.
+        pipeline_chunks: dropless only (1 with capacity_factor): every token shard's routed path (dispatch,
+            exchange, experts, combine) runs on this many consecutive chunks of its tokens, sizes differing
+            by one at most (moetriton.kernels.rules.expert_parallel.pipeline_chunk_bounds; more chunks than
+            tokens: one per token). The chunks share no data, so XLA's scheduler may run one chunk's
+            exchange beside another's GEMMs. The results equal the unchunked layer's up to rounding (the
+            same bits for the same chunking); docs/moe.md ("Pipelined chunks") says what it measured.
         token_mask: [B, S] bool or None (every token counts), sharded like x: False marks padding, routed to
             no expert and counted in no loss, load, capacity or token count, with an output row of exactly
             zero (shared experts' included) and a zero gradient. No host sync: the counts stay on device.
@@ -411,6 +448,8 @@ def moe(
         exchange=exchange,
         exchanges=EXCHANGES,
         drop_policy=drop_policy,
+        pipeline_chunks=pipeline_chunks,
+        capacity_factor=capacity_factor,
     )
     if not isinstance(return_stats, bool):
         raise TypeError(f"return_stats: expected a bool, got {type(return_stats).__name__}")
@@ -465,6 +504,7 @@ def moe(
         capacity_factor=capacity_factor,
         activation=activation,
         drop_policy=drop_policy,
+        pipeline_chunks=pipeline_chunks,
         dtype=jnp.dtype(dtype or x.dtype).name,
         mesh=mesh,
         ep_axis=ep_axis if mesh is not None else None,

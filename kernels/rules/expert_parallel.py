@@ -170,6 +170,20 @@ def ep_layout(
     return EPLayout(num_tokens, num_experts, topk, ep_size, align_size or 1, capacity_factor)
 
 
+def pipeline_chunk_bounds(num_tokens: int, num_chunks: int) -> tuple[tuple[int, int], ...]:
+    """(start, end) token ranges of the dropless pipeline's `num_chunks` chunks of a rank's T tokens:
+    consecutive, covering [0, T), sizes differing by one at most (the first T % n one row larger; empty
+    ranges where T < n, so that every rank of a group runs the same number of chunks whatever its T).
+
+    Example:
+        >>> pipeline_chunk_bounds(7, 3)
+        ((0, 3), (3, 5), (5, 7))
+    """
+    base, larger = divmod(num_tokens, num_chunks)
+    ends = [(chunk + 1) * base + min(chunk + 1, larger) for chunk in range(num_chunks)]
+    return tuple(zip([0, *ends[:-1]], ends, strict=True))
+
+
 def shard_capacity(
     num_tokens: int,
     num_shards: int,

@@ -104,12 +104,14 @@ def check_options(
     exchange,
     exchanges: tuple[str, ...],
     drop_policy="position",
+    pipeline_chunks=1,
+    capacity_factor=None,
     **coefficients,
 ) -> None:
     """The layer's option values: an activation of ACTIVATIONS, a score function, an exchange among the
-    framework's `exchanges`, a drop policy of DROP_POLICIES and, for each loss coefficient given by name
-    (aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff: LOSSES), a finite number >= 0 (TypeError for a
-    non-number)."""
+    framework's `exchanges`, a drop policy of DROP_POLICIES, pipeline_chunks an int >= 1 (above 1 only
+    dropless: capacity_factor None) and, for each loss coefficient given by name (aux_loss_coeff,
+    seq_aux_loss_coeff, z_loss_coeff: LOSSES), a finite number >= 0 (TypeError for a non-number)."""
     if activation not in ACTIVATIONS:
         _fail("activation", f"expected one of {ACTIVATIONS}, got {activation!r}")
     if score_function not in SCORE_FUNCTIONS:
@@ -122,6 +124,16 @@ def check_options(
         _fail("exchange", f"expected one of {exchanges}, got {exchange!r}")
     if drop_policy not in DROP_POLICIES:
         _fail("drop_policy", f"expected one of {tuple(DROP_POLICIES)}, got {drop_policy!r}")
+    if not isinstance(pipeline_chunks, int) or isinstance(pipeline_chunks, bool) or pipeline_chunks < 1:
+        _fail("pipeline_chunks", f"expected an int >= 1, got {pipeline_chunks!r}")
+    if pipeline_chunks > 1 and capacity_factor is not None:
+        # Chunks of a capacity layer would each keep C slots per expert: other slots dropped than the
+        # layer's, so its results would depend on the chunking.
+        _fail(
+            "pipeline_chunks",
+            f"expected 1 with capacity_factor={capacity_factor} (chunks are dropless only),"
+            f" got {pipeline_chunks}",
+        )
 
 
 def check_tokens(
@@ -160,6 +172,7 @@ class LayerOptions:
     seq_aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
     drop_policy: str = "position"
+    pipeline_chunks: int = 1  # the dropless routed path in this many token chunks (results unchanged)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,9 @@ the dense single-device reference `moetriton.jax.reference_moe`, on a mesh of (d
 * options-DxE: the losses (seq_aux_loss_coeff, z_loss_coeff), token_mask, drop_policy="probs" (exact ties
   included) and return_stats's MoEStats, with and without capacity and shared experts, and the psums each
   option set compiles to;
-* benchmark: benchmarks/moe_jax.py's baseline against the layer, and one step of its command line.
+* benchmark: benchmarks/moe_jax.py's baseline against the layer, and one step of its command line;
+* pipeline: dropless in token chunks (pipeline_chunks) with shared experts, a mask and the losses on meshes
+  1x2 and 2x2, against the reference and bitwise repeatable (on GPUs through both exchanges).
 
 On CPU the exchange is the padded all_to_all fallback (XLA:CPU has no ragged all-to-all); on GPUs "auto"
 picks the ragged all-to-all. XLA_FLAGS must give 8 host devices before JAX starts; the parent test sets it.
@@ -474,6 +476,30 @@ def check_shared_experts() -> None:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def check_pipeline() -> None:
+    """Dropless in token chunks on meshes 1x2 and 2x2: 2 and 3 chunks and more chunks than a shard's
+    tokens, with shared experts, a padding mask and the losses, against the reference; the same bits on a
+    second run of the same chunking; on GPUs also through the ragged exchange."""
+    exchanges = ("padded", "ragged") if jax.default_backend() == "gpu" else ("padded",)
+    for data, ep in ((1, 2), (2, 2)):
+        mesh = make_mesh(data, ep)
+        problem = fixed_problem(data, ep, routing="empty_ranks", topk=2, align_size=2)
+        shared = with_shared_experts(problem, gate=True)
+        shard_tokens = problem.num_tokens // mesh.size
+        for chunks in (2, 3, shard_tokens + 1):
+            for exchange in exchanges:
+                options = dict(ALL_LOSSES, pipeline_chunks=chunks)
+                mask = padding_mask(problem.batch, problem.seq)
+                first = check_against_reference(
+                    shared, mesh, options=options, token_mask=mask, stats=True, exchange=exchange
+                )
+                second = check_against_reference(
+                    shared, mesh, options=options, token_mask=mask, stats=True, exchange=exchange
+                )
+                for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
+                    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def check_flax() -> None:
     from flax import linen as nn
 
@@ -641,6 +667,7 @@ CHECKS = {
     "benchmark": check_benchmark,
     "options-1x2": lambda: check_options(1, 2),
     "options-2x2": lambda: check_options(2, 2),
+    "pipeline": check_pipeline,
 }
 
 #: Devices each check needs.
@@ -663,6 +690,7 @@ DEVICES.update(
         "benchmark": 2,
         "options-1x2": 2,
         "options-2x2": 4,
+        "pipeline": 4,
     }
 )
 

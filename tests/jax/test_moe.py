@@ -94,6 +94,20 @@ def test_no_tokens_on_one_device_with_every_option(capacity_factor):
     assert all(not np.asarray(g).any() for g in grads), "no token: every gradient is zero"
 
 
+@pytest.mark.parametrize("chunks", [2, 3, 7])
+def test_pipeline_chunks_on_one_device_match_reference(chunks):
+    """Dropless in token chunks (7: more chunks than the 6 tokens) with shared experts, a mask and every
+    loss: the reference's results and gradients, the same bits on a second run."""
+    problem = with_shared_experts(fixed_problem(1, 1, routing="rank0", topk=2, align_size=2), gate=True)
+    mask = padding_mask(problem.batch, problem.seq)
+    options = dict(ALL_LOSSES, pipeline_chunks=chunks)
+    with jax.default_matmul_precision("highest"):
+        first = check_against_reference(problem, None, options=options, token_mask=mask, stats=True)
+        second = check_against_reference(problem, None, options=options, token_mask=mask, stats=True)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_bf16_compute_matches_fp32_reference():
     problem = fixed_problem(1, 1, routing="empty_ranks", topk=2, align_size=4)
     with jax.default_matmul_precision("highest"):
@@ -447,6 +461,11 @@ def _args(**change):
             "token_mask: expected bool [2, 3] (x's leading shape), got float32",
         ),
         (dict(exchange="nccl"), "exchange: expected one of"),
+        (dict(pipeline_chunks=0), "pipeline_chunks: expected an int >= 1, got 0"),
+        (
+            dict(pipeline_chunks=2, capacity_factor=1.0),
+            "pipeline_chunks: expected 1 with capacity_factor=1.0 (chunks are dropless only), got 2",
+        ),
         (dict(data_axes=("data",)), "data_axes: expected () without a mesh"),
         (dict(shared_down=jnp.zeros((6, 8))), "shared_gate_up: expected an array: shared_gate_up and"),
         (

@@ -1,18 +1,21 @@
 """The dropless row exchange through all_to_all_single: counts gathered and read on the host (the call's one
-sync), rows exchanged source-major, chunk-sorted to expert-major for the experts and back."""
+sync), rows exchanged source-major, chunk-sorted to expert-major for the experts and back; the layer's token
+chunks pipelined, one chunk's exchange beside another's GEMMs."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from moetriton.kernels.rules.expert_parallel import dropless_exchange, ep_layout
+from moetriton.kernels.rules.expert_parallel import EPLayout, dropless_exchange, ep_layout
 
 from .._stages import stage
 from ..permutation import sort_chunks_by_index
-from .collectives import all_to_all_rows
+from .collectives import finish_exchange, start_exchange
 from .experts import expert_mlp
 
 
@@ -28,31 +31,63 @@ def chunk_orders(ep_size: int, local_experts: int, device: torch.device) -> tupl
 
 
 def dropless_experts(
-    send, send_counts, gathered, layout, ep_rank, group, gate_up, down, activation
-) -> Tensor:
-    """Dropless: send buffer [S, H] with send_counts [E] rows per expert -> expert outputs, same layout.
-    gathered: with EP > 1, `gather_counts`' pair (every rank's counts [EP, E], their host copy)."""
-    if layout.ep_size == 1:
-        return expert_mlp(send, send_counts, gate_up, down, activation)
-    counts_all, counts_on_host = gathered
+    sends: Sequence[tuple[Tensor, Tensor]],
+    gathered: Sequence[tuple[Tensor, Callable[[], np.ndarray]]] | None,
+    layouts: Sequence[EPLayout],
+    ep_rank: int,
+    group,
+    gate_up: Tensor,
+    down: Tensor,
+    activation: str,
+    combine: Callable[[int, Tensor], Tensor],
+) -> list[Tensor]:
+    """The dropless experts of a pipeline's token chunks: chunk c's send buffer [S_c, H] and its rows per
+    expert [E] (sends[c]) -> combine(c, its expert outputs in the send buffer's layout), for every c.
+
+    With EP > 1, gathered[c] is `gather_counts`' pair for chunk c (every rank's counts [EP, E] and their
+    host copy; the host waits once, for all chunks) and every exchange is started, not waited for
+    (all_to_all_single on NCCL's stream): chunk c + 1's rows arrive while chunk c's GEMMs run, and chunk
+    c's results return while chunk c + 1's run; the backward runs the same pipeline in reverse (see
+    `finish_exchange`). One chunk is the unpipelined layer."""
+    if layouts[0].ep_size == 1:  # the send buffer is the receive buffer, already expert-major
+        return [
+            combine(chunk, expert_mlp(send, counts, gate_up, down, activation))
+            for chunk, (send, counts) in enumerate(sends)
+        ]
+    ep_size, local = layouts[0].ep_size, layouts[0].local_experts
     with stage("chunk_sort"):
         # Before the host waits: the device work queued here runs while it does, and nothing of it is left
-        # between the wait and the row exchange.
-        on_device = dropless_exchange(counts_all, ep_rank, layout)
-        to_expert_major, to_source_major = chunk_orders(layout.ep_size, layout.local_experts, send.device)
-        chunk_sizes = on_device["chunk_sizes"]  # [EP * L] source-major
-        returning_sizes = chunk_sizes[to_expert_major]  # [L * EP] expert-major
+        # between the wait and the row exchanges.
+        on_device = [
+            dropless_exchange(counts, ep_rank, layout)
+            for (counts, _), layout in zip(gathered, layouts, strict=True)
+        ]
+        to_expert_major, to_source_major = chunk_orders(ep_size, local, sends[0][0].device)
     with stage("exchange_sizes"):
-        on_host = dropless_exchange(counts_on_host(), ep_rank, layout)  # the call's one host sync
-        send_sizes, recv_sizes = on_host["send_sizes"].tolist(), on_host["recv_sizes"].tolist()
+        sizes = []  # per chunk (send_sizes, recv_sizes) on the host: the call's one host sync
+        for (_, on_host), layout in zip(gathered, layouts, strict=True):
+            host_plan = dropless_exchange(on_host(), ep_rank, layout)
+            sizes.append((host_plan["send_sizes"].tolist(), host_plan["recv_sizes"].tolist()))
     with stage("all_to_all"):
-        received = all_to_all_rows(
-            send, send_sizes, recv_sizes, sum(recv_sizes), group
-        )  # [R, H] source-major
-    with stage("chunk_sort"):
-        expert_major, _ = sort_chunks_by_index(received, chunk_sizes, to_expert_major)
-    out = expert_mlp(expert_major, on_device["group_sizes"], gate_up, down, activation)
-    with stage("chunk_sort"):
-        source_major, _ = sort_chunks_by_index(out, returning_sizes, to_source_major)
-    with stage("all_to_all"):
-        return all_to_all_rows(source_major, recv_sizes, send_sizes, send.shape[0], group)
+        arriving = [
+            start_exchange(send, sent, got, sum(got), group)  # [R_c, H] source-major
+            for (send, _), (sent, got) in zip(sends, sizes, strict=True)
+        ]
+    returning = []
+    for (send, _), (sent, got), plan, started in zip(sends, sizes, on_device, arriving, strict=True):
+        with stage("all_to_all"):
+            received = finish_exchange(started)
+        with stage("chunk_sort"):
+            chunk_sizes = plan["chunk_sizes"]  # [EP * L] source-major
+            expert_major, _ = sort_chunks_by_index(received, chunk_sizes, to_expert_major)
+        out = expert_mlp(expert_major, plan["group_sizes"], gate_up, down, activation)
+        with stage("chunk_sort"):
+            source_major, _ = sort_chunks_by_index(out, chunk_sizes[to_expert_major], to_source_major)
+        with stage("all_to_all"):
+            returning.append(start_exchange(source_major, got, sent, send.shape[0], group))
+    results = []
+    for chunk, started in enumerate(returning):
+        with stage("all_to_all"):
+            rows = finish_exchange(started)
+        results.append(combine(chunk, rows))
+    return results

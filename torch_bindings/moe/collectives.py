@@ -82,32 +82,97 @@ def group_hosts(group: dist.ProcessGroup) -> tuple[int, ...]:
 
 def _all_to_all(
     rows: Tensor, send_sizes: list[int] | None, recv_sizes: list[int] | None, out_rows: int, group
-) -> Tensor:
-    """[out_rows, H]: rows [N, H] sent in `send_sizes` row blocks, received in `recv_sizes` blocks (None:
-    equal blocks, out_rows = N); rows past the received ones are zero."""
+) -> tuple[Tensor, dist.Work]:
+    """([out_rows, H], the collective's work): rows [N, H] sent in `send_sizes` row blocks, received in
+    `recv_sizes` blocks (None: equal blocks, out_rows = N), started and not waited for; rows past the
+    received ones are zero."""
     out = rows.new_empty(out_rows, rows.shape[1])
     if send_sizes is None:
-        dist.all_to_all_single(out, rows.contiguous(), group=group)
-        return out
+        return out, dist.all_to_all_single(out, rows.contiguous(), group=group, async_op=True)
     received = sum(recv_sizes)
     out[received:].zero_()
-    dist.all_to_all_single(
-        out[:received], rows[: sum(send_sizes)].contiguous(), recv_sizes, send_sizes, group=group
+    work = dist.all_to_all_single(
+        out[:received],
+        rows[: sum(send_sizes)].contiguous(),
+        recv_sizes,
+        send_sizes,
+        group=group,
+        async_op=True,
     )
-    return out
+    return out, work
 
 
-class _Exchange(torch.autograd.Function):
-    """all_to_all_single of rows whose backward is the reverse exchange of the gradient."""
+class _InFlight:
+    """One exchange's collectives in flight: the forward one, then its gradient's reverse one and the rows
+    that one fills. Waiting orders the current stream after the collective (NCCL) or blocks until it is done
+    (gloo)."""
+
+    def __init__(self, reverse: tuple) -> None:
+        self.reverse = reverse  # the reverse exchange's (send_sizes, recv_sizes, out_rows, group)
+        self.forward: dist.Work | None = None
+        self.backward: dist.Work | None = None
+        self.gradient: Tensor | None = None  # [N, H]: the rows' gradient, once the reverse exchange is done
+
+
+class _StartExchange(torch.autograd.Function):
+    """Starts the exchange of rows [N, H] into [out_rows, H], valid only after `_FinishExchange`. Backward:
+    waits for the reverse exchange of the gradient that `_FinishExchange`'s backward started, and returns
+    its rows."""
 
     @staticmethod
-    def forward(ctx, rows, send_sizes, recv_sizes, out_rows, group):
-        ctx.reverse = (recv_sizes, send_sizes, rows.shape[0], group)
-        return _all_to_all(rows, send_sizes, recv_sizes, out_rows, group)
+    def forward(ctx, rows, send_sizes, recv_sizes, out_rows, group, flight):
+        out, flight.forward = _all_to_all(rows, send_sizes, recv_sizes, out_rows, group)
+        ctx.flight = flight
+        return out
+
+    @staticmethod
+    def backward(ctx, _placeholder):
+        flight = ctx.flight
+        flight.backward.wait()
+        gradient, flight.gradient = flight.gradient, None
+        return gradient, None, None, None, None, None
+
+
+class _FinishExchange(torch.autograd.Function):
+    """Waits for a started exchange. Backward: starts the reverse exchange of the gradient, which
+    `_StartExchange`'s backward waits for. Autograd runs the nodes made later in the forward first, so the
+    backward of the GEMMs of a chunk whose exchange started later runs while this one moves. Autograd
+    checks every gradient against its input's shape, so the reverse exchange's rows ([N, H], not yet valid)
+    pass to `_StartExchange` on `flight`, and the gradient itself ([out_rows, H]) goes along as a placeholder
+    that nothing reads."""
+
+    @staticmethod
+    def forward(ctx, out, flight):
+        flight.forward.wait()
+        ctx.flight = flight
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all(grad, *ctx.reverse), None, None, None, None
+        flight = ctx.flight
+        flight.gradient, flight.backward = _all_to_all(grad, *flight.reverse)
+        return grad, None
+
+
+def start_exchange(
+    rows: Tensor, send_sizes: list[int] | None, recv_sizes: list[int] | None, out_rows: int, group
+) -> tuple[Tensor, _InFlight]:
+    """Starts the differentiable all_to_all_single of rows [N, H] -> [out_rows, H] (as `all_to_all_rows`):
+    returns the output rows, not yet valid, and what `finish_exchange` waits for. With NCCL the rows move on
+    the collective's own stream while the current stream runs what is queued before `finish_exchange`.
+
+    Example (two ranks; chunk 1's rows move while chunk 0's experts run):
+        >>> started = [start_exchange(rows, sent, got, sum(got), group) for rows, sent, got in chunks]
+        >>> first = experts(finish_exchange(started[0]))  # doctest: +SKIP
+    """
+    flight = _InFlight((recv_sizes, send_sizes, rows.shape[0], group))
+    return _StartExchange.apply(rows, send_sizes, recv_sizes, out_rows, group, flight), flight
+
+
+def finish_exchange(started: tuple[Tensor, _InFlight]) -> Tensor:
+    """The rows of an exchange `start_exchange` started, once they arrived (the current stream waits for
+    them; the host does not, with NCCL)."""
+    return _FinishExchange.apply(*started)
 
 
 def all_to_all_rows(
@@ -120,7 +185,7 @@ def all_to_all_rows(
     Example (two ranks; rank 0 sends 1 row to itself and 2 to rank 1):
         >>> out = all_to_all_rows(rows, [1, 2], [1, 3], 4, group)  # doctest: +SKIP
     """
-    return _Exchange.apply(rows, send_sizes, recv_sizes, out_rows, group)
+    return finish_exchange(start_exchange(rows, send_sizes, recv_sizes, out_rows, group))
 
 
 class _GlobalSum(torch.autograd.Function):

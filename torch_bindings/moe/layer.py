@@ -14,6 +14,10 @@ moetriton.kernels.rules.expert_parallel (EPLayout, dropless_exchange, dropped_sl
       -> inverse chunk sort -> reverse all_to_all_single -> token_combine with w -> [T, H]
       (+ the shared experts' FFN of x, optionally gated per token, where shared weights are given)
 
+Dropless, `pipeline_chunks=n` runs everything from the dispatch to the combine on n token chunks (one count
+exchange and host sync for all of them), every exchange started without waiting, so that a chunk's rows
+move while another chunk's GEMMs run (moetriton.torch.moe.all_to_all.dropless_experts).
+
 Dropless with EP > 1 on GPUs of one host (exchange="auto" or "peer"), the exchanges and chunk sorts are
 replaced by moetriton.torch.moe.peer: token_dispatch writes into a symmetric staging buffer, every rank
 copies its rows from the others' buffers straight into expert-major order, the expert outputs are copied
@@ -49,13 +53,22 @@ uses torch.bmm on every device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moetriton.kernels.rules import moe as layer_rules
-from moetriton.kernels.rules.expert_parallel import ep_layout, gate_up_width, padded_counts
+from moetriton.kernels.rules.expert_parallel import (
+    ep_layout,
+    gate_up_width,
+    padded_counts,
+    pipeline_chunk_bounds,
+)
 from moetriton.kernels.rules.moe import MoEStats
 
 from .._checks import Signature, memoised, same_device, signature
@@ -96,6 +109,8 @@ def _check_moe(
     score_function,
     exchange,
     drop_policy,
+    pipeline_chunks,
+    capacity_factor,
     **coefficients,
 ) -> layer_rules.LayerShape:
     """(hidden H, experts E, ffn F) of valid layer arguments: the shared layer rules (the same errors as
@@ -106,6 +121,8 @@ def _check_moe(
         exchange=exchange,
         exchanges=EXCHANGES,
         drop_policy=drop_policy,
+        pipeline_chunks=pipeline_chunks,
+        capacity_factor=capacity_factor,
         **coefficients,
     )
     shared = dict(shared_gate_up=shared_gate_up, shared_down=shared_down, shared_gate=shared_gate)
@@ -172,6 +189,7 @@ def moe(
     seq_aux_loss_coeff: float = 0.0,
     z_loss_coeff: float = 0.0,
     drop_policy: str = "position",
+    pipeline_chunks: int = 1,
     token_mask: Tensor | None = None,
     return_stats: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor] | tuple[Tensor, Tensor, Tensor, MoEStats]:
@@ -195,6 +213,14 @@ def moe(
         capacity_factor: None for dropless; c > 0 for C = c x the balanced load per (rank, expert).
         drop_policy: which slots a full expert keeps under capacity_factor: "position" (its first C, in
             token order) or "probs" (its C of highest merging weight, ties to the earlier slot).
+        pipeline_chunks: dropless only (1 with capacity_factor): the routed path (dispatch, exchange,
+            experts, combine) runs on this many consecutive chunks of the T tokens, sizes differing by one
+            at most (moetriton.kernels.rules.expert_parallel.pipeline_chunk_bounds). With the all_to_all
+            exchange the chunks form a pipeline, forward and backward: one chunk's rows move on NCCL's
+            stream while another chunk's GEMMs run; the peer exchange's copies are kernels on the layer's
+            stream, so there chunks run in turn. The results equal the unchunked layer's up to rounding
+            (the same bits for the same chunking); still one host sync per call. Whether it pays is a
+            measurement per shape and GPU: docs/moe.md ("Pipelined chunks").
         ep_group: the expert-parallel process group (None: one rank, every expert local). Every rank calls
             with the same T, E, K and options.
         token_group: the group over which the aux loss and the dropped count are global: every rank whose
@@ -255,6 +281,8 @@ def moe(
         score_function=score_function,
         exchange=exchange,
         drop_policy=drop_policy,
+        pipeline_chunks=pipeline_chunks,
+        capacity_factor=capacity_factor,
         aux_loss_coeff=aux_loss_coeff,
         seq_aux_loss_coeff=seq_aux_loss_coeff,
         z_loss_coeff=z_loss_coeff,
@@ -320,39 +348,75 @@ def moe(
 
     extra = (stats,) if return_stats else ()
     if layout.dropless:
-        gathered = None
+        bounds = pipeline_chunk_bounds(layout.num_tokens, pipeline_chunks)
+        sizes = [end - start for start, end in bounds]
+        layouts = [replace(layout, num_tokens=size) for size in sizes]
+        chunk_tokens, chunk_indices, chunk_merging = (
+            value.split(sizes) for value in (tokens, indices, merging)
+        )  # split, not slices: one concatenation of the chunks' gradients in the backward
+        gathered = tokens_on_host = None
         if ep_size > 1:
             with stage("exchange_sizes"):
-                # Every rank's counts per expert and its T, gathered in one exchange.
-                mine = torch.cat([padded_counts(routed, layout), routed.new_full((1,), layout.num_tokens)])
+                # Every rank's counts per expert and T of every chunk, gathered in one exchange.
+                routed_per_chunk = (
+                    [routed] if len(sizes) == 1 else [chunk.sum(0) for chunk in routing_map.split(sizes)]
+                )
+                mine = torch.cat(
+                    [
+                        torch.cat([padded_counts(counts, chunk), counts.new_full((1,), chunk.num_tokens)])
+                        for counts, chunk in zip(routed_per_chunk, layouts, strict=True)
+                    ]
+                )
                 everyone, on_host = gather_counts(mine, ep_size, ep_group)
-                gathered = (everyone[:, :num_experts], lambda: on_host()[:, :num_experts])
-            if use_peer:
-                shared = shared_ffn()
-                combined = peer_dropless(
-                    tokens,
-                    indices,
-                    merging,
-                    gathered,
-                    lambda: on_host()[:, num_experts],
-                    layout,
+                gathered, tokens_on_host = _chunk_counts(everyone, on_host, len(sizes), num_experts)
+        if use_peer:  # the peer copies are kernels on this stream: the chunks run in turn
+            shared = shared_ffn()
+            parts = [
+                peer_dropless(
+                    *chunk,
+                    counts,
+                    chunk_tokens_on_host,
+                    chunk_layout,
                     ep_rank,
                     ep_group,
                     gate_up,
                     down,
                     activation,
                 )
-                out = _plus_shared(combined, shared, valid).reshape(x.shape)
-                return out, aux_loss, dropped, *extra
+                for *chunk, counts, chunk_tokens_on_host, chunk_layout in zip(
+                    chunk_tokens, chunk_indices, chunk_merging, gathered, tokens_on_host, layouts, strict=True
+                )
+            ]
+            return _plus_shared(_joined(parts), shared, valid).reshape(x.shape), aux_loss, dropped, *extra
         with stage("dispatch"):
-            send, _, row_id_map, pad_offsets, send_counts = token_dispatch(
-                tokens, indices=indices, num_experts=num_experts, align_size=layout.align_size
-            )
+            dispatched = [
+                token_dispatch(
+                    chunk, indices=chunk_ids, num_experts=num_experts, align_size=layout.align_size
+                )
+                for chunk, chunk_ids in zip(chunk_tokens, chunk_indices, strict=True)
+            ]
         shared = shared_ffn()
-        out = dropless_experts(
-            send, send_counts, gathered, layout, ep_rank, ep_group, gate_up, down, activation
+
+        def combine(chunk: int, rows: Tensor) -> Tensor:
+            _, _, row_id_map, pad_offsets, _ = dispatched[chunk]
+            with stage("combine"):
+                return token_combine(
+                    rows, row_id_map, merging_probs=chunk_merging[chunk], pad_offsets=pad_offsets
+                )
+
+        parts = dropless_experts(
+            [(send, counts) for send, _, _, _, counts in dispatched],
+            gathered,
+            layouts,
+            ep_rank,
+            ep_group,
+            gate_up,
+            down,
+            activation,
+            combine,
         )
-    elif use_peer:
+        return _plus_shared(_joined(parts), shared, valid).reshape(x.shape), aux_loss, dropped, *extra
+    if use_peer:
         if same_tokens is not None:  # before the first barrier: a bad T fails on every rank alike
             check_same_tokens(same_tokens())
         shared = shared_ffn()
@@ -360,18 +424,38 @@ def moe(
             tokens, indices, merging, layout, ep_rank, ep_group, gate_up, down, activation
         )
         return _plus_shared(combined, shared, valid).reshape(x.shape), aux_loss, dropped, *extra
-    else:
-        with stage("dispatch"):
-            send, _, row_id_map, pad_offsets, _ = token_dispatch(
-                tokens, indices=indices, num_experts=num_experts, capacity=layout.capacity
-            )
-        if same_tokens is not None:
-            check_same_tokens(same_tokens())
-        shared = shared_ffn()
-        out = capacity_experts(send, layout, ep_group, gate_up, down, activation)
+    with stage("dispatch"):
+        send, _, row_id_map, pad_offsets, _ = token_dispatch(
+            tokens, indices=indices, num_experts=num_experts, capacity=layout.capacity
+        )
+    if same_tokens is not None:
+        check_same_tokens(same_tokens())
+    shared = shared_ffn()
+    out = capacity_experts(send, layout, ep_group, gate_up, down, activation)
     with stage("combine"):
         combined = token_combine(out, row_id_map, merging_probs=merging, pad_offsets=pad_offsets)
     return _plus_shared(combined, shared, valid).reshape(x.shape), aux_loss, dropped, *extra
+
+
+def _chunk_counts(
+    everyone: Tensor, on_host: Callable[[], np.ndarray], num_chunks: int, num_experts: int
+) -> tuple[list[tuple[Tensor, Callable[[], np.ndarray]]], list[Callable[[], np.ndarray]]]:
+    """Per chunk, from the gathered [EP, chunks * (E + 1)] (each chunk's counts per expert, then its T):
+    (every rank's counts [EP, E] on the device, a function returning them from the host copy), and a
+    function returning every rank's T of the chunk [EP] from the host copy."""
+    width = num_experts + 1
+    counts, tokens = [], []
+    for chunk in range(num_chunks):
+        first = chunk * width
+        columns = slice(first, first + num_experts)
+        counts.append((everyone[:, columns], lambda columns=columns: on_host()[:, columns]))
+        tokens.append(lambda column=first + num_experts: on_host()[:, column])
+    return counts, tokens
+
+
+def _joined(parts: list[Tensor]) -> Tensor:
+    """The chunks' combined rows [T_c, H] as one [T, H] (one chunk: itself, no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _plus_shared(routed: Tensor, shared: Tensor | None, valid: Tensor | None) -> Tensor:
@@ -438,6 +522,7 @@ class MoELayer(nn.Module):
         seq_aux_loss_coeff: float = 0.0,
         z_loss_coeff: float = 0.0,
         drop_policy: str = "position",
+        pipeline_chunks: int = 1,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -448,6 +533,8 @@ class MoELayer(nn.Module):
             exchange=exchange,
             exchanges=EXCHANGES,
             drop_policy=drop_policy,
+            pipeline_chunks=pipeline_chunks,
+            capacity_factor=capacity_factor,
             aux_loss_coeff=aux_loss_coeff,
             seq_aux_loss_coeff=seq_aux_loss_coeff,
             z_loss_coeff=z_loss_coeff,
@@ -497,6 +584,7 @@ class MoELayer(nn.Module):
             seq_aux_loss_coeff=seq_aux_loss_coeff,
             z_loss_coeff=z_loss_coeff,
             drop_policy=drop_policy,
+            pipeline_chunks=pipeline_chunks,
         )
         self.reset_parameters()
 
