@@ -129,7 +129,8 @@ class _StartExchange(torch.autograd.Function):
     def backward(ctx, _placeholder):
         flight = ctx.flight
         flight.backward.wait()
-        gradient, flight.gradient = flight.gradient, None
+        # Dropped once waited for: a collective's work holds its tensors until it is freed.
+        gradient, flight.gradient, flight.backward = flight.gradient, None, None
         return gradient, None, None, None, None, None
 
 
@@ -144,6 +145,7 @@ class _FinishExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, flight):
         flight.forward.wait()
+        flight.forward = None  # its tensors are freed with it, not kept for the backward
         ctx.flight = flight
         return out
 
