@@ -33,10 +33,10 @@
 #               benchmarks.moe_jax; MOE_TORCH_ARGS, MOE_JAX_ARGS)
 #   moe2        the same with EP = 2 over two GPUs (torchrun for PyTorch, one process for JAX)
 #   overlap     on two GPUs, how much exchange time compute hides: benchmarks.exchange_torch --overlap (each
-#               transport beside the experts' GEMMs), then the layer steps plain and with a shared expert
-#               (benchmarks.moe_torch, both exchanges, and benchmarks.moe_jax at EP = 2), whose
-#               exposed_exchange_ms columns show what the shared experts hide (OVERLAP_ARGS, MOE_TORCH_ARGS,
-#               MOE_JAX_ARGS)
+#               transport beside the experts' GEMMs), then the layer steps plain, with a shared expert and in
+#               two pipelined token chunks (benchmarks.moe_torch, both exchanges, and benchmarks.moe_jax at
+#               EP = 2), whose exposed_exchange_ms columns show what the shared experts and the chunks hide
+#               (OVERLAP_ARGS, MOE_TORCH_ARGS, MOE_JAX_ARGS)
 #   scaling     the EP examples over all GPUs, then the layer-step benchmarks at every EP of MOE_EP (default
 #               1 2 4 8, those the GPUs allow): one torchrun per EP for PyTorch, one JAX run for all; parts
 #               SCALING_PARTS (default "examples torch jax"); `python -m benchmarks.report --tables scaling
@@ -220,9 +220,9 @@ EOF
         set -e
         "$0" -m torch.distributed.run --nproc-per-node 2 -m benchmarks.exchange_torch --overlap \
           --out "$1/results" ${OVERLAP_ARGS:-}
-        "$0" -m torch.distributed.run --nproc-per-node 2 -m benchmarks.moe_torch --variants plain,shared \
-          --impl moetriton,moetriton_a2a --out "$1/results" ${MOE_TORCH_ARGS:-}
-        "$0" -m benchmarks.moe_jax --ep 2 --impl moetriton --variants plain,shared \
+        "$0" -m torch.distributed.run --nproc-per-node 2 -m benchmarks.moe_torch \
+          --variants plain,shared,pipeline2 --impl moetriton,moetriton_a2a --out "$1/results" ${MOE_TORCH_ARGS:-}
+        "$0" -m benchmarks.moe_jax --ep 2 --impl moetriton --variants plain,shared,pipeline2 \
           --isolate "${MOE_ROW_TIMEOUT:-300}" --out "$1/results" ${MOE_JAX_ARGS:-}
       ' "$PY" "$outdir" || status=$?
       grep -v -i warn "$log" | tail -40 ;;
