@@ -351,9 +351,10 @@ def moe(
         bounds = pipeline_chunk_bounds(layout.num_tokens, pipeline_chunks)
         sizes = [end - start for start, end in bounds]
         layouts = [replace(layout, num_tokens=size) for size in sizes]
+        # split, not slices: one concatenation of the chunks' gradients in the backward (none for one chunk)
         chunk_tokens, chunk_indices, chunk_merging = (
-            value.split(sizes) for value in (tokens, indices, merging)
-        )  # split, not slices: one concatenation of the chunks' gradients in the backward
+            (value,) if len(sizes) == 1 else value.split(sizes) for value in (tokens, indices, merging)
+        )
         gathered = tokens_on_host = None
         if ep_size > 1:
             with stage("exchange_sizes"):
