@@ -46,22 +46,24 @@ def _layout_rows(
     block,
     within,
     row_mask,
+    mask,
     out_rows,
     num_blocks,
     PERMUTED: tl.constexpr,
     OFFSETS: tl.constexpr,
 ):
-    """(rows of the layout of block rows `within`, the mask of those inside it): p * out_rows + j, or
-    dest_rows[that] clipped into [0, P * out_rows) where PERMUTED; where OFFSETS offsets[p] + j, inside
-    when in [0, out_rows) (a row a bad offset puts outside is neither read nor written)."""
+    """(rows of the layout of block rows `within`, the copy mask [TILE_ROWS, TILE_COLS]): p * out_rows + j,
+    or dest_rows[that] clipped into [0, P * out_rows) where PERMUTED, under `mask` as it is; where OFFSETS
+    offsets[p] + j, with `mask` narrowed to the rows in [0, out_rows) (a row a bad offset puts outside is
+    neither read nor written)."""
     if OFFSETS:
         rows = tl.load(offsets_ptr + block).to(tl.int64) + within
-        return rows, row_mask & (rows >= 0) & (rows < out_rows)
+        return rows, mask & ((rows >= 0) & (rows < out_rows))[:, None]
     rows = block * out_rows + within
     if PERMUTED:
         rows = tl.load(dest_rows_ptr + rows, mask=row_mask, other=0).to(tl.int64)
         rows = tl.minimum(tl.maximum(rows, 0), num_blocks * out_rows - 1)
-    return rows, row_mask
+    return rows, mask
 
 
 @triton.jit
@@ -95,10 +97,9 @@ def _place_blocks_kernel(
     block, within, cols, row_mask, mask, live = _block_tile(sizes_ptr, rows, WIDTH, TILE_ROWS, TILE_COLS)
     if not live:
         return
-    target, inside = _layout_rows(
-        dest_rows_ptr, offsets_ptr, block, within, row_mask, out_rows, num_blocks, PERMUTED, OFFSETS
+    target, mask = _layout_rows(
+        dest_rows_ptr, offsets_ptr, block, within, row_mask, mask, out_rows, num_blocks, PERMUTED, OFFSETS
     )
-    mask = mask & inside[:, None]
     _copy_rows(blocks_ptr, block * rows + within, out_ptr, target, cols, mask, WIDTH)
 
 
@@ -124,10 +125,9 @@ def _take_blocks_kernel(
     block, within, cols, row_mask, mask, live = _block_tile(sizes_ptr, rows, WIDTH, TILE_ROWS, TILE_COLS)
     if not live:
         return
-    source, inside = _layout_rows(
-        dest_rows_ptr, offsets_ptr, block, within, row_mask, out_rows, num_blocks, PERMUTED, OFFSETS
+    source, mask = _layout_rows(
+        dest_rows_ptr, offsets_ptr, block, within, row_mask, mask, out_rows, num_blocks, PERMUTED, OFFSETS
     )
-    mask = mask & inside[:, None]
     _copy_rows(layout_ptr, source, blocks_ptr, block * rows + within, cols, mask, WIDTH)
 
 
