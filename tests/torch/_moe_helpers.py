@@ -274,8 +274,9 @@ def _routing_case(name: str, rank: int, world: int, num_experts: int) -> tuple[l
 def routing_worker(rank: int, world: int, store: str, backend: str) -> None:
     """One rank of a spawned group running ROUTING_CASES through the EP layer against the dense reference:
     ranks that receive no rows, a rank without tokens, no tokens at all, every slot on one expert; with
-    both exchanges on GPUs. Then capacity with different T per rank: the same ValueError on every rank, and
-    the group still works afterwards (no rank left in a collective)."""
+    both exchanges on GPUs, dropless unchunked and in 3 pipelined chunks. Then capacity with different T
+    per rank: the same ValueError on every rank, and the group still works afterwards (no rank left in a
+    collective)."""
     import pytest
 
     import moetriton.torch as mt
@@ -310,7 +311,10 @@ def routing_worker(rank: int, world: int, store: str, backend: str) -> None:
             first = sum(counts[:rank])
             mine = slice(first, first + counts[rank])
             experts = slice(rank * local, (rank + 1) * local)
-            for exchange in exchanges if capacity_factor is None else ("auto",):
+            # Dropless also in 3 pipelined chunks: every rank runs as many chunks whatever its T (a rank
+            # without tokens runs 3 empty ones), or the chunks' exchanges would not pair up.
+            runs = [(exchange, chunks) for exchange in exchanges for chunks in (1, 3)]
+            for exchange, chunks in runs if capacity_factor is None else [("auto", 1)]:
                 leaves = dict(
                     x=x_all[mine].to(device, copy=True),
                     gate_weight=full["gate_weight"].to(device, copy=True),
@@ -324,6 +328,7 @@ def routing_worker(rank: int, world: int, store: str, backend: str) -> None:
                     **{**options, "expert_bias": bias.to(device)},
                     ep_group=dist.group.WORLD,
                     exchange=exchange,
+                    pipeline_chunks=chunks,
                 )
                 ((out * cotangent[mine].to(device)).sum() + aux_loss).backward()
                 dist.all_reduce(leaves["gate_weight"].grad)
@@ -338,7 +343,10 @@ def routing_worker(rank: int, world: int, store: str, backend: str) -> None:
                 )
                 for key, value in want.items():
                     torch.testing.assert_close(
-                        got[key].cpu(), value, **TOLERANCE, msg=lambda m, k=key, n=name: f"{n} {k}: {m}"
+                        got[key].cpu(),
+                        value,
+                        **TOLERANCE,
+                        msg=lambda m, k=key, n=name, c=chunks: f"{n} {c} chunks {k}: {m}",
                     )
                 assert int(dropped) == int(expected["dropped"]), (
                     name,
