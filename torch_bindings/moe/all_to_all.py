@@ -58,11 +58,11 @@ def dropless_experts(
     with stage("chunk_sort"):
         # Before the host waits: the device work queued here runs while it does, and nothing of it is left
         # between the wait and the row exchanges.
-        on_device = [
-            dropless_exchange(counts, ep_rank, layout)
-            for (counts, _), layout in zip(gathered, layouts, strict=True)
-        ]
         to_expert_major, to_source_major = chunk_orders(ep_size, local, sends[0][0].device)
+        on_device = []  # per chunk (its exchange plan, the returning chunk sizes [L * EP] expert-major)
+        for (counts, _), layout in zip(gathered, layouts, strict=True):
+            plan = dropless_exchange(counts, ep_rank, layout)
+            on_device.append((plan, plan["chunk_sizes"][to_expert_major]))
     with stage("exchange_sizes"):
         sizes = []  # per chunk (send_sizes, recv_sizes) on the host: the call's one host sync
         for (_, on_host), layout in zip(gathered, layouts, strict=True):
@@ -74,15 +74,17 @@ def dropless_experts(
             for (send, _), (sent, got) in zip(sends, sizes, strict=True)
         ]
     returning = []
-    for (send, _), (sent, got), plan, started in zip(sends, sizes, on_device, arriving, strict=True):
+    for (send, _), (sent, got), (plan, returning_sizes), started in zip(
+        sends, sizes, on_device, arriving, strict=True
+    ):
         with stage("all_to_all"):
             received = finish_exchange(started)
         with stage("chunk_sort"):
-            chunk_sizes = plan["chunk_sizes"]  # [EP * L] source-major
-            expert_major, _ = sort_chunks_by_index(received, chunk_sizes, to_expert_major)
+            # chunk sizes [EP * L] source-major
+            expert_major, _ = sort_chunks_by_index(received, plan["chunk_sizes"], to_expert_major)
         out = expert_mlp(expert_major, plan["group_sizes"], gate_up, down, activation)
         with stage("chunk_sort"):
-            source_major, _ = sort_chunks_by_index(out, chunk_sizes[to_expert_major], to_source_major)
+            source_major, _ = sort_chunks_by_index(out, returning_sizes, to_source_major)
         with stage("all_to_all"):
             returning.append(start_exchange(source_major, got, sent, send.shape[0], group))
     results = []
