@@ -48,7 +48,7 @@ def dropless_experts(
     host copy; the host waits once, for all chunks) and every exchange is started, not waited for
     (all_to_all_single on NCCL's stream): chunk c + 1's rows arrive while chunk c's GEMMs run, and chunk
     c's results return while chunk c + 1's run; the backward runs the same pipeline in reverse (see
-    `finish_exchange`). One chunk is the unpipelined layer."""
+    `finish_exchange`). One chunk is the unpipelined layer, its exchanges in order on the current stream."""
     if layouts[0].ep_size == 1:  # the send buffer is the receive buffer, already expert-major
         return [
             combine(chunk, expert_mlp(send, counts, gate_up, down, activation))
@@ -68,9 +68,11 @@ def dropless_experts(
         for (_, on_host), layout in zip(gathered, layouts, strict=True):
             host_plan = dropless_exchange(on_host(), ep_rank, layout)
             sizes.append((host_plan["send_sizes"].tolist(), host_plan["recv_sizes"].tolist()))
+    # One chunk has nothing to run beside its exchanges: they run in order on the layer's stream.
+    asynchronous = len(sends) > 1
     with stage("all_to_all"):
         arriving = [
-            start_exchange(send, sent, got, sum(got), group)  # [R_c, H] source-major
+            start_exchange(send, sent, got, sum(got), group, asynchronous)  # [R_c, H] source-major
             for (send, _), (sent, got) in zip(sends, sizes, strict=True)
         ]
     returning = []
@@ -86,7 +88,7 @@ def dropless_experts(
         with stage("chunk_sort"):
             source_major, _ = sort_chunks_by_index(out, returning_sizes, to_source_major)
         with stage("all_to_all"):
-            returning.append(start_exchange(source_major, got, sent, send.shape[0], group))
+            returning.append(start_exchange(source_major, got, sent, send.shape[0], group, asynchronous))
     results = []
     for chunk, started in enumerate(returning):
         with stage("all_to_all"):

@@ -81,14 +81,22 @@ def group_hosts(group: dist.ProcessGroup) -> tuple[int, ...]:
 
 
 def _all_to_all(
-    rows: Tensor, send_sizes: list[int] | None, recv_sizes: list[int] | None, out_rows: int, group
-) -> tuple[Tensor, dist.Work]:
-    """([out_rows, H], the collective's work): rows [N, H] sent in `send_sizes` row blocks, received in
-    `recv_sizes` blocks (None: equal blocks, out_rows = N), started and not waited for; rows past the
-    received ones are zero."""
+    rows: Tensor,
+    send_sizes: list[int] | None,
+    recv_sizes: list[int] | None,
+    out_rows: int,
+    group,
+    asynchronous: bool,
+) -> tuple[Tensor, dist.Work | None]:
+    """([out_rows, H], the collective's work or None): rows [N, H] sent in `send_sizes` row blocks, received
+    in `recv_sizes` blocks (None: equal blocks, out_rows = N); rows past the received ones are zero.
+    asynchronous: started and not waited for (NCCL: on the process group's own stream); otherwise the
+    collective runs in order on the current stream (NCCL since torch 2.7: no stream hand-over, no tensors
+    kept for it) and there is no work to wait for."""
     out = rows.new_empty(out_rows, rows.shape[1])
     if send_sizes is None:
-        return out, dist.all_to_all_single(out, rows.contiguous(), group=group, async_op=True)
+        work = dist.all_to_all_single(out, rows.contiguous(), group=group, async_op=asynchronous)
+        return out, work if asynchronous else None
     received = sum(recv_sizes)
     out[received:].zero_()
     work = dist.all_to_all_single(
@@ -97,18 +105,24 @@ def _all_to_all(
         recv_sizes,
         send_sizes,
         group=group,
-        async_op=True,
+        async_op=asynchronous,
     )
-    return out, work
+    return out, work if asynchronous else None
+
+
+def _wait(work: dist.Work | None) -> None:
+    if work is not None:
+        work.wait()
 
 
 class _InFlight:
-    """One exchange's collectives in flight: the forward one, then its gradient's reverse one and the rows
-    that one fills. Waiting orders the current stream after the collective (NCCL) or blocks until it is done
-    (gloo)."""
+    """One exchange's collectives: the forward one, then its gradient's reverse one and the rows that one
+    fills. Waiting orders the current stream after the collective (NCCL) or blocks until it is done (gloo);
+    a synchronous exchange has nothing to wait for."""
 
-    def __init__(self, reverse: tuple) -> None:
+    def __init__(self, reverse: tuple, asynchronous: bool) -> None:
         self.reverse = reverse  # the reverse exchange's (send_sizes, recv_sizes, out_rows, group)
+        self.asynchronous = asynchronous
         self.forward: dist.Work | None = None
         self.backward: dist.Work | None = None
         self.gradient: Tensor | None = None  # [N, H]: the rows' gradient, once the reverse exchange is done
@@ -121,14 +135,14 @@ class _StartExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, send_sizes, recv_sizes, out_rows, group, flight):
-        out, flight.forward = _all_to_all(rows, send_sizes, recv_sizes, out_rows, group)
+        out, flight.forward = _all_to_all(rows, send_sizes, recv_sizes, out_rows, group, flight.asynchronous)
         ctx.flight = flight
         return out
 
     @staticmethod
     def backward(ctx, _placeholder):
         flight = ctx.flight
-        flight.backward.wait()
+        _wait(flight.backward)
         # Dropped once waited for: a collective's work holds its tensors until it is freed.
         gradient, flight.gradient, flight.backward = flight.gradient, None, None
         return gradient, None, None, None, None, None
@@ -144,7 +158,7 @@ class _FinishExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out, flight):
-        flight.forward.wait()
+        _wait(flight.forward)
         flight.forward = None  # its tensors are freed with it, not kept for the backward
         ctx.flight = flight
         return out
@@ -152,22 +166,30 @@ class _FinishExchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         flight = ctx.flight
-        flight.gradient, flight.backward = _all_to_all(grad, *flight.reverse)
+        flight.gradient, flight.backward = _all_to_all(grad, *flight.reverse, flight.asynchronous)
         return grad, None
 
 
 def start_exchange(
-    rows: Tensor, send_sizes: list[int] | None, recv_sizes: list[int] | None, out_rows: int, group
+    rows: Tensor,
+    send_sizes: list[int] | None,
+    recv_sizes: list[int] | None,
+    out_rows: int,
+    group,
+    asynchronous: bool = True,
 ) -> tuple[Tensor, _InFlight]:
     """Starts the differentiable all_to_all_single of rows [N, H] -> [out_rows, H] (as `all_to_all_rows`):
     returns the output rows, not yet valid, and what `finish_exchange` waits for. With NCCL the rows move on
-    the collective's own stream while the current stream runs what is queued before `finish_exchange`.
+    the collective's own stream while the current stream runs what is queued before `finish_exchange`, and
+    the gradient's reverse exchange likewise. asynchronous=False runs both in order on the current stream
+    instead, for an exchange with nothing to run beside it (no hand-over between streams, and NCCL keeps no
+    tensors for it).
 
     Example (two ranks; chunk 1's rows move while chunk 0's experts run):
         >>> started = [start_exchange(rows, sent, got, sum(got), group) for rows, sent, got in chunks]
         >>> first = experts(finish_exchange(started[0]))  # doctest: +SKIP
     """
-    flight = _InFlight((recv_sizes, send_sizes, rows.shape[0], group))
+    flight = _InFlight((recv_sizes, send_sizes, rows.shape[0], group), asynchronous)
     return _StartExchange.apply(rows, send_sizes, recv_sizes, out_rows, group, flight), flight
 
 
@@ -182,12 +204,13 @@ def all_to_all_rows(
 ) -> Tensor:
     """Differentiable all_to_all_single of rows [N, H] -> [out_rows, H]: blocks of `send_sizes` rows go to
     the ranks in order, blocks of `recv_sizes` rows arrive (None: N / EP rows each way, out_rows = N); rows
-    past the received ones are zero. The backward is the reverse exchange of the gradient.
+    past the received ones are zero. The backward is the reverse exchange of the gradient. Both run in
+    order on the current stream.
 
     Example (two ranks; rank 0 sends 1 row to itself and 2 to rank 1):
         >>> out = all_to_all_rows(rows, [1, 2], [1, 3], 4, group)  # doctest: +SKIP
     """
-    return finish_exchange(start_exchange(rows, send_sizes, recv_sizes, out_rows, group))
+    return finish_exchange(start_exchange(rows, send_sizes, recv_sizes, out_rows, group, asynchronous=False))
 
 
 class _GlobalSum(torch.autograd.Function):
