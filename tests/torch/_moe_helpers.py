@@ -440,3 +440,49 @@ def graph_worker(rank: int, world: int, store: str) -> None:
         torch.cuda.synchronize()
     finally:
         dist.destroy_process_group()
+
+
+def exchange_modes_worker(rank: int, world: int, store: str) -> None:
+    """One of `world` gloo ranks: which all_to_all_single calls are started asynchronously. all_to_all_rows
+    and the dropless layer in one chunk run every row exchange synchronously, forward and backward (nothing
+    runs beside them); start_exchange and the layer in two chunks start every one asynchronously."""
+    import moetriton.torch as mt
+    from moetriton.torch.moe import all_to_all_rows
+    from moetriton.torch.moe.collectives import finish_exchange, start_exchange
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        modes = []
+        issue = dist.all_to_all_single
+
+        def recording(output, *args, async_op=False, **kwargs):
+            modes.append((async_op, output.shape[-1]))
+            return issue(output, *args, async_op=async_op, **kwargs)
+
+        dist.all_to_all_single = recording
+        rows = torch.randn(2 * world, 3, requires_grad=True)
+        all_to_all_rows(rows, None, None, rows.shape[0], None).sum().backward()
+        assert modes == [(False, 3)] * 2, modes
+        modes.clear()
+        finish_exchange(start_exchange(rows, None, None, rows.shape[0], None)).sum().backward()
+        assert modes == [(True, 3)] * 2, modes
+
+        generator = torch.Generator().manual_seed(rank)
+        x = torch.randn(6, 8, generator=generator, requires_grad=True)
+        gate = torch.randn(2 * world, 8, generator=torch.Generator().manual_seed(0))
+        gate_up, down = torch.randn(2, 8, 16, requires_grad=True), torch.randn(2, 8, 8, requires_grad=True)
+        results = {}
+        for chunks in (1, 2):
+            modes.clear()
+            group = dist.group.WORLD
+            out, _, _ = mt.moe(x, gate, gate_up, down, topk=2, ep_group=group, pipeline_chunks=chunks)
+            grads = torch.autograd.grad(out.sum(), (x, gate_up, down))
+            # Each chunk's rows [., H] go out and come back, and so do their gradients (the count exchange,
+            # [EP, E] ints, is synchronous either way).
+            rows_modes = [asynchronous for asynchronous, width in modes if width == x.shape[1]]
+            assert rows_modes == [chunks > 1] * 4 * chunks, (chunks, modes)
+            results[chunks] = (out, *grads)
+        for one, two in zip(results[1], results[2], strict=True):
+            torch.testing.assert_close(one, two, rtol=1e-5, atol=1e-5)
+    finally:
+        dist.destroy_process_group()

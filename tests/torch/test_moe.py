@@ -38,6 +38,7 @@ from tests.torch._moe_helpers import (
     check_rank,
     check_stats,
     ep_worker,
+    exchange_modes_worker,
     graph_worker,
     reference,
     routing_worker,
@@ -711,6 +712,14 @@ def test_pipeline_chunks_under_expert_parallel_gloo(tmp_path, world):
         _spawn(tmp_path, world, "gloo", _pipelined(problems))
 
     check()
+
+
+def test_only_pipelined_chunks_start_exchanges_asynchronously_gloo(tmp_path):
+    """One chunk's row exchanges run in order on the current stream (a synchronous collective: with NCCL
+    no stream hand-over and no tensors kept for it); only pipelined chunks start theirs and wait later.
+    Both give the same layer results."""
+    store = Path(tempfile.mkdtemp(dir=tmp_path)) / "store_modes"
+    mp.spawn(exchange_modes_worker, args=(2, str(store)), nprocs=2, join=True)
 
 
 @pytest.mark.parametrize("world", [1, 2])
