@@ -94,18 +94,12 @@ def _all_to_all(
     collective runs in order on the current stream (NCCL since torch 2.7: no stream hand-over, no tensors
     kept for it) and there is no work to wait for."""
     out = rows.new_empty(out_rows, rows.shape[1])
-    if send_sizes is None:
-        work = dist.all_to_all_single(out, rows.contiguous(), group=group, async_op=asynchronous)
-        return out, work if asynchronous else None
-    received = sum(recv_sizes)
-    out[received:].zero_()
+    received = out_rows if recv_sizes is None else sum(recv_sizes)
+    if received < out_rows:
+        out[received:].zero_()
+    sent = rows if send_sizes is None else rows[: sum(send_sizes)]
     work = dist.all_to_all_single(
-        out[:received],
-        rows[: sum(send_sizes)].contiguous(),
-        recv_sizes,
-        send_sizes,
-        group=group,
-        async_op=asynchronous,
+        out[:received], sent.contiguous(), recv_sizes, send_sizes, group=group, async_op=asynchronous
     )
     return out, work if asynchronous else None
 
