@@ -84,6 +84,7 @@ export PYTHONPYCACHEPREFIX=$work/pycache HYPOTHESIS_STORAGE_DIRECTORY=$work/hypo
 # This checkout's package under its import names, without installing it; a copy of the autotune cache, so
 # that the autotune stage can extend it without touching the checkout.
 mkdir -p "$work/site/moetriton"
+ln -s "$repo/moetriton/__init__.py" "$work/site/moetriton/__init__.py"
 ln -s "$repo/kernels" "$work/site/moetriton/kernels"
 ln -s "$repo/torch_bindings" "$work/site/moetriton/torch"
 ln -s "$repo/jax_bindings" "$work/site/moetriton/jax"
