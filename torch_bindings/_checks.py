@@ -58,8 +58,12 @@ def same_device(**signatures: Signature | None) -> torch.device:
 
 def memoised(check: _Check) -> _Check:
     """`check(**arguments)`, answered from a cache for arguments seen before (errors are not cached: a
-    failing call raises every time). Called directly while torch.compile traces."""
-    memo = functools.lru_cache(maxsize=1024)(check)
+    failing call raises every time). Called directly while torch.compile traces.
+
+    The cache tells arguments of different types apart (`typed`): Python holds True == 1 == 1.0 with one
+    hash, and a check that refuses one of them must refuse it whatever was called before. The signatures'
+    contents (sizes, dtypes, devices) cannot collide across types, so the arguments' own types suffice."""
+    memo = functools.lru_cache(maxsize=1024, typed=True)(check)
 
     @functools.wraps(check)
     def run(**arguments):

@@ -450,9 +450,8 @@ def moe(
         drop_policy=drop_policy,
         pipeline_chunks=pipeline_chunks,
         capacity_factor=capacity_factor,
+        return_stats=return_stats,
     )
-    if not isinstance(return_stats, bool):
-        raise TypeError(f"return_stats: expected a bool, got {type(return_stats).__name__}")
     if x.ndim != 3:
         raise ValueError(f"x: expected rank 3 [B, S, H], got shape {tuple(x.shape)}")
     if token_mask is not None:

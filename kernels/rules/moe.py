@@ -106,12 +106,16 @@ def check_options(
     drop_policy="position",
     pipeline_chunks=1,
     capacity_factor=None,
+    return_stats=False,
     **coefficients,
 ) -> None:
     """The layer's option values: an activation of ACTIVATIONS, a score function, an exchange among the
     framework's `exchanges`, a drop policy of DROP_POLICIES, pipeline_chunks an int >= 1 (above 1 only
-    dropless: capacity_factor None) and, for each loss coefficient given by name (aux_loss_coeff,
-    seq_aux_loss_coeff, z_loss_coeff: LOSSES), a finite number >= 0 (TypeError for a non-number)."""
+    dropless: capacity_factor None), return_stats a bool (TypeError otherwise: it decides how many results
+    come back) and, for each loss coefficient given by name (aux_loss_coeff, seq_aux_loss_coeff,
+    z_loss_coeff: LOSSES), a finite number >= 0 (TypeError for a non-number)."""
+    if not isinstance(return_stats, bool):
+        raise TypeError(f"return_stats: expected a bool, got {type(return_stats).__name__}")
     if activation not in ACTIVATIONS:
         _fail("activation", f"expected one of {ACTIVATIONS}, got {activation!r}")
     if score_function not in SCORE_FUNCTIONS:

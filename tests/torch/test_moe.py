@@ -577,6 +577,26 @@ def test_bad_input_is_named(case, match):
         mt.moe(*args, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("valid", "invalid", "error", "match"),
+    [
+        (dict(pipeline_chunks=1), dict(pipeline_chunks=True), ValueError, "pipeline_chunks: .* got True"),
+        (dict(pipeline_chunks=2), dict(pipeline_chunks=2.0), ValueError, "pipeline_chunks: .* got 2.0"),
+        (dict(z_loss_coeff=1), dict(z_loss_coeff=True), TypeError, "z_loss_coeff: expected a Python float"),
+        (dict(return_stats=False), dict(return_stats=0), TypeError, "return_stats: expected a bool, got int"),
+        (dict(return_stats=True), dict(return_stats=1), TypeError, "return_stats: expected a bool, got int"),
+    ],
+)
+def test_argument_checks_do_not_depend_on_the_previous_call(valid, invalid, error, match):
+    """A value equal to an accepted one but of another type (True == 1 == 1.0 in Python) is refused right
+    after the accepted one, with the same shapes: the memoised checks tell the types apart."""
+    x, weights = _tokens(4), _weights()
+    for _ in range(2):
+        mt.moe(x, *weights, topk=2, **valid)
+        with pytest.raises(error, match=match):
+            mt.moe(x, *weights, topk=2, **invalid)
+
+
 def test_module_validates_at_construction():
     with pytest.raises(ValueError, match="activation"):
         mt.MoELayer(H, F, E, 2, activation="tanh")

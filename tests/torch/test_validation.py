@@ -161,3 +161,20 @@ def test_bad_arguments_are_rejected_naming_the_argument(case):
 def test_sort_chunks_rejects_bad_values_on_cpu(sizes, order, name):
     with pytest.raises(ValueError, match=rf"^{name}"):
         _sort(sizes=torch.tensor(sizes), order=torch.tensor(order))
+
+
+def test_memoised_checks_tell_equal_values_of_other_types_apart():
+    """True == 1 == 1.0 in Python, with one hash: a memoised check must still see each one's own type, so
+    that no answer depends on what was called before."""
+    from moetriton.torch._checks import memoised
+
+    @memoised
+    def kind(*, value):
+        if isinstance(value, bool):
+            raise TypeError("value: expected an int, got bool")
+        return type(value).__name__
+
+    assert kind(value=1) == "int" and kind(value=1.0) == "float"
+    with pytest.raises(TypeError, match="got bool"):
+        kind(value=True)
+    assert kind(value=1) == "int"

@@ -111,6 +111,7 @@ def _check_moe(
     drop_policy,
     pipeline_chunks,
     capacity_factor,
+    return_stats,
     **coefficients,
 ) -> layer_rules.LayerShape:
     """(hidden H, experts E, ffn F) of valid layer arguments: the shared layer rules (the same errors as
@@ -123,6 +124,7 @@ def _check_moe(
         drop_policy=drop_policy,
         pipeline_chunks=pipeline_chunks,
         capacity_factor=capacity_factor,
+        return_stats=return_stats,
         **coefficients,
     )
     shared = dict(shared_gate_up=shared_gate_up, shared_down=shared_down, shared_gate=shared_gate)
@@ -283,6 +285,7 @@ def moe(
         drop_policy=drop_policy,
         pipeline_chunks=pipeline_chunks,
         capacity_factor=capacity_factor,
+        return_stats=return_stats,
         aux_loss_coeff=aux_loss_coeff,
         seq_aux_loss_coeff=seq_aux_loss_coeff,
         z_loss_coeff=z_loss_coeff,
