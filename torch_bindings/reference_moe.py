@@ -110,7 +110,7 @@ def moe_reference(
         if shared_gate is not None:
             shared = torch.sigmoid(tokens @ shared_gate.float()) * shared
         out = out + shared * valid.to(out.device)[:, None]
-    losses = _losses(logits, routing_map, valid, opts, x.shape[0] if x.dim() == 3 else None)
+    losses = _losses(logits, routing_map, valid, opts, tuple(x.shape[:2]) if x.dim() == 3 else None)
     routed_counts, kept_counts = routing_map.sum(0), kept.sum(0)
     dropped = (routed_counts - kept_counts).sum()
     result = out.reshape(x.shape), sum(losses), dropped
@@ -120,9 +120,11 @@ def moe_reference(
     return *result, stats
 
 
-def _losses(logits: Tensor, routing_map: Tensor, valid: Tensor, opts: LayerOptions, batch: int | None):
+def _losses(
+    logits: Tensor, routing_map: Tensor, valid: Tensor, opts: LayerOptions, sequences: tuple[int, int] | None
+):
     """The three weighted losses of LOSSES (fp32 scalars, zero where the coefficient is), straight from
-    their definitions over the unmasked tokens."""
+    their definitions over the unmasked tokens; sequences: (B, S) of x [B, S, H]."""
     num_experts, topk = logits.shape[1], opts.topk
     _, scores = reference_router.fused_compute_score_for_moe_aux_loss(logits, topk, opts.score_function)
     device = logits.device
@@ -136,9 +138,9 @@ def _losses(logits: Tensor, routing_map: Tensor, valid: Tensor, opts: LayerOptio
     if opts.seq_aux_loss_coeff > 0:
         per_sequence = []
         for sequence_valid, sequence_map, sequence_scores in zip(
-            valid.reshape(batch, -1),
-            routing_map.reshape(batch, -1, num_experts),
-            scores.reshape(batch, -1, num_experts),
+            valid.reshape(sequences),
+            routing_map.reshape(*sequences, num_experts),
+            scores.reshape(*sequences, num_experts),
             strict=True,
         ):
             length = int(sequence_valid.sum())

@@ -206,6 +206,39 @@ def test_padding_content_reaches_nothing():
             assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+@pytest.mark.parametrize("shape", [(0, 3), (2, 0)], ids=["no sequences", "empty sequences"])
+def test_no_tokens_with_every_option(shape, capacity_factor):
+    """x [0, S, H] and [B, 0, H] with a token mask, every loss, the statistics, an expert bias, shared
+    experts and (dropless) pipelined chunks or (capacity) the probs policy: an empty output, zero losses
+    and counts, zero gradients, as the reference."""
+    x = _tokens(0).reshape(*shape, H)
+    weights = _weights()
+    shared = dict(shared_gate_up=torch.randn(H, 2 * F), shared_down=torch.randn(F, H))
+    shared = {name: value.to(DEVICE) for name, value in shared.items()}
+    options = dict(
+        topk=2,
+        score_function="sigmoid",
+        expert_bias=torch.zeros(E, device=DEVICE),
+        aux_loss_coeff=0.1,
+        seq_aux_loss_coeff=0.1,
+        z_loss_coeff=0.1,
+        capacity_factor=capacity_factor,
+        token_mask=torch.ones(shape, dtype=torch.bool, device=DEVICE),
+        return_stats=True,
+    )
+    extra = dict(pipeline_chunks=2) if capacity_factor is None else dict(drop_policy="probs")
+    leaves = [x.clone().requires_grad_(), *(w.clone().requires_grad_() for w in (*weights, *shared.values()))]
+    out, aux_loss, dropped, stats = mt.moe(
+        *leaves[:4], shared_gate_up=leaves[4], shared_down=leaves[5], **options, **extra
+    )
+    (out.sum() + aux_loss).backward()
+    expected = moe_reference(x, *weights, **shared, **options, **extra)
+    assert out.shape == x.shape and float(aux_loss) == 0 and int(dropped) == 0
+    check_stats(stats, expected[3])
+    assert all(not leaf.grad.any() for leaf in leaves)
+
+
 @pytest.mark.parametrize("align_size", [None, 4])
 def test_probs_policy_keeps_the_likeliest_slots_ties_to_the_earlier(align_size):
     """Identical tokens tie on every probability: each expert keeps the earliest C of them (as "position");

@@ -334,7 +334,7 @@ def moe(
             layout,
             score_function=score_function,
             coefficients=(aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff),
-            batch=x.shape[0] if x.dim() == 3 else None,
+            batch_shape=tuple(x.shape[:2]) if x.dim() == 3 else None,
             group=token_group if token_group is not None else ep_group,
             want_stats=return_stats,
         )

@@ -14,13 +14,17 @@ from ..router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss
 from .collectives import global_sum, group_size_and_rank
 
 
-def _sequence_balance(scores: Tensor, routing_map: Tensor, per_sequence: Tensor, topk: int) -> Tensor:
+def _sequence_balance(
+    scores: Tensor, routing_map: Tensor, per_sequence: Tensor, topk: int, batch_shape: tuple[int, int]
+) -> Tensor:
     """Sum over this rank's B sequences of DeepSeek-V3's sequence-wise balance (LOSSES, unscaled): scores
-    [T, E] fp32 and routing_map [T, E] bool, masked rows zero, T = B * S; per_sequence [B]: the unmasked
-    tokens n_b of each. A sequence without one adds zero."""
-    batch, num_experts = per_sequence.shape[0], scores.shape[1]
-    routed = routing_map.reshape(batch, -1, num_experts).sum(1, dtype=torch.float32)  # [B, E]
-    score_sums = scores.reshape(batch, -1, num_experts).sum(1)  # [B, E]
+    [T, E] fp32 and routing_map [T, E] bool, masked rows zero, T = B * S (batch_shape = (B, S), spelled out:
+    an empty batch cannot infer S); per_sequence [B]: the unmasked tokens n_b of each. A sequence without one
+    adds zero."""
+    batch, seq = batch_shape
+    num_experts = scores.shape[1]
+    routed = routing_map.reshape(batch, seq, num_experts).sum(1, dtype=torch.float32)  # [B, E]
+    score_sums = scores.reshape(batch, seq, num_experts).sum(1)  # [B, E]
     # sum_e (E / (K n_b) routed_be) (score_sums_be / n_b)
     balance = (routed * score_sums).sum(1) * (num_experts / topk)  # [B]
     return (balance / per_sequence.float().square().clamp(min=1)).sum()
@@ -35,7 +39,7 @@ def routing_statistics(
     *,
     score_function: str,
     coefficients: tuple[float, float, float],
-    batch: int | None,
+    batch_shape: tuple[int, int] | None,
     group,
     want_stats: bool,
 ) -> tuple[Tensor, Tensor, MoEStats | None]:
@@ -44,10 +48,10 @@ def routing_statistics(
     logits [T, E] (x.dtype) and routing_map [T, E] bool of this rank's tokens, masked tokens' rows cleared,
     and routed [E] its column sums (computed once by the layer, which also sizes the exchange from them);
     valid [T] bool (None: every token counts); coefficients: (aux_loss_coeff, seq_aux_loss_coeff,
-    z_loss_coeff); batch: B of x [B, S, H] (for the sequence-wise loss). One all_reduce carries the routed and
-    kept counts, the unmasked tokens and the sequences holding one; a second, differentiable, sums the three
-    losses' partials. A rank without tokens still joins both: every rank reaches every collective whatever its
-    batch, or the others would wait for it."""
+    z_loss_coeff); batch_shape: (B, S) of x [B, S, H] (for the sequence-wise loss). One all_reduce carries
+    the routed and kept counts, the unmasked tokens and the sequences holding one; a second, differentiable,
+    sums the three losses' partials. A rank without tokens still joins both: every rank reaches every
+    collective whatever its batch, or the others would wait for it."""
     num_experts, topk = layout.num_experts, layout.topk
     balance_coeff, sequence_coeff, z_coeff = coefficients
     any_loss = any(coeff > 0 for coeff in coefficients)
@@ -58,10 +62,8 @@ def routing_statistics(
     tokens = routed.new_full((1,), layout.num_tokens) if valid is None else valid.sum().reshape(1)
     per_sequence, sequences = None, routed.new_zeros(1)
     if sequence_coeff > 0:  # x is [B, S, H] (the layer checked it)
-        if valid is None:
-            per_sequence = routed.new_full((batch,), layout.num_tokens // max(batch, 1))
-        else:
-            per_sequence = valid.reshape(batch, -1).sum(1)
+        batch, seq = batch_shape
+        per_sequence = routed.new_full((batch,), seq) if valid is None else valid.reshape(batch, seq).sum(1)
         sequences = (per_sequence > 0).sum().reshape(1)
     group_size, _ = group_size_and_rank(group)
     if group_size > 1:
@@ -85,7 +87,7 @@ def routing_statistics(
                     scores, routed, tokens.clamp(min=1), num_experts, topk, balance_coeff
                 )
             if sequence_coeff > 0:
-                balance = _sequence_balance(scores, routing_map, per_sequence, topk)
+                balance = _sequence_balance(scores, routing_map, per_sequence, topk, batch_shape)
                 partials[1] = sequence_coeff * balance / sequences.clamp(min=1)
         if z_coeff > 0:
             square = torch.logsumexp(logits.float(), dim=-1).square()  # [T]
