@@ -81,6 +81,68 @@ class MoEStats(NamedTuple):
         return cls(losses[0], losses[1], losses[2], routed, kept, dropped, kept.max(), mean_load)
 
 
+#: Dtypes of update_expert_bias's counts: integers. A float count may already be rounded (bf16 holds 257 as
+#: 256, fp32 every count above 2^24 only to a multiple of 2 or more), and a rounded count can flip its
+#: expert's update; MoEStats.routed is int32.
+BIAS_COUNT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32")
+BIAS_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_bias_update(
+    *, expert_bias: tuple[tuple[int, ...], str], routed: tuple[tuple[int, ...], str], update_rate
+) -> None:
+    """update_expert_bias's arguments as (shape, dtype name): expert_bias a float [E] (BIAS_DTYPES), routed
+    integer counts [E] (BIAS_COUNT_DTYPES: float counts are refused, not converted), update_rate a finite
+    Python number >= 0 (TypeError for a non-number)."""
+    check_coefficient("update_rate", update_rate)
+    (bias_shape, bias_dtype), (shape, dtype) = expert_bias, routed
+    if len(bias_shape) != 1 or bias_dtype not in BIAS_DTYPES:
+        _fail(
+            "expert_bias",
+            f"expected a float [E] (dtype in {BIAS_DTYPES}), got {bias_dtype} {list(bias_shape)}",
+        )
+    if list(shape) != list(bias_shape):
+        _fail("routed", f"expected [E] = {list(bias_shape)}, got {list(shape)}")
+    if dtype not in BIAS_COUNT_DTYPES:
+        _fail(
+            "routed",
+            f"expected integer counts (dtype in {BIAS_COUNT_DTYPES}), got {dtype}: a float count may already"
+            " be rounded (bf16 holds 257 as 256), which can flip an expert's update",
+        )
+
+
+def check_bias_counts_value(smallest: int) -> None:
+    """Value rule of update_expert_bias's counts, for bindings that read them (free on the host, or with the
+    debug switch): no count is negative."""
+    if smallest < 0:
+        _fail("routed", f"expected counts >= 0, got {smallest}")
+
+
+def bias_update_direction(routed: Any) -> Any:
+    """sign(mean(routed) - routed) [E] of integer counts [E], exactly: +1 below the mean, -1 above it, 0 at
+    it, with no float rounding and no sum larger than the largest count can overflow (numpy, JAX and
+    PyTorch arrays alike; JAX without x64 computes in int32).
+
+    With q, r = divmod(routed, E) elementwise (floor division), sum(routed) = E * (sum(q) + sum(r) // E) +
+    sum(r) % E, so the mean lies in [m, m + 1) with m = sum(q) + sum(r) // E and equals m exactly when
+    sum(r) % E == 0: a count below m is below the mean, one above m above it, and one equal to m below it
+    unless the mean is m. sum(q) <= sum(routed) / E <= the largest count and sum(r) < E^2, so no partial sum
+    passes the counts' own range. Exact for negative counts too (floor semantics in every framework).
+
+    Example:
+        >>> import numpy as np
+        >>> bias_update_direction(np.array([2**24 + 1, 2**24 - 1, 2**24, 2**24])).tolist()
+        [-1, 1, 0, 0]
+    """
+    num_experts = routed.shape[0]
+    quotients, remainders = routed // num_experts, routed % num_experts
+    spread = remainders.sum()
+    mean_floor = quotients.sum() + spread // num_experts
+    mean_above_floor = spread % num_experts > 0
+    below = (routed < mean_floor) | ((routed == mean_floor) & mean_above_floor)
+    return below * 1 - (routed > mean_floor) * 1
+
+
 #: The shared experts' weight arguments of both layers (and parameters of both modules), in this order.
 SHARED_WEIGHTS = ("shared_gate_up", "shared_down", "shared_gate")
 

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import moetriton.jax as mj
 from moetriton.jax.moe import update_expert_bias
@@ -14,12 +16,12 @@ from moetriton.kernels.rules.moe import MoEStats
 
 
 def _expected(expert_bias: np.ndarray, routed: np.ndarray, update_rate: float) -> np.ndarray:
-    load = routed.astype(np.float64)
+    load = routed.astype(np.float64)  # exact for the small counts of these tests
     return (expert_bias.astype(np.float64) + update_rate * np.sign(load.mean() - load)).astype(np.float32)
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("routed_dtype", [np.int32, np.float32])
+@pytest.mark.parametrize("routed_dtype", [np.int32, np.int64, np.uint8])
 def test_update_matches_numpy(seed, routed_dtype):
     """expert_bias + rate * sign(mean(routed) - routed) in fp32, from routed counts around an integer mean
     (loads above and below it, and at least one expert exactly at it: sign(0) = 0 keeps its bias)."""
@@ -68,21 +70,58 @@ def test_exported_from_moetriton_jax():
         (
             dict(expert_bias=jnp.zeros((2, 2))),
             ValueError,
-            "expert_bias: expected a float [E], got float32 [2, 2]",
+            "'float16')), got float32 [2, 2]",
         ),
         (
             dict(expert_bias=jnp.zeros(4, jnp.int32)),
             ValueError,
-            "expert_bias: expected a float [E], got int32 [4]",
+            "expert_bias: expected a float [E] (dtype in ('float32', 'bfloat16', 'float16')), got int32",
         ),
         (dict(routed=jnp.zeros(3, jnp.int32)), ValueError, "routed: expected [E] = [4], got [3]"),
         (dict(routed=jnp.zeros((1, 4), jnp.int32)), ValueError, "routed: expected [E] = [4], got [1, 4]"),
+        (dict(routed=jnp.arange(4.0)), ValueError, "routed: expected integer counts (dtype in"),
+        (dict(routed=jnp.arange(4, dtype=jnp.bfloat16)), ValueError, "got bfloat16: a float count may"),
+        (dict(routed=np.ones(4, bool)), ValueError, "routed: expected integer counts (dtype in"),
+        (dict(routed=np.array([3, -1, 2, 0])), ValueError, "routed: expected counts >= 0, got -1"),
+        (dict(routed=jnp.asarray([3, -2, 2, 0])), ValueError, "routed: expected counts >= 0, got -2"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(arguments, error, message):
     valid = dict(expert_bias=jnp.zeros(4), routed=jnp.arange(4, dtype=jnp.int32), update_rate=1e-3)
     with pytest.raises(error, match=re.escape(message)):
         update_expert_bias(**{**valid, **arguments})
+
+
+def _exact_directions(routed: list[int]) -> list[int]:
+    """sign(mean - count) in Python integers: sign(sum - E * count)."""
+    total = sum(routed)
+    return [(total > len(routed) * count) - (total < len(routed) * count) for count in routed]
+
+
+def test_counts_past_float_precision_keep_their_sign():
+    """Counts that fp32 cannot hold apart: 2^24 + 1 is above the mean 2^24 (fp32 rounded it onto the
+    mean, a zero update); int32 counts whose sum passes 2^31 (no overflow without x64); numpy int64 counts
+    past 2^32 (compared on the host, not wrapped into int32)."""
+    cases = [
+        (jnp.asarray([2**24 + 1, 2**24 - 1, 2**24, 2**24], jnp.int32), [-1, 1, 0, 0]),
+        (jnp.asarray([2**31 - 1, 2**31 - 2, 2**31 - 3, 5], jnp.int32), None),
+        (np.array([2**40 + 1, 2**40 - 1, 2**40], np.int64), None),
+        (np.array([2**33, 2**33 + 1], np.int64), [1, -1]),
+    ]
+    for routed, expected in cases:
+        directions = _exact_directions([int(count) for count in np.asarray(routed)])
+        assert expected is None or directions == expected
+        got = update_expert_bias(jnp.zeros(routed.shape[0]), routed, 1.0)
+        np.testing.assert_array_equal(np.asarray(got), directions, err_msg=str(routed))
+        traced = jax.jit(update_expert_bias, static_argnums=2)(jnp.zeros(routed.shape[0]), routed, 1.0)
+        if isinstance(routed, jax.Array):
+            np.testing.assert_array_equal(np.asarray(traced), directions, err_msg=str(routed))
+
+
+@given(counts=st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=8))
+def test_directions_are_exact_for_any_int32_counts(counts):
+    got = update_expert_bias(jnp.zeros(len(counts)), jnp.asarray(counts, jnp.int32), 1.0)
+    np.testing.assert_array_equal(np.asarray(got), _exact_directions(counts))
 
 
 def test_a_training_step_moves_the_bias_towards_underloaded_experts():

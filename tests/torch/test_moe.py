@@ -286,6 +286,54 @@ def test_update_expert_bias_follows_the_sign_rule():
         mt.update_expert_bias(routed, routed, 0.1)
 
 
+def _exact_directions(routed: list[int]) -> list[int]:
+    """sign(mean - count) in Python integers: sign(sum - E * count)."""
+    total = sum(routed)
+    return [(total > len(routed) * count) - (total < len(routed) * count) for count in routed]
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [2**24 + 1, 2**24 - 1, 2**24, 2**24],  # fp32 rounds 2^24 + 1 onto the mean: no update
+        [2**31 - 1, 2**31 - 2, 5],  # int32 counts whose sum passes 2^31
+        [2**53 + 1, 2**53, 2**53 - 1],  # past fp64 too
+        [2**62, 2**62 - 1],
+    ],
+)
+def test_update_expert_bias_is_exact_for_large_counts(counts):
+    dtype = torch.int32 if max(counts) < 2**31 else torch.int64
+    got = mt.update_expert_bias(torch.zeros(len(counts)), torch.tensor(counts, dtype=dtype), 1.0)
+    assert got.tolist() == _exact_directions(counts)
+
+
+@given(counts=st.lists(st.integers(0, 2**62), min_size=1, max_size=8))
+def test_update_expert_bias_directions_are_exact_for_any_counts(counts):
+    got = mt.update_expert_bias(torch.zeros(len(counts)), torch.tensor(counts, dtype=torch.int64), 1.0)
+    assert got.tolist() == _exact_directions(counts)
+
+
+@pytest.mark.parametrize(
+    ("routed", "message"),
+    [
+        (
+            torch.tensor([257.0, 1.0, 2.0, 0.0]).bfloat16(),
+            "got bfloat16: a float count may already be rounded",
+        ),
+        (torch.tensor([3.0, 1.0, 2.0, 0.0]), r"routed: expected integer counts \(dtype in"),
+        (torch.ones(4, dtype=torch.bool), r"routed: expected integer counts \(dtype in"),
+        (torch.tensor([3, -1, 2, 0]), r"routed: expected counts >= 0, got -1"),
+    ],
+)
+def test_update_expert_bias_refuses_float_bool_and_negative_counts(routed, message):
+    """Float counts may already be rounded (the bf16 257 is 256), so they are refused, not converted;
+    negative counts are refused where their values are read for free (CPU tensors)."""
+    with pytest.raises(ValueError, match=message):
+        mt.update_expert_bias(torch.zeros(4), routed, 0.1)
+    with pytest.raises(TypeError, match=r"routed: expected a torch\.Tensor, got list"):
+        mt.update_expert_bias(torch.zeros(4), [1, 2, 3, 4], 0.1)
+
+
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
 def test_zero_shared_experts_leave_the_routed_output_bitwise(capacity_factor):
     """The shared output is added in fp32: shared experts that output zeros change no bit of the layer."""
