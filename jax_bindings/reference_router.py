@@ -170,13 +170,16 @@ def aux_loss(
     coeff: float,
 ) -> jax.Array:
     """0-dim fp32 loss (fp64 for fp64 probs): C * sum_c (sum_r probs[r, c]) * tokens_per_expert[c],
-    C = num_experts * coeff / (topk * total_num_tokens^2)."""
+    C = num_experts * coeff / (topk * total_num_tokens^2); 0 (and a zero gradient) for a total below 1."""
     dtype = _compute_dtype(probs.dtype)
     total = jnp.asarray(total_num_tokens).astype(dtype)
+    no_tokens = total < 1
+    total = jnp.where(no_tokens, 1, total)  # the other branch's gradient must stay finite
     column_sums = probs.astype(dtype).sum(0)
-    return (
+    loss = (
         (column_sums * tokens_per_expert.astype(dtype)).sum() * (num_experts * coeff / topk) / (total * total)
     )
+    return jnp.where(no_tokens, 0, loss).astype(dtype)
 
 
 def aux_loss_backward(

@@ -30,7 +30,6 @@ from moetriton.kernels import router as plans
 from moetriton.kernels.rules import router as rules
 
 from . import reference_router as reference
-from ._checks import check_values
 from ._sharding import SUM, WHOLE, ShardedOp, call
 from .executor import describe, run_builder
 
@@ -394,7 +393,9 @@ def fused_moe_aux_loss(
         probs: [R, C] float32/bfloat16/float16 scores (C a multiple of num_experts, e.g. [seq, batch * E]
             for a sequence-level loss).
         tokens_per_expert: [C] int32/int64/float counts (replicated).
-        total_num_tokens: a Python int >= 1, or a 0-dim int32/int64/float32 array (traced, no host sync).
+        total_num_tokens: a Python int >= 1, or a 0-dim int32/int64/float32 array (traced, no host sync;
+            never read on the host). An array total below 1 means no tokens: the loss is exactly 0 and so
+            is its gradient (a NaN total gives NaN).
         num_experts, topk: E and K (coefficient only); coeff: the loss weight (a Python float).
 
     Returns:
@@ -414,8 +415,6 @@ def fused_moe_aux_loss(
         topk=topk,
         coeff=coeff,
     )
-    if total_is_array:
-        check_values(lambda total: rules.check_total_tokens_value(float(total)), total_num_tokens)
     options = (jnp.dtype(probs.dtype).name, config.total or 0, config.num_experts, config.topk, config.coeff)
     loss = _loss(probs, tokens_per_expert, total_num_tokens if total_is_array else None, options)
     return loss.astype(probs.dtype)

@@ -31,7 +31,8 @@ so that a reshape to [BLOCK_T, G_POW2, GS_POW2] gives per-group rows; WIDTH = G_
 Backward kernels recompute the scores from the logits and the routing map, so nothing fp32 is saved.
 
 Aux loss (TE's definition): loss = C * sum_c (sum_r probs[r, c]) * tokens_per_expert[c],
-C = num_experts * coeff / (topk * total_num_tokens^2). It is reduced without atomics: every program of a
+C = num_experts * coeff / (topk * total_num_tokens^2), and 0 when total_num_tokens is below 1 (a device
+total of no tokens). It is reduced without atomics: every program of a
 fixed, shape-only grid sums its row stripe to one fp32 partial, and a single program adds the partials in a
 fixed order, so the result is bitwise reproducible run to run.
 """
@@ -496,6 +497,13 @@ def _total_tokens(total_ptr, total, TOTAL_ON_DEVICE: tl.constexpr):
 
 
 @triton.jit
+def _aux_loss_scale(tokens, COEFF: tl.constexpr):
+    """C = COEFF / tokens^2 for tokens >= 1 (a NaN total gives NaN); below 1 the division is not made."""
+    no_tokens = tokens < 1.0
+    return no_tokens, COEFF / tl.where(no_tokens, 1.0, tokens * tokens)
+
+
+@triton.jit
 def _aux_loss_partial_kernel(
     probs_ptr,  # [R, C]
     counts_ptr,  # [C] tokens per expert (column)
@@ -539,11 +547,12 @@ def _aux_loss_finish_kernel(
     BLOCKS_POW2: tl.constexpr,
 ):
     """Aux-loss stage 2. Grid (1,): adds the B partials in a fixed order and scales by
-    C = COEFF / total^2, COEFF = num_experts * coeff / topk."""
+    C = COEFF / total^2, COEFF = num_experts * coeff / topk; a total below 1 (no tokens) gives 0."""
     blocks = tl.arange(0, BLOCKS_POW2)
     partials = tl.load(partials_ptr + blocks, mask=blocks < num_blocks, other=0.0)
-    tokens = _total_tokens(total_ptr, total, TOTAL_ON_DEVICE)
-    loss = tl.sum(partials, axis=0) * (COEFF / (tokens * tokens))
+    no_tokens, scale = _aux_loss_scale(_total_tokens(total_ptr, total, TOTAL_ON_DEVICE), COEFF)
+    # No tokens, no loss: exactly 0 whatever the probs hold.
+    loss = tl.where(no_tokens, 0.0, tl.sum(partials, axis=0) * scale)
     tl.store(loss_ptr, loss.to(loss_ptr.dtype.element_ty))
 
 
@@ -562,14 +571,15 @@ def _aux_loss_backward_kernel(
     BLOCK_C: tl.constexpr,
 ):
     """Aux-loss backward. Grid (cdiv(R, BLOCK_R), cdiv(C, BLOCK_C)): program (i, j) writes its tile of
-    grad_probs[r, c] = C * tokens_per_expert[c] * grad_loss (the loss is linear in probs)."""
+    grad_probs[r, c] = C * tokens_per_expert[c] * grad_loss (the loss is linear in probs); 0 for a total
+    below 1."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < num_cols
-    tokens = _total_tokens(total_ptr, total, TOTAL_ON_DEVICE)
-    scale = tl.load(grad_loss_ptr).to(tl.float32) * (COEFF / (tokens * tokens))
+    no_tokens, scale = _aux_loss_scale(_total_tokens(total_ptr, total, TOTAL_ON_DEVICE), COEFF)
+    scale *= tl.load(grad_loss_ptr).to(tl.float32)
     counts = tl.load(counts_ptr + cols, mask=col_ok, other=0).to(tl.float32)
-    grad = tl.zeros([BLOCK_R, BLOCK_C], tl.float32) + (counts * scale)[None, :]
+    grad = tl.zeros([BLOCK_R, BLOCK_C], tl.float32) + tl.where(no_tokens, 0.0, counts * scale)[None, :]
     tl.store(
         grad_probs_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :],
         grad.to(grad_probs_ptr.dtype.element_ty),

@@ -170,16 +170,18 @@ def aux_loss(
     coeff: float,
 ) -> torch.Tensor:
     """0-dim loss in probs.dtype: C * sum_c (sum_r probs[r, c]) * tokens_per_expert[c],
-    C = num_experts * coeff / (topk * total_num_tokens^2)."""
+    C = num_experts * coeff / (topk * total_num_tokens^2); 0 (and a zero gradient) for a total below 1."""
     dtype = _compute_dtype(probs.dtype)
     total = (
         total_num_tokens.to(dtype)
         if isinstance(total_num_tokens, torch.Tensor)
         else torch.tensor(float(total_num_tokens), dtype=dtype, device=probs.device)
     )
+    no_tokens = total < 1
+    total = torch.where(no_tokens, 1, total)  # the other branch's gradient must stay finite
     column_sums = probs.to(dtype).sum(0)
     loss = (column_sums * tokens_per_expert.to(dtype)).sum() * (num_experts * coeff / topk) / (total * total)
-    return loss.to(probs.dtype)
+    return torch.where(no_tokens, 0, loss).to(probs.dtype)
 
 
 def aux_loss_backward(

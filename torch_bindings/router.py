@@ -19,7 +19,7 @@ from moetriton.kernels import router as plans
 from moetriton.kernels.rules import router as rules
 
 from . import reference_router as reference
-from ._checks import Signature, describe, memoised, same_device, signature, values_checked
+from ._checks import Signature, describe, memoised, same_device, signature
 from ._op import Launch, Op, trailing
 from .executor import dtype_name
 
@@ -449,7 +449,9 @@ def fused_moe_aux_loss(
             for a sequence-level loss).
         tokens_per_expert: [C] int32/int64/float counts.
         total_num_tokens: a Python int >= 1, or a 0-dim int32/int64/float32 tensor on probs' device
-            (CUDA-graph safe: the coefficient is then computed on the device).
+            (CUDA-graph safe: the coefficient is then computed on the device, and never read on the host).
+            A tensor total below 1 means no tokens: the loss is exactly 0 and so is its gradient, on every
+            device (a NaN total gives NaN).
         num_experts, topk: E and K (coefficient only); coeff: the loss weight (a Python float).
 
     Returns:
@@ -469,8 +471,6 @@ def fused_moe_aux_loss(
         topk=topk,
         coeff=coeff,
     )
-    if total_is_tensor and values_checked(total_num_tokens):
-        rules.check_total_tokens_value(total_num_tokens.item())
     return ROUTER_AUX_LOSS(
         probs,
         tokens_per_expert,

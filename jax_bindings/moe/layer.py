@@ -186,9 +186,8 @@ def _losses_and_counts(logits, routing_map, valid, layout, config: MoEConfig, ba
         if valid is not None:
             scores = jnp.where(valid[:, None], scores, 0.0)
         if balance_coeff:
-            # A traced total: fused_moe_aux_loss divides by its square, so at least 1 (routed is then 0).
-            guarded = tokens if isinstance(tokens, int) else jnp.maximum(tokens, 1)
-            loss = fused_moe_aux_loss(scores, counts["routed"], guarded, num_experts, topk, balance_coeff)
+            # No unmasked token in the group: a traced total of 0, and the op's loss is then 0.
+            loss = fused_moe_aux_loss(scores, counts["routed"], tokens, num_experts, topk, balance_coeff)
             partials[0] = loss.astype(jnp.float32)
         if sequence_coeff:
             balance = _sequence_balance(scores, routing_map, per_sequence, topk)

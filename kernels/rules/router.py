@@ -182,7 +182,8 @@ class AuxLossConfig:
 def check_aux_loss(
     *, probs: Desc, tokens_per_expert: Desc, total_num_tokens, num_experts, topk, coeff
 ) -> AuxLossConfig:
-    """Validates fused_moe_aux_loss. `total_num_tokens` is a Python int >= 1 or a Desc of a 0-dim array.
+    """Validates fused_moe_aux_loss. `total_num_tokens` is a Python int >= 1 or a Desc of a 0-dim array
+    (whose value is never checked: below 1 it means no tokens, and the loss is 0).
 
     probs is [rows, cols] with cols a multiple of num_experts (a sequence-level loss passes
     [seq, batch * E]); tokens_per_expert has one count per column.
@@ -218,10 +219,3 @@ def check_aux_loss(
     else:
         total = _int("total_num_tokens", total_num_tokens, low=1)
     return AuxLossConfig(num_rows, num_cols, num_experts, topk, coeff, total)
-
-
-def check_total_tokens_value(total: float) -> None:
-    """Value rule of a total_num_tokens array, for bindings that read its value (free on CPU, or with the
-    debug switch): at least 1, since the loss divides by its square."""
-    if not total >= 1:
-        _fail("total_num_tokens", f"expected a value >= 1, got {total}")

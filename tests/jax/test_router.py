@@ -111,6 +111,25 @@ def test_aux_loss_matches_reference(problem: AuxLossProblem):
         _assert_close(grad, ref_grad, problem.dtype)
 
 
+@pytest.mark.parametrize("total", [0, 0.5, -3], ids=["zero", "half", "negative"])
+@pytest.mark.parametrize("traced", [False, True])
+def test_aux_loss_of_an_array_total_below_one_is_zero(total, traced):
+    """An array total_num_tokens below 1 (no tokens: a traced or device count) gives a loss of exactly 0
+    and a zero gradient, in the op and in the reference, even with NaN probs; a NaN total gives NaN. A
+    Python int below 1 is refused (a static count, free to check)."""
+    probs = jnp.asarray([[0.5, np.nan], [0.25, 0.75]], jnp.float32)
+    counts = jnp.asarray([3, 1])
+    count = jnp.asarray(total, jnp.float32 if total != int(total) else jnp.int32)
+    for function in (fused_moe_aux_loss, reference.fused_moe_aux_loss):
+        value_and_grad = jax.value_and_grad(lambda p, c, f=function: f(p, counts, c, 2, 1, 1.0))
+        loss, grad = (jax.jit(value_and_grad) if traced else value_and_grad)(probs, count)
+        assert float(loss) == 0 and not np.asarray(grad).any(), (function, loss, grad)
+    nan_total = jnp.asarray(np.nan, jnp.float32)
+    assert np.isnan(float(fused_moe_aux_loss(jnp.nan_to_num(probs), counts, nan_total, 2, 1, 1.0)))
+    with pytest.raises(ValueError, match="total_num_tokens: expected an int in >= 1, got 0"):
+        fused_moe_aux_loss(probs, counts, 0, 2, 1, 1.0)
+
+
 def test_jit_and_vmap_match_eager():
     logits = jnp.asarray(np.random.default_rng(1).standard_normal((3, 5, 12)), jnp.float32)
     bias = jnp.asarray(np.random.default_rng(2).standard_normal(12), jnp.float32)

@@ -108,6 +108,27 @@ def test_aux_loss_matches_reference(problem: AuxLossProblem):
         _assert_close(grad, ref_grad, problem.dtype)
 
 
+@pytest.mark.parametrize("total", [0, 0.5, -3], ids=["zero", "half", "negative"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32])
+def test_aux_loss_of_a_tensor_total_below_one_is_zero(total, dtype):
+    """A tensor total_num_tokens below 1 (no tokens: a device count the host never reads) gives a loss of
+    exactly 0 and a zero gradient, on every device and in the reference, even with NaN probs; a NaN total
+    gives NaN. A Python int below 1 is refused (a static count, free to check)."""
+    if total != int(total) and dtype != torch.float32:
+        pytest.skip("a fractional total needs a float dtype")
+    probs = torch.tensor([[0.5, float("nan")], [0.25, 0.75]], device=DEVICE, requires_grad=True)
+    counts = torch.tensor([3, 1], device=DEVICE)
+    count = torch.tensor(total, dtype=dtype, device=DEVICE)
+    for function in (fused_moe_aux_loss, reference.fused_moe_aux_loss):
+        loss = function(probs, counts, count, 2, 1, 1.0)
+        (grad,) = torch.autograd.grad(loss, probs)
+        assert loss.item() == 0 and not grad.any(), (function, loss, grad)
+    nan_total = torch.tensor(float("nan"), device=DEVICE)
+    assert fused_moe_aux_loss(probs.detach().nan_to_num(), counts, nan_total, 2, 1, 1.0).isnan()
+    with pytest.raises(ValueError, match="total_num_tokens: expected an int in >= 1, got 0"):
+        fused_moe_aux_loss(probs, counts, 0, 2, 1, 1.0)
+
+
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 OPTION_GRID = [
     (score_function, pre, groups, bias, scale)

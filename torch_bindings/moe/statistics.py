@@ -83,9 +83,8 @@ def routing_statistics(
             if valid is not None:
                 scores = scores * valid[:, None]
             if balance_coeff > 0:
-                partials[0] = fused_moe_aux_loss(
-                    scores, routed, tokens.clamp(min=1), num_experts, topk, balance_coeff
-                )
+                # No unmasked token in the group: tokens is 0, and the op's loss is then 0.
+                partials[0] = fused_moe_aux_loss(scores, routed, tokens, num_experts, topk, balance_coeff)
             if sequence_coeff > 0:
                 balance = _sequence_balance(scores, routing_map, per_sequence, topk, batch_shape)
                 partials[1] = sequence_coeff * balance / sequences.clamp(min=1)
