@@ -34,10 +34,11 @@ def _kept(
     indices: jax.Array, weights: jax.Array, routed: jax.Array, capacity: int | None, drop_policy: str
 ) -> jax.Array:
     """[T, K] bool: whether routed slot (t, k) keeps its place in one shard. indices, weights [T, K];
-    routed [T, K] bool (False: a masked token's slot, which is never kept and takes no place). A slot's
-    rank is the number of routed slots of the same expert that come before it: earlier in (token, slot)
-    order ("position"), or of a higher weight, or of an equal weight and earlier ("probs"). Kept: rank below
-    `capacity` (every routed slot when None)."""
+        routed [T, K] bool (False: a masked token's slot, which is never kept and takes no place). A slot's
+        rank is the number of routed slots of the same expert that come before it: earlier in (token, slot)
+        order ("position"), or of a higher weight, or of an equal weight and earlier ("probs"; NaN weighs less
+    than every number and equals NaN). Kept: rank below
+        `capacity` (every routed slot when None)."""
     if capacity is None:
         return routed
     experts, slot_weights, slot_routed = indices.reshape(-1), weights.reshape(-1), routed.reshape(-1)
@@ -47,9 +48,11 @@ def _kept(
     earlier = position[None, :] < position[:, None]
     if drop_policy == "position":
         before = earlier
-    else:
-        heavier = slot_weights[None, :] > slot_weights[:, None]
-        before = heavier | ((slot_weights[None, :] == slot_weights[:, None]) & earlier)
+    else:  # NaN below every number; equal weights (NaN and NaN included) to the earlier slot
+        mine, theirs = slot_weights[:, None], slot_weights[None, :]
+        heavier = (theirs > mine) | (jnp.isnan(mine) & ~jnp.isnan(theirs))
+        equal = (theirs == mine) | (jnp.isnan(mine) & jnp.isnan(theirs))
+        before = heavier | (equal & earlier)
     rank = jnp.sum(rivals & before, axis=1)
     return (slot_routed & (rank < capacity)).reshape(indices.shape)
 

@@ -113,6 +113,35 @@ def with_pipeline_chunks(problem: MoEProblem, chunks: int) -> MoEProblem:
     return replace(problem, options={**problem.options, "pipeline_chunks": chunks})
 
 
+#: Experts of `probs_policy_slots`.
+PROBS_POLICY_EXPERTS = 5
+
+
+def probs_policy_slots(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(indices [T, K] int32 with -1 for masked slots, merging weights [T, K] fp32) for the probs drop
+    policy's ranking: few distinct weights (many exact ties), NaN, -inf and -0.0 among them."""
+    rng = np.random.default_rng(seed)
+    tokens, topk = int(rng.integers(1, 12)), int(rng.integers(1, 4))
+    indices = rng.integers(-1, PROBS_POLICY_EXPERTS, (tokens, topk)).astype(np.int32)
+    pool = np.array([0.0, -0.0, 0.25, 0.5, 0.75, np.nan, -np.inf], np.float32)
+    return indices, rng.choice(pool, (tokens, topk))
+
+
+def kept_by_weight(indices: np.ndarray, weights: np.ndarray, capacity: int, num_experts: int) -> np.ndarray:
+    """numpy oracle of drop_policy "probs" (moetriton.kernels.rules.moe.NON_FINITE): each expert's
+    `capacity` slots of highest weight, NaN below every number, equal weights (-0.0 and +0.0, NaN and NaN)
+    to the earlier (token, slot); the others -1."""
+    flat, weight = indices.reshape(-1), weights.reshape(-1).astype(np.float64)
+    kept = np.zeros(flat.shape, bool)
+    for expert in range(num_experts):
+        slots = np.flatnonzero(flat == expert)
+        missing = np.isnan(weight[slots])
+        descending = np.where(missing, 0.0, -weight[slots]) + 0.0  # + 0.0: -0.0 becomes +0.0
+        ranked = slots[np.lexsort((slots, descending, missing))]  # last key first: NaN last, weight, slot
+        kept[ranked[:capacity]] = True
+    return np.where(kept.reshape(indices.shape), indices, -1)
+
+
 @st.composite
 def moe_problems(
     draw,

@@ -329,3 +329,57 @@ def test_layers_with_shared_experts_agree(gate, activation, recipe):
         np.testing.assert_allclose(
             np.asarray(grad), leaves[name].grad.cpu().numpy(), rtol=1e-5, atol=1e-5, err_msg=name
         )
+
+
+def _layer_results(framework: str, arrays: dict, options: dict, mask=None):
+    """(out, aux_loss, dropped, MoEStats) of one layer call, as numpy."""
+    if framework == "torch":
+        x, gate, gate_up, down = (_torch(arrays[name]) for name in ("x", "gate", "gate_up", "down"))
+        token_mask = None if mask is None else _torch(mask)
+        results = mt.moe(x, gate.t(), gate_up, down, token_mask=token_mask, return_stats=True, **options)
+        out, aux_loss, dropped, stats = (
+            value if isinstance(value, tuple) else value.detach().cpu().numpy() for value in results
+        )
+        return out, aux_loss, dropped, [value.detach().cpu().numpy() for value in stats]
+    token_mask = None if mask is None else _jax(mask)
+    results = mj.moe(*map(_jax, arrays.values()), token_mask=token_mask, return_stats=True, **options)
+    return (*(np.asarray(value) for value in results[:3]), [np.asarray(value) for value in results[3]])
+
+
+@pytest.mark.parametrize(
+    ("capacity_factor", "drop_policy"), [(None, "position"), (0.5, "position"), (0.5, "probs")]
+)
+@pytest.mark.parametrize("fill", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_layers_agree_on_non_finite_tokens(capacity_factor, drop_policy, fill, score_function):
+    """Tokens whose values are NaN or infinite (so are their logits and weights), under each drop policy
+    (moetriton.kernels.rules.moe.NON_FINITE): both layers give the same outputs (non-finite exactly where
+    the other's are), losses, dropped count and counts. Dropless and under the probs policy (NaN weights
+    rank below every number) the finite tokens' outputs are those of the layer with the broken tokens
+    masked out; under the position policy the broken tokens keep their places."""
+    rng = np.random.default_rng(5)
+    arrays = dict(
+        x=rng.normal(size=(2, 4, _H)).astype(np.float32),
+        gate=rng.normal(0, 0.5, (_H, _E)).astype(np.float32),
+        gate_up=rng.normal(0, _H**-0.5, (_E, _H, 2 * _F)).astype(np.float32),
+        down=rng.normal(0, _F**-0.5, (_E, _F, _H)).astype(np.float32),
+    )
+    broken = np.zeros((2, 4), bool)
+    broken[0, 1] = broken[1, 0] = True  # early tokens: they would take places first
+    arrays["x"][broken] = fill
+    options = dict(topk=2, score_function=score_function, capacity_factor=capacity_factor)
+    options.update(drop_policy=drop_policy, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    got = {framework: _layer_results(framework, arrays, options) for framework in ("torch", "jax")}
+    (out, aux_loss, dropped, stats), (jax_out, jax_aux, jax_dropped, jax_stats) = got["torch"], got["jax"]
+    np.testing.assert_array_equal(np.isfinite(out), np.isfinite(jax_out))
+    np.testing.assert_allclose(jax_out, out, rtol=1e-5, atol=1e-6)  # NaN where the other has NaN
+    assert np.isnan(aux_loss) and np.isnan(jax_aux) and int(dropped) == int(jax_dropped)
+    for name, mine, theirs in zip(layer_rules.MoEStats._fields, stats, jax_stats, strict=True):
+        if not name.endswith("loss"):
+            np.testing.assert_array_equal(mine, theirs, err_msg=name)
+    assert np.isfinite(out[~broken]).all()
+    masked = _layer_results("torch", arrays, options, mask=~broken)[0]
+    if drop_policy == "probs" or capacity_factor is None:
+        np.testing.assert_array_equal(out[~broken], masked[~broken])
+    if drop_policy == "probs":  # at this capacity every broken slot is dropped: zero rows
+        assert not out[broken].any()

@@ -8,6 +8,8 @@ order (the ranks of the token group), and in each shard every expert keeps its f
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -96,8 +98,16 @@ def moe_reference(
         for start in range(0, num_tokens, max(shard_tokens, 1)):
             for expert in range(num_experts):
                 routed = kept[start : start + shard_tokens, expert].nonzero().squeeze(1) + start
-                if opts.drop_policy == "probs":  # highest probability first, earlier tokens first on ties
-                    order = sorted(range(len(routed)), key=lambda i: (-probs[routed[i], expert].item(), i))
+                if opts.drop_policy == "probs":  # highest probability first, NaN last, earlier first on ties
+                    weights = [probs[token, expert].item() for token in routed.tolist()]
+                    order = sorted(
+                        range(len(routed)),
+                        key=lambda i: (
+                            math.isnan(weights[i]),
+                            0.0 if math.isnan(weights[i]) else -weights[i],
+                            i,
+                        ),
+                    )
                     routed = routed[order]
                 kept[routed[capacity:], expert] = False
     out = torch.zeros_like(tokens)
@@ -109,7 +119,7 @@ def moe_reference(
         shared = _expert(tokens, shared_gate_up.float(), shared_down.float(), activation)  # [T, H]
         if shared_gate is not None:
             shared = torch.sigmoid(tokens @ shared_gate.float()) * shared
-        out = out + shared * valid.to(out.device)[:, None]
+        out = out + torch.where(valid.to(out.device)[:, None], shared, 0.0)
     losses = _losses(logits, routing_map, valid, opts, tuple(x.shape[:2]) if x.dim() == 3 else None)
     routed_counts, kept_counts = routing_map.sum(0), kept.sum(0)
     dropped = (routed_counts - kept_counts).sum()

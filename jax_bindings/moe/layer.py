@@ -111,13 +111,22 @@ def _router(x_flat, gate, expert_bias, config: MoEConfig, num_tokens_global: int
 def most_probable_slots(indices: jax.Array, weights: jax.Array, capacity: int, num_experts: int) -> jax.Array:
     """drop_policy "probs": indices [T, K] int32 with every slot its expert drops set to -1 (no expert), so
     that the dispatch's position capacity then keeps all the rest (no expert has more than `capacity` left).
-    Each expert keeps its `capacity` slots of highest merging weight (weights [T, K]), ties to the earlier
-    slot in (token, slot) order; slots already -1 (masked tokens) stay -1. Static shapes, deterministic."""
+    Each expert keeps its `capacity` slots of highest merging weight (weights [T, K]), NaN below every
+    number and ties (-0.0 and +0.0, NaN and NaN) to the earlier slot in (token, slot) order
+    (moetriton.kernels.rules.moe.NON_FINITE); slots already -1 (masked tokens) stay -1. Static shapes,
+    deterministic."""
     flat = indices.reshape(-1)
     experts = jnp.where(flat >= 0, flat, num_experts)  # [T * K]; no expert sorts last and is never kept
-    # Two stable sorts: by weight (descending; equal weights keep slot order), then by expert.
-    by_weight = jnp.argsort(-weights.reshape(-1).astype(jnp.float32), stable=True)
-    order = by_weight[jnp.argsort(experts[by_weight], stable=True)]  # expert-major, heaviest first
+    flat_weights = weights.reshape(-1).astype(jnp.float32)
+    missing = jnp.isnan(flat_weights)
+    # Canonical keys, as PyTorch's layer builds them: NaN as -inf (set apart by the second sort), -0.0 as
+    # +0.0; the order is then the rule's whatever the sort does with NaN or signed zeros.
+    flat_weights = jnp.where(missing, -jnp.inf, jnp.where(flat_weights == 0, 0.0, flat_weights))
+    # Two stable sorts: by weight (descending; equal weights keep slot order), then by expert with NaN
+    # weights after every number of the same expert.
+    by_weight = jnp.argsort(-flat_weights, stable=True)
+    group = 2 * experts + missing  # [T * K]
+    order = by_weight[jnp.argsort(group[by_weight], stable=True)]  # expert-major, heaviest first
     counts = jnp.bincount(experts, length=num_experts + 1)
     starts = jnp.cumsum(counts) - counts  # where each expert's slots begin in `order`
     rank_in_order = jnp.arange(flat.shape[0], dtype=jnp.int32) - starts[experts[order]].astype(jnp.int32)

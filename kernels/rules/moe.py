@@ -41,6 +41,33 @@ DROP_POLICIES = {
     "probs": "its C slots of highest routing probability, ties to the earlier slot in (token, slot) order",
 }
 
+#: The layer's one rule for a token whose logits, probabilities or activations are not finite (NaN, +-inf),
+#: under every score function, drop policy and capacity, the same in both frameworks and their references
+#: (docs/moe.md, "Non-finite values"), by the stage it concerns:
+NON_FINITE = {
+    "padding": "a masked token's values are never read (it enters the layer as zeros), whatever they hold",
+    "routing": "the router's rule (docs/router.md): NaN scores rank below every number, so a token with "
+    "NaN logits takes its experts among its other scores first, then the lowest-index NaN ones; its "
+    "probabilities and merging weights follow IEEE arithmetic (NaN, or inf, where the formula meets one)",
+    "position": "a slot's place under drop_policy 'position' depends on its position alone: a token with "
+    "non-finite values takes its places like any other",
+    "probs": "drop_policy 'probs' ranks an expert's slots by merging weight, descending, NaN below every "
+    "number (-inf included), equal weights (-0.0 and +0.0, NaN and NaN) to the earlier slot: a slot of "
+    "NaN weight is the first to be dropped",
+    "kept": "a kept slot adds w * expert(x) to its token's output in fp32, with IEEE arithmetic: a "
+    "non-finite weight, token or activation makes that token's output non-finite; every row is computed "
+    "on its own, so no other token's output changes",
+    "dropped": "a dropped slot adds exactly nothing, whatever its weight or expert output: a token with "
+    "every slot dropped and no shared experts gets a zero row",
+    "shared": "every unmasked token's shared-expert output is added, with IEEE arithmetic",
+    "statistics": "counts (routed, kept, dropped, loads) are exact integers whatever the values; the losses "
+    "follow IEEE arithmetic, so a non-finite logit of an unmasked token makes every loss that reads it "
+    "non-finite and the training step sees it",
+    "gradients": "IEEE arithmetic: a sum over tokens that includes a non-finite one (the router weight's "
+    "gradient, the shared experts', the expert weights' of the experts that kept its slots) is "
+    "non-finite; a finite token's own input gradient stays finite",
+}
+
 #: The layer's losses, by coefficient. Each is global over the token group (every rank's unmasked tokens),
 #: scaled by its coefficient, and added into the layer's aux_loss; MoEStats reports each one.
 #: T: unmasked tokens of the token group; E experts, top K; routed_e: slots routed to expert e;

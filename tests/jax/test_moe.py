@@ -35,7 +35,13 @@ from tests.jax.moe_checks import (
     padding_mask,
     with_ties,
 )
-from tests.strategies_moe import moe_problems, with_shared_experts
+from tests.strategies_moe import (
+    PROBS_POLICY_EXPERTS,
+    kept_by_weight,
+    moe_problems,
+    probs_policy_slots,
+    with_shared_experts,
+)
 
 INTERPRETED = {"mesh-1x1", "mesh-1x2", "overflow", "errors", "options-1x2"}
 
@@ -280,29 +286,17 @@ def test_probs_policy_on_identical_tokens_is_the_position_policy():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _kept_by_weight(indices: np.ndarray, weights: np.ndarray, capacity: int, num_experts: int) -> np.ndarray:
-    """numpy: each expert's `capacity` slots of highest weight, ties to the earlier (token, slot)."""
-    flat, weight = indices.reshape(-1), weights.reshape(-1)
-    kept = np.zeros(flat.shape, bool)
-    for expert in range(num_experts):
-        slots = np.flatnonzero(flat == expert)
-        ranked = slots[np.lexsort((slots, -weight[slots]))]  # last key first: weight descending, then slot
-        kept[ranked[:capacity]] = True
-    return np.where(kept.reshape(indices.shape), indices, -1)
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_most_probable_slots_match_numpy(seed):
     """The two stable sorts of drop_policy="probs" against a per-expert ranking in numpy: random experts
-    (-1: masked slots), weights drawn from few values (many exact ties), capacities from 0 to all slots."""
-    rng = np.random.default_rng(seed)
-    tokens, topk, num_experts = rng.integers(1, 12), rng.integers(1, 4), 5
-    indices = rng.integers(-1, num_experts, (tokens, topk)).astype(np.int32)
-    weights = rng.choice(np.array([0.0, 0.25, 0.5, 0.75], np.float32), (tokens, topk))
+    (-1: masked slots), weights drawn from few values (many exact ties; NaN, -inf and -0.0 among them:
+    NaN below every number, -0.0 tied with +0.0), capacities from 0 to all slots."""
+    indices, weights = probs_policy_slots(seed)
+    tokens, topk = indices.shape
     keep = jax.jit(most_probable_slots, static_argnums=3)  # capacity traced: one program for them all
     for capacity in range(tokens * topk + 1):
-        got = keep(indices, weights, capacity, num_experts)
-        expected = _kept_by_weight(indices, weights, capacity, num_experts)
+        got = keep(indices, weights, capacity, PROBS_POLICY_EXPERTS)
+        expected = kept_by_weight(indices, weights, capacity, PROBS_POLICY_EXPERTS)
         np.testing.assert_array_equal(np.asarray(got), expected, err_msg=f"capacity {capacity}")
 
 

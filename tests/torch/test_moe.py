@@ -15,7 +15,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -25,9 +27,13 @@ from hypothesis import strategies as st
 import moetriton.torch as mt
 from moetriton.kernels.rules.expert_parallel import ep_layout, padded_counts
 from moetriton.torch.moe import expert_mlp, grouped_mm_supported
+from moetriton.torch.moe.capacity import most_probable_slots
 from moetriton.torch.reference_moe import moe_reference
 from tests.strategies_moe import (
+    PROBS_POLICY_EXPERTS,
+    kept_by_weight,
     moe_problems,
+    probs_policy_slots,
     with_pipeline_chunks,
     with_recipe_options,
     with_shared_experts,
@@ -284,6 +290,20 @@ def test_update_expert_bias_follows_the_sign_rule():
         mt.update_expert_bias(bias, routed, torch.tensor(0.1))
     with pytest.raises(ValueError, match="expert_bias: expected a float"):
         mt.update_expert_bias(routed, routed, 0.1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_most_probable_slots_match_numpy(seed):
+    """drop_policy="probs"'s two stable sorts against a per-expert ranking in numpy: random experts (-1:
+    masked slots), few distinct weights (exact ties; NaN, -inf and -0.0 among them: NaN below every number,
+    -0.0 tied with +0.0), capacities from 0 to all slots."""
+    indices, weights = probs_policy_slots(seed)
+    tokens, topk = indices.shape
+    for capacity in range(tokens * topk + 1):
+        layout = SimpleNamespace(num_experts=PROBS_POLICY_EXPERTS, capacity=capacity)  # what the sorts read
+        got = most_probable_slots(torch.from_numpy(indices), torch.from_numpy(weights), layout)
+        expected = kept_by_weight(indices, weights, capacity, PROBS_POLICY_EXPERTS)
+        np.testing.assert_array_equal(got.numpy(), expected, err_msg=f"capacity {capacity}")
 
 
 def _exact_directions(routed: list[int]) -> list[int]:

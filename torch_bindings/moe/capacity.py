@@ -38,14 +38,22 @@ def capacity_experts(send, layout, group, gate_up, down, activation) -> Tensor:
 def most_probable_slots(indices: Tensor, merging: Tensor, layout: EPLayout) -> Tensor:
     """drop_policy "probs": indices [T, K] with every slot an expert drops set to -1 (no expert), so that
     the dispatch's position capacity keeps all the rest. Each expert keeps its C = layout.capacity slots of
-    highest merging weight (merging [T, K]), ties to the earlier slot in (token, slot) order; slots already
-    -1 (masked tokens) stay -1. Sorts on the device: static shapes, no host sync, deterministic."""
+    highest merging weight (merging [T, K]), NaN below every number and ties (-0.0 and +0.0, NaN and NaN)
+    to the earlier slot in (token, slot) order (moetriton.kernels.rules.moe.NON_FINITE); slots already -1
+    (masked tokens) stay -1. Sorts on the device: static shapes, no host sync, deterministic."""
     num_experts = layout.num_experts
     experts = indices.reshape(-1).long()
     experts = torch.where(experts >= 0, experts, num_experts)  # [T * K]; no expert sorts last
-    # Stable sorts: by weight (descending; ties keep slot order), then by expert.
-    by_weight = torch.sort(merging.reshape(-1).float(), descending=True, stable=True).indices
-    order = by_weight[torch.sort(experts[by_weight], stable=True).indices]  # [T * K] expert-major
+    weights = merging.reshape(-1).float()
+    missing = weights.isnan()
+    # Canonical keys: NaN as -inf (set apart by the second sort), -0.0 as +0.0 (a radix sort on the GPU
+    # would order their bits).
+    weights = torch.where(missing, -torch.inf, torch.where(weights == 0, 0.0, weights))
+    # Stable sorts: by weight (descending; ties keep slot order), then by expert with NaN weights after
+    # every number of the same expert.
+    by_weight = torch.sort(weights, descending=True, stable=True).indices
+    group = 2 * experts + missing  # [T * K]
+    order = by_weight[torch.sort(group[by_weight], stable=True).indices]  # [T * K] expert-major
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=indices.device)
     counts.scatter_add_(0, experts, torch.ones_like(experts))  # scatter_add: bincount would sync
     starts = counts.cumsum(0) - counts

@@ -74,7 +74,11 @@ def expert_mlp(
         with stage("grouped_gemm"):
             out = inp.new_zeros(inp.shape[0], weights.shape[2])
             for expert in range(weights.shape[0]):
-                out = torch.where(expert_of_row == expert, inp @ weights[expert], out)
+                mine = expert_of_row == expert
+                # The other rows are masked out of the product too, not only out of its result: the weight
+                # gradient sums rows x gradient, and another expert's non-finite row times a zero
+                # gradient would be NaN in this expert's gradient.
+                out = torch.where(mine, torch.where(mine, inp, 0) @ weights[expert], out)
             return out
 
     hidden = grouped(rows, gate_up)

@@ -324,7 +324,7 @@ def moe(
         if valid is not None:  # padding: no slot (-1 is no expert to the dispatch), no weight, no count
             routing_map = routing_map & valid[:, None]
             indices = torch.where(valid[:, None], indices, -1)
-            merging = merging * valid[:, None]
+            merging = torch.where(valid[:, None], merging, 0.0)
         routed = routing_map.sum(0)  # [E] int64, this rank's
         aux_loss, dropped, stats = routing_statistics(
             logits,
@@ -469,7 +469,7 @@ def _plus_shared(routed: Tensor, shared: Tensor | None, valid: Tensor | None) ->
         return routed
     shared = shared.float()
     if valid is not None:
-        shared = shared * valid[:, None]
+        shared = torch.where(valid[:, None], shared, 0.0)
     return (routed.float() + shared).to(routed.dtype)
 
 

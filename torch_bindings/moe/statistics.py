@@ -81,7 +81,7 @@ def routing_statistics(
         if balance_coeff > 0 or sequence_coeff > 0:
             _, scores = fused_compute_score_for_moe_aux_loss(logits, topk, score_function)  # [T, E] fp32
             if valid is not None:
-                scores = scores * valid[:, None]
+                scores = torch.where(valid[:, None], scores, 0.0)
             if balance_coeff > 0:
                 # No unmasked token in the group: tokens is 0, and the op's loss is then 0.
                 partials[0] = fused_moe_aux_loss(scores, routed, tokens, num_experts, topk, balance_coeff)
@@ -91,7 +91,7 @@ def routing_statistics(
         if z_coeff > 0:
             square = torch.logsumexp(logits.float(), dim=-1).square()  # [T]
             if valid is not None:
-                square = square * valid
+                square = torch.where(valid, square, 0.0)
             partials[2] = z_coeff * square.sum() / tokens.clamp(min=1)
         losses = torch.stack(partials)
     if any_loss and group_size > 1:
