@@ -32,7 +32,7 @@ import abc
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import ClassVar
 
@@ -315,3 +315,59 @@ def call(op: ShardedOp, *arrays: jax.Array) -> tuple[jax.Array, ...]:
 
     run.def_vmap(partial(_batched, op))
     return tuple(run(*arrays))
+
+
+# Meshes of Explicit axes --------------------------------------------------------------------------------
+
+
+def explicit_mesh(*arrays) -> jax.sharding.AbstractMesh | None:
+    """The mesh of the first array whose type names a mesh with Explicit axes (what `jax.make_mesh` makes
+    by default on JAX >= 0.7), or None: no such array, or meshes of Auto axes only."""
+    for x in arrays:
+        sharding = None if x is None else getattr(jax.typeof(x), "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is not None and jax.sharding.AxisType.Explicit in tuple(getattr(mesh, "axis_types", ())):
+            return mesh
+    return None
+
+
+def spec_axes(array: jax.Array, dim: int) -> tuple[str, ...]:
+    """The mesh axes that dimension `dim` of `array` is split over, as its type states (Explicit axes)."""
+    spec = jax.typeof(array).sharding.spec
+    return _axes(spec[dim]) if dim < len(spec) else ()
+
+
+def explicit_results(op: ShardedOp, *arrays: jax.Array | None) -> tuple[NamedSharding, ...] | None:
+    """The shardings of `op`'s results (op.results order) on a mesh of Explicit axes: the partitioner's
+    choice (`_choose_axes`) from its first argument's sharding as the type states it; None on other
+    meshes. `arrays`: the op's arguments, absent ones None."""
+    mesh = explicit_mesh(*arrays)
+    if mesh is None:
+        return None
+    first = next(x for x in arrays if x is not None)
+    token_axes = spec_axes(first, 0)
+    hidden_axes = spec_axes(first, 1) if first.ndim > 1 else ()
+    if not op.token_parallel and op.num_shards % _axes_size(mesh, token_axes):
+        token_axes = ()
+    return _shardings(op, mesh, op.results, token_axes, hidden_axes)
+
+
+def row_sharding(like: jax.Array, ndim: int) -> NamedSharding | None:
+    """On a mesh of Explicit axes (else None): a [rows, ...] result of `ndim` dimensions whose rows are
+    split as `like`'s first dimension is, and whose other dimensions are whole."""
+    mesh = explicit_mesh(like)
+    if mesh is None:
+        return None
+    axes = spec_axes(like, 0)
+    return NamedSharding(mesh, PartitionSpec(axes or None, *[None] * (ndim - 1)))
+
+
+def on_explicit_mesh(function: Callable, out_sharding) -> Callable:
+    """`function` as it runs on any mesh. With `out_sharding` (on a mesh of Explicit axes: the shardings of
+    its results, a pytree like them) the mesh's axes are made Auto inside (`jax.sharding.auto_axes`):
+    custom_partitioning's trace of one shard and the custom VJPs cannot follow shardings carried in types,
+    so the op partitions as on a mesh of Auto axes; its results get `out_sharding`, and its gradients the
+    shardings of its arguments (the transpose of auto_axes' resharding). Without it, `function` itself."""
+    if out_sharding is None:
+        return function
+    return jax.sharding.auto_axes(function, out_sharding=out_sharding)

@@ -13,6 +13,7 @@ from moetriton.kernels.activation import activation_backward_plan, activation_pl
 from moetriton.kernels.rules import validation
 from moetriton.kernels.rules.expert_parallel import GATED_ACTIVATIONS
 
+from ._sharding import on_explicit_mesh, row_sharding
 from .executor import describe, run_builder, uses_kernels
 
 #: activation name -> its function (applied to the gate half when the activation is gated: GATED_ACTIVATIONS).
@@ -82,4 +83,5 @@ def grouped_activation(hidden: jax.Array, group_sizes: jax.Array, activation: st
     )
     if not uses_kernels() or group_sizes.shape[0] == 0:
         return apply_activation(hidden, activation)
-    return _grouped_activation(hidden, group_sizes.astype(jnp.int32), activation)
+    activate = partial(_grouped_activation, activation=activation)
+    return on_explicit_mesh(activate, row_sharding(hidden, 2))(hidden, group_sizes.astype(jnp.int32))

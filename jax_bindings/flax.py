@@ -15,6 +15,7 @@ not.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -47,7 +48,11 @@ def init_sharded(module: nn.Module, key: jax.Array, *args, mesh: Mesh, rules=DEF
     """
     abstract = jax.eval_shape(module.init, key, *args)
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    # On Auto axes the rules also constrain the variables inside the computation; on Explicit axes such a
+    # constraint is an assertion about the types (the initialisers make replicated arrays), so there the
+    # variables get their shardings where jit returns them.
+    explicit = jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
+    with jax.set_mesh(mesh), contextlib.nullcontext() if explicit else nn.logical_axis_rules(rules):
         return jax.jit(module.init, out_shardings=shardings)(key, *args)
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from moetriton import kernels
 from moetriton.kernels.rules import validation
 
+from ._sharding import on_explicit_mesh, row_sharding
 from .executor import describe, run_builder, uses_kernels
 
 
@@ -121,6 +122,6 @@ def grouped_matmul(
     )
     group_sizes = group_sizes.astype(jnp.int32)
     lhs_rows, out_rows = (None if rows is None else rows.astype(jnp.int32) for rows in (lhs_rows, out_rows))
-    if not uses_kernels():
-        return _permuted_ragged_dot(lhs, rhs, group_sizes, lhs_rows, out_rows)
-    return _grouped_matmul(lhs, rhs, group_sizes, lhs_rows, out_rows, bool(zero_tail))
+    product = partial(_grouped_matmul, zero_tail=bool(zero_tail)) if uses_kernels() else _permuted_ragged_dot
+    # On a mesh of Explicit axes the product's rows are split as lhs's are.
+    return on_explicit_mesh(product, row_sharding(lhs, 2))(lhs, rhs, group_sizes, lhs_rows, out_rows)

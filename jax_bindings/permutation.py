@@ -29,7 +29,7 @@ from moetriton.kernels.rules import validation
 
 from . import reference
 from ._checks import check_values
-from ._sharding import HIDDEN, ShardedOp, call
+from ._sharding import HIDDEN, ShardedOp, call, explicit_results, on_explicit_mesh
 from .executor import described, run_builder
 
 _op = dataclasses.dataclass(frozen=True, kw_only=True)
@@ -450,7 +450,8 @@ def token_dispatch(
         **config._replace(num_out_tokens=shard_out_tokens)._asdict(),
     )
     routing = routing_map if config.is_mask else indices
-    results = _dispatch(op, jnp.asarray(inp), jnp.asarray(routing), _asarray(probs), _asarray(scales))
+    arrays = (jnp.asarray(inp), jnp.asarray(routing), _asarray(probs), _asarray(scales))
+    results = on_explicit_mesh(partial(_dispatch, op), explicit_results(op, *arrays))(*arrays)
     named = dict(zip(op.results, results, strict=True))
     return config.results(
         [named.get(name) for name in validation.DISPATCH_RESULTS],
@@ -535,7 +536,9 @@ def token_combine(
     )
     check_values(_row_map_rule(inp.shape[0] // num_shards), row_id_map)
     statics = _CombineStatics(num_shards=num_shards, padded=pad_offsets is not None)
-    return _combine(statics, jnp.asarray(inp), jnp.asarray(row_id_map), _asarray(merging_probs))
+    arrays = (jnp.asarray(inp), jnp.asarray(row_id_map), _asarray(merging_probs))
+    results = explicit_results(Combine(num_shards=num_shards, has_weights=merging_probs is not None), *arrays)
+    return on_explicit_mesh(partial(_combine, statics), results and results[0])(*arrays)
 
 
 # chunk sort ----------------------------------------------------------------------------------------------
@@ -602,7 +605,6 @@ def sort_chunks_by_index(
     )
     check_values(_split_rule(num_shards, inp.shape[0] // num_shards), split_sizes, sorted_indices)
     op = SortChunks(num_shards=num_shards, has_probs=probs is not None, backward=False)
-    results = _sort_chunks(
-        op, jnp.asarray(inp), jnp.asarray(split_sizes), jnp.asarray(sorted_indices), _asarray(probs)
-    )
+    arrays = (jnp.asarray(inp), jnp.asarray(split_sizes), jnp.asarray(sorted_indices), _asarray(probs))
+    results = on_explicit_mesh(partial(_sort_chunks, op), explicit_results(op, *arrays))(*arrays)
     return tuple(results)

@@ -30,7 +30,7 @@ from moetriton.kernels import router as plans
 from moetriton.kernels.rules import router as rules
 
 from . import reference_router as reference
-from ._sharding import SUM, WHOLE, ShardedOp, call
+from ._sharding import SUM, WHOLE, ShardedOp, call, explicit_results, on_explicit_mesh
 from .executor import describe, run_builder
 
 # Local computations: (use_kernels, options, *arrays) -> results. `options` holds the static arguments in the
@@ -160,11 +160,23 @@ class _RouterOp(ShardedOp):
         return dict(zip(self.result_names, outs, strict=True))
 
 
-def _call(local: Callable, options: tuple, args: dict[str, jax.Array | None], results: tuple[str, ...]):
-    """Runs a router kernel call on the present `args` (name -> array or None)."""
+def _op_of(local: Callable, options: tuple, args: dict[str, jax.Array | None], results: tuple[str, ...]):
+    """The router kernel call of `local` on the present `args` (name -> array or None), and those arrays."""
     present = {name: value for name, value in args.items() if value is not None}
     op = _RouterOp(local=local, options=options, arg_names=tuple(present), result_names=results)
-    return call(op, *present.values())
+    return op, tuple(present.values())
+
+
+def _call(local: Callable, options: tuple, args: dict[str, jax.Array | None], results: tuple[str, ...]):
+    """Runs a router kernel call on the present `args` (name -> array or None)."""
+    op, arrays = _op_of(local, options, args, results)
+    return call(op, *arrays)
+
+
+def _explicit(local: Callable, options: tuple, args: dict[str, jax.Array | None], results: tuple[str, ...]):
+    """`explicit_results` of the router kernel call a differentiable op's forward makes."""
+    op, arrays = _op_of(local, options, args, results)
+    return explicit_results(op, *arrays)
 
 
 def _map_name(routing_map_format: str) -> str:
@@ -335,8 +347,15 @@ def fused_topk_with_score_function(
         config.routing_map_format,
     )
     shape = logits.shape
-    probs, routing_map, indices = _topk(
-        logits.reshape(config.num_tokens, config.num_experts), expert_bias, options
+    flat = logits.reshape(config.num_tokens, config.num_experts)
+    results = _explicit(
+        _topk_local,
+        options,
+        dict(logits=flat, bias=expert_bias),
+        ("probs", _map_name(options[-1]), "indices"),
+    )
+    probs, routing_map, indices = on_explicit_mesh(partial(_topk, options=options), results)(
+        flat, expert_bias
     )
     result = (probs.reshape(shape), routing_map.reshape(*shape[:-1], routing_map.shape[-1]))
     return (*result, indices.reshape(*shape[:-1], config.topk)) if return_indices else result
@@ -371,7 +390,9 @@ def fused_compute_score_for_moe_aux_loss(
         routing_map_format=routing_map_format,
     )
     options = (topk, score_function, routing_map_format)
-    routing_map, scores = _scores(logits.reshape(num_tokens, num_experts), options)
+    flat = logits.reshape(num_tokens, num_experts)
+    results = _explicit(_scores_local, options, dict(logits=flat), (_map_name(routing_map_format), "scores"))
+    routing_map, scores = on_explicit_mesh(partial(_scores, options=options), results)(flat)
     return routing_map.reshape(*logits.shape[:-1], routing_map.shape[-1]), scores.reshape(logits.shape)
 
 
@@ -416,5 +437,8 @@ def fused_moe_aux_loss(
         coeff=coeff,
     )
     options = (jnp.dtype(probs.dtype).name, config.total or 0, config.num_experts, config.topk, config.coeff)
-    loss = _loss(probs, tokens_per_expert, total_num_tokens if total_is_array else None, options)
+    total = total_num_tokens if total_is_array else None
+    arrays = dict(loss_probs=probs, counts=tokens_per_expert, total=total)
+    results = _explicit(_loss_local, options[1:], arrays, ("loss",))
+    loss = on_explicit_mesh(partial(_loss, options=options), results and results[0])(*arrays.values())
     return loss.astype(probs.dtype)

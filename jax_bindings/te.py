@@ -35,7 +35,7 @@ from moetriton.kernels.rules import validation
 from moetriton.kernels.rules.layout import round_up
 
 from . import permutation, router
-from ._sharding import ShardedOp, run_local
+from ._sharding import ShardedOp, explicit_mesh, on_explicit_mesh, run_local
 from .executor import compiles_kernels, describe, uses_kernels
 
 __all__ = [
@@ -302,6 +302,26 @@ def _call(op: _DeviceOp, **arrays: jax.Array | None) -> dict[str, jax.Array]:
     return dict(zip(op.results, results, strict=True))
 
 
+def _on_any_mesh(op: _DeviceOp, function, arrays: tuple, results: tuple[str | int | None, ...]):
+    """function(*arrays), which runs `op`; on a mesh of Explicit axes with the axes made Auto inside
+    (moetriton.jax._sharding.on_explicit_mesh) and its results sharded as `_partition` places the op's:
+    `results` in return order, the name of one of the op's results, the rank of a replicated array, or
+    None where it returns None."""
+    present = [array for array in arrays if array is not None]
+    mesh = explicit_mesh(*present)
+    if mesh is None:
+        return function(*arrays)
+    axes = _token_axes(op, mesh, [jax.typeof(array) for array in present])
+
+    def sharding(result: str | int | None) -> NamedSharding | None:
+        if result is None or isinstance(result, int):
+            return None if result is None else NamedSharding(mesh, PartitionSpec(*[None] * result))
+        return _named(op, mesh, result, len(op.native.layouts[result]), axes)
+
+    shardings = tuple(sharding(result) for result in results)
+    return on_explicit_mesh(function, shardings if len(shardings) > 1 else shardings[0])(*arrays)
+
+
 # Permutation ---------------------------------------------------------------------------------------------
 
 
@@ -389,14 +409,19 @@ def token_dispatch(
         has_scales=False,
     )
     op = _DeviceOp(native, rows=buffer_rows(num_out_tokens, num_experts, align_size))
-    output, permuted_probs, row_map = _dispatch(op, inp, routing, probs)
-    # TE's counts and offsets: from the whole routing map (an all-reduce of [E] under sharding).
-    counts = jnp.sum(routing != 0, axis=0, dtype=jnp.int32)
-    if align_size is None:
-        return output, permuted_probs, _te_row_map(row_map, None), None, counts
-    aligned = round_up(counts, align_size)
-    pad_offsets = jnp.cumsum(aligned - counts, dtype=jnp.int32) - (aligned - counts)
-    return output, permuted_probs, _te_row_map(row_map, pad_offsets), pad_offsets, aligned
+
+    def run(inp, routing, probs):
+        output, permuted_probs, row_map = _dispatch(op, inp, routing, probs)
+        # TE's counts and offsets: from the whole routing map (an all-reduce of [E] under sharding).
+        counts = jnp.sum(routing != 0, axis=0, dtype=jnp.int32)
+        if align_size is None:
+            return output, permuted_probs, _te_row_map(row_map, None), None, counts
+        aligned = round_up(counts, align_size)
+        pad_offsets = jnp.cumsum(aligned - counts, dtype=jnp.int32) - (aligned - counts)
+        return output, permuted_probs, _te_row_map(row_map, pad_offsets), pad_offsets, aligned
+
+    results = ("output", "permuted_probs" if probs is not None else None, "row_id_map")
+    return _on_any_mesh(op, run, (inp, routing, probs), (*results, None if align_size is None else 1, 1))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -472,7 +497,8 @@ def token_combine(
         padded=pad_offsets is not None,
     )
     pad_offsets = None if pad_offsets is None else jnp.asarray(pad_offsets)
-    return _combine(op, jnp.asarray(inp), jnp.asarray(row_id_map), weights, pad_offsets)
+    arrays = (jnp.asarray(inp), jnp.asarray(row_id_map), weights, pad_offsets)
+    return _on_any_mesh(op, partial(_combine, op), arrays, ("output",))
 
 
 def sort_chunks_by_index(

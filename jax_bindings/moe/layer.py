@@ -50,7 +50,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from moetriton.kernels.rules import moe as layer_rules
 from moetriton.kernels.rules.expert_parallel import dropped_slots, kept_slots, pipeline_chunk_bounds
@@ -541,9 +541,34 @@ def _moe(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, config
     def body(x, gate, gate_up, down, expert_bias, shared_weights, token_mask):
         return _shard(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, config=config)
 
+    arrays = (x, gate, gate_up, down, expert_bias, shared_weights, token_mask)
+    if AxisType.Explicit in tuple(config.mesh.axis_types):
+        # Explicit axes: shard_map's in_specs must be the shardings the arrays' types carry, so each array
+        # is resharded to its spec (what jit does by itself on Auto axes).
+        arrays = tuple(
+            _resharded(array, config.mesh, spec) for array, spec in zip(arrays, specs, strict=True)
+        )
+
     # Every result but the output is global (replicated): the scalars and every MoEStats field.
     out_specs = (tokens, *(PartitionSpec(),) * (3 if config.return_stats else 2))
     # check_vma=False: our ops' custom_vjp rules and host callbacks do not carry varying-axis types; every
     # collective here is explicit, and JAX still psums the gradients of replicated inputs.
     sharded = jax.shard_map(body, mesh=config.mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
-    return sharded(x, gate, gate_up, down, expert_bias, shared_weights, token_mask)
+    return sharded(*arrays)
+
+
+def _resharded(arrays, mesh: Mesh, spec: PartitionSpec):
+    """`arrays` (an array, None, or a tuple of them: the shared weights) resharded to `spec` on `mesh` over
+    its Explicit axes (a type names no other: Auto axes are jit's to place)."""
+    if isinstance(arrays, tuple):
+        return tuple(_resharded(array, mesh, spec) for array in arrays)
+    if arrays is None:
+        return None
+    explicit = {
+        axis for axis, kind in zip(mesh.axis_names, mesh.axis_types, strict=True) if kind == AxisType.Explicit
+    }
+    entries = []
+    for entry in spec:
+        axes = tuple(axis for axis in (entry if isinstance(entry, tuple) else (entry,)) if axis in explicit)
+        entries.append(axes or None)
+    return jax.sharding.reshard(arrays, NamedSharding(mesh, PartitionSpec(*entries)))

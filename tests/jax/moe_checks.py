@@ -22,6 +22,8 @@ the dense single-device reference `moetriton.jax.reference_moe`, on a mesh of (d
   included) and return_stats's MoEStats, with and without capacity and shared experts, and the psums each
   option set compiles to;
 * benchmark: benchmarks/moe_jax.py's baseline against the layer, and one step of its command line;
+* explicit-mesh: meshes of Explicit axes (jax.make_mesh's default) against the reference and bit for bit
+  against Auto axes, inputs unplaced or sharded on the mesh, and the Flax block initialised on one;
 * pipeline: dropless in token chunks (pipeline_chunks) with shared experts, a mask and the losses on meshes
   1x2 and 2x2 (1x2 alone on two GPUs), against the reference and bitwise repeatable (on GPUs through both
   exchanges).
@@ -57,10 +59,16 @@ _SETTINGS = dict(
 )
 
 
-def make_mesh(data: int, ep: int) -> Mesh:
+def make_mesh(data: int, ep: int, explicit: bool | tuple[bool, bool] = False) -> Mesh:
+    """A data x EP mesh of Auto axes, or of Explicit ones (jax.make_mesh's default on JAX >= 0.7); a pair
+    says it per axis (data, EP)."""
     devices = jax.devices()
     assert len(devices) >= data * ep, "set XLA_FLAGS=--xla_force_host_platform_device_count=8 first"
-    return Mesh(np.array(devices[: data * ep]).reshape(data, ep), ("data", "ep"))
+    kinds = tuple(
+        jax.sharding.AxisType.Explicit if kind else jax.sharding.AxisType.Auto
+        for kind in (explicit if isinstance(explicit, tuple) else (explicit, explicit))
+    )
+    return Mesh(np.array(devices[: data * ep]).reshape(data, ep), ("data", "ep"), axis_types=kinds)
 
 
 def _arrays(problem: MoEProblem) -> tuple[jax.Array, ...]:
@@ -620,6 +628,65 @@ def check_options(data: int, ep: int) -> None:
         assert found == expected, (options, mask_or_none is not None, stats, found, expected)
 
 
+def check_explicit_mesh() -> None:
+    """Meshes of Explicit axes (what jax.make_mesh makes by default): on 1 x 2 the layer with shared experts,
+    a mask, every loss and the statistics against the reference; on 1 x 2, 2 x 2 under a capacity, and
+    2 x 2 of an Auto data and an Explicit EP axis, forward and gradients bit for bit equal to the same mesh
+    with Auto axes, with inputs unplaced and already sharded on the mesh (the types then carry their
+    shardings; the output is sharded as the tokens). Then the Flax block initialised with init_sharded on
+    an Explicit mesh equals the functional layer."""
+    from flax import linen as nn
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from moetriton.jax.flax import MoEBlock, init_sharded
+
+    for (data, ep), capacity_factor, explicit_axes in (
+        ((1, 2), None, True),
+        ((2, 2), 0.5, True),
+        ((2, 2), None, (False, True)),  # Auto data axis, Explicit EP axis
+    ):
+        problem = fixed_problem(
+            data, ep, routing="empty_ranks", topk=2, align_size=2, capacity_factor=capacity_factor
+        )
+        problem = with_shared_experts(problem, gate=True)
+        call = dict(options=ALL_LOSSES, token_mask=padding_mask(problem.batch, problem.seq), stats=True)
+        explicit = make_mesh(data, ep, explicit=explicit_axes)
+        if (data, ep) == (1, 2):
+            check_against_reference(problem, explicit, **call)
+        arrays = _arrays(problem)
+        cotangent = jnp.asarray(np.random.default_rng(1).normal(size=problem.x.shape).astype(np.float32))
+        expected = step(layer_and_reference(problem, make_mesh(data, ep), **call)[0], cotangent, len(arrays))
+        expected = expected(*arrays)
+        specs = (PartitionSpec(("data", "ep")), PartitionSpec(), PartitionSpec("ep"), PartitionSpec("ep"))
+        specs += (PartitionSpec(),) * (len(arrays) - 4)
+        placed = [
+            jax.device_put(array, NamedSharding(explicit, spec))
+            for array, spec in zip(arrays, specs, strict=True)
+        ]
+        run = step(layer_and_reference(problem, explicit, **call)[0], cotangent, len(arrays))
+        for inputs in (arrays, placed):
+            (_, results), grads = run(*inputs)  # not the loss: its sum over the tokens is the test's own
+            assert results[0].sharding.is_equivalent_to(placed[0].sharding, 3), results[0].sharding
+            (_, expected_results), expected_grads = expected
+            for a, b in zip(
+                jax.tree.leaves((results, grads)),
+                jax.tree.leaves((expected_results, expected_grads)),
+                strict=True,
+            ):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    mesh = make_mesh(2, 2, explicit=True)
+    x = jnp.asarray(fixed_problem(2, 2, routing="empty_ranks", topk=2, align_size=2).x)
+    options = dict(topk=2, aux_loss_coeff=1e-2, mesh=mesh, ep_axis="ep", data_axes=("data",))
+    block = MoEBlock(num_experts=4, ffn_dim=8, num_shared_experts=1, **options)
+    params = nn.meta.unbox(init_sharded(block, jax.random.key(0), x, mesh=mesh)["params"])
+    assert tuple(params["gate_up"].sharding.spec) == ("ep", None, None), params["gate_up"].sharding
+    out = jax.jit(block.apply)({"params": params}, x)
+    shared = {name: params[name] for name in ("shared_gate_up", "shared_down")}
+    expected = moe(x, params["gate"], params["gate_up"], params["down"], **options, **shared)
+    for a, b in zip(out, expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def check_benchmark() -> None:
     """benchmarks/moe_jax.py: its MaxText-style baseline computes the same layer as moetriton's (to bf16
     rounding) on EP = 2, and its command line runs one step of both implementations (EP = 1, the cheapest
@@ -669,6 +736,7 @@ CHECKS = {
     "options-1x2": lambda: check_options(1, 2),
     "options-2x2": lambda: check_options(2, 2),
     "pipeline": check_pipeline,
+    "explicit-mesh": check_explicit_mesh,
 }
 
 #: Devices each check needs.
@@ -692,6 +760,7 @@ DEVICES.update(
         "options-1x2": 2,
         "options-2x2": 4,
         "pipeline": 2,
+        "explicit-mesh": 4,
     }
 )
 

@@ -10,7 +10,9 @@ sort_chunks_by_index under jax.jit, and checks:
 * the output shardings: the token axis stays on the token mesh axes, the hidden axis on the hidden ones;
 * the compiled program: no all-gather, all-to-all or collective-permute when the token shard count divides
   num_shards (the op runs locally), replicated results otherwise;
-* jax.vmap over a batch axis sharded like the tokens: each device dispatches its own problems locally.
+* jax.vmap over a batch axis sharded like the tokens: each device dispatches its own problems locally;
+* on meshes of Explicit axes (jax.make_mesh's default), where the arrays' types carry their shardings, all
+  of the above, and the grouped GEMM and activation on sharded rows.
 
 XLA_FLAGS must give 8 host devices before JAX starts; the parent test sets it in the environment.
 """
@@ -39,6 +41,7 @@ class Scenario:
     num_shards: int = 0  # 0: the number of token shards
     shardy: bool = True
     local: bool = True  # whether the op runs without moving tokens between devices
+    explicit: bool = False  # Explicit mesh axes (jax.make_mesh's default), else Auto
 
 
 SCENARIOS = {
@@ -50,6 +53,13 @@ SCENARIOS = {
     "2d-hidden-sharded": Scenario((2, 4), ("data", "model"), ("data",), ("model",)),
     "2d-hidden-sharded-gspmd": Scenario((4, 2), ("data", "model"), ("data",), ("model",), shardy=False),
 }
+#: Three of them on meshes of Explicit axes, where the arrays' types carry their shardings.
+SCENARIOS.update(
+    {
+        f"{name}-explicit": dataclasses.replace(SCENARIOS[name], explicit=True)
+        for name in ("1d-2", "1d-8-fewer-shards-replicates", "2d-hidden-sharded")
+    }
+)
 
 NUM_TOKENS, HIDDEN, NUM_EXPERTS, TOPK, ALIGN = 24, 8, 5, 2, 4
 
@@ -175,9 +185,32 @@ def _check_vmap_over_sharded_batch(mesh, tokens, batch: int, rng) -> None:
     for i in range(batch):
         for what, g, e in zip(names, got, dispatch(x[i], ids[i]), strict=True):
             if e is not None:
-                _same(g[i], e, f"vmap {what} of problem {i}")
+                _same(np.asarray(g)[i], e, f"vmap {what} of problem {i}")
     _check_sharding(got[0], mesh, P(tokens), "vmap output")
     _check_collectives(batched.lower(*placed).compile(), True, "vmap")
+
+
+def _check_grouped_ops(mesh, tokens, rng) -> None:
+    """grouped_matmul and grouped_activation (forward and gradients) on rows sharded over the token axes:
+    the unsharded results, and rows split as the input's (on Explicit axes the types say so)."""
+    rows = jnp.asarray(rng.standard_normal((NUM_TOKENS, HIDDEN), dtype=np.float32))
+    weights = jnp.asarray(rng.standard_normal((3, HIDDEN, 2 * HIDDEN), dtype=np.float32))
+    sizes = jnp.asarray([7, 0, NUM_TOKENS - 7], jnp.int32)  # every row in a group: all defined
+
+    def layer(rows, weights):
+        return mj.grouped_activation(mj.grouped_matmul(rows, weights, sizes), sizes, "swiglu")
+
+    def loss(rows, weights):
+        return jnp.sum(layer(rows, weights) ** 2)
+
+    unsharded = jax.jit(layer)(rows, weights), jax.jit(jax.grad(loss, argnums=(0, 1)))(rows, weights)
+    placed = jax.device_put(rows, NamedSharding(mesh, P(tokens))), weights
+    sharded = jax.jit(layer)(*placed), jax.jit(jax.grad(loss, argnums=(0, 1)))(*placed)
+    _close(sharded[0], unsharded[0], "grouped ops")
+    for what, got, expected in zip(("grad rows", "grad weights"), sharded[1], unsharded[1], strict=True):
+        _close(got, expected, f"grouped ops {what}")
+    _check_sharding(sharded[0], mesh, P(tokens), "grouped ops")
+    _check_sharding(sharded[1][0], mesh, P(tokens), "grouped ops grad rows")
 
 
 def run(name: str) -> None:
@@ -185,7 +218,12 @@ def run(name: str) -> None:
     jax.config.update("jax_use_shardy_partitioner", scenario.shardy)
     size = int(np.prod(scenario.mesh_shape))
     assert len(jax.devices()) >= size, "set XLA_FLAGS=--xla_force_host_platform_device_count=8 first"
-    mesh = Mesh(np.array(jax.devices()[:size]).reshape(scenario.mesh_shape), scenario.axis_names)
+    kind = jax.sharding.AxisType.Explicit if scenario.explicit else jax.sharding.AxisType.Auto
+    mesh = Mesh(
+        np.array(jax.devices()[:size]).reshape(scenario.mesh_shape),
+        scenario.axis_names,
+        axis_types=(kind,) * len(scenario.axis_names),
+    )
     token_shards = int(np.prod([mesh.shape[axis] for axis in scenario.token_axes]))
     num_shards = scenario.num_shards or token_shards
     tokens, hidden = _spec(scenario.token_axes), _spec(scenario.hidden_axes)
@@ -237,6 +275,8 @@ def run(name: str) -> None:
     _check_sort(scenario, mesh, num_shards, tokens, rng)
     if scenario.local:
         _check_vmap_over_sharded_batch(mesh, tokens, token_shards, rng)
+    if scenario.explicit:
+        _check_grouped_ops(mesh, tokens, rng)
     print(f"{name}: ok")
 
 

@@ -336,10 +336,12 @@ def test_router_argument_errors_are_te_s(kwargs, error):
 
 # per-shard semantics (subprocess with 4 host devices) ----------------------------------------------------
 
-#: name -> (mesh shape, mesh axes, mesh axes of the token axis, align_size)
+#: name -> (mesh shape, mesh axes, mesh axes of the token axis, align_size); "-explicit": the mesh's axes
+#: are jax.make_mesh's default Explicit ones, where the arrays' types carry their shardings (else Auto)
 SCENARIOS = {
     "dp2": ((2,), ("dp",), ("dp",), None),
     "dp2-tp2-padded": ((2, 2), ("dp", "tp"), ("dp",), 4),
+    "dp2-tp2-padded-explicit": ((2, 2), ("dp", "tp"), ("dp",), 4),
     "dp4-padded": ((4,), ("dp",), ("dp",), 4),
     "tp2-replicated": ((2,), ("tp",), (), 4),
 }
@@ -350,7 +352,11 @@ def check_scenario(name: str) -> None:
     own into its block of the output (num_out_tokens // shards rows each, per-shard padding aligned), the
     row map's rows are local, counts and pad offsets are TE's (whole routing map), gradients per shard."""
     mesh_shape, axes, token_axes, align_size = SCENARIOS[name]
-    mesh = jax.make_mesh(mesh_shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+    if name.endswith("-explicit"):
+        mesh = jax.make_mesh(mesh_shape, axes)
+        assert set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}, mesh.axis_types
+    else:
+        mesh = jax.make_mesh(mesh_shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
     shards = int(np.prod([mesh.shape[a] for a in token_axes]))
     num_tokens = 16
     mask, x, probs = _inputs(5, num_tokens)
