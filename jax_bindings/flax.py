@@ -85,7 +85,8 @@ class MoEBlock(nn.Module):
             load-balancing and router z losses (moetriton.kernels.rules.moe.LOSSES; aux_loss is their sum).
         align_size, capacity_factor (None: dropless), drop_policy ("position" or "probs": which slots a full
             expert keeps), activation, pipeline_chunks (dropless: the routed path in this many token
-            chunks): layer options.
+            chunks), balance_counts ("routed" or "scores": the load-balancing losses' counts): layer
+            options.
         num_shared_experts: always-on shared experts (DeepSeek-V3: 1), one FFN of width
             Fs = num_shared_experts * ffn_dim (parameters shared_gate_up [H, 2Fs] or [H, Fs] and
             shared_down [Fs, H], initialised by expert_init); 0: none.
@@ -136,6 +137,7 @@ class MoEBlock(nn.Module):
     drop_policy: str = "position"
     activation: str = "swiglu"
     pipeline_chunks: int = 1
+    balance_counts: str = "routed"
     dtype: Any = None
     param_dtype: Any = jnp.float32
     gate_init: Any = nn.initializers.lecun_normal()
@@ -162,6 +164,7 @@ class MoEBlock(nn.Module):
             drop_policy=self.drop_policy,
             pipeline_chunks=self.pipeline_chunks,
             capacity_factor=self.capacity_factor,
+            balance_counts=self.balance_counts,
         )
         hidden, experts = x.shape[-1], self.num_experts
         shared_shapes = layer_rules.shared_weight_shapes(
@@ -233,4 +236,5 @@ class MoEBlock(nn.Module):
             pipeline_chunks=self.pipeline_chunks,
             token_mask=token_mask,
             return_stats=return_stats,
+            balance_counts=self.balance_counts,
         )

@@ -66,8 +66,12 @@ def _losses(logits, routing_map, valid, batch: int, opts: LayerOptions) -> jax.A
     losses = [jnp.zeros((), jnp.float32)] * 3
     if num_tokens == 0:
         return jnp.stack(losses)
-    _, scores = reference_router.fused_compute_score_for_moe_aux_loss(logits, topk, opts.score_function)
+    score_map, scores = reference_router.fused_compute_score_for_moe_aux_loss(
+        logits, topk, opts.score_function
+    )
     scores = jnp.where(valid[:, None], scores, 0.0)  # [T, E]
+    if opts.balance_counts == "scores":  # the scores' own top K, padding excluded (BALANCE_COUNTS)
+        routing_map = score_map & valid[:, None]
     routed = routing_map.sum(0).astype(jnp.float32)  # [E]
     total = valid.sum().astype(jnp.float32)  # T
     safe_total = jnp.maximum(total, 1.0)

@@ -136,9 +136,13 @@ def _losses(
     """The three weighted losses of LOSSES (fp32 scalars, zero where the coefficient is), straight from
     their definitions over the unmasked tokens; sequences: (B, S) of x [B, S, H]."""
     num_experts, topk = logits.shape[1], opts.topk
-    _, scores = reference_router.fused_compute_score_for_moe_aux_loss(logits, topk, opts.score_function)
+    score_map, scores = reference_router.fused_compute_score_for_moe_aux_loss(
+        logits, topk, opts.score_function
+    )
     device = logits.device
     valid = valid.to(device)
+    if opts.balance_counts == "scores":  # the scores' own top K, padding excluded (BALANCE_COUNTS)
+        routing_map = score_map & valid[:, None]
     count = int(valid.sum())
     zero = torch.zeros((), dtype=torch.float32, device=device)
     balance = sequence = z_loss = zero

@@ -50,9 +50,11 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from moetriton.kernels.rules import moe as layer_rules
+from moetriton.kernels.rules import validation
 from moetriton.kernels.rules.expert_parallel import dropped_slots, kept_slots, pipeline_chunk_bounds
 from moetriton.kernels.rules.moe import MoEStats
 
@@ -164,10 +166,20 @@ def _losses_and_counts(logits, routing_map, valid, layout, config: MoEConfig, ba
     z_coeff = config.z_loss_coeff
     has_tokens = layout.num_tokens > 0  # the same on every shard: shards hold equal shapes
     routed = routing_map.sum(0, dtype=jnp.int32)  # [E]
+    scores = balance_map = None
+    if has_tokens and (balance_coeff or sequence_coeff):
+        score_map, scores = fused_compute_score_for_moe_aux_loss(logits, topk, config.score_function)
+        if valid is not None:
+            scores = jnp.where(valid[:, None], scores, 0.0)  # [T, E] fp32
+            score_map = score_map & valid[:, None]
+        # The counts the load-balancing losses weigh the scores by (BALANCE_COUNTS).
+        balance_map = score_map if config.balance_counts == "scores" else routing_map
     per_sequence = None
     counts = {}
     if (balance_coeff and has_tokens) or return_stats:
         counts["routed"] = routed
+    if balance_coeff and has_tokens and config.balance_counts == "scores":
+        counts["balance"] = balance_map.sum(0, dtype=jnp.int32)
     if return_stats:
         counts["kept"] = kept_slots(routed, layout).astype(jnp.int32)
     if valid is not None and has_tokens:
@@ -191,15 +203,13 @@ def _losses_and_counts(logits, routing_map, valid, layout, config: MoEConfig, ba
 
     partials = [None, None, None]  # this shard's share of each global loss
     if has_tokens and (balance_coeff or sequence_coeff):
-        _, scores = fused_compute_score_for_moe_aux_loss(logits, topk, config.score_function)  # [T, E] fp32
-        if valid is not None:
-            scores = jnp.where(valid[:, None], scores, 0.0)
         if balance_coeff:
             # No unmasked token in the group: a traced total of 0, and the op's loss is then 0.
-            loss = fused_moe_aux_loss(scores, counts["routed"], tokens, num_experts, topk, balance_coeff)
+            global_counts = counts.get("balance", counts.get("routed"))
+            loss = fused_moe_aux_loss(scores, global_counts, tokens, num_experts, topk, balance_coeff)
             partials[0] = loss.astype(jnp.float32)
         if sequence_coeff:
-            balance = _sequence_balance(scores, routing_map, per_sequence, topk)
+            balance = _sequence_balance(scores, balance_map, per_sequence, topk)
             partials[1] = sequence_coeff * balance / jnp.maximum(sequences, 1).astype(jnp.float32)
     if has_tokens and z_coeff:
         squares = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2  # [T]
@@ -312,6 +322,29 @@ def resolve_exchange(exchange: str) -> str:
     return "ragged" if exchange == "all_to_all" else exchange
 
 
+#: The array arguments of `moe`, required and optional, as `_array` names them.
+ARGUMENTS = ("x", "gate", "gate_up", "down")
+OPTIONAL_ARGUMENTS = ("expert_bias", "token_mask", "shared_gate_up", "shared_down", "shared_gate")
+
+
+def _array(name: str, value) -> jax.Array:
+    """`value` as a jax.Array: a JAX array as it is, a numpy array through jnp.asarray (with JAX's dtypes:
+    float64 becomes float32 without x64); anything else a TypeError naming the argument."""
+    if isinstance(value, np.ndarray):
+        return jnp.asarray(value)
+    if not isinstance(value, jax.Array):
+        validation.require_array(name, validation.not_an_array(value, "a jax.Array"))
+    return value
+
+
+def _dtype_name(value) -> str:
+    """The numpy-style name of an array's dtype, or of a dtype (anything jnp.dtype reads; else the value)."""
+    try:
+        return jnp.dtype(getattr(value, "dtype", value)).name
+    except TypeError:
+        return repr(value)
+
+
 def _check_mesh(mesh: Mesh | None, ep_axis: str | None, data_axes: tuple[str, ...]) -> tuple[int, int]:
     """(EP size, token shards) of the mesh arguments."""
     if mesh is None:
@@ -319,7 +352,7 @@ def _check_mesh(mesh: Mesh | None, ep_axis: str | None, data_axes: tuple[str, ..
             raise ValueError(f"data_axes: expected () without a mesh, got {data_axes}")
         return 1, 1
     if not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh: expected a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh or None, got {type(mesh).__name__}")
     for name, axis in [("ep_axis", ep_axis)] * (ep_axis is not None) + [("data_axes", a) for a in data_axes]:
         if axis not in mesh.shape:
             raise ValueError(
@@ -362,6 +395,7 @@ def moe(
     pipeline_chunks: int = 1,
     token_mask: jax.Array | None = None,
     return_stats: bool = False,
+    balance_counts: str = "routed",
 ) -> tuple[jax.Array, jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array, MoEStats]:
     """A mixture-of-experts MLP layer with expert parallelism.
 
@@ -429,6 +463,11 @@ def moe(
             zero (shared experts' included) and a zero gradient. No host sync: the counts stay on device.
         return_stats: also return a `moetriton.kernels.rules.moe.MoEStats` (every field global over the
             token shards). False: the outputs and the compiled program are those without it.
+        balance_counts: the counts the two load-balancing losses weigh the scores by
+            (moetriton.kernels.rules.moe.BALANCE_COUNTS): "routed" (default: the slots the router routed,
+            expert bias and group limits included) or "scores" (the top-K of the aux-loss scores without
+            bias or groups, Megatron-Core's counts). They differ only where a bias or groups steer the
+            selection; MoEStats.routed is the routed slots either way.
 
     Returns:
         (out [B, S, H] in x.dtype, aux_loss fp32 scalar: the sum of the three weighted losses, dropped
@@ -459,11 +498,18 @@ def moe(
         pipeline_chunks=pipeline_chunks,
         capacity_factor=capacity_factor,
         return_stats=return_stats,
+        balance_counts=balance_counts,
+    )
+    x, gate, gate_up, down = (
+        _array(name, value) for name, value in zip(ARGUMENTS, (x, gate, gate_up, down), strict=True)
+    )
+    optional = (expert_bias, token_mask, shared_gate_up, shared_down, shared_gate)
+    expert_bias, token_mask, shared_gate_up, shared_down, shared_gate = (
+        None if value is None else _array(name, value)
+        for name, value in zip(OPTIONAL_ARGUMENTS, optional, strict=True)
     )
     if x.ndim != 3:
         raise ValueError(f"x: expected rank 3 [B, S, H], got shape {tuple(x.shape)}")
-    if token_mask is not None:
-        token_mask = jnp.asarray(token_mask)
     mask_type = None if token_mask is None else (tuple(token_mask.shape), jnp.dtype(token_mask.dtype).name)
     layer_rules.check_tokens(
         x_shape=tuple(x.shape),
@@ -489,10 +535,13 @@ def moe(
         activation=activation,
         **{name: None if array is None else tuple(array.shape) for name, array in shared.items()},
     )
-    arrays = dict(x=x, gate=gate, gate_up=gate_up, down=down, **shared)
-    for name, array in arrays.items():
-        if array is not None and not jnp.issubdtype(array.dtype, jnp.floating):
-            raise ValueError(f"{name}: expected a floating dtype, got {array.dtype}")
+    weights = dict(gate=gate, gate_up=gate_up, down=down, **shared)
+    layer_rules.check_layer_dtypes(
+        x=_dtype_name(x),
+        weights={name: None if array is None else _dtype_name(array) for name, array in weights.items()},
+        same_as_x=False,
+        compute=None if dtype is None else _dtype_name(dtype),
+    )
     batch = x.shape[0]
     data_axes = tuple(data_axes)
     ep_size, num_shards = _check_mesh(mesh, ep_axis if mesh is not None else None, data_axes)
@@ -512,6 +561,7 @@ def moe(
         activation=activation,
         drop_policy=drop_policy,
         pipeline_chunks=pipeline_chunks,
+        balance_counts=balance_counts,
         dtype=jnp.dtype(dtype or x.dtype).name,
         mesh=mesh,
         ep_axis=ep_axis if mesh is not None else None,
@@ -522,6 +572,13 @@ def moe(
         return_stats=return_stats,
     )
     config.layout(batch // num_shards * x.shape[1], num_experts)  # validates the layout's arguments
+    layer_rules.check_router(
+        num_tokens=batch * x.shape[1],
+        num_experts=num_experts,
+        logits_dtype="float32",
+        expert_bias=None if expert_bias is None else (tuple(expert_bias.shape), _dtype_name(expert_bias)),
+        **router,
+    )
     if capacity_factor is not None:  # a float in the jit key: 1 and 1.0 compile once
         config = dataclasses.replace(config, capacity_factor=float(capacity_factor))
     shared_weights = None if shared_gate_up is None else (shared_gate_up, shared_down, shared_gate)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .expert_parallel import GATED_ACTIVATIONS, gate_up_width
-from .router import SCORE_FUNCTIONS
+from .router import BIAS_DTYPES as ROUTER_BIAS_DTYPES
+from .router import SCORE_FUNCTIONS, check_topk
 
 #: Expert activations, in both layers: gated ones take gate_up [.., H, 2F] ([gate | up]), the others
 #: [.., H, F].
@@ -39,6 +40,17 @@ JAX_EXCHANGES = ("auto", "all_to_all", "ragged", "padded")
 DROP_POLICIES = {
     "position": "its first C slots in (token, slot) order: earlier tokens win",
     "probs": "its C slots of highest routing probability, ties to the earlier slot in (token, slot) order",
+}
+
+#: The counts the two load-balancing losses (load_balancing_loss, seq_load_balancing_loss) weigh the scores
+#: by, `balance_counts`: where an expert bias or group limits steer the selection, the slots routed and the
+#: top-K of the unbiased scores differ.
+BALANCE_COUNTS = {
+    "routed": "the slots the router routed (expert bias and group limits included, before any capacity "
+    "drop): the load the experts are asked to take, which the bias update balances too",
+    "scores": "the top-K of the aux-loss scores themselves (no bias, no groups: the routing map of "
+    "fused_compute_score_for_moe_aux_loss), as Megatron-Core counts them and DeepSeek-V3 defines its "
+    "sequence-wise loss",
 }
 
 #: The layer's one rule for a token whose logits, probabilities or activations are not finite (NaN, +-inf),
@@ -70,9 +82,10 @@ NON_FINITE = {
 
 #: The layer's losses, by coefficient. Each is global over the token group (every rank's unmasked tokens),
 #: scaled by its coefficient, and added into the layer's aux_loss; MoEStats reports each one.
-#: T: unmasked tokens of the token group; E experts, top K; routed_e: slots routed to expert e;
-#: score_te: the normalised aux scores of `fused_compute_score_for_moe_aux_loss` (softmax, or sigmoid /
-#: sqrtsoftplus divided by their sum over E); logits_t: the router logits in fp32.
+#: T: unmasked tokens of the token group; E experts, top K; routed_e: slots routed to expert e (with
+#: balance_counts="scores": tokens whose top K of score_t. holds e; BALANCE_COUNTS); score_te: the
+#: normalised aux scores of `fused_compute_score_for_moe_aux_loss` (softmax, or sigmoid / sqrtsoftplus
+#: divided by their sum over E); logits_t: the router logits in fp32.
 LOSSES = {
     "aux_loss_coeff": "load_balancing_loss = coeff * E / (K * T^2) * sum_e routed_e * sum_t score_te "
     "(switch / GShard)",
@@ -112,7 +125,41 @@ class MoEStats(NamedTuple):
 #: 256, fp32 every count above 2^24 only to a multiple of 2 or more), and a rounded count can flip its
 #: expert's update; MoEStats.routed is int32.
 BIAS_COUNT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32")
-BIAS_DTYPES = ("float32", "bfloat16", "float16")
+BIAS_DTYPES = ROUTER_BIAS_DTYPES
+
+#: Dtypes of the layers' tokens and weights (and JAX's compute dtype).
+LAYER_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_layer_dtypes(
+    *, x: str, weights: dict[str, str | None], same_as_x: bool, compute: str | None = None
+) -> None:
+    """The dtype names of the layer's arrays: x in LAYER_DTYPES; every weight given (None: absent) x's
+    dtype exactly where `same_as_x` (PyTorch: parameters are used as they are, never cast per call), else
+    any of LAYER_DTYPES (JAX: cast to the compute dtype `compute`, itself one of them, default x's)."""
+    if x not in LAYER_DTYPES:
+        _fail("x", f"expected dtype in {LAYER_DTYPES}, got {x}")
+    if compute is not None and compute not in LAYER_DTYPES:
+        _fail("dtype", f"expected a compute dtype in {LAYER_DTYPES}, got {compute}")
+    for name, dtype in weights.items():
+        if dtype is None:
+            continue
+        if same_as_x and dtype != x:
+            _fail(name, f"expected dtype {x} (as x), got {dtype}")
+        if dtype not in LAYER_DTYPES:
+            _fail(name, f"expected dtype in {LAYER_DTYPES}, got {dtype}")
+
+
+#: The router's options of the layers, in this order.
+ROUTER_OPTIONS = ("topk", "use_pre_softmax", "num_groups", "group_topk", "scaling_factor", "score_function")
+
+
+def check_router(*, num_tokens: int, num_experts: int, logits_dtype: str, expert_bias, **router) -> None:
+    """The router's options (ROUTER_OPTIONS, by name) and expert bias (shape, dtype name), by the router's
+    own rules
+    (moetriton.kernels.rules.router.check_topk), at the start of the layer call: before any collective, so
+    that a bad option fails on every rank alike rather than on some after they have started one."""
+    check_topk(logits=((num_tokens, num_experts), logits_dtype), expert_bias=expert_bias, **router)
 
 
 def check_bias_update(
@@ -196,13 +243,15 @@ def check_options(
     pipeline_chunks=1,
     capacity_factor=None,
     return_stats=False,
+    balance_counts="routed",
     **coefficients,
 ) -> None:
     """The layer's option values: an activation of ACTIVATIONS, a score function, an exchange among the
     framework's `exchanges`, a drop policy of DROP_POLICIES, pipeline_chunks an int >= 1 (above 1 only
     dropless: capacity_factor None), return_stats a bool (TypeError otherwise: it decides how many results
-    come back) and, for each loss coefficient given by name (aux_loss_coeff, seq_aux_loss_coeff,
-    z_loss_coeff: LOSSES), a finite number >= 0 (TypeError for a non-number)."""
+    come back), balance_counts one of BALANCE_COUNTS and, for each loss coefficient given by name
+    (aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff: LOSSES), a finite number >= 0 (TypeError for a
+    non-number)."""
     if not isinstance(return_stats, bool):
         raise TypeError(f"return_stats: expected a bool, got {type(return_stats).__name__}")
     if activation not in ACTIVATIONS:
@@ -217,6 +266,8 @@ def check_options(
         _fail("exchange", f"expected one of {exchanges}, got {exchange!r}")
     if drop_policy not in DROP_POLICIES:
         _fail("drop_policy", f"expected one of {tuple(DROP_POLICIES)}, got {drop_policy!r}")
+    if balance_counts not in BALANCE_COUNTS:
+        _fail("balance_counts", f"expected one of {tuple(BALANCE_COUNTS)}, got {balance_counts!r}")
     if not isinstance(pipeline_chunks, int) or isinstance(pipeline_chunks, bool) or pipeline_chunks < 1:
         _fail("pipeline_chunks", f"expected an int >= 1, got {pipeline_chunks!r}")
     if pipeline_chunks > 1 and capacity_factor is not None:
@@ -266,6 +317,7 @@ class LayerOptions:
     z_loss_coeff: float = 0.0
     drop_policy: str = "position"
     pipeline_chunks: int = 1  # the dropless routed path in this many token chunks (results unchanged)
+    balance_counts: str = "routed"  # BALANCE_COUNTS: the counts of the two load-balancing losses
 
 
 @dataclass(frozen=True)

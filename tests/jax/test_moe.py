@@ -211,6 +211,25 @@ def test_token_mask_on_one_device_matches_reference(capacity_factor, drop_policy
     assert int(got[3].routed.sum()) == problem.topk * int(mask.sum()), got[3]
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_balance_counts_on_one_device_match_reference(capacity_factor):
+    """With an expert bias steering the selection: balance_counts "routed" (the routed slots) and "scores"
+    (the top K of the scores themselves) each give the reference's losses, statistics and gradients, and
+    different losses; the routed counts in the statistics are the same either way."""
+    bias = np.array([-1.0, 0.0, 0.0, 1.0], np.float32)  # moves slots from expert 0 to expert 3
+    problem = _one_device_problem(score_function="sigmoid", expert_bias=bias, capacity_factor=capacity_factor)
+    mask = padding_mask(problem.batch, problem.seq)
+    stats = {}
+    with jax.default_matmul_precision("highest"):
+        for counts in ("routed", "scores"):
+            options = dict(ALL_LOSSES, balance_counts=counts)
+            got, _ = check_against_reference(problem, None, options=options, token_mask=mask, stats=True)
+            stats[counts] = got[3]
+    np.testing.assert_array_equal(np.asarray(stats["routed"].routed), np.asarray(stats["scores"].routed))
+    for name in ("load_balancing_loss", "seq_load_balancing_loss"):
+        assert float(getattr(stats["routed"], name)) != float(getattr(stats["scores"], name)), name
+
+
 def test_all_padding_gives_zeros_without_nan():
     """Every token masked: zero output, zero losses (no division by zero), zero counts, zero gradients."""
     problem = _one_device_problem(capacity_factor=0.5)
@@ -416,7 +435,10 @@ def _args(**change):
     ("change", "message"),
     [
         (dict(x=jnp.zeros((6, 8))), "x: expected rank 3 [B, S, H]"),
-        (dict(x=jnp.zeros((2, 3, 8), jnp.int32)), "x: expected a floating dtype"),
+        (
+            dict(x=jnp.zeros((2, 3, 8), jnp.int32)),
+            "x: expected dtype in ('float32', 'bfloat16', 'float16'), got int32",
+        ),
         (dict(gate=jnp.zeros((7, 4))), "x: expected [..., H] with H = 7 (as gate [H, E])"),
         (dict(gate_up=jnp.zeros((4, 8, 7))), "gate_up: expected [n, H, 2F] = [4, 8, 8]"),
         (dict(gate_up=jnp.zeros((3, 8, 8))), "gate_up: expected [n, H, 2F] = [4, 8, 8] (n = 4 experts held"),
@@ -455,6 +477,7 @@ def _args(**change):
             "token_mask: expected bool [2, 3] (x's leading shape), got float32",
         ),
         (dict(exchange="nccl"), "exchange: expected one of"),
+        (dict(balance_counts="bias"), "balance_counts: expected one of ('routed', 'scores'), got 'bias'"),
         (dict(pipeline_chunks=0), "pipeline_chunks: expected an int >= 1, got 0"),
         (
             dict(pipeline_chunks=2, capacity_factor=1.0),
@@ -473,7 +496,7 @@ def _args(**change):
         (dict(shared_gate=jnp.zeros((8, 1))), "shared_gate: expected None without shared_gate_up"),
         (
             dict(shared_gate_up=jnp.zeros((8, 12), jnp.int32), shared_down=jnp.zeros((6, 8))),
-            "shared_gate_up: expected a floating dtype",
+            "shared_gate_up: expected dtype in ('float32', 'bfloat16', 'float16'), got int32",
         ),
     ],
 )

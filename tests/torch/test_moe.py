@@ -212,6 +212,41 @@ def test_padding_content_reaches_nothing():
             assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_balance_counts_are_the_routed_slots_or_the_scores_top_k(capacity_factor):
+    """With an expert bias steering the selection, balance_counts="routed" weighs the scores by the slots
+    routed and "scores" by the top K of the scores themselves (Megatron-Core's counts): each the
+    reference's, the two different, the routed counts in the statistics the same either way."""
+    x, weights = _tokens(12).reshape(3, 4, H), _weights()
+    bias = torch.tensor([-1.0, 0.0, 0.0, 1.0], device=DEVICE)  # moves slots from expert 0 to expert 3
+    mask = torch.ones(3, 4, dtype=torch.bool, device=DEVICE)
+    mask[1, 1:] = False
+    options = dict(
+        topk=2,
+        score_function="sigmoid",
+        expert_bias=bias,
+        aux_loss_coeff=0.1,
+        seq_aux_loss_coeff=0.1,
+        capacity_factor=capacity_factor,
+        token_mask=mask,
+        return_stats=True,
+    )
+    results = {}
+    for counts in ("routed", "scores"):
+        leaves = [x.clone().requires_grad_(), *(w.clone().requires_grad_() for w in weights)]
+        _, aux_loss, _, stats = mt.moe(*leaves, balance_counts=counts, **options)
+        aux_loss.backward()
+        expected = moe_reference(x, *weights, balance_counts=counts, **options)
+        torch.testing.assert_close(aux_loss, expected[1].to(aux_loss), **TOLERANCE)
+        check_stats(stats, expected[3])
+        results[counts] = (stats, leaves[1].grad)
+    (routed, routed_grad), (scored, scored_grad) = results.values()
+    assert torch.equal(routed.routed, scored.routed)
+    for name in ("load_balancing_loss", "seq_load_balancing_loss"):
+        assert float(getattr(routed, name)) != float(getattr(scored, name)), name
+    assert not torch.equal(routed_grad, scored_grad)
+
+
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 @pytest.mark.parametrize("shape", [(0, 3), (2, 0)], ids=["no sequences", "empty sequences"])
 def test_no_tokens_with_every_option(shape, capacity_factor):
@@ -636,6 +671,7 @@ def _bad(name: str):
         "pipeline_chunks": dict(pipeline_chunks=0),
         "pipeline_chunks type": dict(pipeline_chunks=2.0),
         "pipeline_chunks capacity": dict(pipeline_chunks=2, capacity_factor=1.0),
+        "balance_counts": dict(balance_counts="bias"),
     }
     return (x, gate, gate_up, down), kwargs | bad_kwargs[name]
 
@@ -666,10 +702,11 @@ def _bad(name: str):
         ("pipeline_chunks", "pipeline_chunks: expected an int >= 1, got 0"),
         ("pipeline_chunks type", "pipeline_chunks: expected an int >= 1, got 2.0"),
         ("pipeline_chunks capacity", r"pipeline_chunks: expected 1 with capacity_factor=1.0 \(chunks are"),
+        ("balance_counts", r"balance_counts: expected one of \('routed', 'scores'\), got 'bias'"),
         ("shared_down alone", "shared_gate_up: expected an array: shared_gate_up and shared_down come"),
         ("shared_gate_up width", r"shared_gate_up: expected \[H, 2Fs\] = \[8, 32\] \(Fs = 16 from"),
         ("shared_gate shape", r"shared_gate: expected \[H, 1\] = \[8, 1\], got \[8, 2\]"),
-        ("shared dtype", "shared_down: expected dtype torch.float32"),
+        ("shared dtype", r"shared_down: expected dtype float32 \(as x\), got float64"),
     ],
 )
 def test_bad_input_is_named(case, match):

@@ -21,6 +21,24 @@ def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def check_groups(**groups: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(size, this rank's place) of the first group (the EP group), after checking every group by name: None
+    or a process group this process belongs to (TypeError for anything else; ValueError for a group of
+    other ranks, whose collectives this process could never join)."""
+    for name, group in groups.items():
+        if group is None:
+            continue
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                f"{name}: expected a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
+            )
+        if dist.get_rank(group) < 0:
+            raise ValueError(
+                f"{name}: expected a group this process belongs to (rank {dist.get_rank()} is not in it)"
+            )
+    return group_size_and_rank(next(iter(groups.values())))
+
+
 #: The environment variable that declares every rank's host, overriding what the launcher says: host labels
 #: separated by commas, one per rank of the default group in rank order ("0,0,1,1": ranks 0 and 1 on one host,
 #: 2 and 3 on another). The same value on every rank.

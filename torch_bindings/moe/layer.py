@@ -53,6 +53,7 @@ uses torch.bmm on every device.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -71,14 +72,14 @@ from moetriton.kernels.rules.expert_parallel import (
 )
 from moetriton.kernels.rules.moe import MoEStats
 
-from .._checks import Signature, memoised, same_device, signature
+from .._checks import Signature, describe, memoised, same_device, signature
 from .._stages import stage
 from ..permutation import token_combine, token_dispatch
 from ..router import fused_topk_with_score_function
 from .all_to_all import dropless_experts
 from .balancing import update_expert_bias
 from .capacity import capacity_experts, check_same_tokens, gather_tokens, most_probable_slots
-from .collectives import gather_counts, group_size_and_rank
+from .collectives import check_groups, gather_counts
 from .experts import shared_mlp
 from .peer import exchange_for, peer_capacity, peer_dropless
 from .statistics import routing_statistics
@@ -89,7 +90,6 @@ from .statistics import routing_statistics
 #: `exchange_for` says which a group gets): the shared layer rules' names (moetriton.kernels.rules.moe).
 ACTIVATIONS = layer_rules.ACTIVATIONS
 EXCHANGES = layer_rules.TORCH_EXCHANGES
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @memoised
@@ -112,10 +112,15 @@ def _check_moe(
     pipeline_chunks,
     capacity_factor,
     return_stats,
+    balance_counts,
+    router: tuple,
+    align_size,
     **coefficients,
 ) -> layer_rules.LayerShape:
     """(hidden H, experts E, ffn F) of valid layer arguments: the shared layer rules (the same errors as
-    the JAX layer's), then PyTorch's own: one dtype for x and the weights, one device."""
+    the JAX layer's, the router's and the layout's included: every argument is checked before the call's
+    first collective), then PyTorch's own: one dtype for x and the weights, one device. router: the values
+    of layer_rules.ROUTER_OPTIONS, in order."""
     layer_rules.check_options(
         activation=activation,
         score_function=score_function,
@@ -125,6 +130,7 @@ def _check_moe(
         pipeline_chunks=pipeline_chunks,
         capacity_factor=capacity_factor,
         return_stats=return_stats,
+        balance_counts=balance_counts,
         **coefficients,
     )
     shared = dict(shared_gate_up=shared_gate_up, shared_down=shared_down, shared_gate=shared_gate)
@@ -155,13 +161,29 @@ def _check_moe(
         activation=activation,
         **{name: None if sig is None else tuple(sig[0]) for name, sig in shared.items()},
     )
-    dtype = x[1]
-    if dtype not in _DTYPES:
-        raise ValueError(f"x: expected dtype float32, bfloat16 or float16, got {dtype}")
+    router = dict(zip(layer_rules.ROUTER_OPTIONS, router, strict=True))
+    num_tokens = math.prod(x[0][:-1])
+    ep_layout(
+        num_tokens=num_tokens,
+        num_experts=num_experts,
+        topk=router["topk"],
+        ep_size=ep_size,
+        align_size=align_size,
+        capacity_factor=capacity_factor,
+    )
     weights = dict(gate_weight=gate_weight, gate_up=gate_up, down=down, **shared)
-    for name, sig in weights.items():
-        if sig is not None and sig[1] != dtype:
-            raise ValueError(f"{name}: expected dtype {dtype} (as x), got {sig[1]}")
+    layer_rules.check_layer_dtypes(
+        x=describe(x)[1],
+        weights={name: describe(sig)[1] if sig else None for name, sig in weights.items()},
+        same_as_x=True,
+    )
+    layer_rules.check_router(
+        num_tokens=num_tokens,
+        num_experts=num_experts,
+        logits_dtype=describe(x)[1],
+        expert_bias=describe(expert_bias),
+        **router,
+    )
     return shape
 
 
@@ -194,6 +216,7 @@ def moe(
     pipeline_chunks: int = 1,
     token_mask: Tensor | None = None,
     return_stats: bool = False,
+    balance_counts: str = "routed",
 ) -> tuple[Tensor, Tensor, Tensor] | tuple[Tensor, Tensor, Tensor, MoEStats]:
     """One MoE layer on this rank's tokens, experts sharded over `ep_group` (see the module docstring).
 
@@ -209,6 +232,11 @@ def moe(
             sequence-wise one of DeepSeek-V3 (needs x [B, S, H]) and the router z-loss, each global over
             token_group as moetriton.kernels.rules.moe.LOSSES defines it (0: that loss is off); aux_loss is
             their sum.
+        balance_counts: the counts the two load-balancing losses weigh the scores by
+            (moetriton.kernels.rules.moe.BALANCE_COUNTS): "routed" (default: the slots the router routed,
+            expert bias and group limits included) or "scores" (the top-K of the aux-loss scores without
+            bias or groups, Megatron-Core's counts). They differ only where a bias or groups steer the
+            selection; MoEStats.routed is the routed slots either way.
         align_size: rows per expert block padded to a multiple of this (dropless; the capacity is rounded
             up to it).
         activation: "swiglu" (default), "geglu" (gated), "gelu" or "relu" (non-gated): ACTIVATIONS.
@@ -267,7 +295,7 @@ def moe(
         >>> out.shape, aux_loss.dtype, dropped.dtype
         (torch.Size([6, 8]), torch.float32, torch.int32)
     """
-    ep_size, ep_rank = group_size_and_rank(ep_group)
+    ep_size, ep_rank = check_groups(ep_group=ep_group, token_group=token_group)
     shape = _check_moe(
         x=signature(x),
         gate_weight=signature(gate_weight),
@@ -286,6 +314,9 @@ def moe(
         pipeline_chunks=pipeline_chunks,
         capacity_factor=capacity_factor,
         return_stats=return_stats,
+        balance_counts=balance_counts,
+        router=(topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function),
+        align_size=align_size,
         aux_loss_coeff=aux_loss_coeff,
         seq_aux_loss_coeff=seq_aux_loss_coeff,
         z_loss_coeff=z_loss_coeff,
@@ -337,6 +368,7 @@ def moe(
             batch_shape=tuple(x.shape[:2]) if x.dim() == 3 else None,
             group=token_group if token_group is not None else ep_group,
             want_stats=return_stats,
+            balance_counts=balance_counts,
         )
         if drop_policy == "probs" and not layout.dropless:
             indices = most_probable_slots(indices, merging, layout)
@@ -486,7 +518,8 @@ class MoELayer(nn.Module):
     shared_gate [H, 1], scaling their output per token by sigmoid(x @ shared_gate) (see `moe`).
 
     forward(x [..., H], token_mask=None, return_stats=False) -> (out [..., H], aux_loss fp32 scalar,
-    dropped int32 scalar[, MoEStats]); the loss coefficients and drop_policy are `moe`'s options.
+    dropped int32 scalar[, MoEStats]); the loss coefficients, drop_policy and balance_counts are `moe`'s
+    options.
 
     The dropless row exchange with EP > 1 is `exchange` ("auto": peer memory on GPUs of one host,
     all_to_all_single otherwise, an EP group that spans hosts included); every rank's host comes from the
@@ -527,6 +560,7 @@ class MoELayer(nn.Module):
         z_loss_coeff: float = 0.0,
         drop_policy: str = "position",
         pipeline_chunks: int = 1,
+        balance_counts: str = "routed",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -539,11 +573,12 @@ class MoELayer(nn.Module):
             drop_policy=drop_policy,
             pipeline_chunks=pipeline_chunks,
             capacity_factor=capacity_factor,
+            balance_counts=balance_counts,
             aux_loss_coeff=aux_loss_coeff,
             seq_aux_loss_coeff=seq_aux_loss_coeff,
             z_loss_coeff=z_loss_coeff,
         )
-        ep_size, _ = group_size_and_rank(ep_group)
+        ep_size, _ = check_groups(ep_group=ep_group, token_group=token_group)
         ep_layout(  # validates E, K, EP, align_size and capacity_factor now rather than at the first call
             num_tokens=0,
             num_experts=num_experts,
@@ -589,6 +624,7 @@ class MoELayer(nn.Module):
             z_loss_coeff=z_loss_coeff,
             drop_policy=drop_policy,
             pipeline_chunks=pipeline_chunks,
+            balance_counts=balance_counts,
         )
         self.reset_parameters()
 
