@@ -54,6 +54,9 @@
 #               (scripts/te_jax_tests.sh; TE's files in .te/tests/jax, from scripts/fetch_te_tests.sh, or
 #               TE_TESTS; NVTE_JAX_UNITTEST_LEVEL, default L0; TE_JAX_ARGS go to pytest):
 #               OUTDIR/te_jax/te_jax_junit.xml and te_jax.log
+#   te_torch    TransformerEngine's PyTorch permutation test against moetriton.torch
+#               (scripts/te_torch_tests.sh; TE's file in .te/tests/pytorch, from scripts/fetch_te_tests.sh,
+#               or TE_TESTS; TE_TORCH_ARGS go to pytest): OUTDIR/te_torch/te_torch_junit.xml and te_torch.log
 #   autotune    scripts/autotune.py into OUTDIR/autotune_cache (AUTOTUNE_ARGS); the stages after it in the
 #               same call use the new cache
 # Each stage's time limit is <STAGE>_TIMEOUT seconds (e.g. BENCH_TIMEOUT). The exit status is that of the
@@ -165,6 +168,10 @@ EOF
     te_jax)
       run "${limit:-1800}" "$log" env PYTHON="$PY" bash scripts/te_jax_tests.sh "$outdir/te_jax" \
         ${TE_JAX_ARGS:-} || status=$?
+      tail -20 "$log" ;;
+    te_torch)
+      run "${limit:-1800}" "$log" env PYTHON="$PY" bash scripts/te_torch_tests.sh "$outdir/te_torch" \
+        ${TE_TORCH_ARGS:-} || status=$?
       tail -20 "$log" ;;
     sanitize)
       total=0
