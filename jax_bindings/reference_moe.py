@@ -135,7 +135,8 @@ def moe_reference(
         num_tokens, num_shards, num_experts, topk, opts.align_size, opts.capacity_factor
     )
     valid = jnp.ones(num_tokens, bool) if token_mask is None else jnp.asarray(token_mask).reshape(num_tokens)
-    x_flat = x.reshape(num_tokens, hidden).astype(jnp.float32)
+    # Padding enters as zeros (NON_FINITE "padding"): what it holds reaches no result and no gradient.
+    x_flat = jnp.where(valid[:, None], x.reshape(num_tokens, hidden).astype(jnp.float32), 0.0)
     logits = jnp.dot(x_flat, gate.astype(jnp.float32), precision=_HIGHEST)
     bias = None if expert_bias is None else jax.lax.stop_gradient(expert_bias.astype(jnp.float32))
     probs, routing_map, indices = reference_router.fused_topk_with_score_function(

@@ -75,6 +75,8 @@ def moe_reference(
     if num_tokens % num_shards:
         raise ValueError(f"num_shards: expected a divisor of the token count {num_tokens}, got {num_shards}")
     valid = torch.ones(num_tokens, dtype=torch.bool) if token_mask is None else token_mask.reshape(-1).cpu()
+    # Padding enters as zeros (NON_FINITE "padding"): what it holds reaches no result and no gradient.
+    tokens = torch.where(valid.to(tokens.device)[:, None], tokens, 0.0)
     # The layer's logits are in x.dtype (one rounding of an fp32 accumulation): round alike, so bf16 and fp16
     # inputs route the same tokens to the same experts here.
     logits = F.linear(tokens, gate_weight.float()).to(x.dtype).float()

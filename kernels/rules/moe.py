@@ -75,9 +75,10 @@ NON_FINITE = {
     "statistics": "counts (routed, kept, dropped, loads) are exact integers whatever the values; the losses "
     "follow IEEE arithmetic, so a non-finite logit of an unmasked token makes every loss that reads it "
     "non-finite and the training step sees it",
-    "gradients": "IEEE arithmetic: a sum over tokens that includes a non-finite one (the router weight's "
-    "gradient, the shared experts', the expert weights' of the experts that kept its slots) is "
-    "non-finite; a finite token's own input gradient stays finite",
+    "gradients": "IEEE arithmetic: the sums over tokens (the router weight's gradient, the shared "
+    "experts', the expert weights' of the experts that kept a slot) take a non-finite token's terms as "
+    "they come, so they are non-finite wherever such a term is (an overflowing activation times a zero "
+    "derivative can still add 0); a finite token's own input gradient stays finite",
 }
 
 #: The layer's losses, by coefficient. Each is global over the token group (every rank's unmasked tokens),
@@ -144,10 +145,10 @@ def check_layer_dtypes(
     for name, dtype in weights.items():
         if dtype is None:
             continue
-        if same_as_x and dtype != x:
-            _fail(name, f"expected dtype {x} (as x), got {dtype}")
         if dtype not in LAYER_DTYPES:
             _fail(name, f"expected dtype in {LAYER_DTYPES}, got {dtype}")
+        if same_as_x and dtype != x:
+            _fail(name, f"expected dtype {x} (as x), got {dtype}")
 
 
 #: The router's options of the layers, in this order.
