@@ -13,7 +13,8 @@ Two kinds of case:
   losses, return_stats, an expert bias, shared experts, pipeline_chunks, capacity, balance_counts) and one
   data corruption: non-finite or huge tokens, NaN padding, a NaN router column, no tokens, every token
   masked, overflowing capacity, exact ties. Its result is the documented one: the dense reference's (which
-  implements moetriton.kernels.rules.moe.NON_FINITE), with the invariants `hostile_invariants` names.
+  implements moetriton.kernels.rules.moe.NON_FINITE), with the invariants `check_invariants` names;
+  `same_results` compares two runs' results (numpy) as the family does.
 
 Shapes stay tiny: the kernels run under the Triton interpreter on CPU.
 """
@@ -236,6 +237,7 @@ class HostileCall:
     options: dict
     corruption: str
     broken: np.ndarray = field(repr=False)  # [B, S] bool
+    batches: tuple[int, ...] | None = None  # sequences of each token shard (None: equal shards)
 
     @property
     def token_mask(self) -> np.ndarray | None:
@@ -246,6 +248,17 @@ class HostileCall:
         """[B, S] bool: the tokens the layer routes."""
         mask = self.token_mask
         return np.ones(self.arrays["x"].shape[:2], bool) if mask is None else mask
+
+    def shard(self, index: int, shards: int) -> HostileCall:
+        """Token shard `index` of `shards` (rows of the batch in order, as the layers split it, or as
+        `batches` says); the weights stay whole."""
+        batches = self.batches or (self.broken.shape[0] // shards,) * shards
+        first = sum(batches[:index])
+        rows = slice(first, first + batches[index])
+        arrays = dict(self.arrays, x=self.arrays["x"][rows])
+        if self.token_mask is not None:
+            arrays["token_mask"] = self.token_mask[rows]
+        return dataclasses.replace(self, arrays=arrays, broken=self.broken[rows])
 
     def masking(self, tokens: np.ndarray) -> HostileCall:
         """The same call with `tokens` [B, S] masked out as well (for "the others are unaffected")."""
@@ -264,6 +277,38 @@ CORRUPTIONS = (
     "overflow",  # every token to one expert under a small capacity: nearly every slot dropped
     "ties",  # every token the same: every weight ties
 )
+
+
+def corrupted(arrays: dict, options: dict, corruption: str, rng: np.random.Generator) -> HostileCall:
+    """`arrays` (a valid call's, changed in place) with `corruption` applied, as a HostileCall."""
+    x = arrays["x"]
+    batch, seq = x.shape[:2]
+    if corruption == "all_masked":
+        arrays["token_mask"] = np.zeros((batch, seq), bool)
+    if corruption == "masked_nan" and arrays.get("token_mask") is None:
+        arrays["token_mask"] = rng.random((batch, seq)) < 0.7
+    broken = np.zeros((batch, seq), bool)
+    tokens = batch * seq
+    if corruption in ("nan_tokens", "inf_tokens", "huge_tokens", "masked_nan") and tokens:
+        picks = rng.choice(tokens, size=min(tokens, int(rng.integers(1, 3))), replace=False)
+        values = {"nan_tokens": [np.nan], "inf_tokens": [np.inf, -np.inf], "huge_tokens": [1e30, -1e30]}
+        values["masked_nan"] = [np.nan, np.inf]
+        for i, token in enumerate(picks):
+            broken.flat[token] = True
+            x.reshape(tokens, HIDDEN)[token] = values[corruption][i % len(values[corruption])]
+        if corruption == "masked_nan":
+            arrays["token_mask"] = arrays["token_mask"] & ~broken
+            broken[:] = False  # padding: nothing it holds is read
+        elif arrays.get("token_mask") is not None:
+            broken &= arrays["token_mask"]
+    if corruption == "nan_gate":
+        arrays["gate"][:, int(rng.integers(0, EXPERTS))] = np.nan
+    if corruption == "overflow":
+        arrays["gate"][:, 0] += 10.0  # every token ranks expert 0 first (x made positive)
+        arrays["x"] = np.abs(x)
+    if corruption == "ties" and tokens:
+        arrays["x"] = np.broadcast_to(x.reshape(tokens, HIDDEN)[:1], x.shape).copy()
+    return HostileCall(arrays=arrays, options=options, corruption=corruption, broken=broken)
 
 
 @st.composite
@@ -296,30 +341,134 @@ def hostile_calls(draw, shards: int = 1, corruptions: tuple[str, ...] = CORRUPTI
         arrays["expert_bias"] = rng.normal(0, 0.5, EXPERTS).astype(np.float32)
     if draw(st.booleans()):
         arrays.update(shared_arrays(gate=draw(st.booleans())))
-    masked = corruption in ("masked_nan", "all_masked") or draw(st.booleans())
-    if masked:
-        mask = rng.random((batch, seq)) < 0.7
-        arrays["token_mask"] = np.zeros_like(mask) if corruption == "all_masked" else mask
-    x = arrays["x"]
-    broken = np.zeros((batch, seq), bool)
-    tokens = batch * seq
-    if corruption in ("nan_tokens", "inf_tokens", "huge_tokens", "masked_nan") and tokens:
-        picks = rng.choice(tokens, size=min(tokens, int(rng.integers(1, 3))), replace=False)
-        values = {"nan_tokens": [np.nan], "inf_tokens": [np.inf, -np.inf], "huge_tokens": [1e30, -1e30]}
-        values["masked_nan"] = [np.nan, np.inf]
-        for i, token in enumerate(picks):
-            broken.flat[token] = True
-            x.reshape(tokens, HIDDEN)[token] = values[corruption][i % len(values[corruption])]
-        if corruption == "masked_nan":
-            arrays["token_mask"] = arrays["token_mask"] & ~broken
-            broken[:] = False  # padding: nothing it holds is read
-        else:
-            broken &= arrays.get("token_mask", np.ones_like(broken))
-    if corruption == "nan_gate":
-        arrays["gate"][:, int(rng.integers(0, EXPERTS))] = np.nan
-    if corruption == "overflow":
-        arrays["gate"][:, 0] += 10.0  # every token ranks expert 0 first (x made positive below)
-        arrays["x"] = np.abs(x)
-    if corruption == "ties" and tokens:
-        arrays["x"] = np.broadcast_to(x.reshape(tokens, HIDDEN)[:1], x.shape).copy()
-    return HostileCall(arrays=arrays, options=options, corruption=corruption, broken=broken)
+    if draw(st.booleans()):
+        arrays["token_mask"] = rng.random((batch, seq)) < 0.7
+    return corrupted(arrays, options, corruption, rng)
+
+
+#: Every option of the layer at once (sigmoid scores with a bias, shared experts with their gate, a mask,
+#: the three losses, the statistics, the scores' counts), what expert_parallel_calls runs every case with.
+EVERY_OPTION = dict(
+    topk=2,
+    score_function="sigmoid",
+    aux_loss_coeff=0.1,
+    seq_aux_loss_coeff=0.1,
+    z_loss_coeff=1e-3,
+    return_stats=True,
+)
+
+
+def expert_parallel_calls(shards: int = 2, unequal: bool = True) -> list[HostileCall]:
+    """The data-dependent cases every rank of an EP group (every shard of a mesh) must handle alike, each
+    with every option on: NaN tokens in one shard (under the probs policy, and dropless in pipelined chunks),
+    overflowing tokens, one shard all padding, every token to one expert under a small capacity (most slots
+    dropped) and under a large one (most of the fixed slabs' rows unused), the scores' counts, no tokens on
+    any shard, and, with `unequal` (process groups: dropless allows it), a rank without tokens."""
+    rng = np.random.default_rng(11)
+    cases = [
+        ("nan_tokens", dict(capacity_factor=0.5, drop_policy="probs")),
+        ("nan_tokens", dict(capacity_factor=None, pipeline_chunks=2)),
+        ("huge_tokens", dict(capacity_factor=None, balance_counts="scores")),
+        ("overflow", dict(capacity_factor=0.25, drop_policy="position")),
+        ("overflow", dict(capacity_factor=4.0, drop_policy="probs")),
+        ("one_shard_masked", dict(capacity_factor=1.0, drop_policy="probs", balance_counts="scores")),
+    ]
+    calls = []
+    for corruption, options in cases:
+        arrays = dict(base_arrays(2 * shards, 3, seed=len(calls)), **shared_arrays(gate=True))
+        arrays["expert_bias"] = rng.normal(0, 0.5, EXPERTS).astype(np.float32)
+        arrays["token_mask"] = rng.random((2 * shards, 3)) < 0.8
+        if corruption == "one_shard_masked":
+            arrays["token_mask"][:2] = False  # the first shard: padding alone
+        if corruption == "nan_tokens":  # the first shard's first token alone: the other shards whole
+            arrays["x"][0, 0] = np.nan
+            arrays["token_mask"][0, 0] = True
+        call = corrupted(
+            arrays, dict(EVERY_OPTION, **options), "none" if corruption == "nan_tokens" else corruption, rng
+        )
+        if corruption == "nan_tokens":
+            call.broken[0, 0] = True
+            call = dataclasses.replace(call, corruption=corruption)
+        calls.append(call)
+    arrays = dict(base_arrays(0, 3, seed=10), **shared_arrays(gate=True))  # no tokens anywhere
+    arrays.update(
+        expert_bias=rng.normal(0, 0.5, EXPERTS).astype(np.float32), token_mask=np.ones((0, 3), bool)
+    )
+    options = dict(EVERY_OPTION, capacity_factor=1.0, drop_policy="probs", balance_counts="scores")
+    calls.append(corrupted(arrays, options, "no_tokens", rng))
+    if unequal:
+        arrays = dict(base_arrays(2 * (shards - 1), 3, seed=9), **shared_arrays(gate=True))
+        arrays["expert_bias"] = rng.normal(0, 0.5, EXPERTS).astype(np.float32)
+        arrays["token_mask"] = rng.random((2 * (shards - 1), 3)) < 0.8
+        options = dict(EVERY_OPTION, capacity_factor=None, pipeline_chunks=2, balance_counts="scores")
+        call = corrupted(arrays, options, "none", rng)
+        calls.append(
+            dataclasses.replace(call, corruption="a rank without tokens", batches=(0, *(2,) * (shards - 1)))
+        )
+    return calls
+
+
+# What the results must be ------------------------------------------------------------------------------
+
+
+def record(out, aux_loss, dropped, stats: dict, grads: dict) -> dict:
+    """One run's results as the family compares them, numpy throughout (from anything np.asarray reads)."""
+    return dict(
+        out=np.asarray(out),
+        aux_loss=float(aux_loss),
+        dropped=int(dropped),
+        stats={name: np.asarray(value) for name, value in stats.items()},
+        grads={name: np.asarray(value) for name, value in grads.items()},
+    )
+
+
+def agree(got: np.ndarray, expected: np.ndarray, what: str, rtol: float = 1e-4) -> None:
+    """Non-finite exactly where the other is, the finite values to fp32 rounding."""
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(np.isfinite(got), finite, err_msg=f"{what}: non-finite entries")
+    scale = float(np.max(np.abs(expected[finite]), initial=1.0))
+    np.testing.assert_allclose(got[finite], expected[finite], rtol=rtol, atol=rtol * scale, err_msg=what)
+
+
+def same_results(got: dict, expected: dict, call: HostileCall, what: str) -> None:
+    """Outputs, losses, counts and gradients alike. With broken tokens the gradients that sum over them are
+    compared where both are finite (an overflowing activation times a zero derivative is 0 in one order of
+    IEEE operations and NaN in another); the other tokens' input gradients in full."""
+    agree(got["out"], expected["out"], f"out {what}")
+    agree(np.float32(got["aux_loss"]), np.float32(expected["aux_loss"]), f"aux_loss {what}")
+    assert got["dropped"] == expected["dropped"], (what, got["dropped"], expected["dropped"])
+    for name in ("routed", "kept", "dropped", "max_load"):
+        np.testing.assert_array_equal(got["stats"][name], expected["stats"][name], err_msg=f"{name} {what}")
+    for name, grad in expected["grads"].items():
+        mine = got["grads"][name]
+        if not call.broken.any():
+            agree(mine, grad, f"grad {name} {what}", rtol=1e-3)
+            continue
+        if name == "x":
+            others = call.valid & ~call.broken
+            agree(mine[others], grad[others], f"grad x of the finite tokens {what}", rtol=1e-3)
+            assert np.isfinite(mine[others]).all(), f"grad x of the finite tokens {what}"
+        both = np.isfinite(mine) & np.isfinite(grad)
+        agree(mine[both], grad[both], f"grad {name} where finite {what}", rtol=1e-3)
+
+
+def check_invariants(
+    call: HostileCall, results: dict, unmasked: int | None = None, first_expert: int = 0
+) -> None:
+    """What docs/moe.md promises whatever the data: padding rows and their gradients exactly zero; exact
+    counts; the finite tokens' outputs finite; every weight of an expert that kept no slot a zero gradient
+    (no unused row of a capacity slab or of a worst-case buffer reaches it). For one rank of a group:
+    `unmasked`, the group's unmasked tokens (the counts are the group's), and `first_expert`, the global id
+    of the first expert whose weights the results' gradients hold."""
+    valid, out = call.valid, results["out"]
+    assert (out[~valid] == 0).all(), "padding rows of out"
+    assert (results["grads"]["x"][~valid] == 0).all(), "padding rows of the x gradient"
+    stats = results["stats"]
+    unmasked = valid.sum() if unmasked is None else unmasked
+    assert stats["routed"].sum() == call.options["topk"] * unmasked, stats
+    assert stats["dropped"] == (stats["routed"] - stats["kept"]).sum() == results["dropped"], stats
+    assert np.isfinite(out[valid & ~call.broken]).all(), "a finite token's output"
+    held = results["grads"]["gate_up"].shape[0]
+    for expert in np.flatnonzero(stats["kept"][first_expert : first_expert + held] == 0):
+        for name in ("gate_up", "down"):
+            assert not results["grads"][name][expert].any(), (name, first_expert + expert, "no slots")

@@ -32,12 +32,16 @@ from tests.strategies_moe_hostile import (
     REFUSED,
     HostileCall,
     base_arrays,
+    check_invariants,
     hostile_calls,
+    record,
+    same_results,
 )
 
 torch = pytest.importorskip("torch", reason="the family runs both frameworks")
 mt = pytest.importorskip("moetriton.torch")
 from moetriton.torch.reference_moe import moe_reference  # noqa: E402
+from tests.torch._moe_helpers import hostile_results  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 VALID = dict(topk=2)
@@ -112,38 +116,6 @@ def _cotangent(call: HostileCall) -> np.ndarray:
     return np.random.default_rng(7).normal(size=call.arrays["x"].shape).astype(np.float32)
 
 
-def _torch_results(call: HostileCall, layer) -> dict:
-    """Forward results, stats and the gradients of <out, cotangent> + aux_loss, as numpy (gate [H, E])."""
-    present = {name: value for name, value in call.arrays.items() if value is not None}
-    leaves = {name: _torch(value, name) for name, value in present.items()}
-    for name in WEIGHTS:
-        if name in leaves:
-            leaves[name].requires_grad_()
-    rest = {name: value for name, value in leaves.items() if name not in ("x", "gate", "gate_up", "down")}
-    options = dict(call.options, return_stats=True)
-    if layer is moe_reference:
-        options.pop("exchange", None)
-    out, aux_loss, dropped, stats = layer(
-        leaves["x"], leaves["gate"], leaves["gate_up"], leaves["down"], **rest, **options
-    )
-    loss = (out * _torch(_cotangent(call), "x")).sum() + aux_loss
-    differentiable = [leaves[name] for name in WEIGHTS if name in leaves]
-    grads = torch.autograd.grad(loss, differentiable, allow_unused=True)
-    names = [name for name in WEIGHTS if name in leaves]
-    grads = {
-        name: np.zeros(present[name].shape, np.float32) if g is None else g.detach().cpu().numpy()
-        for name, g in zip(names, grads, strict=True)
-    }
-    grads["gate"] = grads["gate"].T
-    return dict(
-        out=out.detach().cpu().numpy(),
-        aux_loss=float(aux_loss),
-        dropped=int(dropped),
-        stats={name: value.detach().cpu().numpy() for name, value in stats._asdict().items()},
-        grads=grads,
-    )
-
-
 def _jax_results(call: HostileCall) -> dict:
     present = {name: jnp.asarray(value) for name, value in call.arrays.items() if value is not None}
     names = [name for name in WEIGHTS if name in present]
@@ -159,59 +131,7 @@ def _jax_results(call: HostileCall) -> dict:
     (_, (out, aux_loss, dropped, stats)), grads = jax.value_and_grad(
         loss, argnums=tuple(range(len(names))), has_aux=True
     )(*(present[name] for name in names))
-    return dict(
-        out=np.asarray(out),
-        aux_loss=float(aux_loss),
-        dropped=int(dropped),
-        stats={name: np.asarray(value) for name, value in stats._asdict().items()},
-        grads={name: np.asarray(g) for name, g in zip(names, grads, strict=True)},
-    )
-
-
-def _agree(got: np.ndarray, expected: np.ndarray, what: str, rtol: float = 1e-4) -> None:
-    """Non-finite exactly where the other is, the finite values to fp32 rounding."""
-    finite = np.isfinite(expected)
-    np.testing.assert_array_equal(np.isfinite(got), finite, err_msg=f"{what}: non-finite entries")
-    scale = float(np.max(np.abs(expected[finite]), initial=1.0))
-    np.testing.assert_allclose(got[finite], expected[finite], rtol=rtol, atol=rtol * scale, err_msg=what)
-
-
-def _same_results(got: dict, expected: dict, call: HostileCall, what: str) -> None:
-    """Outputs, losses, counts and gradients alike. With broken tokens the gradients that sum over them are
-    compared where both are finite (an overflowing activation times a zero derivative is 0 in one order of
-    IEEE operations and NaN in another); the other tokens' input gradients in full."""
-    _agree(got["out"], expected["out"], f"out {what}")
-    _agree(np.float32(got["aux_loss"]), np.float32(expected["aux_loss"]), f"aux_loss {what}")
-    assert got["dropped"] == expected["dropped"], (what, got["dropped"], expected["dropped"])
-    for name in ("routed", "kept", "dropped", "max_load"):
-        np.testing.assert_array_equal(got["stats"][name], expected["stats"][name], err_msg=f"{name} {what}")
-    for name, grad in expected["grads"].items():
-        mine = got["grads"][name]
-        if not call.broken.any():
-            _agree(mine, grad, f"grad {name} {what}", rtol=1e-3)
-            continue
-        if name == "x":
-            others = call.valid & ~call.broken
-            _agree(mine[others], grad[others], f"grad x of the finite tokens {what}", rtol=1e-3)
-            assert np.isfinite(mine[others]).all(), f"grad x of the finite tokens {what}"
-        both = np.isfinite(mine) & np.isfinite(grad)
-        _agree(mine[both], grad[both], f"grad {name} where finite {what}", rtol=1e-3)
-
-
-def hostile_invariants(call: HostileCall, results: dict) -> None:
-    """What docs/moe.md promises whatever the data: padding rows and their gradients exactly zero; exact
-    counts; the finite tokens' outputs finite; every weight of an expert that kept no slot a zero gradient
-    (no unused row of a capacity slab or of a worst-case buffer reaches it)."""
-    valid, out = call.valid, results["out"]
-    assert (out[~valid] == 0).all(), "padding rows of out"
-    assert (results["grads"]["x"][~valid] == 0).all(), "padding rows of the x gradient"
-    stats = results["stats"]
-    assert stats["routed"].sum() == call.options["topk"] * valid.sum(), stats
-    assert stats["dropped"] == (stats["routed"] - stats["kept"]).sum() == results["dropped"], stats
-    assert np.isfinite(out[valid & ~call.broken]).all(), "a finite token's output"
-    for expert in np.flatnonzero(stats["kept"] == 0):
-        for name in ("gate_up", "down"):
-            assert not results["grads"][name][expert].any(), (name, expert, "an expert without slots")
+    return record(out, aux_loss, dropped, stats._asdict(), dict(zip(names, grads, strict=True)))
 
 
 #: Examples per corruption: an eighth of the profile's count (the ci profile: 3, so 30 calls in all), so
@@ -230,18 +150,16 @@ def test_hostile_calls_give_the_documented_result_in_both_frameworks(corruption)
 
 
 def _check_hostile_call(call: HostileCall) -> None:
-    torch_results = _torch_results(call, mt.moe)
-    expected = _torch_results(call, moe_reference)
-    _same_results(torch_results, expected, call, f"PyTorch vs reference, {call.corruption} {call.options}")
-    hostile_invariants(call, torch_results)
-    _same_results(
-        _jax_results(call), torch_results, call, f"JAX vs PyTorch, {call.corruption} {call.options}"
-    )
+    torch_results = hostile_results(call, mt.moe, _cotangent(call))
+    expected = hostile_results(call, moe_reference, _cotangent(call))
+    same_results(torch_results, expected, call, f"PyTorch vs reference, {call.corruption} {call.options}")
+    check_invariants(call, torch_results)
+    same_results(_jax_results(call), torch_results, call, f"JAX vs PyTorch, {call.corruption} {call.options}")
     dropless_or_probs = call.options["capacity_factor"] is None or call.options.get("drop_policy") == "probs"
     if call.broken.any() and dropless_or_probs:
         # The broken tokens take no finite slot's place: the others' outputs are those of the call with the
         # broken tokens masked out.
-        masked = _torch_results(call.masking(call.broken), mt.moe)
+        masked = hostile_results(call.masking(call.broken), mt.moe, _cotangent(call))
         others = call.valid & ~call.broken
         np.testing.assert_array_equal(torch_results["out"][others], masked["out"][others])
 

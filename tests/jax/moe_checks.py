@@ -24,6 +24,8 @@ the dense single-device reference `moetriton.jax.reference_moe`, on a mesh of (d
 * benchmark: benchmarks/moe_jax.py's baseline against the layer, and one step of its command line;
 * explicit-mesh: meshes of Explicit axes (jax.make_mesh's default) against the reference and bit for bit
   against Auto axes, inputs unplaced or sharded on the mesh, and the Flax block initialised on one;
+* hostile-1x2: the hostile family (tests/strategies_moe_hostile.py) on a 1 x 2 mesh: every bad argument
+  refused before anything runs, and the data-dependent cases against the reference;
 * pipeline: dropless in token chunks (pipeline_chunks) with shared experts, a mask and the losses on meshes
   1x2 and 2x2 (1x2 alone on two GPUs), against the reference and bitwise repeatable (on GPUs through both
   exchanges).
@@ -53,6 +55,7 @@ from moetriton.jax.reference_moe import moe_reference
 from moetriton.kernels.rules.expert_parallel import ep_layout
 from moetriton.kernels.rules.moe import SHARED_WEIGHTS, MoEStats
 from tests.strategies_moe import MoEProblem, moe_problems, with_shared_experts
+from tests.strategies_moe_hostile import record
 
 _SETTINGS = dict(
     deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck), print_blob=True
@@ -687,6 +690,59 @@ def check_explicit_mesh() -> None:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _hostile_results(function, call, names) -> dict:
+    """`function`'s (the layer's or the reference's, of the arrays `names` in order) forward, stats and
+    gradients of <out, cotangent> + aux_loss on a hostile call, as the family compares them (numpy)."""
+    present = {name: jnp.asarray(value) for name, value in call.arrays.items() if value is not None}
+    cotangent = jnp.asarray(np.random.default_rng(7).normal(size=call.arrays["x"].shape).astype(np.float32))
+    rest = {name: value for name, value in present.items() if name not in names}
+
+    def loss(*weights):
+        results = function(**dict(zip(names, weights, strict=True)), **rest)
+        return jnp.sum(results[0] * cotangent) + results[1], results
+
+    run = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(names))), has_aux=True))
+    (_, (out, aux_loss, dropped, stats)), grads = run(*(present[name] for name in names))
+    return record(out, aux_loss, dropped, stats._asdict(), dict(zip(names, grads, strict=True)))
+
+
+def check_hostile() -> None:
+    """The hostile family on a 1 x 2 mesh (tests/strategies_moe_hostile.py): every bad argument refused
+    before anything runs, naming the argument; then the data-dependent cases (NaN tokens in one shard,
+    overflowing tokens, a shard of padding alone, overflowing and mostly unused capacity slabs, every option
+    on) against the dense reference, with padding and slot-less experts exactly zero; the first of them also
+    on a mesh of Explicit axes."""
+    from tests.strategies_moe_hostile import (
+        REFUSED,
+        base_arrays,
+        check_invariants,
+        expert_parallel_calls,
+        same_results,
+    )
+
+    mesh = make_mesh(1, 2)
+    placement = dict(mesh=mesh, ep_axis="ep", data_axes=("data",))
+    for case, refusal in REFUSED.items():
+        call = {**base_arrays(), "topk": 2, **refusal.change}
+        arrays = {name: jnp.asarray(v) if isinstance(v, np.ndarray) else v for name, v in call.items()}
+        try:
+            moe(**arrays, **placement)
+        except (TypeError, ValueError) as error:
+            assert isinstance(error, refusal.error), (case, error)
+            assert str(error).startswith(f"{refusal.named('jax')}:"), (case, error)
+        else:
+            raise AssertionError(f"{case}: no error on the mesh")
+    for index, call in enumerate(expert_parallel_calls(2, unequal=False)):
+        names = [name for name in ("x", "gate", "gate_up", "down", *SHARED_WEIGHTS) if name in call.arrays]
+        print(f"hostile {call.corruption} {call.options}", flush=True)
+        expected = _hostile_results(partial(moe_reference, num_shards=2, **call.options), call, names)
+        meshes = [mesh] + [make_mesh(1, 2, explicit=True)] * (index == 0)
+        for on in meshes:
+            got = _hostile_results(partial(moe, **call.options, **dict(placement, mesh=on)), call, names)
+            same_results(got, expected, call, f"{call.corruption} {call.options} on {on.axis_types}")
+            check_invariants(call, got)
+
+
 def check_benchmark() -> None:
     """benchmarks/moe_jax.py: its MaxText-style baseline computes the same layer as moetriton's (to bf16
     rounding) on EP = 2, and its command line runs one step of both implementations (EP = 1, the cheapest
@@ -737,6 +793,7 @@ CHECKS = {
     "options-2x2": lambda: check_options(2, 2),
     "pipeline": check_pipeline,
     "explicit-mesh": check_explicit_mesh,
+    "hostile-1x2": check_hostile,
 }
 
 #: Devices each check needs.
@@ -761,6 +818,7 @@ DEVICES.update(
         "options-2x2": 4,
         "pipeline": 2,
         "explicit-mesh": 4,
+        "hostile-1x2": 2,
     }
 )
 

@@ -3,11 +3,15 @@ on one rank of a process group; and the worker that spawned EP test processes ru
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from moetriton.kernels.rules.moe import SHARED_WEIGHTS
 from tests.strategies_moe import MoEProblem
+from tests.strategies_moe_hostile import ARRAYS, EXPERTS, record
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # fp32 layer vs fp32 reference: GEMM and reduction order only
 #: The shared experts' weights: replicated on every rank, their gradients summed over the ranks as the
@@ -485,4 +489,151 @@ def exchange_modes_worker(rank: int, world: int, store: str) -> None:
         for one, two in zip(results[1], results[2], strict=True):
             torch.testing.assert_close(one, two, rtol=1e-5, atol=1e-5)
     finally:
+        dist.destroy_process_group()
+
+
+#: The torch.distributed collectives a layer call may reach; `hostile_worker` records every call to them.
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all_single",
+    "broadcast",
+    "barrier",
+    "reduce_scatter_tensor",
+)
+
+
+def _local_call(arrays: dict, options: dict, rank: int, world: int, ep_group) -> tuple:
+    """The PyTorch layer's call on this rank: gate as [E, H], this rank's experts of gate_up and down
+    (arrays of every expert; anything else as given), tensors for numpy arrays."""
+    local = {}
+    for name, value in arrays.items():
+        if isinstance(value, np.ndarray) and name in ("gate_up", "down") and value.shape[:1] == (EXPERTS,):
+            value = value[rank * EXPERTS // world : (rank + 1) * EXPERTS // world]
+        if isinstance(value, np.ndarray):
+            value = torch.from_numpy(
+                np.ascontiguousarray(value.T if name == "gate" and value.ndim == 2 else value)
+            )
+        local[name] = value
+    positional = [local.pop(name) for name in ("x", "gate", "gate_up", "down")]
+    return positional, dict(local, **options, ep_group=ep_group)
+
+
+def _refuse_before_any_collective(rank: int, world: int, recorded: list) -> None:
+    """Every bad argument of the hostile family, given to every rank: each rank raises the family's error
+    naming the argument and has entered no collective."""
+    from tests.strategies_moe_hostile import REFUSED, base_arrays
+
+    valid = base_arrays()
+    valid["x"] = valid["x"][rank : rank + 1]  # this rank's token shard
+    for case, refusal in REFUSED.items():
+        recorded.clear()
+        arrays = {name: value for name, value in {**valid, **refusal.change}.items() if name in ARRAYS}
+        options = {name: value for name, value in refusal.change.items() if name not in ARRAYS}
+        positional, keywords = _local_call(
+            arrays, dict(dict(topk=2), **options), rank, world, dist.group.WORLD
+        )
+        try:
+            import moetriton.torch as mt
+
+            mt.moe(*positional, **keywords)
+        except (TypeError, ValueError) as error:
+            assert isinstance(error, refusal.error), (case, error)
+            assert str(error).startswith(f"{refusal.named('torch')}:"), (case, error)
+        else:
+            raise AssertionError(f"{case}: no error on rank {rank}")
+        assert not recorded, f"{case}: rank {rank} entered {recorded} before refusing"
+
+
+def hostile_results(call, layer, cotangent: np.ndarray, experts: slice = slice(None), reduce=None) -> dict:
+    """`layer`'s (moe, or the reference, with any fixed keywords) results on a hostile call as the family
+    compares them: forward, stats and the gradients of <out, cotangent> + aux_loss, as numpy, gate [H, E].
+    experts: the experts of gate_up and down the call holds (an EP rank's); reduce: applied to the
+    gradients of the replicated weights (an EP rank's all_reduce)."""
+    present = {name: value for name, value in call.arrays.items() if value is not None}
+    leaves = {}
+    for name, value in present.items():
+        value = value[experts] if name in ("gate_up", "down") else value
+        leaves[name] = torch.from_numpy(np.ascontiguousarray(value.T if name == "gate" else value))
+    names = [name for name in ("x", "gate", "gate_up", "down", *SHARED) if name in leaves]
+    for name in names:
+        leaves[name].requires_grad_()
+    rest = {name: value for name, value in leaves.items() if name not in ("x", "gate", "gate_up", "down")}
+    out, aux_loss, dropped, stats = layer(
+        *(leaves[name] for name in ("x", "gate", "gate_up", "down")),
+        **rest,
+        **dict(call.options, return_stats=True),
+    )
+    loss = (out * torch.from_numpy(cotangent)).sum() + aux_loss
+    grads = dict(zip(names, torch.autograd.grad(loss, [leaves[name] for name in names]), strict=True))
+    if reduce is not None:
+        for name in ("gate", *SHARED):
+            if name in grads:
+                reduce(grads[name])
+    grads["gate"] = grads["gate"].t()
+    return record(out.detach(), aux_loss, dropped, {k: v.detach() for k, v in stats._asdict().items()}, grads)
+
+
+def _cotangent(call) -> np.ndarray:
+    return np.random.default_rng(7).normal(size=call.arrays["x"].shape).astype(np.float32)
+
+
+def _rank_shard(call, rank: int, world: int) -> tuple:
+    """(this rank's shard of `call`, the rows of its tokens in the batch, its experts)."""
+    mine = call.shard(rank, world)
+    first = sum(call.batches[:rank]) if call.batches else rank * call.arrays["x"].shape[0] // world
+    experts = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+    return mine, slice(first, first + mine.arrays["x"].shape[0]), experts
+
+
+def _rank_part(results: dict, rows: slice, experts: slice) -> dict:
+    """The reference's results as one rank holds them: its tokens' rows, its experts' weights."""
+    grads = dict(results["grads"], x=results["grads"]["x"][rows])
+    for name in ("gate_up", "down"):
+        grads[name] = grads[name][experts]
+    return dict(results, out=results["out"][rows], grads=grads)
+
+
+def hostile_worker(rank: int, world: int, store: str) -> None:
+    """One of `world` gloo ranks: every bad argument of the hostile family refused on every rank before any
+    collective (and the group usable afterwards); then the data-dependent cases
+    (tests/strategies_moe_hostile.expert_parallel_calls: NaN tokens on one rank, overflowing tokens, a rank
+    of padding alone, overflowing and mostly unused capacity slabs, a rank without tokens, every option on)
+    against the dense reference, on every rank, with exact zeros for padding and for the experts no slot
+    reached."""
+    from tests.strategies_moe_hostile import check_invariants, expert_parallel_calls, same_results
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+    recorded: list[str] = []
+
+    def recording(name, function):
+        def call(*args, **kwargs):
+            recorded.append(name)
+            return function(*args, **kwargs)
+
+        return call
+
+    try:
+        for name, function in originals.items():
+            setattr(dist, name, recording(name, function))
+        _refuse_before_any_collective(rank, world, recorded)
+        for name, function in originals.items():
+            setattr(dist, name, function)
+        import moetriton.torch as mt
+        from moetriton.torch.reference_moe import moe_reference
+
+        for call in expert_parallel_calls(world):
+            mine, rows, experts = _rank_shard(call, rank, world)
+            rank_layer = functools.partial(mt.moe, ep_group=dist.group.WORLD)
+            got = hostile_results(mine, rank_layer, _cotangent(call)[rows], experts, dist.all_reduce)
+            reference = functools.partial(moe_reference, num_shards=1 if call.batches else world)
+            expected = _rank_part(hostile_results(call, reference, _cotangent(call)), rows, experts)
+            same_results(got, expected, mine, f"rank {rank}, {call.corruption} {call.options}")
+            check_invariants(mine, got, unmasked=int(call.valid.sum()), first_expert=rank * EXPERTS // world)
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)
         dist.destroy_process_group()

@@ -46,6 +46,7 @@ from tests.torch._moe_helpers import (
     ep_worker,
     exchange_modes_worker,
     graph_worker,
+    hostile_worker,
     reference,
     routing_worker,
     run_layer,
@@ -878,6 +879,14 @@ def test_only_pipelined_chunks_start_exchanges_asynchronously_gloo(tmp_path):
     Both give the same layer results."""
     store = Path(tempfile.mkdtemp(dir=tmp_path)) / "store_modes"
     mp.spawn(exchange_modes_worker, args=(2, str(store)), nprocs=2, join=True)
+
+
+def test_hostile_input_under_expert_parallel_gloo(tmp_path):
+    """EP 2 over gloo: every bad argument of the hostile family (tests/strategies_moe_hostile.py) refused on
+    every rank before any collective; then NaN tokens on one rank, overflowing tokens, a rank of padding
+    alone, overflowing and mostly unused capacity slabs and a rank without tokens, every option on,
+    against the dense reference on every rank, padding and slot-less experts exactly zero."""
+    mp.spawn(hostile_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
 
 
 @pytest.mark.parametrize("world", [1, 2])
