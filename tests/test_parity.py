@@ -383,3 +383,31 @@ def test_layers_agree_on_non_finite_tokens(capacity_factor, drop_policy, fill, s
         np.testing.assert_array_equal(out[~broken], masked[~broken])
     if drop_policy == "probs":  # at this capacity every broken slot is dropped: zero rows
         assert not out[broken].any()
+
+
+@pytest.mark.parametrize("drop_policy", ["position", "probs"])
+def test_capacity_counts_padded_tokens_in_both_layers(drop_policy):
+    """C follows from T with the padding counted (a static size: docs/moe.md, "Padding"), while padded tokens
+    take none of its places: with half the tokens padding, every expert keeps min(routed, C(T)) of the real
+    tokens' slots, the same counts in both layers, where C(unmasked T) would keep fewer."""
+    from moetriton.kernels.rules.expert_parallel import ep_layout
+
+    rng = np.random.default_rng(2)
+    arrays = dict(
+        x=np.abs(rng.normal(size=(2, 8, _H))).astype(np.float32),
+        gate=rng.normal(0, 0.3, (_H, _E)).astype(np.float32),
+        gate_up=rng.normal(0, _H**-0.5, (_E, _H, 2 * _F)).astype(np.float32),
+        down=rng.normal(0, _F**-0.5, (_E, _F, _H)).astype(np.float32),
+    )
+    arrays["gate"][:, 0] += 1.0  # expert 0 overflows
+    mask = np.zeros((2, 8), bool)
+    mask[:, ::2] = True  # half the tokens are padding
+    options = dict(topk=2, capacity_factor=1.0, drop_policy=drop_policy)
+    capacity = ep_layout(num_tokens=16, num_experts=_E, topk=2, ep_size=1, capacity_factor=1.0).capacity
+    fewer = ep_layout(num_tokens=8, num_experts=_E, topk=2, ep_size=1, capacity_factor=1.0).capacity
+    counts = [_layer_results(framework, arrays, options, mask=mask)[3] for framework in ("torch", "jax")]
+    for stats in counts:
+        routed, kept = stats[3], stats[4]  # MoEStats order: the three losses, routed, kept, ...
+        np.testing.assert_array_equal(kept, np.minimum(routed, capacity))
+        assert routed.sum() == 2 * mask.sum() and kept.max() > fewer, (routed, kept, capacity, fewer)
+    np.testing.assert_array_equal(counts[0][4], counts[1][4])

@@ -400,8 +400,10 @@ def moe(
     """A mixture-of-experts MLP layer with expert parallelism.
 
     Args:
-        x: [B, S, H] tokens, any float dtype; B must be a multiple of the token shards (the product of the
-            sizes of `data_axes` and `ep_axis`).
+        x: [B, S, H] tokens, float32, bfloat16 or float16 (a jax.Array or a numpy array); B must be a
+            multiple of the token shards (the product of the sizes of `data_axes` and `ep_axis`). Every
+            weight below may be any of those three dtypes: it is cast to `dtype` (docs/moe.md, "dtype
+            rules").
         gate: [H, E] router weights. Logits are x @ gate accumulated in fp32 and kept in fp32.
         gate_up: [E, H, 2F] fused gate and up projections for a gated activation ("swiglu", "geglu": the first
             F columns are the gate, the last F the up projection), or [E, H, F] for "gelu" / "relu".
@@ -422,7 +424,7 @@ def moe(
             weights are not renormalised). T is the tokens of one shard, padding included.
         activation: "swiglu" (default), "geglu", "gelu" or "relu".
         dtype: compute dtype of the dispatched tokens, the expert weights and the grouped GEMMs (default
-            x.dtype). The router runs in fp32; the output is in x.dtype.
+            x.dtype; float32, bfloat16 or float16). The router runs in fp32; the output is in x.dtype.
         mesh: the device mesh (None: one device, no collectives). Tokens are sharded over
             (*data_axes, ep_axis) on B, the expert axis of gate_up / down over ep_axis, gate and expert_bias
             replicated; inputs in other shardings are resharded by jit (FSDP-sharded weights are
@@ -439,7 +441,7 @@ def moe(
         shared_gate_up, shared_down: the shared experts, an always-on dense FFN every token also goes
             through (DeepSeek-V3, Qwen-MoE), added to the routed output: shared_gate_up [H, 2Fs] ([gate | up]
             for a gated activation; [H, Fs] otherwise) and shared_down [Fs, H], the routed experts' layout
-            without the expert axis, in the compute dtype; several shared experts are one FFN of their
+            without the expert axis, cast to the compute dtype; several shared experts are one FFN of their
             summed width Fs. Both or neither (None: no shared experts, the layer as without them). They
             take PartitionSpec() (replicated over the data and EP axes): every token shard runs the FFN on
             its own tokens, with no collective and no dependency on the routed path's exchange.

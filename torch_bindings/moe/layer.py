@@ -220,8 +220,11 @@ def moe(
 ) -> tuple[Tensor, Tensor, Tensor] | tuple[Tensor, Tensor, Tensor, MoEStats]:
     """One MoE layer on this rank's tokens, experts sharded over `ep_group` (see the module docstring).
 
+    Every argument is checked before the call's first collective (the shared rules of
+    moetriton.kernels.rules: a bad one raises on every rank alike, none of them left waiting).
+
     Args:
-        x: [..., H] float32/bfloat16/float16 tokens of this rank.
+        x: [..., H] float32/bfloat16/float16 tokens of this rank; every weight has x's dtype exactly.
         gate_weight: [E, H] router weight (nn.Linear convention), x.dtype; logits are x.dtype.
         gate_up: [L, H, 2F] fused gate+up weights of this rank's L = E / EP experts (experts
             rank * L ... rank * L + L - 1), first F columns the gate; [L, H, F] for non-gated activations.
