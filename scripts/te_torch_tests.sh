@@ -8,7 +8,7 @@
 # TE_TESTS names the folder with TE's test file (default .te/tests/pytorch, filled by
 # scripts/fetch_te_tests.sh). On CUDA the kernels run compiled. Without CUDA the tests' "cuda" tensors are
 # placed on the CPU, where the ops run the pure-PyTorch reference, or the Triton kernels interpreted when
-# TRITON_INTERPRET=1 is set (about 200 s per 4096-token case there: choose a subset with -k). TE's FP8
+# TRITON_INTERPRET=1 is set (1 to 6.5 min per 4096-token case on 2 cores: choose a subset with -k). TE's FP8
 # tests skip (moetriton has no TE FP8 tensor types), as do its benchmarks unless RUN_BENCHMARK_TESTS=1.
 # moetriton must be importable (installed, or on PYTHONPATH as scripts/gpu_check.sh puts it). Writes
 # DEST/te_torch_junit.xml and DEST/te_torch.log; the exit status is pytest's.
