@@ -649,6 +649,7 @@ def _bad(name: str):
         "shared_gate_up width": dict(shared, shared_gate_up=shared["shared_gate_up"][:, :-1]),
         "shared_gate shape": dict(shared, shared_gate=torch.zeros(H, 2, device=DEVICE)),
         "shared dtype": dict(shared, shared_down=shared["shared_down"].to(DEVICE, torch.float64)),
+        "shared dtype as x": dict(shared, shared_down=shared["shared_down"].to(DEVICE, torch.float16)),
     }
     if name in bad_shared:
         return (x, gate, gate_up, down), kwargs | bad_shared[name]
@@ -707,7 +708,8 @@ def _bad(name: str):
         ("shared_down alone", "shared_gate_up: expected an array: shared_gate_up and shared_down come"),
         ("shared_gate_up width", r"shared_gate_up: expected \[H, 2Fs\] = \[8, 32\] \(Fs = 16 from"),
         ("shared_gate shape", r"shared_gate: expected \[H, 1\] = \[8, 1\], got \[8, 2\]"),
-        ("shared dtype", r"shared_down: expected dtype float32 \(as x\), got float64"),
+        ("shared dtype", r"shared_down: expected dtype in \('float32', 'bfloat16', 'float16'\), got float64"),
+        ("shared dtype as x", r"shared_down: expected dtype float32 \(as x\), got float16"),
     ],
 )
 def test_bad_input_is_named(case, match):
