@@ -179,12 +179,15 @@ class Versions:
         for name, folder in SOURCE_FOLDERS.items():
             if (root / folder).is_dir():
                 (package / name).symlink_to(root / folder, target_is_directory=True)
+        if (root / PACKAGE / "__init__.py").is_file():  # versions with a package root (moetriton.__version__)
+            (package / "__init__.py").symlink_to(root / PACKAGE / "__init__.py")
         self._set_aside()
         importlib.invalidate_caches()
         sys.path.insert(0, str(package.parent))
         try:
-            # A namespace package's path follows sys.path; fixed to this version's folder, so that no other
-            # folder on the path (another site, an installed moetriton) serves one of its modules.
+            # The package's path (a namespace package's follows sys.path; a package root's extends over it)
+            # fixed to this version's folder, so that no other folder on the path (another site, an
+            # installed moetriton, a checkout's package root) serves one of its modules.
             importlib.import_module(PACKAGE).__path__ = [str(package)]
             with _custom_ops_in(op_namespace):
                 torch_module = importlib.import_module(f"{PACKAGE}.torch")

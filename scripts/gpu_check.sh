@@ -272,8 +272,7 @@ EOF
       if [ -z "$baseline" ] && [ -n "${AB_PACKAGE_REV:-}" ]; then
         baseline=$work/ab_baseline
         mkdir -p "$baseline"
-        git -C "$repo" archive "$AB_PACKAGE_REV" kernels torch_bindings jax_bindings autotune_cache \
-          | tar -x -C "$baseline" || baseline=""
+        git -C "$repo" archive "$AB_PACKAGE_REV" | tar -x -C "$baseline" || baseline=""
       fi
       if [ -z "$baseline" ]; then
         echo "neither AB_PACKAGE_ROOT nor a usable AB_PACKAGE_REV is set; skipped" | tee -a "$log"
