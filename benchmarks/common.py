@@ -180,7 +180,7 @@ def add_out_option(parser: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         default=RESULTS_ROOT,
-        help="results root: writes <out>/<machine>/<name>.csv (default: benchmarks/results)",
+        help="results root: writes <out>/<machine>/<name>.csv (default: %(default)s)",
     )
 
 
