@@ -48,8 +48,11 @@
 #               revision of this git checkout; host and eager time per call of the PyTorch ops
 #               (benchmarks.ab_package, AB_PACKAGE_ARGS, default --shapes tiny --rounds 10):
 #               OUTDIR/ab_package.csv
-#   interleave  our permutation kernels against TE's, interleaved in one process (needs TE)
-#   ncu         Nsight Compute counters of the combine kernels beside TE's (NCU_SHAPES): OUTDIR/ncu.txt
+#   interleave  the study benchmarks.studies.interleave_te: our permutation kernels against TE's, interleaved
+#               in one process (needs TE; INTERLEAVE_SHAPES): OUTDIR/studies/<gpu>/interleave_te.csv, the
+#               layout of benchmarks/studies/results
+#   ncu         Nsight Compute counters of the combine kernels beside TE's, from the study
+#               benchmarks.studies.profile_kernels (NCU_SHAPES): OUTDIR/ncu.txt
 #   te_jax      TransformerEngine's JAX permutation and router tests against moetriton.jax.te
 #               (scripts/te_jax_tests.sh; TE's files in .te/tests/jax, from scripts/fetch_te_tests.sh, or
 #               TE_TESTS; NVTE_JAX_UNITTEST_LEVEL, default L0; TE_JAX_ARGS go to pytest):
@@ -286,7 +289,7 @@ EOF
       if ! has_module transformer_engine; then
         echo "transformer_engine is not importable (set TE_PATH); skipped" | tee -a "$log"
       else
-        run "${limit:-600}" "$log" "$PY" -m benchmarks.interleave_te --out "$outdir/results" \
+        run "${limit:-600}" "$log" "$PY" -m benchmarks.studies.interleave_te --out "$outdir/studies" \
           --shapes "${INTERLEAVE_SHAPES:-qwen3,mixtral,dsv3,small,tiny}" || status=$?
         grep -v -i warn "$log" | tail -20
       fi ;;
@@ -300,7 +303,7 @@ EOF
           --kernel-name regex:'_combine_kernel|_unpermute_kernel' --section SpeedOfLight \
           --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section SchedulerStats \
           --section WarpStateStats --section SourceCounters -f -o "$outdir/ncu" \
-          "$PY" -m benchmarks.profile_kernels --shapes "${NCU_SHAPES:-qwen3,dsv3,mixtral}" || status=$?
+          "$PY" -m benchmarks.studies.profile_kernels --shapes "${NCU_SHAPES:-qwen3,dsv3,mixtral}" || status=$?
         "$ncu_bin" --import "$outdir/ncu.ncu-rep" --page details --print-units base > "$outdir/ncu.txt" 2>&1
         "$ncu_bin" --import "$outdir/ncu.ncu-rep" --page raw --csv > "$outdir/ncu_raw.csv" 2>&1
         grep -E "^  [_a-z]|Duration|DRAM Throughput|Achieved Occupancy|Registers Per" "$outdir/ncu.txt" | head -60

@@ -1,14 +1,14 @@
-"""What a dispatch-shaped and a combine-shaped access pattern reach with no routing work at all.
+"""What do dispatch's and combine's access patterns reach bare? 88-95% and 95-101% of copy (performance.md).
 
-    python -m benchmarks.fanout_ceiling [--shapes mixtral,qwen3,dsv3] [--out ROOT]
+    python -m benchmarks.studies.fanout_ceiling [--shapes mixtral,qwen3,dsv3] [--out ROOT]
 
 Two bare kernels per named shape: a fan-out (read token row t once, store it to K rows: dispatch's data
 movement) and a gather (sum K rows into token row t: combine's), with destination rows either t * K + k
-(sequential) or a random permutation of them (what routing gives), at 4, 8 and 16 warps. Printed as µs and %
-of the measured copy ceiling (bytes read + written over the copy bandwidth), the same ceiling the
-benchmarks divide by. Dispatch's % of ceiling is judged against the fan-out's: a write-mostly scatter to
-random rows does not reach the read + write copy bandwidth (docs/performance.md, "Ceilings"). Writes
-<out>/<gpu>/fanout_ceiling.csv (benchmarks.common).
+(sequential) or a random permutation of them (what routing gives), at 4, 8 and 16 warps, with no routing
+work at all. Printed as µs and % of the measured copy ceiling (bytes read + written over the copy
+bandwidth), the same ceiling the benchmarks divide by. Dispatch's % of ceiling is judged against the
+fan-out's: a write-mostly scatter to random rows does not reach the read + write copy bandwidth
+(docs/performance.md, "Ceilings"). Writes <out>/<gpu>/fanout_ceiling.csv (benchmarks.studies).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from benchmarks.common import shapes_parser, write_results
+from benchmarks.studies import RESULTS_ROOT
 from benchmarks.timing import copy_bandwidth_gbps, time_graph
 from moetriton.kernels.rules.shapes import NAMED_SHAPES
 
@@ -51,9 +52,10 @@ def _gather_kernel(inp_ptr, rows_ptr, hidden, out_ptr, TOPK: tl.constexpr, BLOCK
 
 def main(argv: list[str] | None = None) -> int:
     parser = shapes_parser(__doc__, "mixtral,qwen3,dsv3")
+    parser.set_defaults(out=RESULTS_ROOT)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks.fanout_ceiling needs a CUDA GPU; nothing to do")
+        print("benchmarks.studies.fanout_ceiling needs a CUDA GPU; nothing to do")
         return 0
     ceiling = copy_bandwidth_gbps()
     print(f"# {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s (read + write)")

@@ -1,13 +1,15 @@
-"""Hardware-counter profile of the combine kernel (which is also dispatch's backward) beside TE's unpermute
+"""What limits the combine kernels beside TE's unpermute? DRAM, for both (performance.md, "Results: H200").
+
+A hardware-counter profile of the combine kernel (which is also dispatch's backward) beside TE's unpermute
 kernel, on the named shapes: run it under Nsight Compute, e.g. (scripts/gpu_check.sh, stage `ncu`)
 
     ncu --clock-control none --kernel-name regex:'_combine_kernel|_unpermute_kernel' \
         --section SpeedOfLight --section WarpStateStats ... \
-        python -m benchmarks.profile_kernels --shapes qwen3
+        python -m benchmarks.studies.profile_kernels --shapes qwen3
 
 Per shape, in this order and each called twice (ncu profiles every call; the first call of ours also
 compiles): dispatch backward (unweighted combine of the cotangent) ours then TE's, then the weighted combine
-ours then TE's. bf16 rows, a [T, E] mask with K random experts per token, as in benchmarks/eager_cases.py.
+ours then TE's. bf16 rows, a [T, E] mask with K random experts per token, as in the eager benchmark.
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
-"""Our permutation kernels against TE's Triton kernels, interleaved in one process on one GPU.
+"""Do the ops tied with TE's lead, interleaved? All but three, which trail by 0.4% or 0.2 µs (performance.md).
 
-    python -m benchmarks.interleave_te [--shapes qwen3] [--rounds 7]
+    python -m benchmarks.studies.interleave_te [--shapes qwen3] [--rounds 7] [--out ROOT]
 
-The eager benchmark times ours and TE's one after the other, and two such runs differ by 1-2% per op, so an
-op within that of TE reads as ahead in one run and behind in the next. Here every round times each op of
-both implementations once (CUDA-graph replays over rotating input sets, as `benchmarks.timing.time_graph`),
+Our permutation kernels against TE's Triton kernels, interleaved in one process on one GPU. The eager
+benchmark times ours and TE's one after the other, and two such runs differ by 1-2% per op, so an op within
+that of TE reads as ahead in one run and behind in the next. Here every round times each op of both
+implementations once (CUDA-graph replays over rotating input sets, as `benchmarks.timing.time_graph`),
 alternating which goes first, and the table gives each side's median and best over the rounds and the ratio
-of the medians. Ops: dispatch backward (an unweighted combine: `unpermute_with_mask_map` without probs),
-weighted combine and weighted combine backward, mask routing. Needs TE's
-`transformer_engine.pytorch.triton.permutation` importable (scripts/gpu_check.sh adds TE_PATH to the
-import path). Writes <out>/<gpu>/interleave_te.csv (benchmarks.common).
+of the medians (docs/performance.md, "Results: H200"). Ops: dispatch backward (an unweighted combine:
+`unpermute_with_mask_map` without probs), weighted combine and weighted combine backward, mask routing.
+Needs TE's `transformer_engine.pytorch.triton.permutation` importable (scripts/gpu_check.sh adds TE_PATH to
+the import path). Writes <out>/<gpu>/interleave_te.csv (benchmarks.studies).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import moetriton.torch as mt
 from benchmarks.common import shapes_parser, write_results
 from benchmarks.eager_cases import mask_routing, te_permutation
+from benchmarks.studies import RESULTS_ROOT
 from benchmarks.timing import input_sets, time_graph
 from moetriton.kernels.rules.shapes import NAMED_SHAPES
 from moetriton.torch import permutation
@@ -61,6 +63,7 @@ def _cases(shape, te, generator):
 
 def main() -> None:
     parser = shapes_parser(__doc__, "qwen3")
+    parser.set_defaults(out=RESULTS_ROOT)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     rows = []
