@@ -106,19 +106,22 @@ def _code(source: str) -> str:
 
 def source_hash(kernel: str) -> str:
     """Hash of a kernel's code and of the @triton.jit helpers it calls, transitively (docstrings and
-    comments excluded, see `_code`)."""
+    comments excluded, see `_code`). A helper is found where its caller finds it (the caller's module
+    globals), so moving a helper to another module leaves the hash as it was."""
     module_name, entries = KERNEL_SOURCES[kernel]
     module = importlib.import_module(f"moetriton.kernels.{module_name}")
-    digest, seen, pending = hashlib.sha256(), set(), list(entries)
+    digest, seen = hashlib.sha256(), set()
+    pending = [(name, vars(module)) for name in entries]
     while pending:
-        name = pending.pop()
-        function = getattr(module, name, None)
+        name, scope = pending.pop()
+        function = scope.get(name)
         if name in seen or not hasattr(function, "fn"):  # only jit functions count
             continue
         seen.add(name)
         code = _code(inspect.getsource(function.fn))
         digest.update(code.encode())
-        pending.extend(re.findall(r"NAME:(_[A-Za-z0-9_]+) OP:\(", code))
+        called = re.findall(r"NAME:(_[A-Za-z0-9_]+) OP:\(", code)
+        pending.extend((helper, function.fn.__globals__) for helper in called)
     return digest.hexdigest()[:16]
 
 
