@@ -10,12 +10,21 @@ the MoE layer steps (moe_torch.csv, moe_jax.csv); the grouped GEMMs (grouped_gem
 (jax.csv); the router grid (router_grid.csv); the weak scaling of the layer step over the EP sizes
 of one run (every moe_torch.csv and moe_jax.csv under the root). Each table is headed by its device, date
 and versions. Reads CSVs only: runs anywhere.
+
+    python -m benchmarks.report --plots docs/plots [--root benchmarks/results]
+
+writes the headline comparisons as PNG plots instead (matplotlib, the `bench` extra): for every machine
+folder with eager.csv, ops_<machine>.png (each op's graph GPU time against TransformerEngine's, per named
+shape), and layer_step.png (the MoE layer step of both frameworks against the Megatron-style and
+MaxText-style baselines, one panel per machine folder with moe_torch.csv or moe_jax.csv). docs/plots holds
+the committed ones, which docs/performance.md shows.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import statistics
 from pathlib import Path
 
 from .common import RESULTS_ROOT
@@ -223,13 +232,175 @@ def router(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+# The implementations of the layer-step plot, in the order of its bars: (framework, impl) -> label.
+LAYER_IMPLS = {
+    ("torch", "moetriton"): "PyTorch MoELayer",
+    ("torch", "moetriton_a2a"): "PyTorch, exchange='all_to_all'",
+    ("torch", "megatron"): "Megatron-style",
+    ("jax", "moetriton"): "JAX moe",
+    ("jax", "maxtext"): "MaxText-style",
+}
+LAYER_SHAPES = ("mixtral", "dsv3")
+LAYER_FILES = ("moe_torch.csv", "moe_jax.csv")
+
+
+def _versions(row: dict) -> str:
+    return f"torch {row['torch']}, Triton {row['triton']}" + (f", JAX {row['jax']}" if row.get("jax") else "")
+
+
+def _figure(width: float, height: float):
+    """A matplotlib Figure drawn by the Agg canvas: no pyplot, no display, no global state."""
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _save(figure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110, metadata={"Software": None})
+    return path
+
+
+def _legend(figure, labels: list[str], colours: list[str]) -> None:
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=colour, label=label) for label, colour in zip(labels, colours, strict=True)]
+    figure.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8)
+
+
+def plot_ops(rows: list[dict], path: Path) -> Path | None:
+    """Graph GPU time of each op against TE's (te-triton; te-autograd for forward + backward), moetriton /
+    TE per named shape, from one eager.csv; None when no op has both sides."""
+    times = {
+        (row["op"].removeprefix("e:"), row["impl"], row["shape"]): float(row["ms"])
+        for row in rows
+        if row["framework"] == "torch" and row["ms"]
+    }
+    ratios = {
+        (op, shape): times[op, "moetriton", shape] / times[op, base, shape]
+        for op, base in EAGER_OPS
+        for shape in SHAPES
+        if base.startswith("te-") and (op, "moetriton", shape) in times and (op, base, shape) in times
+    }
+    if not ratios:
+        return None
+    ops = [(op, base) for op, base in EAGER_OPS if any((op, shape) in ratios for shape in SHAPES)]
+    shapes = [shape for shape in SHAPES if any((op, shape) in ratios for op, _ in ops)]
+    figure = _figure(10, 4.2)
+    axes = figure.subplots()
+    width = 0.8 / len(shapes)
+    for index, shape in enumerate(shapes):
+        places = [number + (index - (len(shapes) - 1) / 2) * width for number in range(len(ops))]
+        values = [ratios.get((op, shape), float("nan")) for op, _ in ops]
+        axes.bar(places, values, width, color=f"C{index}")
+    axes.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    axes.set_xticks(range(len(ops)), [f"{op}\n({base})" for op, base in ops], fontsize=8)
+    axes.set_ylabel("moetriton / TE, graph GPU time")
+    axes.grid(axis="y", alpha=0.3)
+    device = f"{rows[0]['device']}, {rows[0]['date']}, {_versions(rows[0])}"
+    figure.suptitle(f"Each op against TransformerEngine's kernels (below 1: moetriton faster)\n{device}")
+    _legend(figure, shapes, [f"C{index}" for index in range(len(shapes))])
+    return _save(figure, path)
+
+
+def _layer_steps(rows: list[dict], framework: str) -> dict[tuple[str, str], float | str]:
+    """{(label, shape): median step ms, or why there is none} of a layer file's plain one-process rows."""
+    steps: dict[tuple[str, str], list[float]] = {}
+    failed: dict[tuple[str, str], str] = {}
+    for row in rows:
+        label = LAYER_IMPLS.get((framework, row["impl"]))
+        plain = (row.get("variant") or "plain") == "plain" and (row.get("processes") or "1") == "1"
+        if label is None or not plain:
+            continue
+        if row.get("step_ms"):
+            steps.setdefault((label, row["shape"]), []).append(float(row["step_ms"]))
+        elif error := (row.get("error") or row.get("note") or ""):
+            failed[label, row["shape"]] = "out of memory" if "memory" in error.lower() else "failed"
+    medians = {key: statistics.median(values) for key, values in steps.items()}
+    return failed | medians
+
+
+def plot_layer(machines: list[tuple[list[dict], list[dict]]], path: Path) -> Path | None:
+    """The layer step (forward + backward) of every implementation per shape, one panel per machine:
+    `machines` lists (moe_torch.csv rows, moe_jax.csv rows) per machine. None with nothing to plot."""
+    panels = []
+    for torch_rows, jax_rows in machines:
+        steps = _layer_steps(torch_rows, "torch") | _layer_steps(jax_rows, "jax")
+        if not steps:
+            continue
+        first = (torch_rows or jax_rows)[0]
+        gpus = int(first.get("gpus") or 1)
+        device = f"{gpus}x {first['device']}" if gpus > 1 else first["device"]
+        dates = " / ".join(dict.fromkeys(rows[0]["date"] for rows in (torch_rows, jax_rows) if rows))
+        versions = " / ".join(dict.fromkeys(_versions(rows[0]) for rows in (torch_rows, jax_rows) if rows))
+        panels.append((f"{device}, EP = {first['ep']}, {dates}\n{versions}", steps))
+    if not panels:
+        return None
+    columns = min(3, len(panels))
+    lines = -(-len(panels) // columns)
+    figure = _figure(4.6 * columns, 3.4 * lines + 0.8)
+    grid = figure.subplots(lines, columns, squeeze=False)
+    colours = {label: f"C{index}" for index, label in enumerate(LAYER_IMPLS.values())}
+    for axes, (title, steps) in zip(grid.flat, panels, strict=False):
+        labels = [label for label in LAYER_IMPLS.values() if any(key[0] == label for key in steps)]
+        width = 0.8 / len(labels)
+        for index, label in enumerate(labels):
+            for number, shape in enumerate(LAYER_SHAPES):
+                place = number + (index - (len(labels) - 1) / 2) * width
+                step = steps.get((label, shape))
+                if isinstance(step, str):
+                    axes.text(place, 1, step, rotation=90, ha="center", va="bottom", fontsize=7)
+                elif step is not None:
+                    axes.bar(place, step, width, color=colours[label])
+                    axes.text(place, step, f"{step:.1f}", ha="center", va="bottom", fontsize=6)
+        axes.set_xticks(range(len(LAYER_SHAPES)), LAYER_SHAPES)
+        axes.set_xlim(-0.5, len(LAYER_SHAPES) - 0.5)
+        axes.set_ylabel("step ms")
+        axes.set_title(title, fontsize=8)
+        axes.grid(axis="y", alpha=0.3)
+    for axes in list(grid.flat)[len(panels) :]:
+        axes.set_visible(False)
+    figure.suptitle("The MoE layer step, forward + backward, against the baselines (bf16, dropless)")
+    shown = [label for label in LAYER_IMPLS.values() if any(key[0] == label for _, s in panels for key in s)]
+    _legend(figure, shown, [colours[label] for label in shown])
+    return _save(figure, path)
+
+
+def _gpu_count(machine: str) -> int:
+    """The GPU count of a machine folder's name (`2x_NVIDIA_H200`: 2; `NVIDIA_H200`: 1)."""
+    head = machine.split("_", 1)[0]
+    return int(head[:-1]) if head.endswith("x") and head[:-1].isdigit() else 1
+
+
+def plots(root: Path, out: Path) -> list[Path]:
+    """Every plot the results under `root` give, written into `out`: ops_<machine>.png per machine folder
+    with eager.csv, and layer_step.png (machines by GPU count). Returns the paths written."""
+    machines = sorted(path for path in root.iterdir() if path.is_dir())
+    written = [
+        plot_ops(_read(machine / "eager.csv"), out / f"ops_{machine.name}.png")
+        for machine in machines
+        if (machine / "eager.csv").is_file()
+    ]
+    layer = [
+        tuple(_read(machine / name) if (machine / name).is_file() else [] for name in LAYER_FILES)
+        for machine in sorted(machines, key=lambda path: (_gpu_count(path.name), path.name))
+    ]
+    written.append(plot_layer(layer, out / "layer_step.png"))
+    return [path for path in written if path is not None]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--root", type=Path, default=RESULTS_ROOT)
     parser.add_argument("--tables", default="eager,moe,gemm,jax,router")
+    parser.add_argument("--plots", type=Path, metavar="DIR", help="write the plots into DIR, not the tables")
     args = parser.parse_args(argv)
+    if args.plots is not None:
+        for path in plots(args.root, args.plots):
+            print(f"wrote {path}")
+        return 0
     wanted = set(args.tables.split(","))
     if "scaling" in wanted:
         layer_rows = [

@@ -1,0 +1,1 @@
+"""Tests of the benchmarks (tools that read results files, no GPU needed)."""
