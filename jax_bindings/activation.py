@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from moetriton.kernels.activation import activation_backward_plan, activation_plan
-from moetriton.kernels.rules import validation
-from moetriton.kernels.rules.expert_parallel import GATED_ACTIVATIONS
+from moetriton.kernels.rules import activation as rules
 
 from ._sharding import on_explicit_mesh, row_sharding
 from .executor import describe, run_builder, uses_kernels
@@ -30,7 +29,7 @@ def apply_activation(h: jax.Array, activation: str) -> jax.Array:
     result in h.dtype. Zero rows give zero rows (padding stays inert)."""
     function = ACTIVATIONS[activation]
     h32 = h.astype(jnp.float32)
-    if GATED_ACTIVATIONS[activation]:
+    if rules.GATED_ACTIVATIONS[activation]:
         ffn = h.shape[-1] // 2
         return (function(h32[..., :ffn]) * h32[..., ffn:]).astype(h.dtype)
     return function(h32).astype(h.dtype)
@@ -78,7 +77,7 @@ def grouped_activation(hidden: jax.Array, group_sizes: jax.Array, activation: st
         >>> grouped_activation(hidden, jnp.array([2, 3]), "swiglu").shape  # rows 0-4 computed
         (6, 4)
     """
-    validation.check_grouped_activation(
+    rules.check_grouped_activation(
         hidden=describe(hidden), group_sizes=describe(group_sizes), activation=activation
     )
     if not uses_kernels() or group_sizes.shape[0] == 0:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from moetriton import kernels
-from moetriton.kernels.rules import validation
+from moetriton.kernels.rules import grouped_gemm as rules
 
 from ._sharding import on_explicit_mesh, row_sharding
 from .executor import describe, run_builder, uses_kernels
@@ -113,7 +113,7 @@ def grouped_matmul(
         >>> grouped_matmul(rows, weights, jnp.array([2, 3]), lhs_rows=order).shape
         (6, 3)
     """
-    validation.check_grouped_matmul(
+    rules.check_grouped_matmul(
         lhs=describe(lhs),
         rhs=describe(rhs),
         group_sizes=describe(group_sizes),

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from moetriton import kernels
+from moetriton.kernels.rules import chunk_sort as chunk_sort_rules
+from moetriton.kernels.rules import permutation as rules
 from moetriton.kernels.rules import validation
 
 from . import reference
@@ -70,9 +72,9 @@ class Dispatch(ShardedOp):
         return ("inp", routing) + ("probs",) * self.has_probs + ("scales",) * self.has_scales
 
     @property
-    def config(self) -> validation.DispatchConfig:
+    def config(self) -> rules.DispatchConfig:
         """The static arguments of one shard's dispatch."""
-        return validation.DispatchConfig(
+        return rules.DispatchConfig(
             self.num_experts,
             self.is_mask,
             self.num_out_tokens,
@@ -89,7 +91,7 @@ class Dispatch(ShardedOp):
             permuted_scales=not self.has_scales,
             pad_offsets=not self.config.padded,
         )
-        return tuple(name for name in validation.DISPATCH_RESULTS if not absent.get(name))
+        return tuple(name for name in rules.DISPATCH_RESULTS if not absent.get(name))
 
     def one_shard(self, arrays: dict[str, jax.Array], use_kernels: bool) -> dict[str, jax.Array]:
         inputs = dict(
@@ -102,7 +104,7 @@ class Dispatch(ShardedOp):
             out = run_builder(kernels.dispatch_plan, inputs, **self.config._asdict())
         else:
             values = reference.dispatch(*inputs.values(), *self.config)
-            out = dict(zip(validation.DISPATCH_RESULTS, values, strict=True))
+            out = dict(zip(rules.DISPATCH_RESULTS, values, strict=True))
         return {name: out[name] for name in self.results}
 
 
@@ -297,7 +299,7 @@ _FP8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 def _index_rule(num_experts: int) -> Callable[[np.ndarray], None]:
     def rule(ids: np.ndarray) -> None:
         if ids.size:
-            validation.check_index_values(int(ids.min()), int(ids.max()), num_experts)
+            rules.check_index_values(int(ids.min()), int(ids.max()), num_experts)
 
     return rule
 
@@ -306,13 +308,13 @@ def _row_map_rule(num_rows: int) -> Callable[[np.ndarray], None]:
     def rule(row_map: np.ndarray) -> None:
         if not row_map.size:
             return
-        parts = validation.row_map_parts(row_map)
+        parts = rules.row_map_parts(row_map)
         # With no slots the lists are empty: read as -1.
         bounds = {
             name: (int(part.min()), int(part.max())) if part.size else (-1, -1)
             for name, part in parts.items()
         }
-        validation.check_row_map_values(**bounds, num_rows=num_rows, num_slots=parts["rows"].shape[1])
+        rules.check_row_map_values(**bounds, num_rows=num_rows, num_slots=parts["rows"].shape[1])
 
     return rule
 
@@ -322,7 +324,7 @@ def _split_rule(num_shards: int, num_rows: int) -> Callable[[np.ndarray, np.ndar
         for shard_sizes, shard_order in zip(
             np.split(sizes, num_shards), np.split(order, num_shards), strict=True
         ):
-            validation.check_split_values(shard_sizes.tolist(), shard_order.tolist(), num_rows)
+            chunk_sort_rules.check_split_values(shard_sizes.tolist(), shard_order.tolist(), num_rows)
 
     return rule
 
@@ -429,7 +431,7 @@ def token_dispatch(
         >>> counts.tolist()
         [2, 1, 2]
     """
-    config = validation.check_dispatch(
+    config = rules.check_dispatch(
         **described(inp=inp, routing_map=routing_map, indices=indices, probs=probs, scales=scales),
         num_experts=num_experts,
         num_out_tokens=num_out_tokens,
@@ -454,7 +456,7 @@ def token_dispatch(
     results = on_explicit_mesh(partial(_dispatch, op), explicit_results(op, *arrays))(*arrays)
     named = dict(zip(op.results, results, strict=True))
     return config.results(
-        [named.get(name) for name in validation.DISPATCH_RESULTS],
+        [named.get(name) for name in rules.DISPATCH_RESULTS],
         has_probs=probs is not None,
         has_scales=scales is not None,
     )
@@ -528,7 +530,7 @@ def token_combine(
         >>> token_combine(out, row_id_map)[0, 0].item()
         2.0
     """
-    validation.check_combine(
+    rules.check_combine(
         **described(inp=inp, row_id_map=row_id_map, merging_probs=merging_probs, pad_offsets=pad_offsets)
     )
     _check_shards(
@@ -597,7 +599,7 @@ def sort_chunks_by_index(
         >>> out[:, 0].tolist()
         [5.0, 0.0, 1.0, 2.0, 3.0, 4.0]
     """
-    validation.check_sort_chunks(
+    chunk_sort_rules.check_sort_chunks(
         **described(inp=inp, split_sizes=split_sizes, sorted_indices=sorted_indices, probs=probs)
     )
     _check_shards(

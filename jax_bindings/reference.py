@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from moetriton.kernels import buffer_rows, row_map_slots
-from moetriton.kernels.rules import validation
+from moetriton.kernels.rules import permutation as rules
 from moetriton.kernels.rules.layout import bitmap_columns, round_up
 
 _BIT_DTYPES = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
@@ -342,7 +342,7 @@ def token_dispatch(
     """
     is_mask = routing_map is not None
     routing = jnp.asarray(routing_map if is_mask else indices)
-    config = validation.DispatchConfig(
+    config = rules.DispatchConfig(
         num_experts, is_mask, num_out_tokens, align_size, capacity, routing_map_format
     ).with_reference_defaults(tuple(routing.shape))
     results = dispatch(jnp.asarray(inp), routing, _asarray(probs), _asarray(scales), *config)

@@ -40,7 +40,7 @@ from .executor import describe, run_builder
 def _topk_local(use_kernels, options, logits, bias=None):
     if not use_kernels:
         return reference.topk_forward(logits, bias, *options)
-    named = dict(zip(plans.TOPK_OPTIONS, options, strict=True))
+    named = dict(zip(rules.TOPK_OPTIONS, options, strict=True))
     return tuple(run_builder(plans.topk_plan, dict(logits=logits, bias=bias), **named).values())
 
 
@@ -48,14 +48,14 @@ def _topk_backward_local(use_kernels, options, grad_probs, logits, routing_map):
     if not use_kernels:
         return (reference.topk_backward(grad_probs, logits, routing_map, *options),)
     inputs = dict(grad_probs=grad_probs, logits=logits, routing_map=routing_map)
-    named = dict(zip(plans.TOPK_BACKWARD_OPTIONS, options, strict=True))
+    named = dict(zip(rules.TOPK_BACKWARD_OPTIONS, options, strict=True))
     return tuple(run_builder(plans.topk_backward_plan, inputs, **named).values())
 
 
 def _scores_local(use_kernels, options, logits):
     if not use_kernels:
         return reference.aux_scores_forward(logits, *options)
-    named = dict(zip(plans.AUX_SCORES_OPTIONS, options, strict=True))
+    named = dict(zip(rules.AUX_SCORES_OPTIONS, options, strict=True))
     return tuple(run_builder(plans.aux_scores_plan, dict(logits=logits), **named).values())
 
 

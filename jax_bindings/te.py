@@ -31,6 +31,7 @@ from jax.experimental.custom_partitioning import CompoundFactor, SdyShardingRule
 from jax.sharding import NamedSharding, PartitionSpec
 
 from moetriton.kernels import buffer_rows, row_map_slots
+from moetriton.kernels.rules import permutation as rules
 from moetriton.kernels.rules import validation
 from moetriton.kernels.rules.layout import round_up
 
@@ -390,7 +391,7 @@ def token_dispatch(
     )
     if not isinstance(num_out_tokens, int) or isinstance(num_out_tokens, bool) or num_out_tokens <= 0:
         raise ValueError(f"num_out_tokens: expected a Python int > 0 (as TE), got {num_out_tokens!r}")
-    validation.check_dispatch(
+    rules.check_dispatch(
         inp=describe(inp),
         routing_map=describe(routing),
         indices=None,

@@ -9,7 +9,7 @@ GEMMs' callers that skip the tail (`zero_tail=False`) can use, since those GEMMs
 group sizes (num_groups None) every row is computed: the PyTorch layer's buffers hold exactly the
 received rows, and one fused kernel per direction replaces eager PyTorch's several elementwise ones.
 
-Activations (GATED_ACTIVATIONS of kernels/rules/expert_parallel.py says which are gated): "swiglu" silu(gate)
+Activations (GATED_ACTIVATIONS of kernels/rules/activation.py says which are gated): "swiglu" silu(gate)
 * up and "geglu" gelu(gate) * up on [M, 2F] = [gate | up], "gelu" and "relu" on [M, F]; gelu is the exact
 (erf) one. Math in fp32, results rounded once to the input dtype, as the frameworks' fp32 references do.
 """
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._jit import block_columns
-from .rules.expert_parallel import GATED_ACTIVATIONS
+from .rules.activation import GATED_ACTIVATIONS
 from .runtime.plan import (
     DEFAULT_DEVICE,
     Buffer,

@@ -61,7 +61,7 @@ from .runtime.plan import (
     sized_by,
 )
 
-#: Score-function ids used as constexprs.
+#: Score-function ids used as constexprs (the kernels branch on them), one for each of rules.SCORE_FUNCTIONS.
 SCORE_FUNCTION_IDS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 #: Heuristic tile: about 1024 elements per program (BLOCK_T = tile / WIDTH, at least one row) and 256 per
 #: warp; 8 elements per thread keep the forward at 40-80 registers on sm_90, so an SM holds 64 warps.
@@ -619,22 +619,6 @@ def _group_layout(num_experts: int, num_groups: int) -> tuple[int, int, int, int
 
 # Output buffers: shape arithmetic only, so that fake (meta) implementations can call these with symbolic
 # sizes; the plans below add their launches (and internal buffers) on top.
-
-
-#: Each op's options (its plan builder's arguments that no array gives), in the order both bindings and
-#: the references take them.
-TOPK_OPTIONS = (
-    "topk",
-    "use_pre_softmax",
-    "num_groups",
-    "group_topk",
-    "scaling_factor",
-    "score_function",
-    "return_indices",
-    "routing_map_format",
-)
-TOPK_BACKWARD_OPTIONS = ("topk", "use_pre_softmax", "scaling_factor", "score_function", "routing_map_format")
-AUX_SCORES_OPTIONS = ("topk", "score_function", "routing_map_format")
 
 
 def routing_map_buffer(num_tokens, num_experts, routing_map_format: str) -> Buffer:

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from moetriton import kernels
-from moetriton.kernels.rules import validation
+from moetriton.kernels.rules import chunk_sort as chunk_sort_rules
+from moetriton.kernels.rules import permutation as rules
 
 from . import reference
 from ._checks import Signature, described, extremes, memoised, same_device, signature, values_checked
@@ -41,13 +42,13 @@ _DISPATCH = Launch(
     kernels.dispatch_plan,
     lambda inp, routing, probs, scales, *config: dict(inp=inp, routing=routing, probs=probs, scales=scales),
     # The op's arguments after its four tensors: a DispatchConfig's, dispatch_plan's options.
-    trailing(*validation.DispatchConfig._fields),
+    trailing(*rules.DispatchConfig._fields),
     reference.dispatch,
     outputs=_dispatch_outputs,
 )
 
 
-def dispatch_sizes(inputs: dict, config: validation.DispatchConfig) -> dict:
+def dispatch_sizes(inputs: dict, config: rules.DispatchConfig) -> dict:
     """dispatch_plan's arguments for a dispatch of `inputs` (inp, routing, probs, scales, in order) under
     `config`, for a caller that binds the plan itself (the peer exchange writes into its staging buffer)."""
     return _DISPATCH.sizes(inputs, (*inputs.values(), *config))
@@ -74,7 +75,7 @@ def _dispatch(
 
 def _dispatch_fake(inp, routing, probs, scales, *config):
     # A custom op's fake gets the arguments as given: the routing-map format may be left to its default.
-    return _DISPATCH.fake(inp, routing, probs, scales, *validation.DispatchConfig(*config))
+    return _DISPATCH.fake(inp, routing, probs, scales, *rules.DispatchConfig(*config))
 
 
 def _dispatch_setup(ctx, inputs, output):
@@ -249,17 +250,17 @@ SORT_CHUNKS = Op("sort_chunks", _sort_chunks, _SORT_CHUNKS.fake, setup=_sort_set
 def _check_index_values(indices: torch.Tensor, num_experts: int) -> None:
     if indices.numel() and values_checked(indices):
         ((low, high),) = extremes(indices)
-        validation.check_index_values(low, high, num_experts)
+        rules.check_index_values(low, high, num_experts)
 
 
 def _check_row_map_values(row_id_map: torch.Tensor, num_rows: int) -> None:
     if not row_id_map.numel() or not values_checked(row_id_map):
         return
-    parts = validation.row_map_parts(row_id_map)
+    parts = rules.row_map_parts(row_id_map)
     # Every part's extremes in one device read; with no slots the lists are empty (read as -1).
     found = iter(extremes(*(part for part in parts.values() if part.numel())))
     bounds = {name: next(found) if part.numel() else (-1, -1) for name, part in parts.items()}
-    validation.check_row_map_values(**bounds, num_rows=num_rows, num_slots=parts["rows"].shape[1])
+    rules.check_row_map_values(**bounds, num_rows=num_rows, num_slots=parts["rows"].shape[1])
 
 
 def _symbolic_experts(num_experts) -> bool:
@@ -283,13 +284,13 @@ def _check_dispatch(
     scales: Signature | None,
     num_experts,
     **options,
-) -> validation.DispatchConfig:
-    """validation.check_dispatch of token_dispatch's arguments, tensors given by their signatures (which
+) -> rules.DispatchConfig:
+    """rules.check_dispatch of token_dispatch's arguments, tensors given by their signatures (which
     must share one device). The expert count may be symbolic only while torch.compile traces, where this
     runs on every call."""
     tensors = dict(inp=inp, routing_map=routing_map, indices=indices, probs=probs, scales=scales)
     symbolic_experts = _symbolic_experts(num_experts)
-    config = validation.check_dispatch(
+    config = rules.check_dispatch(
         **described(**tensors), num_experts=num_experts, symbolic_experts=symbolic_experts, **options
     )
     same_device(**tensors)
@@ -298,13 +299,13 @@ def _check_dispatch(
 
 @memoised
 def _check_combine(**tensors: Signature | None) -> None:
-    validation.check_combine(**described(**tensors))
+    rules.check_combine(**described(**tensors))
     same_device(**tensors)
 
 
 @memoised
 def _check_sort_chunks(**tensors: Signature | None) -> None:
-    validation.check_sort_chunks(**described(**tensors))
+    chunk_sort_rules.check_sort_chunks(**described(**tensors))
     # The sizes and the order may stay on the host (an all-to-all's splits).
     same_device(inp=tensors["inp"], probs=tensors["probs"])
 
@@ -457,7 +458,7 @@ def sort_chunks_by_index(
     )
     # Sizes may come from the host (e.g. an all-to-all's splits): checked there for free.
     if values_checked(split_sizes) and values_checked(sorted_indices):
-        validation.check_split_values(split_sizes.tolist(), sorted_indices.tolist(), inp.shape[0])
+        chunk_sort_rules.check_split_values(split_sizes.tolist(), sorted_indices.tolist(), inp.shape[0])
     if split_sizes.device != inp.device:
         split_sizes = split_sizes.to(inp.device, non_blocking=True)
     if sorted_indices.device != inp.device:

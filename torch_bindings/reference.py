@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from moetriton.kernels import buffer_rows, row_map_slots
-from moetriton.kernels.rules import validation
+from moetriton.kernels.rules import permutation as rules
 from moetriton.kernels.rules.layout import bitmap_columns, round_up
 
 _BIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -297,7 +297,7 @@ def token_dispatch(
     """Reference of moetriton.torch.token_dispatch (same arguments and results)."""
     is_mask = routing_map is not None
     routing = routing_map if is_mask else indices
-    config = validation.DispatchConfig(
+    config = rules.DispatchConfig(
         num_experts, is_mask, num_out_tokens, align_size, capacity, routing_map_format
     ).with_reference_defaults(tuple(routing.shape))
     results = dispatch(inp, routing, probs, scales, *config)

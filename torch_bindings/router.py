@@ -77,7 +77,7 @@ def _check_aux_loss(
 _TOPK = Launch(
     plans.topk_plan,
     lambda logits, expert_bias, *options: dict(logits=logits, bias=expert_bias),
-    trailing(*plans.TOPK_OPTIONS),
+    trailing(*rules.TOPK_OPTIONS),
     reference.topk_forward,
     outputs=lambda sizes: plans.topk_outputs(
         sizes["num_tokens"],
@@ -133,7 +133,7 @@ _TOPK_BACKWARD = Launch(
     lambda grad_probs, logits, routing_map, *options: dict(
         grad_probs=grad_probs, logits=logits, routing_map=routing_map
     ),
-    trailing(*plans.TOPK_BACKWARD_OPTIONS),
+    trailing(*rules.TOPK_BACKWARD_OPTIONS),
     reference.topk_backward,
     outputs=_grad_logits_outputs,
     first=True,
@@ -171,7 +171,7 @@ ROUTER_TOPK_BACKWARD = Op("router_topk_backward", _router_topk_backward, _TOPK_B
 _AUX_SCORES = Launch(
     plans.aux_scores_plan,
     lambda logits, *options: dict(logits=logits),
-    trailing(*plans.AUX_SCORES_OPTIONS),
+    trailing(*rules.AUX_SCORES_OPTIONS),
     reference.aux_scores_forward,
     outputs=lambda sizes: plans.aux_scores_outputs(
         sizes["num_tokens"], sizes["num_experts"], sizes["routing_map_format"]

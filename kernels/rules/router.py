@@ -12,7 +12,7 @@ import math
 import operator
 from dataclasses import dataclass
 
-from .validation import check_routing_map_format, require_array
+from .validation import check_routing_map_format, fail, require_array
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
@@ -22,12 +22,22 @@ COUNT_DTYPES = ("int32", "int64", "float32", "bfloat16", "float16")
 TOTAL_DTYPES = ("int32", "int64", "float32")
 #: Largest number of experts the router kernels take: one token's scores live in one program's registers.
 MAX_EXPERTS = 8192
+#: Each op's options (its plan builder's arguments that no array gives), in the order both bindings and
+#: the references take them.
+TOPK_OPTIONS = (
+    "topk",
+    "use_pre_softmax",
+    "num_groups",
+    "group_topk",
+    "scaling_factor",
+    "score_function",
+    "return_indices",
+    "routing_map_format",
+)
+TOPK_BACKWARD_OPTIONS = ("topk", "use_pre_softmax", "scaling_factor", "score_function", "routing_map_format")
+AUX_SCORES_OPTIONS = ("topk", "score_function", "routing_map_format")
 
 Desc = tuple[tuple[int, ...], str]
-
-
-def _fail(name: str, message: str) -> None:
-    raise ValueError(f"{name}: {message}")
 
 
 def _int(name: str, value, *, low: int, high: int | None = None) -> int:
@@ -40,7 +50,7 @@ def _int(name: str, value, *, low: int, high: int | None = None) -> int:
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
     if value < low or (high is not None and value > high):
         bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-        _fail(name, f"expected an int in {bound}, got {value}")
+        fail(name, f"expected an int in {bound}, got {value}")
     return value
 
 
@@ -49,13 +59,13 @@ def _real(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name}: expected a Python float, got {type(value).__name__}")
     if not math.isfinite(value):
-        _fail(name, f"expected a finite number, got {value}")
+        fail(name, f"expected a finite number, got {value}")
     return float(value)
 
 
 def _score_function(score_function) -> str:
     if score_function not in SCORE_FUNCTIONS:
-        _fail("score_function", f"expected one of {SCORE_FUNCTIONS}, got {score_function!r}")
+        fail("score_function", f"expected one of {SCORE_FUNCTIONS}, got {score_function!r}")
     return score_function
 
 
@@ -64,12 +74,12 @@ def _logits(logits: Desc) -> tuple[int, int]:
     require_array("logits", logits)
     shape, dtype = logits
     if len(shape) < 1:
-        _fail("logits", f"expected shape [..., num_experts] (at least 1-D), got {tuple(shape)}")
+        fail("logits", f"expected shape [..., num_experts] (at least 1-D), got {tuple(shape)}")
     if dtype not in LOGITS_DTYPES:
-        _fail("logits", f"expected dtype in {LOGITS_DTYPES} (router math is fp32), got {dtype}")
+        fail("logits", f"expected dtype in {LOGITS_DTYPES} (router math is fp32), got {dtype}")
     num_experts = shape[-1]
     if not 1 <= num_experts <= MAX_EXPERTS:
-        _fail("logits", f"expected 1 <= num_experts (last dim) <= {MAX_EXPERTS}, got {num_experts}")
+        fail("logits", f"expected 1 <= num_experts (last dim) <= {MAX_EXPERTS}, got {num_experts}")
     return math.prod(shape[:-1]), num_experts
 
 
@@ -114,7 +124,7 @@ def check_topk(
     if not isinstance(use_pre_softmax, bool):
         raise TypeError(f"use_pre_softmax: expected a bool, got {type(use_pre_softmax).__name__}")
     if (num_groups is None) != (group_topk is None):
-        _fail(
+        fail(
             "num_groups / group_topk",
             f"pass both (group-limited top-k) or neither, got num_groups={num_groups}, "
             f"group_topk={group_topk}",
@@ -124,12 +134,12 @@ def check_topk(
     else:
         num_groups = _int("num_groups", num_groups, low=1, high=num_experts)
         if num_experts % num_groups:
-            _fail("num_groups", f"expected a divisor of num_experts = {num_experts}, got {num_groups}")
+            fail("num_groups", f"expected a divisor of num_experts = {num_experts}, got {num_groups}")
         group_topk = _int("group_topk", group_topk, low=1, high=num_groups)
         if topk % group_topk:
-            _fail("group_topk", f"expected a divisor of topk = {topk}, got {group_topk}")
+            fail("group_topk", f"expected a divisor of topk = {topk}, got {group_topk}")
         if topk // group_topk > num_experts // num_groups:
-            _fail(
+            fail(
                 "topk",
                 f"expected topk / group_topk <= experts per group = {num_experts // num_groups}, "
                 f"got {topk} / {group_topk}",
@@ -138,12 +148,12 @@ def check_topk(
     if expert_bias is not None:
         require_array("expert_bias", expert_bias)
         if score_function == "softmax":
-            _fail("expert_bias", "only supported with score_function 'sigmoid' or 'sqrtsoftplus'")
+            fail("expert_bias", "only supported with score_function 'sigmoid' or 'sqrtsoftplus'")
         shape, dtype = expert_bias
         if tuple(shape) != (num_experts,):
-            _fail("expert_bias", f"expected shape ({num_experts},) (one per expert), got {tuple(shape)}")
+            fail("expert_bias", f"expected shape ({num_experts},) (one per expert), got {tuple(shape)}")
         if dtype not in BIAS_DTYPES:
-            _fail("expert_bias", f"expected dtype in {BIAS_DTYPES}, got {dtype}")
+            fail("expert_bias", f"expected dtype in {BIAS_DTYPES}, got {dtype}")
     return TopkConfig(
         num_tokens=num_tokens,
         num_experts=num_experts,
@@ -192,29 +202,27 @@ def check_aux_loss(
     require_array("tokens_per_expert", tokens_per_expert)
     shape, dtype = probs
     if len(shape) != 2:
-        _fail("probs", f"expected a 2-D array [tokens, cols], got shape {tuple(shape)}")
+        fail("probs", f"expected a 2-D array [tokens, cols], got shape {tuple(shape)}")
     if dtype not in PROBS_DTYPES:
-        _fail("probs", f"expected dtype in {PROBS_DTYPES}, got {dtype}")
+        fail("probs", f"expected dtype in {PROBS_DTYPES}, got {dtype}")
     num_rows, num_cols = shape
     num_experts = _int("num_experts", num_experts, low=1)
     if num_cols % num_experts:
-        _fail("probs", f"expected shape[1] a multiple of num_experts = {num_experts}, got {num_cols}")
+        fail("probs", f"expected shape[1] a multiple of num_experts = {num_experts}, got {num_cols}")
     counts_shape, counts_dtype = tokens_per_expert
     if tuple(counts_shape) != (num_cols,):
-        _fail(
-            "tokens_per_expert", f"expected shape ({num_cols},) (probs.shape[1]), got {tuple(counts_shape)}"
-        )
+        fail("tokens_per_expert", f"expected shape ({num_cols},) (probs.shape[1]), got {tuple(counts_shape)}")
     if counts_dtype not in COUNT_DTYPES:
-        _fail("tokens_per_expert", f"expected dtype in {COUNT_DTYPES}, got {counts_dtype}")
+        fail("tokens_per_expert", f"expected dtype in {COUNT_DTYPES}, got {counts_dtype}")
     topk = _int("topk", topk, low=1, high=num_experts)
     coeff = _real("coeff", coeff)
     if isinstance(total_num_tokens, tuple):
         require_array("total_num_tokens", total_num_tokens)
         total_shape, total_dtype = total_num_tokens
         if tuple(total_shape) != ():
-            _fail("total_num_tokens", f"expected a 0-dim array or a Python int, got shape {total_shape}")
+            fail("total_num_tokens", f"expected a 0-dim array or a Python int, got shape {total_shape}")
         if total_dtype not in TOTAL_DTYPES:
-            _fail("total_num_tokens", f"expected dtype in {TOTAL_DTYPES}, got {total_dtype}")
+            fail("total_num_tokens", f"expected dtype in {TOTAL_DTYPES}, got {total_dtype}")
         total = None
     else:
         total = _int("total_num_tokens", total_num_tokens, low=1)

@@ -14,7 +14,7 @@ import pytest
 
 from moetriton.jax import grouped_activation
 from moetriton.jax.activation import ACTIVATIONS, apply_activation
-from moetriton.kernels.rules.expert_parallel import GATED_ACTIVATIONS
+from moetriton.kernels.rules.activation import GATED_ACTIVATIONS
 
 _TOLERANCE = {"float32": 1e-5, "bfloat16": 2**-7, "float16": 2**-10}
 

@@ -12,7 +12,7 @@ import torch
 
 from moetriton import kernels
 from moetriton.kernels.activation import activation_backward_plan, activation_plan
-from moetriton.kernels.rules.expert_parallel import GATED_ACTIVATIONS
+from moetriton.kernels.rules.activation import GATED_ACTIVATIONS
 from tests.torch._helpers import DEVICE, assert_rounded
 
 from ._compile import in_child

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from moetriton import kernels
 from moetriton.kernels.rules.expert_parallel import EPLayout, peer_chunks, ranks_by_host
-from moetriton.kernels.rules.validation import DispatchConfig
+from moetriton.kernels.rules.permutation import DispatchConfig
 
 from .._stages import stage
 from ..executor import bound, dtype_name
