@@ -32,13 +32,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .activation import GATED_ACTIVATIONS
 from .layout import buffer_rows, round_up
 
 POLICIES = ("dropless", "capacity")
-
-#: Expert activations by name: True for a gated one (the fused gate_up weight holds [gate | up], 2F columns),
-#: False for a plain one (F columns). Each framework implements the functions; the shapes are decided here.
-GATED_ACTIVATIONS = {"swiglu": True, "geglu": True, "gelu": False, "relu": False}
 
 
 def gate_up_width(activation: str, ffn: int) -> int:
