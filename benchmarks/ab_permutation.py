@@ -1,10 +1,12 @@
 """Same-process A/B of two versions of the permutation kernels on one GPU.
 
-    python -m benchmarks.ab_permutation BASELINE.py [--shapes qwen3,dsv3,mixtral,small,tiny] [--top 5]
+    python -m benchmarks.ab_permutation BASELINE [--shapes qwen3,dsv3,mixtral,small,tiny] [--top 5]
                                      [--kind mask] [--rounds 3] [--sort-baseline CHUNK_SORT.py]
 
-BASELINE.py is another version of moetriton/kernels/permutation.py (e.g. `git show HEAD:kernels/
-permutation.py > /tmp/base.py`); the candidate is the installed package's. Each version runs its own plans
+BASELINE is another version of the permutation kernels: a copy of the kernels/permutation/ folder (e.g.
+`mkdir /tmp/base && git archive HEAD kernels/permutation | tar -x -C /tmp/base`, then /tmp/base/kernels/
+permutation), or of the single kernels/permutation.py of versions before the family became a package; the
+candidate is the installed package's. Each version runs its own plans
 (dispatch writes the row map its combine kernels read), at the same configs: the `--top` fastest of the
 device's autotune cache for each key, plus the cache's best, so a change that moves the best config shows.
 Per op, shape and config: graph time of either version, interleaved over `--rounds` rounds (best of the
@@ -22,10 +24,13 @@ import argparse
 import importlib.util
 import inspect
 import json
+import sys
+from pathlib import Path
 
 import torch
 
 from benchmarks.timing import input_sets, time_graph
+from moetriton import kernels
 from moetriton.kernels import permutation as candidate
 from moetriton.kernels.rules.shapes import NAMED_SHAPES
 from moetriton.kernels.runtime import autotune
@@ -33,9 +38,17 @@ from moetriton.torch.executor import device_info, run_plan
 
 
 def _load_baseline(path: str, name: str = "_ab_baseline"):
-    """The baseline module, loaded inside moetriton.kernels so that its relative imports resolve."""
-    spec = importlib.util.spec_from_file_location(f"moetriton.kernels.{name}", path)
+    """The baseline module (a file) or package (a folder with its __init__.py), loaded inside
+    moetriton.kernels so that its relative imports resolve."""
+    folder = Path(path)
+    if folder.is_dir():
+        spec = importlib.util.spec_from_file_location(
+            f"moetriton.kernels.{name}", folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
+    else:
+        spec = importlib.util.spec_from_file_location(f"moetriton.kernels.{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its submodules import the package by name
     spec.loader.exec_module(module)
     return module
 
@@ -68,7 +81,7 @@ def _cases(module, shape, kind: str, info, sets):
     map_plan = dispatch(None)
     maps = [
         run_plan(
-            module.Plan(map_plan.buffers, map_plan.launches, ("row_id_map",)),
+            kernels.Plan(map_plan.buffers, map_plan.launches, ("row_id_map",)),
             dict(inp=s["x"], routing=s["routing"], probs=s["probs"], scales=None),
             torch.device("cuda"),
         )[0]

@@ -16,17 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moetriton.kernels import (
-    INTERPRETER,
-    DeviceInfo,
-    Plan,
-    RowStride,
-    alignment,
-    interpreter_problem,
-    plan_sizes,
-)
 from moetriton.kernels.rules import validation
-from moetriton.kernels.runtime.interpreter import HostArray, say_reference_fallback
+from moetriton.kernels.runtime.interpreter import (
+    INTERPRETER,
+    HostArray,
+    interpreter_problem,
+    say_reference_fallback,
+)
+from moetriton.kernels.runtime.plan import DeviceInfo, Plan, RowStride, alignment, plan_sizes
 
 
 def dtype_name(dtype) -> str:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moetriton.kernels import router as plans
+from moetriton import kernels
 from moetriton.kernels.rules import router as rules
 
 from . import reference_router as reference
@@ -41,7 +41,7 @@ def _topk_local(use_kernels, options, logits, bias=None):
     if not use_kernels:
         return reference.topk_forward(logits, bias, *options)
     named = dict(zip(rules.TOPK_OPTIONS, options, strict=True))
-    return tuple(run_builder(plans.topk_plan, dict(logits=logits, bias=bias), **named).values())
+    return tuple(run_builder(kernels.topk_plan, dict(logits=logits, bias=bias), **named).values())
 
 
 def _topk_backward_local(use_kernels, options, grad_probs, logits, routing_map):
@@ -49,14 +49,14 @@ def _topk_backward_local(use_kernels, options, grad_probs, logits, routing_map):
         return (reference.topk_backward(grad_probs, logits, routing_map, *options),)
     inputs = dict(grad_probs=grad_probs, logits=logits, routing_map=routing_map)
     named = dict(zip(rules.TOPK_BACKWARD_OPTIONS, options, strict=True))
-    return tuple(run_builder(plans.topk_backward_plan, inputs, **named).values())
+    return tuple(run_builder(kernels.topk_backward_plan, inputs, **named).values())
 
 
 def _scores_local(use_kernels, options, logits):
     if not use_kernels:
         return reference.aux_scores_forward(logits, *options)
     named = dict(zip(rules.AUX_SCORES_OPTIONS, options, strict=True))
-    return tuple(run_builder(plans.aux_scores_plan, dict(logits=logits), **named).values())
+    return tuple(run_builder(kernels.aux_scores_plan, dict(logits=logits), **named).values())
 
 
 def _scores_backward_local(use_kernels, options, grad_scores, logits):
@@ -64,7 +64,9 @@ def _scores_backward_local(use_kernels, options, grad_scores, logits):
     if not use_kernels:
         return (reference.aux_scores_backward(grad_scores, logits, score_function),)
     inputs = dict(grad_scores=grad_scores, logits=logits)
-    return tuple(run_builder(plans.aux_scores_backward_plan, inputs, score_function=score_function).values())
+    return tuple(
+        run_builder(kernels.aux_scores_backward_plan, inputs, score_function=score_function).values()
+    )
 
 
 def _loss_local(use_kernels, options, probs, counts, total=None):
@@ -74,7 +76,7 @@ def _loss_local(use_kernels, options, probs, counts, total=None):
     if not use_kernels:
         return (reference.aux_loss(probs, counts, total_num_tokens, num_experts, topk, coeff),)
     results = run_builder(
-        plans.aux_loss_plan,
+        kernels.aux_loss_plan,
         dict(probs=probs, counts=counts, total=total),
         num_experts=num_experts,
         topk=topk,
@@ -96,7 +98,7 @@ def _loss_backward_local(use_kernels, options, rows, grad_loss, counts, total=No
         )
         return (grad,)
     results = run_builder(
-        plans.aux_loss_backward_plan,
+        kernels.aux_loss_backward_plan,
         dict(grad_loss=grad_loss, counts=counts, total=total),
         num_rows=rows.shape[0],
         num_cols=counts.shape[0],

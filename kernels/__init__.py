@@ -1,68 +1,46 @@
 """Triton kernels for MoE token routing and their framework-neutral launch plans.
 
-The tree shows the layers: one file per kernel family (permutation, chunk_sort, router, grouped_gemm,
-activation, exchange, peer_exchange: kernels and their launch plans), `_jit` (jit helpers several families
-share), `rules/` (validation, shape arithmetic, the MoE layer's rules and sizes) and `runtime/` (plans,
-the autotune caches, the interpreter). This package exports the plan builders, their search spaces and
-the plan types; rules and runtime modules are imported by their paths. Imports triton and the standard
-library only; importing touches no GPU. Set TRITON_INTERPRET=1 before importing to run the kernels under
-the Triton interpreter on CPU.
+The tree shows the layers: one module (or package) per kernel family (permutation, chunk_sort, router,
+grouped_gemm, activation, and the expert-parallel copies exchange and peer_exchange: kernels and their
+launch plans), `_jit` (jit helpers several families share), `rules/` (argument rules, one module per family,
+shape arithmetic, the MoE layer's rules and sizes) and `runtime/` (plans, the executors' shared step, the
+autotune caches, the interpreter). This package exports every family the same way: its plan builders and
+the output shapes its ops' fakes use, by name, and its search spaces in SEARCH_SPACES; beside them the plan
+types, the buffer shapes and the interpreter's state. Rules and runtime modules are imported by their paths.
+Imports triton and the standard library only; importing touches no GPU. Set TRITON_INTERPRET=1 before
+importing to run the kernels under the Triton interpreter on CPU.
 """
 
-from . import router
+from . import chunk_sort, grouped_gemm, permutation, router
 from .activation import activation_backward_plan, activation_plan
-from .chunk_sort import SORT_CHUNKS_SPACE, sort_chunks_plan
+from .chunk_sort import sort_chunks_plan
 from .exchange import place_blocks_plan, take_blocks_plan
-from .grouped_gemm import (
-    GROUPED_MATMUL_SPACE,
-    GROUPED_MATMUL_WGRAD_SPACE,
-    grouped_matmul_plan,
-    grouped_matmul_wgrad_plan,
-)
+from .grouped_gemm import grouped_matmul_plan, grouped_matmul_wgrad_plan
 from .peer_exchange import pull_rows_plan, push_rows_plan
-from .permutation import (
-    COMBINE_BACKWARD_SPACE,
-    COMBINE_SPACE,
-    DISPATCH_SPACE,
-    ROW_MAP_SPACE,
-    combine_backward_plan,
-    combine_plan,
-    dispatch_outputs,
-    dispatch_plan,
-    expert_count_plan,
-    scatter_plan,
+from .permutation.combine import combine_backward_plan, combine_plan
+from .permutation.dispatch import dispatch_outputs, dispatch_plan, scatter_plan
+from .permutation.row_map import expert_count_plan
+from .router.aux_loss import (
+    aux_loss_backward_outputs,
+    aux_loss_backward_plan,
+    aux_loss_outputs,
+    aux_loss_plan,
+    aux_scores_backward_plan,
+    aux_scores_outputs,
+    aux_scores_plan,
 )
+from .router.bitmap import routing_map_buffer
+from .router.scores import grad_logits_outputs
+from .router.topk import topk_backward_plan, topk_outputs, topk_plan
 from .rules.layout import buffer_rows, row_map_columns, row_map_slots
 from .runtime.interpreter import INTERPRETER, interpreter_problem
-from .runtime.plan import (
-    Buffer,
-    DeviceInfo,
-    Launch,
-    Plan,
-    RowStride,
-    SearchSpace,
-    Sizes,
-    alignment,
-    cdiv,
-    next_pow2,
-    plan_sizes,
-    sized_by,
-    strided_inputs,
-)
+from .runtime.plan import Buffer, DeviceInfo, Launch, Plan, Sizes
 
-#: Every kernel's search space, by kernel name.
+#: Every kernel's search space, by kernel name (the families with tuned kernels).
 SEARCH_SPACES = {
     space.kernel: space
-    for space in (
-        ROW_MAP_SPACE,
-        DISPATCH_SPACE,
-        COMBINE_SPACE,
-        COMBINE_BACKWARD_SPACE,
-        SORT_CHUNKS_SPACE,
-        GROUPED_MATMUL_SPACE,
-        GROUPED_MATMUL_WGRAD_SPACE,
-        *router.SEARCH_SPACES,
-    )
+    for family in (permutation, chunk_sort, router, grouped_gemm)
+    for space in family.SEARCH_SPACES
 }
 
 __all__ = [
@@ -72,33 +50,36 @@ __all__ = [
     "DeviceInfo",
     "Launch",
     "Plan",
-    "RowStride",
-    "SearchSpace",
     "Sizes",
     "activation_backward_plan",
     "activation_plan",
-    "alignment",
+    "aux_loss_backward_outputs",
+    "aux_loss_backward_plan",
+    "aux_loss_outputs",
+    "aux_loss_plan",
+    "aux_scores_backward_plan",
+    "aux_scores_outputs",
+    "aux_scores_plan",
     "buffer_rows",
-    "cdiv",
     "combine_backward_plan",
     "combine_plan",
     "dispatch_outputs",
     "dispatch_plan",
     "expert_count_plan",
+    "grad_logits_outputs",
     "grouped_matmul_plan",
     "grouped_matmul_wgrad_plan",
     "interpreter_problem",
-    "next_pow2",
     "place_blocks_plan",
-    "plan_sizes",
     "pull_rows_plan",
     "push_rows_plan",
-    "router",
+    "routing_map_buffer",
     "row_map_columns",
     "row_map_slots",
     "scatter_plan",
-    "sized_by",
     "sort_chunks_plan",
-    "strided_inputs",
     "take_blocks_plan",
+    "topk_backward_plan",
+    "topk_outputs",
+    "topk_plan",
 ]

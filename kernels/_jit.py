@@ -11,6 +11,10 @@ import triton.language as tl
 
 from .runtime.plan import cdiv, next_pow2
 
+#: Largest number of elements one program holds in a tile of index arithmetic (the permutation's and the
+#: chunk sort's per-slot and per-split compares); keeps register use bounded for any E, K and H.
+TILE_ELEMENTS = 4096
+
 
 @triton.jit
 def _as_bits(ptr):

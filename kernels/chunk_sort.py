@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import triton
 import triton.language as tl
 
-from ._jit import _aligned, _as_bits, _chunk_of_rows, block_columns, column_programs
+from ._jit import TILE_ELEMENTS, _aligned, _as_bits, _chunk_of_rows, block_columns, column_programs
 from .runtime import autotune
 from .runtime.plan import (
     DEFAULT_DEVICE,
@@ -36,8 +36,6 @@ from .runtime.plan import (
     next_pow2,
     sized_by,
 )
-
-_TILE_ELEMENTS = 4096
 
 
 @triton.jit
@@ -153,6 +151,8 @@ def _sort_chunks_kernel(
 SORT_CHUNKS_SPACE = SearchSpace(
     "sort_chunks", {"rows": (1, 4, 16), "block_bytes": (4096, 8192, 16384), "num_warps": (4, 8)}
 )
+#: The family's search spaces (moetriton.kernels.SEARCH_SPACES gathers every family's).
+SEARCH_SPACES = (SORT_CHUNKS_SPACE,)
 
 
 @sized_by(
@@ -191,7 +191,7 @@ def sort_chunks_plan(
         return Plan(buffers, (), results)
     splits_pow2 = next_pow2(num_splits)
     block_h = block_columns(hidden, cfg["block_bytes"] // element_bytes)
-    rows = max(1, min(cfg["rows"], _TILE_ELEMENTS // splits_pow2))
+    rows = max(1, min(cfg["rows"], TILE_ELEMENTS // splits_pow2))
     rows = 1 << (rows.bit_length() - 1)
     launch = Launch(
         kernel=_sort_chunks_kernel,

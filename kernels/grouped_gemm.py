@@ -266,6 +266,8 @@ def _matmul_space(kernel: str, block_m: tuple[int, ...], block_k: tuple[int, ...
 
 GROUPED_MATMUL_SPACE = _matmul_space("grouped_matmul", block_m=(64, 128), block_k=(32, 64))
 GROUPED_MATMUL_WGRAD_SPACE = _matmul_space("grouped_matmul_wgrad", block_m=(32, 64), block_k=(64, 128))
+#: The family's search spaces (moetriton.kernels.SEARCH_SPACES gathers every family's).
+SEARCH_SPACES = (GROUPED_MATMUL_SPACE, GROUPED_MATMUL_WGRAD_SPACE)
 _SWIZZLE = 8
 
 

@@ -170,7 +170,7 @@ def _router_cases(shape: MoEShape, info, generator: torch.Generator):
     for _ in range(input_sets(8 * T * E)):
         logits = torch.randn(T, E, device="cuda", generator=generator)
         bias = torch.randn(E, device="cuda", generator=generator) if grouped else None
-        forward = kernels.router.topk_plan(num_tokens=T, num_experts=E, topk=K, **routing, device=info)
+        forward = kernels.topk_plan(num_tokens=T, num_experts=E, topk=K, **routing, device=info)
         _, routing_map, _ = run_plan(forward, dict(logits=logits, bias=bias), logits.device)
         sets.append(
             dict(
@@ -186,29 +186,25 @@ def _router_cases(shape: MoEShape, info, generator: torch.Generator):
     yield (
         "router_topk",
         dict(common, topk=K),
-        lambda c: kernels.router.topk_plan(**common, topk=K, **routing, device=info, config=c),
+        lambda c: kernels.topk_plan(**common, topk=K, **routing, device=info, config=c),
         sets,
     )
     yield (
         "router_topk_backward",
         dict(common, topk=K),
-        lambda c: kernels.router.topk_backward_plan(**common, topk=K, **scoring, device=info, config=c),
+        lambda c: kernels.topk_backward_plan(**common, topk=K, **scoring, device=info, config=c),
         sets,
     )
     yield (
         "router_aux_scores",
         dict(common, topk=K),
-        lambda c: kernels.router.aux_scores_plan(
-            **common, topk=K, score_function=score, device=info, config=c
-        ),
+        lambda c: kernels.aux_scores_plan(**common, topk=K, score_function=score, device=info, config=c),
         sets,
     )
     yield (
         "router_aux_scores_backward",
         common,
-        lambda c: kernels.router.aux_scores_backward_plan(
-            **common, score_function=score, device=info, config=c
-        ),
+        lambda c: kernels.aux_scores_backward_plan(**common, score_function=score, device=info, config=c),
         sets,
     )
 

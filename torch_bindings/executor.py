@@ -23,16 +23,8 @@ import threading
 
 import torch
 
-from moetriton.kernels import (
-    INTERPRETER,
-    DeviceInfo,
-    Plan,
-    RowStride,
-    alignment,
-    interpreter_problem,
-    strided_inputs,
-)
-from moetriton.kernels.runtime.interpreter import say_reference_fallback
+from moetriton.kernels.runtime.interpreter import INTERPRETER, interpreter_problem, say_reference_fallback
+from moetriton.kernels.runtime.plan import DeviceInfo, Plan, RowStride, alignment, strided_inputs
 
 _DTYPES = {
     "bool": torch.bool,

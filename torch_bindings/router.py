@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moetriton.kernels import router as plans
+from moetriton import kernels
 from moetriton.kernels.rules import router as rules
 
 from . import reference_router as reference
@@ -75,11 +75,11 @@ def _check_aux_loss(
 
 
 _TOPK = Launch(
-    plans.topk_plan,
+    kernels.topk_plan,
     lambda logits, expert_bias, *options: dict(logits=logits, bias=expert_bias),
     trailing(*rules.TOPK_OPTIONS),
     reference.topk_forward,
-    outputs=lambda sizes: plans.topk_outputs(
+    outputs=lambda sizes: kernels.topk_outputs(
         sizes["num_tokens"],
         sizes["num_experts"],
         sizes["topk"],
@@ -125,11 +125,11 @@ ROUTER_TOPK = Op("router_topk", _router_topk, _TOPK.fake, setup=_topk_setup, bac
 
 
 def _grad_logits_outputs(sizes: dict) -> dict:
-    return plans.grad_logits_outputs(sizes["num_tokens"], sizes["num_experts"])
+    return kernels.grad_logits_outputs(sizes["num_tokens"], sizes["num_experts"])
 
 
 _TOPK_BACKWARD = Launch(
-    plans.topk_backward_plan,
+    kernels.topk_backward_plan,
     lambda grad_probs, logits, routing_map, *options: dict(
         grad_probs=grad_probs, logits=logits, routing_map=routing_map
     ),
@@ -169,11 +169,11 @@ ROUTER_TOPK_BACKWARD = Op("router_topk_backward", _router_topk_backward, _TOPK_B
 # aux-loss scores -------------------------------------------------------------------------------------------
 
 _AUX_SCORES = Launch(
-    plans.aux_scores_plan,
+    kernels.aux_scores_plan,
     lambda logits, *options: dict(logits=logits),
     trailing(*rules.AUX_SCORES_OPTIONS),
     reference.aux_scores_forward,
-    outputs=lambda sizes: plans.aux_scores_outputs(
+    outputs=lambda sizes: kernels.aux_scores_outputs(
         sizes["num_tokens"], sizes["num_experts"], sizes["routing_map_format"]
     ),
 )
@@ -205,7 +205,7 @@ ROUTER_AUX_SCORES = Op(
 )
 
 _AUX_SCORES_BACKWARD = Launch(
-    plans.aux_scores_backward_plan,
+    kernels.aux_scores_backward_plan,
     lambda grad_scores, logits, score_function: dict(grad_scores=grad_scores, logits=logits),
     trailing("score_function"),
     reference.aux_scores_backward,
@@ -228,7 +228,7 @@ ROUTER_AUX_SCORES_BACKWARD = Op(
 # bakes it in).
 
 _AUX_LOSS = Launch(
-    plans.aux_loss_plan,
+    kernels.aux_loss_plan,
     lambda probs, tokens_per_expert, total, *options: dict(
         probs=probs, counts=tokens_per_expert, total=total
     ),
@@ -238,7 +238,7 @@ _AUX_LOSS = Launch(
     lambda probs, tokens_per_expert, total, total_int, *options: reference.aux_loss(
         probs, tokens_per_expert, total_int if total is None else total, *options
     ),
-    outputs=lambda sizes: plans.aux_loss_outputs(),
+    outputs=lambda sizes: kernels.aux_loss_outputs(),
     first=True,
 )
 
@@ -276,7 +276,7 @@ ROUTER_AUX_LOSS = Op(
 
 
 _AUX_LOSS_BACKWARD = Launch(
-    plans.aux_loss_backward_plan,
+    kernels.aux_loss_backward_plan,
     lambda grad_loss, tokens_per_expert, total, *options: dict(
         grad_loss=grad_loss, counts=tokens_per_expert, total=total
     ),
@@ -288,7 +288,7 @@ _AUX_LOSS_BACKWARD = Launch(
         probs_dtype=dtype_name(probs_dtype),
     ),
     reference.aux_loss_backward,
-    outputs=lambda sizes: plans.aux_loss_backward_outputs(
+    outputs=lambda sizes: kernels.aux_loss_backward_outputs(
         sizes["num_rows"], sizes["num_cols"], sizes["probs_dtype"]
     ),
     first=True,

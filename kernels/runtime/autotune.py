@@ -39,20 +39,25 @@ import triton
 
 from .plan import DeviceInfo, SearchSpace
 
-# Kernel name -> (module, entry kernels). The cache hash covers their source and, transitively, every
-# @triton.jit helper they call, so changing one kernel leaves the other kernels' entries fresh.
+# Kernel name -> its entry kernels, as paths below moetriton.kernels. The cache hash covers their source and,
+# transitively, every @triton.jit helper they call, so changing one kernel leaves the other kernels' entries
+# fresh.
 KERNEL_SOURCES = {
-    "row_map": ("permutation", ("_count_experts_kernel", "_scan_counts_kernel", "_dispatch_kernel")),
-    "dispatch": ("permutation", ("_dispatch_kernel", "_scatter_kernel")),
-    "combine": ("permutation", ("_combine_kernel",)),
-    "combine_backward": ("permutation", ("_combine_backward_kernel",)),
-    "sort_chunks": ("chunk_sort", ("_sort_chunks_kernel",)),
-    "grouped_matmul": ("grouped_gemm", ("_grouped_matmul_kernel",)),
-    "grouped_matmul_wgrad": ("grouped_gemm", ("_grouped_matmul_wgrad_kernel",)),
-    "router_topk": ("router", ("_topk_forward_kernel",)),
-    "router_topk_backward": ("router", ("_topk_backward_kernel",)),
-    "router_aux_scores": ("router", ("_aux_scores_forward_kernel",)),
-    "router_aux_scores_backward": ("router", ("_aux_scores_backward_kernel",)),
+    "row_map": (
+        "permutation.row_map._count_experts_kernel",
+        "permutation.row_map._scan_counts_kernel",
+        "permutation.dispatch._dispatch_kernel",
+    ),
+    "dispatch": ("permutation.dispatch._dispatch_kernel", "permutation.dispatch._scatter_kernel"),
+    "combine": ("permutation.combine._combine_kernel",),
+    "combine_backward": ("permutation.combine._combine_backward_kernel",),
+    "sort_chunks": ("chunk_sort._sort_chunks_kernel",),
+    "grouped_matmul": ("grouped_gemm._grouped_matmul_kernel",),
+    "grouped_matmul_wgrad": ("grouped_gemm._grouped_matmul_wgrad_kernel",),
+    "router_topk": ("router.topk._topk_forward_kernel",),
+    "router_topk_backward": ("router.topk._topk_backward_kernel",),
+    "router_aux_scores": ("router.aux_loss._aux_scores_forward_kernel",),
+    "router_aux_scores_backward": ("router.aux_loss._aux_scores_backward_kernel",),
 }
 # Features compared for equality rather than by distance.
 CATEGORICAL = ("element_bytes", "is_mask", "weighted", "gather")
@@ -108,10 +113,10 @@ def source_hash(kernel: str) -> str:
     """Hash of a kernel's code and of the @triton.jit helpers it calls, transitively (docstrings and
     comments excluded, see `_code`). A helper is found where its caller finds it (the caller's module
     globals), so moving a helper to another module leaves the hash as it was."""
-    module_name, entries = KERNEL_SOURCES[kernel]
-    module = importlib.import_module(f"moetriton.kernels.{module_name}")
-    digest, seen = hashlib.sha256(), set()
-    pending = [(name, vars(module)) for name in entries]
+    digest, seen, pending = hashlib.sha256(), set(), []
+    for path in KERNEL_SOURCES[kernel]:
+        module_name, name = path.rsplit(".", 1)
+        pending.append((name, vars(importlib.import_module(f"moetriton.kernels.{module_name}"))))
     while pending:
         name, scope = pending.pop()
         function = scope.get(name)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import moetriton.jax as mj
+from moetriton import kernels
 from moetriton.jax import executor, reference, reference_router
-from moetriton.kernels import router as plans
 from tests.strategies_router import large_bitmap_cases
 
 # (E, K, groups, group_topk): E a multiple of 8, not one, below 8, 1; groups of a power-of-two size and not.
@@ -106,7 +106,7 @@ def test_backward_ignores_bits_past_the_last_expert():
     options = dict(topk=3, use_pre_softmax=False, scaling_factor=1.0, score_function="softmax")
     grads = [
         executor.run_builder(
-            plans.topk_backward_plan,
+            kernels.topk_backward_plan,
             dict(grad_probs=grad_probs, logits=logits, routing_map=routing),
             routing_map_format="bitmap",
             **options,

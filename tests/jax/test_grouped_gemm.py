@@ -205,7 +205,7 @@ def _unique_tiles(space) -> list[dict]:
 @pytest.mark.skipif(
     not uses_kernels(), reason="configs only exist for the kernels (GPU or TRITON_INTERPRET=1)"
 )
-@pytest.mark.parametrize("config", _unique_tiles(kernels.GROUPED_MATMUL_SPACE), ids=str)
+@pytest.mark.parametrize("config", _unique_tiles(kernels.SEARCH_SPACES["grouped_matmul"]), ids=str)
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 def test_every_forward_config(config, transpose_rhs):
     lhs, rhs, sizes, _ = _problem(150, 40, 72, [70, 0, 65], "bfloat16", seed=5)
@@ -221,7 +221,7 @@ def test_every_forward_config(config, transpose_rhs):
 @pytest.mark.skipif(
     not uses_kernels(), reason="configs only exist for the kernels (GPU or TRITON_INTERPRET=1)"
 )
-@pytest.mark.parametrize("config", _unique_tiles(kernels.GROUPED_MATMUL_WGRAD_SPACE), ids=str)
+@pytest.mark.parametrize("config", _unique_tiles(kernels.SEARCH_SPACES["grouped_matmul_wgrad"]), ids=str)
 def test_every_wgrad_config(config):
     lhs, rhs, sizes, grad = _problem(150, 72, 136, [70, 0, 65], "bfloat16", seed=6)
     plan = kernels.grouped_matmul_wgrad_plan(

@@ -10,7 +10,6 @@ import pytest
 import triton
 
 from moetriton import kernels
-from moetriton.kernels import router as router_plans
 from moetriton.kernels.runtime import autotune
 from tests._plans import dispatch_plan_with_defaults
 
@@ -64,14 +63,14 @@ def _looked_up_features(monkeypatch) -> dict[str, set[tuple[str, ...]]]:
             device=device,
         )  # fmt: skip
     router = dict(num_tokens=64, num_experts=16, topk=2, score_function="softmax", device=device)
-    router_plans.topk_plan(
+    kernels.topk_plan(
         **router, use_pre_softmax=False, num_groups=1, group_topk=1, scaling_factor=1.0, has_bias=False,
         return_indices=True,
     )  # fmt: skip
-    router_plans.topk_backward_plan(**router, use_pre_softmax=False, scaling_factor=1.0)
-    router_plans.aux_scores_plan(**router)
+    kernels.topk_backward_plan(**router, use_pre_softmax=False, scaling_factor=1.0)
+    kernels.aux_scores_plan(**router)
     router.pop("topk")
-    router_plans.aux_scores_backward_plan(**router)
+    kernels.aux_scores_backward_plan(**router)
     return seen
 
 

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from moetriton import kernels
 from moetriton.kernels import Buffer, Plan
-from moetriton.kernels import router as plans
+from moetriton.kernels.router import bitmap as bitmap_kernels
+from moetriton.kernels.router import scores, topk
 from moetriton.kernels.rules.layout import bitmap_columns
 from moetriton.torch.executor import Executable
 from tests.torch._guards import guarded, guarded_input
@@ -46,17 +48,17 @@ def _copy_plan(kernel, source: str, target: str, num_tokens: int, num_experts: i
     """A plan of the one bitmap launch the router plans add, from input `source` to result `target`."""
     shape = (num_tokens, bitmap_columns(num_experts) if target == "bitmap" else num_experts)
     buffer = Buffer(shape, "uint8" if target == "bitmap" else "bool")
-    launch = plans._bitmap_launch(kernel, source, target, num_tokens, num_experts)
+    launch = bitmap_kernels._bitmap_launch(kernel, source, target, num_tokens, num_experts)
     return Plan({target: buffer}, (launch,), (target,))
 
 
 def _pack(flags: torch.Tensor, num_experts: int) -> torch.Tensor:
-    plan = _copy_plan(plans._pack_bitmap_kernel, "flags", "bitmap", flags.shape[0], num_experts)
+    plan = _copy_plan(bitmap_kernels._pack_bitmap_kernel, "flags", "bitmap", flags.shape[0], num_experts)
     return _run_guarded(plan, dict(flags=flags))[0]
 
 
 def _unpack(bitmap: torch.Tensor, num_experts: int) -> torch.Tensor:
-    plan = _copy_plan(plans._unpack_bitmap_kernel, "bitmap", "flags", bitmap.shape[0], num_experts)
+    plan = _copy_plan(bitmap_kernels._unpack_bitmap_kernel, "bitmap", "flags", bitmap.shape[0], num_experts)
     return _run_guarded(plan, dict(bitmap=bitmap))[0]
 
 
@@ -108,8 +110,8 @@ def _router_plans(num_tokens: int, num_experts: int, routing_map_format: str) ->
     sizes = dict(num_tokens=num_tokens, num_experts=num_experts, topk=min(3, num_experts))
     sizes.update(score_function="softmax", routing_map_format=routing_map_format)
     options = dict(sizes, use_pre_softmax=False, scaling_factor=1.0)
-    forward = plans.topk_plan(**options, num_groups=0, group_topk=0, has_bias=False, return_indices=True)
-    return forward, plans.topk_backward_plan(**options), plans.aux_scores_plan(**sizes)
+    forward = kernels.topk_plan(**options, num_groups=0, group_topk=0, has_bias=False, return_indices=True)
+    return forward, kernels.topk_backward_plan(**options), kernels.aux_scores_plan(**sizes)
 
 
 @pytest.mark.parametrize("num_experts", [5, 16, 40])
@@ -121,20 +123,22 @@ def test_the_float_launch_is_the_bool_maps_with_the_map_in_scratch(num_experts):
         *(_router_plans(37, num_experts, f) for f in ("bytemap", "bitmap")), strict=True
     ):
         (float_launch,) = bytemap.launches
-        packs = float_launch.kernel is not plans._topk_backward_kernel
+        packs = float_launch.kernel is not topk._topk_backward_kernel
         extra, same = bitmap.launches if not packs else bitmap.launches[::-1]
-        assert extra.kernel is (plans._pack_bitmap_kernel if packs else plans._unpack_bitmap_kernel)
+        assert extra.kernel is (
+            bitmap_kernels._pack_bitmap_kernel if packs else bitmap_kernels._unpack_bitmap_kernel
+        )
         assert (same.kernel, same.grid, same.constexprs, same.num_warps) == (
             float_launch.kernel,
             float_launch.grid,
             float_launch.constexprs,
             float_launch.num_warps,
         )
-        renamed = {"routing_map": plans._FLAGS}
+        renamed = {"routing_map": scores._FLAGS}
         assert same.args == tuple(renamed.get(arg, arg) for arg in float_launch.args)
         assert same.outputs == tuple(renamed.get(name, name) for name in float_launch.outputs)
         assert bitmap.results == bytemap.results
-        assert bitmap.buffers[plans._FLAGS] == Buffer((37, num_experts), "bool")
+        assert bitmap.buffers[scores._FLAGS] == Buffer((37, num_experts), "bool")
 
 
 @pytest.mark.parametrize("num_experts", [3, 13, 40])
@@ -189,8 +193,8 @@ def _compile_all() -> None:
 
     compiled = 0
     for num_experts in (1, 5, 13, 256, 8192):
-        for kernel in (plans._pack_bitmap_kernel, plans._unpack_bitmap_kernel):
-            launch = plans._bitmap_launch(kernel, "source", "target", 4096, num_experts)
+        for kernel in (bitmap_kernels._pack_bitmap_kernel, bitmap_kernels._unpack_bitmap_kernel):
+            launch = bitmap_kernels._bitmap_launch(kernel, "source", "target", 4096, num_experts)
             compile_sm90(kernel, launch.constexprs, dict(flags_ptr="*i1", bitmap_ptr="*u8"))
             compiled += 1
     print(json.dumps(compiled))

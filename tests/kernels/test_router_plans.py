@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
+from moetriton import kernels
 from moetriton.kernels import DeviceInfo
-from moetriton.kernels import router as plans
 from moetriton.torch.executor import run_plan
 
 DEVICE = os.environ.get("MOETRITON_TEST_DEVICE", "cpu")
@@ -53,18 +53,18 @@ def test_every_topk_config_agrees(num_experts, topk, score_function, num_groups,
     )
     backward = dict(common, use_pre_softmax=False, scaling_factor=1.0)
     inputs = dict(logits=logits, bias=None)
-    expected = run_plan(plans.topk_plan(**forward), inputs, logits.device)
+    expected = run_plan(kernels.topk_plan(**forward), inputs, logits.device)
     grad_inputs = dict(grad_probs=grad, logits=logits, routing_map=expected[1])
-    expected_grad = run_plan(plans.topk_backward_plan(**backward), grad_inputs, logits.device)
-    for config in _configs(plans.TOPK_SPACE):
-        plan = plans.topk_plan(**forward, config=config)
+    expected_grad = run_plan(kernels.topk_backward_plan(**backward), grad_inputs, logits.device)
+    for config in _configs(kernels.SEARCH_SPACES["router_topk"]):
+        plan = kernels.topk_plan(**forward, config=config)
         block_t = plan.launches[0].constexprs["BLOCK_T"]
         assert plan.launches[0].grid == (-(-13 // block_t),)
         for actual, want in zip(run_plan(plan, inputs, logits.device), expected, strict=True):
             _agree(actual, want)
-    for config in _configs(plans.TOPK_BACKWARD_SPACE):
+    for config in _configs(kernels.SEARCH_SPACES["router_topk_backward"]):
         grad_logits = run_plan(
-            plans.topk_backward_plan(**backward, config=config), grad_inputs, logits.device
+            kernels.topk_backward_plan(**backward, config=config), grad_inputs, logits.device
         )
         _agree(grad_logits[0], expected_grad[0])
 
@@ -75,17 +75,17 @@ def test_every_aux_scores_config_agrees(score_function):
     logits = torch.randn(13, 20, generator=generator).to(DEVICE)
     grad = torch.randn(13, 20, generator=generator).to(DEVICE)
     args = dict(num_tokens=13, num_experts=20, score_function=score_function)
-    expected = run_plan(plans.aux_scores_plan(**args, topk=3), dict(logits=logits), logits.device)
+    expected = run_plan(kernels.aux_scores_plan(**args, topk=3), dict(logits=logits), logits.device)
     grad_inputs = dict(grad_scores=grad, logits=logits)
-    expected_grad = run_plan(plans.aux_scores_backward_plan(**args), grad_inputs, logits.device)
-    for config in _configs(plans.AUX_SCORES_SPACE):
+    expected_grad = run_plan(kernels.aux_scores_backward_plan(**args), grad_inputs, logits.device)
+    for config in _configs(kernels.SEARCH_SPACES["router_aux_scores"]):
         got = run_plan(
-            plans.aux_scores_plan(**args, topk=3, config=config), dict(logits=logits), logits.device
+            kernels.aux_scores_plan(**args, topk=3, config=config), dict(logits=logits), logits.device
         )
         for a, b in zip(got, expected, strict=True):
             _agree(a, b)
-    for config in _configs(plans.AUX_SCORES_BACKWARD_SPACE):
-        got = run_plan(plans.aux_scores_backward_plan(**args, config=config), grad_inputs, logits.device)
+    for config in _configs(kernels.SEARCH_SPACES["router_aux_scores_backward"]):
+        got = run_plan(kernels.aux_scores_backward_plan(**args, config=config), grad_inputs, logits.device)
         _agree(got[0], expected_grad[0])
 
 
@@ -94,7 +94,7 @@ def test_heuristic_tiles():
     h100 = DeviceInfo("H100", 132)
 
     def launch(num_tokens, num_experts):
-        plan = plans.topk_backward_plan(
+        plan = kernels.topk_backward_plan(
             num_tokens=num_tokens,
             num_experts=num_experts,
             topk=2,
@@ -113,11 +113,11 @@ def test_heuristic_tiles():
 
 def test_aux_loss_grid_depends_on_shape_only():
     common = dict(num_cols=8, num_experts=8, topk=2, coeff=1.0, total=None)
-    assert plans.aux_loss_plan(num_rows=0, **common).launches[0].grid == (1,)
-    assert plans.aux_loss_plan(num_rows=10**6, **common).launches[0].grid == (512,)
+    assert kernels.aux_loss_plan(num_rows=0, **common).launches[0].grid == (1,)
+    assert kernels.aux_loss_plan(num_rows=10**6, **common).launches[0].grid == (512,)
     probs = torch.rand(1000, 8, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     counts = torch.arange(8, device=DEVICE)
-    plan = plans.aux_loss_plan(num_rows=1000, **common)
+    plan = kernels.aux_loss_plan(num_rows=1000, **common)
     (loss,) = run_plan(
         plan, dict(probs=probs, counts=counts, total=torch.tensor(1000, device=DEVICE)), probs.device
     )
@@ -126,7 +126,7 @@ def test_aux_loss_grid_depends_on_shape_only():
 
 
 def test_empty_plans_launch_nothing():
-    forward = plans.topk_plan(
+    forward = kernels.topk_plan(
         num_tokens=0,
         num_experts=4,
         topk=2,
@@ -139,4 +139,6 @@ def test_empty_plans_launch_nothing():
         return_indices=True,
     )
     assert forward.launches == () and forward.buffers["indices"].shape == (0, 2)
-    assert plans.aux_scores_plan(num_tokens=0, num_experts=4, topk=2, score_function="sigmoid").launches == ()
+    assert (
+        kernels.aux_scores_plan(num_tokens=0, num_experts=4, topk=2, score_function="sigmoid").launches == ()
+    )

@@ -360,18 +360,14 @@ def _plan_cases():
         dict(layout=rand(10, 8), sizes=block_sizes, dest_rows=None, offsets=None),
     )
     logits = rand(tokens, 8)
-    topk_plan = kernels.router.topk_plan(
+    topk_plan = kernels.topk_plan(
         num_tokens=tokens, num_experts=8, topk=2, score_function="softmax", use_pre_softmax=False,
         num_groups=0, group_topk=0, scaling_factor=1.0, has_bias=False, return_indices=True,
     )  # fmt: skip
     yield "router top-k", topk_plan, dict(logits=logits, bias=None)
-    scores = kernels.router.aux_scores_plan(
-        num_tokens=tokens, num_experts=8, topk=2, score_function="sigmoid"
-    )
+    scores = kernels.aux_scores_plan(num_tokens=tokens, num_experts=8, topk=2, score_function="sigmoid")
     yield "router aux scores", scores, dict(logits=logits)
-    loss = kernels.router.aux_loss_plan(
-        num_rows=tokens, num_cols=8, num_experts=8, topk=2, coeff=0.5, total=6
-    )
+    loss = kernels.aux_loss_plan(num_rows=tokens, num_cols=8, num_experts=8, topk=2, coeff=0.5, total=6)
     counts = torch.arange(8, dtype=torch.int32, device=DEVICE)
     yield "router aux loss", loss, dict(probs=logits.softmax(-1), counts=counts, total=None)
 
