@@ -41,8 +41,8 @@
 #               1 2 4 8, those the GPUs allow): one torchrun per EP for PyTorch, one JAX run for all; parts
 #               SCALING_PARTS (default "examples torch jax"); `python -m benchmarks.report --tables scaling
 #               --root OUTDIR/results` gives the weak-scaling table
-#   ab          same-process A/B of the permutation kernels against another version of
-#               kernels/permutation.py (AB_BASELINE, a file; AB_ARGS): OUTDIR/ab.csv
+#   ab          same-process A/B of the permutation kernels against another version of them
+#               (AB_BASELINE, a copy of the kernels/permutation/ folder; AB_ARGS): OUTDIR/ab.csv
 #   ab_package  same-process A/B of the whole package against another version: AB_PACKAGE_ROOT, a folder
 #               holding another checkout's source folders (e.g. from git archive), or AB_PACKAGE_REV, a
 #               revision of this git checkout; host and eager time per call of the PyTorch ops
@@ -262,7 +262,7 @@ EOF
       grep -v -i warn "$log" | tail -60 ;;
     ab)
       if [ -z "${AB_BASELINE:-}" ]; then
-        echo "AB_BASELINE (a version of kernels/permutation.py) is not set; skipped" | tee -a "$log"
+        echo "AB_BASELINE (a copy of kernels/permutation/) is not set; skipped" | tee -a "$log"
         status=1
       else
         run "${limit:-900}" "$log" "$PY" -m benchmarks.ab_permutation "$(realpath "$AB_BASELINE")" ${AB_ARGS:-} \
