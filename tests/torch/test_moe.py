@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import moetriton.torch as mt
 from moetriton.kernels.rules.expert_parallel import ep_layout, padded_counts
 from moetriton.torch.moe import expert_mlp, grouped_mm_supported
-from moetriton.torch.moe.capacity import most_probable_slots
+from moetriton.torch.moe.routing import most_probable_slots
 from moetriton.torch.reference_moe import moe_reference
 from tests.strategies_moe import (
     PROBS_POLICY_EXPERTS,

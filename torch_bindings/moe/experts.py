@@ -1,7 +1,10 @@
 """The experts of the MoE layer: the grouped MLP on expert-major rows (torch._grouped_mm where supported, a
-masked per-expert loop elsewhere) and the batched MLP of the capacity policy."""
+masked per-expert loop elsewhere), the batched MLP of the capacity policy, both as the exchanges call them
+(`Experts`), and the shared experts."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -98,6 +101,22 @@ def batched_mlp(rows: Tensor, gate_up: Tensor, down: Tensor, activation: str) ->
         return torch.bmm(act, down).reshape(rows.shape)
 
 
+@dataclass(frozen=True)
+class Experts:
+    """This rank's L experts as an exchange runs them: rows [N, H], expert-major -> their outputs [N, H].
+    group_sizes [L]: the rows of each expert (dropless: `expert_mlp`), or None for L equal groups (the
+    capacity policy's slabs: `batched_mlp`)."""
+
+    gate_up: Tensor
+    down: Tensor
+    activation: str
+
+    def __call__(self, rows: Tensor, group_sizes: Tensor | None = None) -> Tensor:
+        if group_sizes is None:
+            return batched_mlp(rows, self.gate_up, self.down, self.activation)
+        return expert_mlp(rows, group_sizes, self.gate_up, self.down, self.activation)
+
+
 def shared_mlp(
     tokens: Tensor, shared_gate_up: Tensor, shared_down: Tensor, shared_gate: Tensor | None, activation: str
 ) -> Tensor:
@@ -126,3 +145,14 @@ def shared_mlp(
         # fp32 logits, as JAX's (an [H, 1] GEMV: the fp32 copy of the tokens is the cheap part of the FFN)
         scale = torch.sigmoid(tokens.float() @ shared_gate.float())  # [T, 1]
         return (scale * out.float()).to(out.dtype)
+
+
+def add_shared(routed: Tensor, shared: Tensor | None, valid: Tensor | None) -> Tensor:
+    """routed [T, H] + the shared experts' [T, H] (zero on padding, valid [T] False), summed in fp32 and
+    rounded once to routed.dtype; routed itself (untouched) without shared experts."""
+    if shared is None:
+        return routed
+    shared = shared.float()
+    if valid is not None:
+        shared = torch.where(valid[:, None], shared, 0.0)
+    return (routed.float() + shared).to(routed.dtype)

@@ -2,28 +2,29 @@
 
 One call on one rank of the expert-parallel (EP) group, T tokens, E experts of which L = E / EP are local
 (expert e lives on rank e // L), top-K routing; sizes and exchange formulas come from
-moetriton.kernels.rules.expert_parallel (EPLayout, dropless_exchange, dropped_slots):
+moetriton.kernels.rules.expert_parallel. The steps, the JAX layer's too (moetriton.jax.moe.layer):
 
-    x [T, H] -> logits = x @ gate_weight^T [T, E] (in x.dtype, fp32 accumulation)
-      -> fused top-k: probs [T, E], routing_map [T, E], indices [T, K]; merging weights w = probs at indices
-      -> aux loss, global over the token group (tokens_per_expert and T all-reduced)
-      -> counts per expert exchanged (EP > 1, dropless; their host copy starts, the dispatch runs meanwhile)
-      -> token_dispatch: send buffer, expert-major and therefore rank-major
-      -> rows exchanged with all_to_all_single -> receive buffer, source-major
-      -> sort_chunks_by_index to expert-major -> grouped GEMM gate_up -> SwiGLU -> grouped GEMM down
-      -> inverse chunk sort -> reverse all_to_all_single -> token_combine with w -> [T, H]
-      (+ the shared experts' FFN of x, optionally gated per token, where shared weights are given)
+1. route (`routing`): logits = x @ gate_weight^T [T, E] (x.dtype, fp32 accumulation) -> fused top-k:
+   routing_map [T, E], indices [T, K], merging weights = probs at indices; padding tokens routed nowhere;
+2. count (`statistics`): the losses, the dropped count and the loads, global over the token group;
+3. drop and chunk (`routing`): under a capacity with drop_policy "probs", the slots each expert drops set
+   to -1; dropless, `pipeline_chunks` consecutive token chunks;
+4. per chunk: dispatch (token_dispatch into the send buffer, expert-major and so rank-major) -> the
+   exchange (`exchange` and one module per exchange) moves the rows to their experts' ranks, runs the
+   experts there (`experts`: grouped GEMM gate_up -> activation -> grouped GEMM down) and brings the
+   outputs back in the send buffer's layout -> combine (token_combine with the merging weights);
+5. + the shared experts' FFN of the tokens (optionally gated per token), where shared weights are given.
 
-Dropless, `pipeline_chunks=n` runs everything from the dispatch to the combine on n token chunks (one count
-exchange and host sync for all of them), every exchange started without waiting, so that a chunk's rows
-move while another chunk's GEMMs run (moetriton.torch.moe.all_to_all.dropless_experts).
-
-Dropless with EP > 1 on GPUs of one host (exchange="auto" or "peer"), the exchanges and chunk sorts are
-replaced by moetriton.torch.moe.peer: token_dispatch writes into a symmetric staging buffer, every rank
-copies its rows from the others' buffers straight into expert-major order, the expert outputs are copied
-back into their sources' buffers and token_combine reads them there (no chunk sort, no NCCL row exchange).
-An EP group whose ranks span hosts (as the launcher declares them, or MOETRITON_HOST_OF_RANK) exchanges
-every row through all_to_all_single with exchange="auto" (`exchange_for` says which exchange a group gets).
+The exchanges (`exchange_for` says which one a group gets): EP = 1, none (`Local`: the experts read the send
+buffer in place). Dropless with EP > 1, `all_to_all` (all_to_all_single, the receive buffer chunk-sorted
+to expert-major and back; with `pipeline_chunks=n` every exchange started without waiting, so that a
+chunk's rows move while another chunk's GEMMs run; one count exchange and host sync for all chunks) or, on
+GPUs of one host (exchange="auto" or "peer"), `peer`: the dispatch writes into a symmetric staging buffer,
+every rank copies its rows from the others' buffers straight into expert-major order, the expert outputs
+are copied back into their sources' buffers and the combine reads them there (no chunk sort, no NCCL row
+exchange). An EP group whose ranks span hosts (as the launcher declares them, or MOETRITON_HOST_OF_RANK)
+exchanges every row through all_to_all_single with exchange="auto". Capacity with EP > 1: fixed slabs,
+through `peer` on GPUs of one host, else `capacity`.
 
 Capacity policies (the same as the JAX layer):
 
@@ -54,34 +55,25 @@ uses torch.bmm on every device.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import replace
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moetriton.kernels.rules import moe as layer_rules
-from moetriton.kernels.rules.expert_parallel import (
-    ep_layout,
-    gate_up_width,
-    padded_counts,
-    pipeline_chunk_bounds,
-)
+from moetriton.kernels.rules.expert_parallel import EPLayout, ep_layout, gate_up_width
 from moetriton.kernels.rules.moe import MoEStats
 
 from .._checks import Signature, describe, memoised, same_device, signature
 from .._stages import stage
-from ..permutation import token_combine, token_dispatch
-from ..router import fused_topk_with_score_function
-from .all_to_all import dropless_experts
+from .all_to_all import AllToAllExchange
 from .balancing import update_expert_bias
-from .capacity import capacity_experts, check_same_tokens, gather_tokens, most_probable_slots
-from .collectives import check_groups, gather_counts
-from .experts import shared_mlp
-from .peer import exchange_for, peer_capacity, peer_dropless
+from .capacity import CapacityExchange, gather_tokens
+from .collectives import check_groups
+from .exchange import Exchange, Local, dispatch, exchange_for
+from .experts import Experts, add_shared, shared_mlp
+from .peer import PeerExchange
+from .routing import apply_drop_policy, route, token_chunks
 from .statistics import routing_statistics
 
 #: Expert activations and row exchanges (the dropless layer with EP > 1: "all_to_all" is all_to_all_single
@@ -299,6 +291,14 @@ def moe(
         (torch.Size([6, 8]), torch.float32, torch.int32)
     """
     ep_size, ep_rank = check_groups(ep_group=ep_group, token_group=token_group)
+    router = dict(
+        topk=topk,
+        use_pre_softmax=use_pre_softmax,
+        num_groups=num_groups,
+        group_topk=group_topk,
+        scaling_factor=scaling_factor,
+        score_function=score_function,
+    )
     shape = _check_moe(
         x=signature(x),
         gate_weight=signature(gate_weight),
@@ -318,52 +318,29 @@ def moe(
         capacity_factor=capacity_factor,
         return_stats=return_stats,
         balance_counts=balance_counts,
-        router=(topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function),
+        router=tuple(router[name] for name in layer_rules.ROUTER_OPTIONS),
         align_size=align_size,
         aux_loss_coeff=aux_loss_coeff,
         seq_aux_loss_coeff=seq_aux_loss_coeff,
         z_loss_coeff=z_loss_coeff,
     )
-    hidden, num_experts = shape.hidden, shape.num_experts
-    tokens = x.reshape(-1, hidden)  # [T, H]
+    tokens = x.reshape(-1, shape.hidden)  # [T, H]
     valid = None if token_mask is None else token_mask.reshape(-1)  # [T]
     if valid is not None:  # padding enters as zeros: whatever it holds (NaN included) reaches nothing
         tokens = torch.where(valid[:, None], tokens, 0)
     layout = ep_layout(
         num_tokens=tokens.shape[0],
-        num_experts=num_experts,
+        num_experts=shape.num_experts,
         topk=topk,
         ep_size=ep_size,
         align_size=align_size,
         capacity_factor=capacity_factor,
     )
-    # Decided before any collective of the step (the hosts are gathered once per group, on its first call):
-    # every rank takes the same path, and a bad choice fails on every rank at once.
-    use_peer = ep_size > 1 and exchange_for(ep_group, tokens.device, exchange) == "peer"
-    same_tokens = gather_tokens(layout, ep_group, tokens.device)
+    row_exchange = _exchange(layout, ep_group, ep_rank, tokens.device, exchange)
     with stage("router"):
-        logits = F.linear(tokens, gate_weight)  # [T, E]
-        probs, routing_map, indices = fused_topk_with_score_function(
-            logits,
-            topk,
-            use_pre_softmax=use_pre_softmax,
-            num_groups=num_groups,
-            group_topk=group_topk,
-            scaling_factor=scaling_factor,
-            score_function=score_function,
-            expert_bias=expert_bias,
-            return_indices=True,
-        )
-        merging = probs.gather(1, indices.long())  # [T, K]
-        if valid is not None:  # padding: no slot (-1 is no expert to the dispatch), no weight, no count
-            routing_map = routing_map & valid[:, None]
-            indices = torch.where(valid[:, None], indices, -1)
-            merging = torch.where(valid[:, None], merging, 0.0)
-        routed = routing_map.sum(0)  # [E] int64, this rank's
+        routing = route(tokens, gate_weight, valid, expert_bias, **router)
         aux_loss, dropped, stats = routing_statistics(
-            logits,
-            routing_map,
-            routed,
+            routing,
             valid,
             layout,
             score_function=score_function,
@@ -373,139 +350,37 @@ def moe(
             want_stats=return_stats,
             balance_counts=balance_counts,
         )
-        if drop_policy == "probs" and not layout.dropless:
-            indices = most_probable_slots(indices, merging, layout)
+        routing = apply_drop_policy(routing, layout, drop_policy)
+    chunks = token_chunks(tokens, routing, layout, pipeline_chunks)
+    row_exchange.start(chunks)
+    sends = (dispatch(chunk, row_exchange) for chunk in chunks)
+    if not row_exchange.in_turn:  # every chunk dispatched before the shared experts and the first row moves
+        sends = list(sends)
+    # From the tokens alone: no data dependency on the routed path. On the layer's stream: a side stream hid a
+    # little of the exchange but lengthened the step by more (docs/performance.md), since the peer copies and
+    # the GEMMs each fill every SM.
+    shared = None
+    if shared_gate_up is not None:
+        shared = shared_mlp(tokens, shared_gate_up, shared_down, shared_gate, activation)
+    experts = Experts(gate_up, down, activation)
+    parts = [row_exchange.combine(rows, send) for send, rows in row_exchange(sends, experts)]
+    out = add_shared(parts[0] if len(parts) == 1 else torch.cat(parts), shared, valid)
+    return (out.reshape(x.shape), aux_loss, dropped, *((stats,) if return_stats else ()))
 
-    def shared_ffn() -> Tensor | None:
-        # From the tokens alone: no data dependency on the routed path. On the layer's stream: a side stream
-        # hid 0.5 of 6.6 ms of exchange but lengthened the step by 0.6 ms more than this (two H100s, dsv3,
-        # EP 2; docs/performance.md), since the peer copies and the GEMMs each fill every SM.
-        if shared_gate_up is None:
-            return None
-        return shared_mlp(tokens, shared_gate_up, shared_down, shared_gate, activation)
 
-    extra = (stats,) if return_stats else ()
+def _exchange(layout: EPLayout, group, rank: int, device: torch.device, requested: str) -> Exchange:
+    """The call's row exchange (moetriton.torch.moe.exchange), decided before any collective of the call (the
+    hosts are gathered once per group, on its first call): every rank takes the same one, and a bad choice
+    fails on every rank at once."""
+    if layout.ep_size == 1:
+        return Local(layout, group, rank)
+    peer = exchange_for(group, device, requested) == "peer"
+    same_tokens = gather_tokens(layout, group, device)
+    if peer:
+        return PeerExchange(layout, group, rank, same_tokens)
     if layout.dropless:
-        bounds = pipeline_chunk_bounds(layout.num_tokens, pipeline_chunks)
-        sizes = [end - start for start, end in bounds]
-        layouts = [replace(layout, num_tokens=size) for size in sizes]
-        # split, not slices: one concatenation of the chunks' gradients in the backward (none for one chunk)
-        chunk_tokens, chunk_indices, chunk_merging = (
-            (value,) if len(sizes) == 1 else value.split(sizes) for value in (tokens, indices, merging)
-        )
-        gathered = tokens_on_host = None
-        if ep_size > 1:
-            with stage("exchange_sizes"):
-                # Every rank's counts per expert and T of every chunk, gathered in one exchange.
-                routed_per_chunk = (
-                    [routed] if len(sizes) == 1 else [chunk.sum(0) for chunk in routing_map.split(sizes)]
-                )
-                mine = torch.cat(
-                    [
-                        torch.cat([padded_counts(counts, chunk), counts.new_full((1,), chunk.num_tokens)])
-                        for counts, chunk in zip(routed_per_chunk, layouts, strict=True)
-                    ]
-                )
-                everyone, on_host = gather_counts(mine, ep_size, ep_group)
-                gathered, tokens_on_host = _chunk_counts(everyone, on_host, len(sizes), num_experts)
-        if use_peer:  # the peer copies are kernels on this stream: the chunks run in turn
-            shared = shared_ffn()
-            parts = [
-                peer_dropless(
-                    *chunk,
-                    counts,
-                    chunk_tokens_on_host,
-                    chunk_layout,
-                    ep_rank,
-                    ep_group,
-                    gate_up,
-                    down,
-                    activation,
-                )
-                for *chunk, counts, chunk_tokens_on_host, chunk_layout in zip(
-                    chunk_tokens, chunk_indices, chunk_merging, gathered, tokens_on_host, layouts, strict=True
-                )
-            ]
-            return _plus_shared(_joined(parts), shared, valid).reshape(x.shape), aux_loss, dropped, *extra
-        with stage("dispatch"):
-            dispatched = [
-                token_dispatch(
-                    chunk, indices=chunk_ids, num_experts=num_experts, align_size=layout.align_size
-                )
-                for chunk, chunk_ids in zip(chunk_tokens, chunk_indices, strict=True)
-            ]
-        shared = shared_ffn()
-
-        def combine(chunk: int, rows: Tensor) -> Tensor:
-            _, _, row_id_map, pad_offsets, _ = dispatched[chunk]
-            with stage("combine"):
-                return token_combine(
-                    rows, row_id_map, merging_probs=chunk_merging[chunk], pad_offsets=pad_offsets
-                )
-
-        parts = dropless_experts(
-            [(send, counts) for send, _, _, _, counts in dispatched],
-            gathered,
-            layouts,
-            ep_rank,
-            ep_group,
-            gate_up,
-            down,
-            activation,
-            combine,
-        )
-        return _plus_shared(_joined(parts), shared, valid).reshape(x.shape), aux_loss, dropped, *extra
-    if use_peer:
-        if same_tokens is not None:  # before the first barrier: a bad T fails on every rank alike
-            check_same_tokens(same_tokens())
-        shared = shared_ffn()
-        combined = peer_capacity(
-            tokens, indices, merging, layout, ep_rank, ep_group, gate_up, down, activation
-        )
-        return _plus_shared(combined, shared, valid).reshape(x.shape), aux_loss, dropped, *extra
-    with stage("dispatch"):
-        send, _, row_id_map, pad_offsets, _ = token_dispatch(
-            tokens, indices=indices, num_experts=num_experts, capacity=layout.capacity
-        )
-    if same_tokens is not None:
-        check_same_tokens(same_tokens())
-    shared = shared_ffn()
-    out = capacity_experts(send, layout, ep_group, gate_up, down, activation)
-    with stage("combine"):
-        combined = token_combine(out, row_id_map, merging_probs=merging, pad_offsets=pad_offsets)
-    return _plus_shared(combined, shared, valid).reshape(x.shape), aux_loss, dropped, *extra
-
-
-def _chunk_counts(
-    everyone: Tensor, on_host: Callable[[], np.ndarray], num_chunks: int, num_experts: int
-) -> tuple[list[tuple[Tensor, Callable[[], np.ndarray]]], list[Callable[[], np.ndarray]]]:
-    """Per chunk, from the gathered [EP, chunks * (E + 1)] (each chunk's counts per expert, then its T):
-    (every rank's counts [EP, E] on the device, a function returning them from the host copy), and a
-    function returning every rank's T of the chunk [EP] from the host copy."""
-    width = num_experts + 1
-    counts, tokens = [], []
-    for chunk in range(num_chunks):
-        first = chunk * width
-        columns = slice(first, first + num_experts)
-        counts.append((everyone[:, columns], lambda columns=columns: on_host()[:, columns]))
-        tokens.append(lambda column=first + num_experts: on_host()[:, column])
-    return counts, tokens
-
-
-def _joined(parts: list[Tensor]) -> Tensor:
-    """The chunks' combined rows [T_c, H] as one [T, H] (one chunk: itself, no copy)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _plus_shared(routed: Tensor, shared: Tensor | None, valid: Tensor | None) -> Tensor:
-    """routed [T, H] + the shared experts' [T, H] (zero on padding, valid [T] False), summed in fp32 and
-    rounded once to routed.dtype; routed itself (untouched) without shared experts."""
-    if shared is None:
-        return routed
-    shared = shared.float()
-    if valid is not None:
-        shared = torch.where(valid[:, None], shared, 0.0)
-    return (routed.float() + shared).to(routed.dtype)
+        return AllToAllExchange(layout, group, rank)
+    return CapacityExchange(layout, group, rank, same_tokens)
 
 
 class MoELayer(nn.Module):

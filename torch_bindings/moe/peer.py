@@ -1,136 +1,55 @@
-"""The dropless EP exchange through peer memory (moetriton.kernels.peer_exchange), for the PyTorch MoE layer.
+"""The peer exchange: rows moved through peer memory (moetriton.kernels.peer_copy) on one host's GPUs.
 
 Every rank of the EP group owns one symmetric allocation (torch.distributed._symmetric_memory, the same size
 on every rank, mapped into every other rank's address space): its "staging" buffer, which holds the rank's
-send layout (token_dispatch's rows [S, H] and their probs [S]). The four exchanges of a layer step each run
-as barrier, one copy kernel, barrier, all on the current stream, with nothing on the host between them:
+send buffer (the layer's dispatch writes its rows [S, H] and their merging weights [S] there). Four copies
+move a layer step's rows, each as barrier, one copy kernel, barrier, all on the current stream, with nothing
+on the host between them:
 
-* dispatch (forward): token_dispatch writes straight into the own staging buffer; every rank then pulls
-  its rows from all staging buffers into its expert-major receive buffer (rows and merging weights);
-* combine (forward): every rank pushes its expert outputs back into their sources' staging buffers, and
-  each source runs the weighted token_combine over its own staging buffer;
-* combine backward: token_dispatch of the output gradient into the own staging buffer; every rank pulls
-  it, scaled by the merging weights, and takes the weights' gradient as dot products with the expert
-  outputs it kept (the source does not keep the rows it combined: the staging buffer is reused);
+* forward, out: every rank pulls its rows from all staging buffers into its expert-major receive buffer
+  (rows and merging weights), so no chunk sort runs;
+* forward, back: every rank pushes its expert outputs back into their sources' staging buffers, where the
+  layer's combine reads them (each source over its own);
+* combine backward: the output gradient dispatched into the own staging buffer; every rank pulls it,
+  scaled by the merging weights, and takes the weights' gradient as dot products with the expert outputs
+  it kept (the source does not keep the rows it combined: the staging buffer is reused);
 * dispatch backward: every rank pushes the rows' and weights' gradients back into the sources' staging
-  buffers, and each source runs dispatch's backward over its own.
+  buffers, where the dispatch's backward reads them.
 
 The barrier before a copy orders it after the peers' writes of the buffers it reads (or after their last
 reads of the buffers it writes); the one after it keeps any rank from reusing its staging buffer while a
-peer still copies. So one staging buffer per (group, device) serves every layer and both directions.
+peer still copies. So one staging buffer per (group, device) serves every layer and both directions, and a
+layer's token chunks run in turn.
 
 Needs CUDA GPUs of one host with peer access and an NCCL group; the layer picks it with exchange="auto"
-where `peer_exchange_available` says so, and `exchange_for` says which exchange a group gets: an EP group
-whose ranks span hosts (moetriton.torch.moe.collectives.group_hosts) exchanges through all_to_all.
-Dropless, the receive buffer is sized exactly, from the counts on the host: the same one host sync per call
-as the all-to-all path. Under a capacity (`peer_capacity`) every chunk is C rows at a fixed place, so
-nothing is counted or synced, and a step captures in a CUDA graph (free the graph before the process group:
-NCCL's teardown waited forever on two H100s while a graph that holds the group's work was alive). Not for
-torch.compile (the layer takes the all-to-all path while compiling).
+where `peer_exchange_available` says so (moetriton.torch.moe.exchange). Dropless, the receive buffer is
+sized exactly, from the counts on the host: the same one host sync per call as the all-to-all path. Under a
+capacity every chunk is C rows at a fixed place, so nothing is counted or synced, and a step captures in a
+CUDA graph (free the graph before the process group: NCCL's teardown waited forever on two H100s while a
+graph that holds the group's work was alive). Not for torch.compile (the layer takes the all-to-all path
+while compiling).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from moetriton import kernels
-from moetriton.kernels.rules.expert_parallel import EPLayout, peer_chunks, ranks_by_host
-from moetriton.kernels.rules.permutation import DispatchConfig
+from moetriton.kernels.rules.expert_parallel import EPLayout, peer_chunks
 
 from .._stages import stage
 from ..executor import bound, dtype_name
-from ..permutation import DISPATCH_BACKWARD, dispatch_sizes, token_combine
-from .collectives import group_hosts
-from .experts import batched_mlp, expert_mlp
-
-
-def _peer_memory(group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    """Whether the ranks of `group` could map each other's memory were they on one host: an NCCL group of
-    more than one rank, CUDA `device`s, outside torch.compile, with this torch's symmetric memory."""
-    if group is None or device.type != "cuda" or torch.compiler.is_compiling():
-        return False
-    # "nccl", or a device-mapped backend string such as "cuda:nccl,cpu:gloo".
-    if dist.get_world_size(group) < 2 or "nccl" not in str(dist.get_backend(group)):
-        return False
-    try:
-        from torch.distributed import _symmetric_memory  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def peer_exchange_available(group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    """True where the layer can exchange through peer memory: an NCCL `group` of more than one rank, all on
-    one host (moetriton.torch.moe.collectives.group_hosts: a collective on the group's first call), on CUDA
-    `device`s, outside torch.compile, with this torch's symmetric memory.
-
-    Example:
-        >>> peer_exchange_available(None, torch.device("cpu"))
-        False
-    """
-    return exchange_for(group, device) == "peer"
-
-
-def choose_exchange(exchange: str, hosts: Sequence[int] | None, peer_memory: bool) -> str:
-    """The row exchange of a dropless EP group of two or more ranks, "peer" or "all_to_all", from the
-    requested `exchange` (one of EXCHANGES), the host id of every rank of the group (`group_hosts`; None
-    where they cannot be asked: no group, or while torch.compile traces) and whether its devices could map
-    each other's memory on one host (CUDA GPUs, an NCCL group, symmetric memory, eager).
-
-    "auto" takes peer for a group of one host with peer memory and all_to_all otherwise: a group that spans
-    hosts moves every row through all_to_all, those between the GPUs of one host too (peer memory within
-    each host with the collective between hosts is not built: NCCL already sends those pairs over NVLink
-    beside the slower network; docs/moe.md, "Running on many hosts"). "peer" where it cannot
-    run raises ValueError; every rank holds the same arguments, so every rank raises the same one.
-
-    Example:
-        >>> choose_exchange("auto", [0, 0, 1, 1], peer_memory=True)
-        'all_to_all'
-        >>> choose_exchange("auto", [0, 0], peer_memory=True)
-        'peer'
-    """
-    if exchange == "all_to_all":
-        return "all_to_all"
-    on_hosts = None if hosts is None else ranks_by_host(hosts)
-    if exchange == "peer" and on_hosts is not None and len(on_hosts) > 1:
-        listing = ", ".join(str(ranks) for ranks in on_hosts)
-        raise ValueError(
-            f"exchange='peer' needs every rank of ep_group on one host, got ranks on {len(on_hosts)} hosts:"
-            f" {listing}; use exchange='auto' or 'all_to_all'"
-        )
-    usable = peer_memory and on_hosts is not None and len(on_hosts) == 1
-    if exchange == "peer" and not usable:
-        raise ValueError(
-            "exchange='peer' needs CUDA GPUs of one host in an NCCL group, outside torch.compile"
-        )
-    return "peer" if usable else "all_to_all"
-
-
-def exchange_for(group: dist.ProcessGroup | None, device: torch.device, exchange: str = "auto") -> str:
-    """The row exchange the dropless layer runs with EP > 1 on `group` with tensors on `device`, for the
-    requested `exchange`: "peer" or "all_to_all" (`choose_exchange` on the group's hosts). The same answer
-    on every rank. Where the answer depends on the hosts (peer memory possible, or exchange="peer") the
-    group's first call gathers them, a collective every rank of the group reaches since all call the layer
-    with the same options; later calls neither communicate nor sync. exchange="peer" where it cannot run
-    raises the same ValueError on every rank.
-
-    Example (every rank; on CPU tensors and gloo, or across hosts, "auto" gives "all_to_all"):
-        >>> exchange_for(None, torch.device("cpu"))
-        'all_to_all'
-    """
-    peer_memory = _peer_memory(group, device)
-    asks_hosts = (
-        exchange != "all_to_all"
-        and (peer_memory or exchange == "peer")
-        and group is not None
-        and not torch.compiler.is_compiling()
-    )
-    return choose_exchange(exchange, group_hosts(group) if asks_hosts else None, peer_memory)
+from ..permutation import token_combine
+from .capacity import check_same_tokens
+from .exchange import Exchange, Send, dispatch_into, gather_chunk_counts
+from .experts import Experts
+from .routing import Chunk
 
 
 class _Staging:
@@ -191,12 +110,13 @@ def _staging(group: dist.ProcessGroup, device: torch.device, rows: int, row_byte
 
 @dataclass
 class PeerPlan:
-    """One layer call's exchange: the staging allocation, the receiving layout (expert-major chunk sizes and
-    their source offsets [EP * L], on the device), the routing and sizes."""
+    """One chunk's exchange: the staging allocation, the receiving layout (expert-major chunk sizes and their
+    source offsets [EP * L], on the device), the routing and sizes."""
 
     staging: _Staging
     chunk_sizes: Tensor
     source_offsets: Tensor
+    group_sizes: Tensor | None  # [L] rows per local expert (dropless), None for equal groups (capacity)
     indices: Tensor  # [T, K] the router's expert ids (the combine backward re-dispatches the gradient)
     layout: EPLayout
     received_rows: Callable[[], int]  # rows this rank receives (waits for the counts' host copy)
@@ -208,19 +128,23 @@ class PeerPlan:
         """Whether this rank's send buffer fits the staging buffer (a local answer: peers may not fit)."""
         return self.layout.send_rows <= self.staging.rows
 
-    def grow(self) -> bool:
-        """After the counts arrived: whether some rank's send buffer does not fit, in which case every
-        rank (all see the same counts) replaces the staging buffer by one that holds the largest."""
-        rows = self.largest_rows()
-        if rows <= self.staging.rows:
-            return False
-        self.staging = _staging(self.group, self.indices.device, rows, self.row_bytes)
-        return True
+    def grow(self, rows: Tensor, probs: Tensor) -> None:
+        """After the counts arrived: where some rank's send buffer does not fit, every rank (all see the same
+        counts) replaces the staging buffer by one that holds the largest, and moves its send rows [S, H] and
+        probs [S] (from the old buffer, or from the dispatch's own where they did not fit it) into it."""
+        largest = self.largest_rows()
+        if largest <= self.staging.rows:
+            return
+        kept = rows.clone(), probs.clone()  # the old buffer goes before the new one is made
+        self.staging = _staging(self.group, self.indices.device, largest, self.row_bytes)
+        self.staging.rows_view(*rows.shape, rows.dtype).copy_(kept[0])
+        self.staging.probs_view(probs.shape[0], probs.dtype).copy_(kept[1])
 
 
 def peer_plan(
     group: dist.ProcessGroup,
     chunks: dict[str, Tensor],
+    group_sizes: Tensor | None,
     indices: Tensor,
     layout: EPLayout,
     hidden: int,
@@ -228,16 +152,17 @@ def peer_plan(
     received_rows: Callable[[], int],
     largest_rows: Callable[[], int],
 ) -> PeerPlan:
-    """The exchange plan of one layer call: chunks from moetriton.kernels.rules.expert_parallel.peer_chunks
-    (chunk_sizes, source_offsets [EP * L] on the device), the router's indices [T, K], the layer's layout,
-    the rows' width and dtype, and functions returning the rows this rank receives and the largest send
-    buffer of the group (both wait for the counts' host copy; ranks may hold different T). The group's
-    staging buffer is kept while the rows fit; it is (re)allocated, a collective, on the first call, for
-    wider rows (the same on every rank) and, after the counts arrived, when some rank's rows do not fit
-    (`PeerPlan.grow`): decisions every rank takes alike, so none is left in the collective alone.
+    """The exchange plan of one chunk: chunks from moetriton.kernels.rules.expert_parallel.peer_chunks
+    (chunk_sizes, source_offsets [EP * L] on the device), the experts' group sizes, the router's indices
+    [T, K], the chunk's layout, the rows' width and dtype, and functions returning the rows this rank
+    receives and the largest send buffer of the group (both wait for the counts' host copy; ranks may hold
+    different T). The group's staging buffer is kept while the rows fit; it is (re)allocated, a collective,
+    on the first call, for wider rows (the same on every rank) and, after the counts arrived, when some
+    rank's rows do not fit (`PeerPlan.grow`): decisions every rank takes alike, so none is left in the
+    collective alone.
 
-    Example (every rank of a two-GPU NCCL group; moetriton.torch.moe builds it this way):
-        >>> plan = peer_plan(group, chunks, ids, layout, 4096, dtype, rows, largest)  # doctest: +SKIP
+    Example (every rank of a two-GPU NCCL group; `PeerExchange` builds it this way):
+        >>> plan = peer_plan(group, chunks, sizes, ids, layout, 4096, dtype, rows, largest)  # doctest: +SKIP
     """
     row_bytes = hidden * dtype.itemsize
     key = (group.group_name, indices.device)
@@ -248,6 +173,7 @@ def peer_plan(
         staging,
         chunks["chunk_sizes"],
         chunks["source_offsets"],
+        group_sizes,
         indices,
         layout,
         received_rows,
@@ -257,24 +183,79 @@ def peer_plan(
     )
 
 
-def _dispatch_into(plan: PeerPlan, inp: Tensor, probs: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """token_dispatch of inp [T, H] (and probs [T, K]) into the staging buffer, aligned (dropless) or in
-    capacity slabs: (row_id_map, pad_offsets, tokens_per_expert)."""
-    layout, staging = plan.layout, plan.staging
-    rows = layout.send_rows
-    slots = layout.num_tokens * layout.topk
-    inputs = dict(inp=inp, routing=plan.indices, probs=probs, scales=None)
-    if layout.dropless:
-        config = DispatchConfig(layout.num_experts, False, slots, layout.align_size, None)
-    else:  # [E, C] slabs, each expert's first C slots (the layer applied its drop policy to the indices)
-        config = DispatchConfig(layout.num_experts, False, None, None, layout.capacity)
-    executable = bound(kernels.dispatch_plan, inp.device, **dispatch_sizes(inputs, config))
-    inputs.update(
-        output=staging.rows_view(rows, inp.shape[1], inp.dtype),
-        permuted_probs=None if probs is None else staging.probs_view(rows, probs.dtype),
-    )
-    _, _, _, row_id_map, pad_offsets, counts = executable.into(inputs)
-    return row_id_map, pad_offsets, counts
+class PeerExchange(Exchange):
+    """Dropless or capacity with EP > 1 through peer memory (moetriton.torch.moe.exchange's contract): the
+    send buffer is the staging buffer, each rank pulls its rows from every rank's straight into expert-major
+    order and pushes the expert outputs back into their sources', where the layer's combine reads them; the
+    merging weights travel with the rows, so that their gradient is taken where the expert outputs are.
+    Chunks run in turn (one staging buffer). Under a capacity every (source, expert) chunk is C rows at row
+    e * C of the source's [E, C] slabs: the receiving layout is fixed, nothing is counted or synced, and
+    each rank pulls its [L, EP, C] rows straight into the batched experts' order."""
+
+    carries_probs = True
+    in_turn = True
+
+    def __init__(
+        self, layout: EPLayout, group, rank: int, same_tokens: Callable[[], np.ndarray] | None
+    ) -> None:
+        super().__init__(layout, group, rank)
+        self.same_tokens = same_tokens
+        self.plans: dict[int, PeerPlan] = {}  # by chunk, from its dispatch to its combine
+
+    def start(self, chunks: Sequence[Chunk]) -> None:
+        if self.layout.dropless:
+            self.gathered = gather_chunk_counts(chunks, self.group)
+        elif self.same_tokens is not None:  # before the staging buffer is sized: a bad T fails on every rank
+            check_same_tokens(self.same_tokens())
+
+    def send_buffer(self, chunk: Chunk, hidden: int, dtype: torch.dtype) -> _Staging | None:
+        # Dispatched before the host waits for the counts where this rank's rows fit; into a buffer of its
+        # own in the rare call where they do not (the rows move in once the staging buffer has grown).
+        plan = self.plans[chunk.index] = self._plan(chunk, hidden, dtype)
+        return plan.staging if plan.fits() else None
+
+    def _plan(self, chunk: Chunk, hidden: int, dtype: torch.dtype) -> PeerPlan:
+        layout, rank = chunk.layout, self.rank
+        if layout.dropless:
+            counts = self.gathered[chunk.index]
+            chunks = peer_chunks(counts.on_device, rank, layout)
+            group_sizes = chunks["chunk_sizes"].view(layout.local_experts, layout.ep_size).sum(1)  # [L]
+
+            def received_rows() -> int:
+                return int(peer_chunks(counts.on_host(), rank, layout)["chunk_sizes"].sum())
+
+            def largest_rows() -> int:
+                return max(
+                    replace(layout, num_tokens=int(count)).send_rows for count in counts.tokens_on_host()
+                )
+
+        else:  # every rank holds the same T (`start` checked it where it could)
+            ep, capacity = layout.ep_size, layout.capacity
+            counts_all = torch.full(
+                (ep, layout.num_experts), capacity, dtype=torch.int64, device=chunk.tokens.device
+            )
+            chunks = peer_chunks(counts_all, rank, layout)
+            group_sizes, received = None, ep * layout.local_experts * capacity
+
+            def received_rows() -> int:
+                return received
+
+            def largest_rows() -> int:
+                return layout.send_rows
+
+        return peer_plan(
+            self.group, chunks, group_sizes, chunk.indices, layout, hidden, dtype, received_rows, largest_rows
+        )
+
+    def __call__(self, sends: Iterable[Send], experts: Experts) -> Iterator[tuple[Send, Tensor]]:
+        for send in sends:  # each chunk's rows go out and return before the next chunk is dispatched
+            plan = self.plans[send.chunk.index]
+            received, weights = _Pull.apply(send.rows, send.probs, plan)
+            yield send, _Push.apply(experts(received, plan.group_sizes), weights, plan)
+
+    def combine(self, rows: Tensor, send: Send) -> Tensor:
+        plan = self.plans.pop(send.chunk.index)
+        return _Combine.apply(rows, send.chunk.merging, send.row_id_map, send.pad_offsets, plan)
 
 
 def _pull(
@@ -340,39 +321,29 @@ def _push(plan: PeerPlan, rows: Tensor, probs: Tensor | None = None) -> None:
     staging.barrier()
 
 
-class _PeerDispatch(torch.autograd.Function):
-    """tokens [T, H], merging [T, K] -> (received [R, H], weights [R] in merging's dtype, row_id_map,
-    pad_offsets): token_dispatch into the staging buffer, then every rank pulls its expert-major rows and
-    their merging weights. Backward: the rows' and weights' gradients pushed back, then dispatch's backward
-    over the staging buffer."""
+class _Pull(torch.autograd.Function):
+    """The send rows [S, H] and merging weights [S] in the staging buffer -> (received [R, H], weights [R] in
+    the probs' dtype): every rank pulls its expert-major rows and their weights from all staging buffers
+    (after the counts arrived: the call's one host sync, dropless). Backward: the rows' and weights'
+    gradients pushed back into their sources' staging buffers, which then hold the gradients of the send
+    rows and probs (read there by the dispatch's backward)."""
 
     @staticmethod
-    def forward(ctx, tokens: Tensor, merging: Tensor, plan: PeerPlan):
+    def forward(ctx, rows: Tensor, probs: Tensor, plan: PeerPlan):
         ctx.set_materialize_grads(False)
-        # Dispatch before the host waits for the counts when this rank's rows fit; again into a new
-        # staging buffer in the rare call where some rank's do not (the same decision on every rank).
-        fits = plan.fits()
-        if fits:
-            with stage("dispatch"):
-                row_id_map, pad_offsets, _ = _dispatch_into(plan, tokens, merging)
-        with stage("exchange_sizes"):  # the call's one host sync
+        with stage("exchange_sizes"):
             num_rows = plan.received_rows()
-            grown = plan.grow()
-        if grown or not fits:
-            with stage("dispatch"):
-                row_id_map, pad_offsets, _ = _dispatch_into(plan, tokens, merging)
+            plan.grow(rows, probs)
         with stage("all_to_all"):
-            received, weights = _pull(plan, num_rows, tokens.shape[1], tokens.dtype, merging.dtype)
+            received, weights = _pull(plan, num_rows, rows.shape[1], rows.dtype, probs.dtype)
         ctx.plan = plan
         ctx.meta = (received.shape, received.dtype, weights.dtype)
-        ctx.save_for_backward(row_id_map)
-        return received, weights, row_id_map, pad_offsets
+        return received, weights
 
     @staticmethod
-    def backward(ctx, grad_received, grad_weights, _grad_map, _grad_offsets):
-        (row_id_map,) = ctx.saved_tensors
+    def backward(ctx, grad_received, grad_weights):
         plan, (shape, dtype, weights_dtype) = ctx.plan, ctx.meta
-        device = row_id_map.device
+        device = plan.chunk_sizes.device
         if grad_received is None:
             grad_received = torch.zeros(shape, dtype=dtype, device=device)
         if grad_weights is None:
@@ -380,116 +351,65 @@ class _PeerDispatch(torch.autograd.Function):
         with stage("all_to_all"):
             _push(plan, grad_received.contiguous(), grad_weights.to(weights_dtype).contiguous())
         rows = plan.layout.send_rows
-        with stage("dispatch"):
-            grad_tokens, grad_merging = DISPATCH_BACKWARD(
-                plan.staging.rows_view(rows, shape[1], dtype),
-                plan.staging.probs_view(rows, weights_dtype),
-                row_id_map,
-            )
-        return grad_tokens, grad_merging, None
+        return (
+            plan.staging.rows_view(rows, shape[1], dtype),
+            plan.staging.probs_view(rows, weights_dtype),
+            None,
+        )
 
 
-class _PeerCombine(torch.autograd.Function):
-    """expert outputs [R, H] -> [T, H]: pushed back into the sources' staging buffers, then the weighted
-    token_combine over the own one with `merging` [T, K].
+class _Push(torch.autograd.Function):
+    """Expert outputs [R, H] -> the rows [S, H] in the send buffer's layout: pushed back into their sources'
+    staging buffers, so that the own holds this rank's rows (what `_Combine` reads).
 
-    `weights` [R] must be `merging` as `_PeerDispatch` delivered it (the same values, expert-major): the
-    merging weights' gradient (dot products of the output gradient with the expert outputs, taken where
-    the outputs are) leaves through `weights` and none through `merging`, whose total gradient is then
-    dispatch's backward of it."""
+    `weights` [R] must be the merging weights as `_Pull` delivered them: the merging weights' gradient (dot
+    products of the output gradient with the expert outputs, taken where the outputs are) leaves through
+    them. Backward: the gradient `_Combine` hands over is the combine output's gradient dispatched,
+    unweighted, into the staging buffers (not the rows' own gradient, which would be weighted); every rank
+    pulls it, scaled by the merging weights, with the dot products beside it."""
 
     @staticmethod
-    def forward(ctx, out: Tensor, weights: Tensor, merging: Tensor, row_id_map: Tensor, pad_offsets, plan):
+    def forward(ctx, out: Tensor, weights: Tensor, plan: PeerPlan):
         ctx.set_materialize_grads(False)
         out = out.contiguous()
         with stage("all_to_all"):
             _push(plan, out)
-        rows = plan.staging.rows_view(plan.layout.send_rows, out.shape[1], out.dtype)
+        ctx.plan = plan
+        ctx.save_for_backward(out, weights)
+        return plan.staging.rows_view(plan.layout.send_rows, out.shape[1], out.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None, None
+        out, weights = ctx.saved_tensors
+        with stage("all_to_all"):
+            grad_out, dots = _pull(
+                ctx.plan, out.shape[0], out.shape[1], out.dtype, saved=out, weights=weights
+            )
+        return grad_out, dots.to(weights.dtype), None
+
+
+class _Combine(torch.autograd.Function):
+    """`_Push`'s rows [S, H] in the own staging buffer -> token_combine with merging [T, K] -> [T, H].
+    Backward: the gradient [T, H] dispatched, unweighted, into the staging buffer and handed to `_Push` as
+    the rows' gradient; none for merging, whose gradient leaves through `_Push`'s weights (and is then
+    dispatch's backward of them)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, merging: Tensor, row_id_map: Tensor, pad_offsets, plan: PeerPlan):
+        ctx.set_materialize_grads(False)
         with stage("combine"):
             combined = token_combine(rows, row_id_map, merging_probs=merging, pad_offsets=pad_offsets)
         ctx.plan = plan
-        ctx.save_for_backward(out, weights)
+        ctx.meta = (rows.shape, rows.dtype)
         return combined
 
     @staticmethod
     def backward(ctx, grad):
         if grad is None:
-            return (None,) * 6
-        out, weights = ctx.saved_tensors
-        plan = ctx.plan
+            return (None,) * 5
+        plan, (shape, dtype) = ctx.plan, ctx.meta
         with stage("combine"):
-            _dispatch_into(plan, grad, None)
-        with stage("all_to_all"):
-            grad_out, dots = _pull(plan, out.shape[0], out.shape[1], out.dtype, saved=out, weights=weights)
-        return grad_out, dots.to(weights.dtype), None, None, None, None
-
-
-def peer_experts(
-    tokens: Tensor,
-    merging: Tensor,
-    plan: PeerPlan,
-    group_sizes: Tensor | None,
-    experts: Callable[[Tensor, Tensor | None], Tensor],
-) -> Tensor:
-    """tokens [T, H] (float32 / bfloat16 / float16) through dispatch, the peer exchange,
-    `experts(rows [R, H], group_sizes [L]) -> [R, H]` and the exchange back and weighted combine with merging
-    [T, K] -> [T, H] in tokens' dtype; differentiable in tokens, merging and whatever `experts` uses.
-
-    Example (every rank; group_sizes [L] rows per local expert, from plan.chunk_sizes):
-        >>> out = peer_experts(tokens, merging, plan, group_sizes, experts)  # doctest: +SKIP
-    """
-    received, weights, row_id_map, pad_offsets = _PeerDispatch.apply(tokens, merging, plan)
-    out = experts(received, group_sizes)
-    return _PeerCombine.apply(out, weights, merging, row_id_map, pad_offsets, plan)
-
-
-def peer_dropless(
-    tokens, indices, merging, gathered, tokens_on_host, layout, ep_rank, group, gate_up, down, activation
-) -> Tensor:
-    """Dropless EP through the peer exchange: tokens [T, H] -> combined [T, H] (dispatch, exchanges,
-    experts and combine; see moetriton.torch.moe.peer). tokens_on_host: every rank's T (ranks may
-    hold different T), read with the counts when the staging buffer's size must be decided."""
-    counts_all, counts_on_host = gathered
-    chunks = peer_chunks(counts_all, ep_rank, layout)
-    group_sizes = chunks["chunk_sizes"].view(layout.local_experts, layout.ep_size).sum(1)  # [L]
-
-    def received_rows() -> int:
-        return int(peer_chunks(counts_on_host(), ep_rank, layout)["chunk_sizes"].sum())
-
-    def largest_rows() -> int:
-        return max(replace(layout, num_tokens=int(count)).send_rows for count in tokens_on_host())
-
-    plan = peer_plan(
-        group, chunks, indices, layout, tokens.shape[1], tokens.dtype, received_rows, largest_rows
-    )
-    return peer_experts(
-        tokens,
-        merging,
-        plan,
-        group_sizes,
-        lambda rows, sizes: expert_mlp(rows, sizes, gate_up, down, activation),
-    )
-
-
-def peer_capacity(tokens, indices, merging, layout, ep_rank, group, gate_up, down, activation) -> Tensor:
-    """The capacity policy through the peer exchange: tokens [T, H] -> combined [T, H]. Every (source,
-    expert) chunk is C rows at row e * C of the source's [E, C] slabs, so the receiving layout is fixed: no
-    count exchange, no host sync, and each rank pulls its [L, EP, C] rows straight into the batched
-    experts' expert-major order (no chunk sort). Every rank must hold the same T (the layer checks it)."""
-    ep, local, capacity = layout.ep_size, layout.local_experts, layout.capacity
-    counts_all = torch.full((ep, layout.num_experts), capacity, dtype=torch.int64, device=tokens.device)
-    chunks = peer_chunks(counts_all, ep_rank, layout)
-    received = ep * local * capacity
-    plan = peer_plan(
-        group,
-        chunks,
-        indices,
-        layout,
-        tokens.shape[1],
-        tokens.dtype,
-        lambda: received,
-        lambda: layout.send_rows,
-    )
-    return peer_experts(
-        tokens, merging, plan, None, lambda rows, _: batched_mlp(rows, gate_up, down, activation)
-    )
+            dispatch_into(grad, plan.indices, None, plan.layout, plan.staging)
+        return plan.staging.rows_view(shape[0], shape[1], dtype), None, None, None, None

@@ -12,6 +12,7 @@ from moetriton.kernels.rules.moe import MoEStats
 
 from ..router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss
 from .collectives import global_sum, group_size_and_rank
+from .routing import Routing
 
 
 def _sequence_balance(
@@ -31,9 +32,7 @@ def _sequence_balance(
 
 
 def routing_statistics(
-    logits: Tensor,
-    routing_map: Tensor,
-    routed: Tensor,
+    routing: Routing,
     valid: Tensor | None,
     layout: EPLayout,
     *,
@@ -46,15 +45,16 @@ def routing_statistics(
 ) -> tuple[Tensor, Tensor, MoEStats | None]:
     """(aux_loss fp32 scalar, dropped int32 scalar, MoEStats or None), global over `group` (None: this rank).
 
-    logits [T, E] (x.dtype) and routing_map [T, E] bool of this rank's tokens, masked tokens' rows cleared,
-    and routed [E] its column sums (computed once by the layer, which also sizes the exchange from them);
-    valid [T] bool (None: every token counts); coefficients: (aux_loss_coeff, seq_aux_loss_coeff,
-    z_loss_coeff); batch_shape: (B, S) of x [B, S, H] (for the sequence-wise loss); balance_counts: which
-    counts the load-balancing losses weigh (moetriton.kernels.rules.moe.BALANCE_COUNTS). One all_reduce
-    carries the routed and kept counts, the unmasked tokens, the sequences holding one (and with
-    balance_counts="scores" the top-K counts of the scores); a second, differentiable, sums the three losses'
-    partials. A rank without tokens still joins both: every rank reaches every collective whatever its
-    batch, or the others would wait for it."""
+    routing: this rank's tokens' (moetriton.torch.moe.routing.Routing: logits, the routing map with masked
+    tokens' rows cleared, and routed, its column sums, which also size the exchange); valid [T] bool (None:
+    every token counts); coefficients: (aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff); batch_shape:
+    (B, S) of x [B, S, H] (for the sequence-wise loss); balance_counts: which counts the load-balancing
+    losses weigh (moetriton.kernels.rules.moe.BALANCE_COUNTS). One all_reduce carries the routed and kept
+    counts, the unmasked tokens, the sequences holding one (and with balance_counts="scores" the top-K
+    counts of the scores); a second, differentiable, sums the three losses' partials. A rank without tokens
+    still joins both: every rank reaches every collective whatever its batch, or the others would wait for
+    it."""
+    logits, routing_map, routed = routing.logits, routing.routing_map, routing.routed
     num_experts, topk = layout.num_experts, layout.topk
     balance_coeff, sequence_coeff, z_coeff = coefficients
     any_loss = any(coeff > 0 for coeff in coefficients)
