@@ -247,7 +247,7 @@ def dropless_exchange(counts_all: Any, rank: Any, layout: EPLayout) -> dict[str,
 
 
 def peer_chunks(counts_all: Any, rank: Any, layout: EPLayout) -> dict[str, Any]:
-    """The receiving layout of the peer exchange (moetriton.kernels.peer_exchange) of this rank, from
+    """The receiving layout of the peer exchange (moetriton.kernels.peer_copy) of this rank, from
     `counts_all` [EP, E] as in `dropless_exchange`: expert-major chunks, chunk j * EP + p holding what
     source rank p's send buffer holds for local expert j.
 

@@ -1,4 +1,4 @@
-"""The peer exchange's copies (moetriton.kernels.peer_exchange) run from their plans with every "peer" a
+"""The peer exchange's copies (moetriton.kernels.peer_copy) run from their plans with every "peer" a
 buffer of this process (the kernels see only device addresses, so a table of local buffers stands in for the
 peers' mapped memory): pulled rows, probs and the scaled rows with their dot products equal an indexing
 reference; pushed rows land at their source rows and nothing else is written. The multi-GPU exchange itself

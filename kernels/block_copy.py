@@ -1,4 +1,5 @@
-"""The JAX layer's padded exchange: received blocks into the worst-case layout the grouped GEMMs read.
+"""Block copies of the JAX layer's padded exchange: received blocks placed into the worst-case layout the
+grouped GEMMs read, and taken back out of it.
 
 The padded exchange moves every (source, destination) pair's rows as one block of the step's block size
 (EPLayout.exchange_block_rows[index], a static size per lax.switch branch), while the buffers around it

@@ -1,4 +1,4 @@
-"""The padded exchange's block placement and its inverse (moetriton.kernels.exchange) launched straight from
+"""The padded exchange's block placement and its inverse (moetriton.kernels.block_copy) launched straight from
 their plans on torch buffers pre-filled with NaN: every block's first sizes[p] rows land at p * out_rows (or
 the permuted row, or the block's offset) and come back, bit for bit, sizes clipped to [0, rows], rows a bad
 offset puts outside the layout skipped, and nothing else is written; both kernels compile for sm_90."""
@@ -153,4 +153,4 @@ def _compile_all() -> None:
 
 
 def test_kernels_compile_for_sm90():
-    assert len(in_child("tests.kernels.test_exchange:_compile_all")) == 6
+    assert len(in_child("tests.kernels.test_block_copy:_compile_all")) == 6

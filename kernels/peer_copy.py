@@ -1,4 +1,4 @@
-"""Peer exchange: the dropless EP exchange as loads and stores into the other GPUs' memory.
+"""Peer copies of the PyTorch peer exchange: rows pulled from, and pushed into, the other GPUs' memory.
 
 On GPUs of one host that reach each other's memory (NVLink peer access), every rank can read a peer's send
 buffer, or write into it, from its own kernels: each source rank's buffer [S, H] sits at the same offset of
