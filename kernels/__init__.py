@@ -1,7 +1,7 @@
 """Triton kernels for MoE token routing and their framework-neutral launch plans.
 
 The tree shows the layers: one module (or package) per kernel family (permutation, chunk_sort, router,
-grouped_gemm, activation, and the expert-parallel copies exchange and peer_exchange: kernels and their
+grouped_gemm, activation, and the expert-parallel copies block_copy and peer_copy: kernels and their
 launch plans), `_jit` (jit helpers several families share), `rules/` (argument rules, one module per family,
 shape arithmetic, the MoE layer's rules and sizes) and `runtime/` (plans, the executors' shared step, the
 autotune caches, the interpreter). This package exports every family the same way: its plan builders and
@@ -13,10 +13,10 @@ importing to run the kernels under the Triton interpreter on CPU.
 
 from . import chunk_sort, grouped_gemm, permutation, router
 from .activation import activation_backward_plan, activation_plan
+from .block_copy import place_blocks_plan, take_blocks_plan
 from .chunk_sort import sort_chunks_plan
-from .exchange import place_blocks_plan, take_blocks_plan
 from .grouped_gemm import grouped_matmul_plan, grouped_matmul_wgrad_plan
-from .peer_exchange import pull_rows_plan, push_rows_plan
+from .peer_copy import pull_rows_plan, push_rows_plan
 from .permutation.combine import combine_backward_plan, combine_plan
 from .permutation.dispatch import dispatch_outputs, dispatch_plan, scatter_plan
 from .permutation.row_map import expert_count_plan
