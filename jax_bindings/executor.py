@@ -8,7 +8,6 @@ passed as `zeroed_outputs`. TRITON_INTERPRET=1, any backend: the whole plan runs
 
 from __future__ import annotations
 
-import inspect
 import os
 import threading
 
@@ -23,7 +22,14 @@ from moetriton.kernels.runtime.interpreter import (
     interpreter_problem,
     say_reference_fallback,
 )
-from moetriton.kernels.runtime.plan import DeviceInfo, Plan, RowStride, alignment, plan_sizes
+from moetriton.kernels.runtime.plan import (
+    DeviceInfo,
+    Plan,
+    RowStride,
+    alignment,
+    plan_sizes,
+    tuned_per_device,
+)
 
 
 def dtype_name(dtype) -> str:
@@ -72,16 +78,13 @@ def device_info() -> DeviceInfo:
     return DeviceInfo()
 
 
-def _dtype(spec_dtype: str, inputs: dict) -> jnp.dtype:
-    if spec_dtype.startswith("like:"):
-        return jnp.dtype(inputs[spec_dtype.removeprefix("like:")].dtype)
-    return jnp.dtype(spec_dtype)
+def _dtype(spec, inputs: dict) -> jnp.dtype:
+    return jnp.dtype(inputs[spec.like].dtype if spec.like else spec.dtype)
 
 
 def _result_specs(plan: Plan, inputs: dict) -> dict[str, jax.ShapeDtypeStruct]:
     return {
-        name: jax.ShapeDtypeStruct(spec.shape, _dtype(spec.dtype, inputs))
-        for name, spec in plan.buffers.items()
+        name: jax.ShapeDtypeStruct(spec.shape, _dtype(spec, inputs)) for name, spec in plan.buffers.items()
     }
 
 
@@ -107,7 +110,7 @@ def run_builder(builder, inputs: dict, **options) -> dict[str, jax.Array]:
     """Runs the plan that `builder` (a plan builder of moetriton.kernels) makes for `inputs` (the sizes its
     `sized_by` declaration reads from them), `options` and, for builders tuned per device, this process's
     device; returns its results by name. An option also named by the declaration overrides it."""
-    if "device" in inspect.signature(builder).parameters:
+    if tuned_per_device(builder):
         options["device"] = device_info()
     plan = builder(**(plan_sizes(builder, inputs, dtype_name) | options))
     return dict(zip(plan.results, run_plan(plan, inputs), strict=True))

@@ -15,16 +15,21 @@ fully expanded), is made contiguous first. Results are always dense.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
-import inspect
 import threading
 
 import torch
 
 from moetriton.kernels.runtime.interpreter import INTERPRETER, interpreter_problem, say_reference_fallback
-from moetriton.kernels.runtime.plan import DeviceInfo, Plan, RowStride, alignment, strided_inputs
+from moetriton.kernels.runtime.plan import (
+    DeviceInfo,
+    Plan,
+    RowStride,
+    alignment,
+    strided_inputs,
+    tuned_per_device,
+)
 
 _DTYPES = {
     "bool": torch.bool,
@@ -43,10 +48,6 @@ _DTYPES = {
 def dtype_name(dtype: torch.dtype) -> str:
     """numpy-style name of a torch dtype, as moetriton.kernels.rules.validation expects."""
     return str(dtype).removeprefix("torch.")
-
-
-def describe(x: torch.Tensor | None) -> tuple[tuple[int, ...], str] | None:
-    return None if x is None else (tuple(x.shape), dtype_name(x.dtype))
 
 
 def uses_kernels(device: torch.device) -> bool:
@@ -75,10 +76,8 @@ def device_info(device: torch.device) -> DeviceInfo:
     return DeviceInfo()
 
 
-def _buffer_dtype(spec_dtype: str, inputs: dict[str, torch.Tensor | None]) -> torch.dtype:
-    if spec_dtype.startswith("like:"):
-        return inputs[spec_dtype.removeprefix("like:")].dtype
-    return _DTYPES[spec_dtype]
+def _buffer_dtype(spec, inputs: dict[str, torch.Tensor | None]) -> torch.dtype:
+    return inputs[spec.like].dtype if spec.like else _DTYPES[spec.dtype]
 
 
 def allocate(
@@ -89,7 +88,7 @@ def allocate(
     buffers = {}
     for name, spec in plan.buffers.items():
         alloc = torch.zeros if spec.zero and not fake else torch.empty
-        buffers[name] = alloc(spec.shape, dtype=_buffer_dtype(spec.dtype, inputs), device=device)
+        buffers[name] = alloc(spec.shape, dtype=_buffer_dtype(spec, inputs), device=device)
     return buffers
 
 
@@ -248,7 +247,7 @@ class Executable:
         self.allocations = []
 
         def in_workspace(name: str, spec) -> bool:
-            return name not in results and not spec.dtype.startswith("like:") and not spec.zero
+            return name not in results and spec.like is None and not spec.zero
 
         scratch_like = [
             name
@@ -258,7 +257,7 @@ class Executable:
         owned = list(plan.results) + scratch_like
         for name in owned:
             spec = plan.buffers[name]
-            like = spec.dtype.removeprefix("like:") if spec.dtype.startswith("like:") else None
+            like = spec.like
             dtype = None if like else _DTYPES[spec.dtype]
             self.allocations.append(
                 (name, spec.shape, dtype, like, spec.zero, name in results, spec.placeholder)
@@ -475,25 +474,6 @@ def _triton_knobs():
     return knobs
 
 
-_EXECUTABLES: collections.OrderedDict = collections.OrderedDict()
-_MAX_EXECUTABLES = 1024
-
-
-def executable(plan: Plan, device: torch.device) -> Executable:
-    """The Executable of `plan` on `device`, kept while the plan is (plans of a signature are one object,
-    see moetriton.kernels.runtime.plan.cached), least recently used dropped first."""
-    key = (id(plan), device)
-    entry = _EXECUTABLES.get(key)
-    if entry is not None and entry.plan is plan:
-        _EXECUTABLES.move_to_end(key)
-        return entry
-    entry = Executable(plan, device)
-    _EXECUTABLES[key] = entry
-    if len(_EXECUTABLES) > _MAX_EXECUTABLES:
-        _EXECUTABLES.popitem(last=False)
-    return entry
-
-
 def _options(launch) -> dict:
     """Triton's launch options of a launch: warps, stages, fp fusion, programmatic dependent launch."""
     options = dict(
@@ -539,9 +519,7 @@ def run_plan(
         alloc = torch.zeros if spec.zero else torch.empty
         # A placeholder is None (kernels get the dummy pointer), or its size-0 tensor for a custom op.
         skipped = spec.placeholder and not _FILL.active
-        env[name] = (
-            None if skipped else alloc(spec.shape, dtype=_buffer_dtype(spec.dtype, env), device=device)
-        )
+        env[name] = None if skipped else alloc(spec.shape, dtype=_buffer_dtype(spec, env), device=device)
     dummy = _dummy(device)
     context = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with context:
@@ -563,7 +541,7 @@ def run_plan(
 @functools.lru_cache(maxsize=1024)
 def _bound(builder, device: torch.device, sizes: tuple) -> Executable:
     sizes = dict(sizes)
-    if "device" in inspect.signature(builder).parameters:  # plans tuned per device take its info
+    if tuned_per_device(builder):
         sizes["device"] = device_info(device)
     return Executable(builder(**sizes), device)
 

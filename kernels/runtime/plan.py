@@ -17,6 +17,7 @@ columns are unit stride, and every other input is made contiguous first. Outputs
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import math
 from collections.abc import Callable, Mapping
@@ -44,6 +45,12 @@ class Buffer:
     def absent(cls, dtype: str, shape: tuple[int, ...] = (0,)) -> Buffer:
         """The placeholder of a result the plan's options leave out (see `placeholder`)."""
         return cls(shape, dtype, placeholder=True)
+
+    @property
+    def like(self) -> str | None:
+        """The input whose dtype this buffer takes ("like:<input>"), or None for a fixed dtype: the one
+        reading of `dtype` both executors use."""
+        return self.dtype.removeprefix("like:") if self.dtype.startswith("like:") else None
 
 
 @dataclass(frozen=True)
@@ -205,6 +212,13 @@ def plan_sizes(
 ) -> dict[str, Any]:
     """The arguments of `builder` that its input `arrays` give (its `sized_by` declaration)."""
     return builder.sizes.of(arrays, dtype_name)
+
+
+@functools.cache
+def tuned_per_device(builder: Callable[..., Any]) -> bool:
+    """Whether a plan builder takes the device's info (`device`: plans tuned per device), which the
+    executors then pass it."""
+    return "device" in inspect.signature(builder).parameters
 
 
 def next_pow2(value: int) -> int:

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moetriton import kernels
+from moetriton.kernels.runtime.plan import tuned_per_device
 from moetriton.torch.executor import run_plan
 from tests._plans import dispatch_plan_with_defaults
 from tests.torch._helpers import DEVICE
@@ -154,3 +155,11 @@ def test_sizes_read_axes_presence_element_bytes_and_dtypes():
     assert got == dict(
         rows=5, slots=4, cols=None, has_x=True, has_absent=False, element_bytes=2, x_dtype="bfloat16"
     )
+
+
+def test_the_executors_shared_step_reads_dtypes_and_device_tuning_one_way():
+    assert kernels.Buffer((2, 3), "like:inp").like == "inp"
+    assert kernels.Buffer((2, 3), "int32").like is None
+    tuned = {builder.__name__ for builder in _declared_builders() if tuned_per_device(builder)}
+    assert {"dispatch_plan", "combine_plan", "sort_chunks_plan", "topk_plan"} <= tuned
+    assert not tuned_per_device(kernels.aux_loss_plan)
