@@ -32,11 +32,11 @@ from .executor import Executable, allocate, bound, device_info, dtype_name, fill
 
 # Types whose instances take the direct path; subclasses (FakeTensor, DTensor, quantized wrappers) do not.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-#: Executables a Launch keeps by call key (the oldest dropped first beyond this; `bound` keeps them too).
+#: Executables a PlanBinding keeps by call key (the oldest dropped first beyond this; `bound` keeps them too).
 _MAX_KEYS = 1024
 
 
-class Launch:
+class PlanBinding:
     """How an op's arguments become a launch plan: `plan` (a plan builder of moetriton.kernels), `inputs`
     (a function of the op's arguments giving the plan's input tensors by name, from which the builder's
     `sized_by` declaration gives its sizes), `options` (a function of the op's arguments giving the builder's
@@ -46,12 +46,12 @@ class Launch:
     concrete sizes and torch.compile may trace with symbolic ones; `first` returns the plan's first result
     alone.
 
-    An eager call finds its executable in the Launch's own table, by a key of what the plan's arguments are a
-    function of: the device, the declaration's `Sizes.key` of the inputs and the options' arguments
+    An eager call finds its executable in the PlanBinding's own table, by a key of what the plan's arguments
+    are a function of: the device, the declaration's `Sizes.key` of the inputs and the options' arguments
     (`options.key(args)`: the op's last arguments for `trailing`, else the options' items). Only a new key
     builds the arguments and goes through `bound`: the per-call path builds no argument dict and unpacks no
-    keywords (building them cost a top-k call 2.6 of its 10.2 us in `run` on CPU with the kernels stubbed,
-    the key and its lookup about 0.7 us: docs/performance.md item 15)."""
+    keywords (building them per call costs a quarter of a small op's host time, the key and its lookup a
+    small fraction of that)."""
 
     def __init__(
         self,
@@ -107,8 +107,8 @@ class Launch:
 
 
 def trailing(*names: str | None) -> Callable[..., dict]:
-    """`Launch.options` for ops whose last arguments are plan options: those arguments by `names`, in order
-    (None skips an argument the plan does not take). Its `key(args)` is those last arguments, all the
+    """`PlanBinding.options` for ops whose last arguments are plan options: those arguments by `names`, in
+    order (None skips an argument the plan does not take). Its `key(args)` is those last arguments, all the
     options are a function of."""
     # (position counted from the end, name) of each named argument, found once.
     named = tuple((index - len(names), name) for index, name in enumerate(names) if name is not None)

@@ -8,9 +8,9 @@ from torch import Tensor
 from moetriton import kernels
 
 from . import reference
-from ._op import Launch, Op, trailing
+from ._op import Op, PlanBinding, trailing
 
-_ACTIVATE = Launch(
+_ACTIVATE = PlanBinding(
     kernels.activation_plan,
     lambda hidden, activation: dict(hidden=hidden, group_sizes=None),
     trailing("activation"),
@@ -36,7 +36,7 @@ def _activate_backward(ctx, grad):
     return ACTIVATE_BACKWARD(grad, hidden, ctx.activation), None
 
 
-_ACTIVATE_BACKWARD = Launch(
+_ACTIVATE_BACKWARD = PlanBinding(
     kernels.activation_backward_plan,
     lambda grad, hidden, activation: dict(hidden=hidden, grad=grad.to(hidden.dtype), group_sizes=None),
     trailing("activation"),

@@ -23,7 +23,7 @@ from moetriton.kernels.rules import permutation as rules
 
 from . import reference
 from ._checks import Signature, described, extremes, memoised, same_device, signature, values_checked
-from ._op import Launch, Op, trailing, zeros_like_meta
+from ._op import Op, PlanBinding, trailing, zeros_like_meta
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -38,7 +38,7 @@ def _dispatch_outputs(sizes: dict) -> dict:
     return kernels.dispatch_outputs(**sizes)
 
 
-_DISPATCH = Launch(
+_DISPATCH = PlanBinding(
     kernels.dispatch_plan,
     lambda inp, routing, probs, scales, *config: dict(inp=inp, routing=routing, probs=probs, scales=scales),
     # The op's arguments after its four tensors: a DispatchConfig's, dispatch_plan's options.
@@ -102,7 +102,7 @@ def _dispatch_backward(ctx, grad_output, grad_probs, grad_scales, grad_map, grad
 
 
 # Dispatch's gradient is a combine of its cotangent (and a gather of the permuted probs' gradient).
-_DISPATCH_BACKWARD = Launch(
+_DISPATCH_BACKWARD = PlanBinding(
     kernels.combine_plan,
     lambda grad_output, grad_permuted_probs, row_id_map: dict(
         inp=grad_output, row_id_map=row_id_map, weights=None, permuted_probs=grad_permuted_probs
@@ -126,7 +126,7 @@ DISPATCH = Op("dispatch", _dispatch, _dispatch_fake, setup=_dispatch_setup, back
 # combine -------------------------------------------------------------------------------------------------
 
 
-_COMBINE = Launch(
+_COMBINE = PlanBinding(
     kernels.combine_plan,
     lambda inp, row_id_map, merging_probs, padded: dict(
         inp=inp, row_id_map=row_id_map, weights=merging_probs, permuted_probs=None
@@ -160,7 +160,7 @@ def _combine_backward(ctx, grad):
     return SCATTER_ROWS(grad, row_map, ctx.num_rows, ctx.padded), None, None, None
 
 
-_SCATTER_ROWS = Launch(
+_SCATTER_ROWS = PlanBinding(
     kernels.scatter_plan,
     lambda grad, row_id_map, num_rows, padded: dict(grad=grad, row_id_map=row_id_map),
     trailing("num_rows", "padded"),
@@ -175,7 +175,7 @@ def _scatter_rows(grad: Tensor, row_id_map: Tensor, num_rows: int, padded: bool)
     return _SCATTER_ROWS.run(grad, row_id_map, num_rows, padded)
 
 
-_COMBINE_BACKWARD = Launch(
+_COMBINE_BACKWARD = PlanBinding(
     kernels.combine_backward_plan,
     lambda grad, row_id_map, inp, merging_probs, padded: dict(
         grad=grad, row_id_map=row_id_map, inp=inp, weights=merging_probs
@@ -202,7 +202,7 @@ COMBINE = Op("combine", _combine, _COMBINE.fake, setup=_combine_setup, backward=
 # chunk sort ----------------------------------------------------------------------------------------------
 
 
-_SORT_CHUNKS = Launch(
+_SORT_CHUNKS = PlanBinding(
     kernels.sort_chunks_plan,
     lambda inp, split_sizes, sorted_indices, probs, backward: dict(
         inp=inp, split_sizes=split_sizes, sorted_indices=sorted_indices, probs=probs

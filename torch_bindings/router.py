@@ -20,7 +20,7 @@ from moetriton.kernels.rules import router as rules
 
 from . import reference_router as reference
 from ._checks import Signature, describe, memoised, same_device, signature
-from ._op import Launch, Op, trailing
+from ._op import Op, PlanBinding, trailing
 from .executor import dtype_name
 
 
@@ -74,7 +74,7 @@ def _check_aux_loss(
 # symbolic sizes (torch.compile with dynamic shapes).
 
 
-_TOPK = Launch(
+_TOPK = PlanBinding(
     kernels.topk_plan,
     lambda logits, expert_bias, *options: dict(logits=logits, bias=expert_bias),
     trailing(*rules.TOPK_OPTIONS),
@@ -128,7 +128,7 @@ def _grad_logits_outputs(sizes: dict) -> dict:
     return kernels.grad_logits_outputs(sizes["num_tokens"], sizes["num_experts"])
 
 
-_TOPK_BACKWARD = Launch(
+_TOPK_BACKWARD = PlanBinding(
     kernels.topk_backward_plan,
     lambda grad_probs, logits, routing_map, *options: dict(
         grad_probs=grad_probs, logits=logits, routing_map=routing_map
@@ -168,7 +168,7 @@ ROUTER_TOPK_BACKWARD = Op("router_topk_backward", _router_topk_backward, _TOPK_B
 
 # aux-loss scores -------------------------------------------------------------------------------------------
 
-_AUX_SCORES = Launch(
+_AUX_SCORES = PlanBinding(
     kernels.aux_scores_plan,
     lambda logits, *options: dict(logits=logits),
     trailing(*rules.AUX_SCORES_OPTIONS),
@@ -204,7 +204,7 @@ ROUTER_AUX_SCORES = Op(
     "router_aux_scores", _router_aux_scores, _AUX_SCORES.fake, setup=_scores_setup, backward=_scores_backward
 )
 
-_AUX_SCORES_BACKWARD = Launch(
+_AUX_SCORES_BACKWARD = PlanBinding(
     kernels.aux_scores_backward_plan,
     lambda grad_scores, logits, score_function: dict(grad_scores=grad_scores, logits=logits),
     trailing("score_function"),
@@ -227,7 +227,7 @@ ROUTER_AUX_SCORES_BACKWARD = Op(
 # The token total is a 0-dim tensor `total`, or the int `total_int` when `total` is None (the plan then
 # bakes it in).
 
-_AUX_LOSS = Launch(
+_AUX_LOSS = PlanBinding(
     kernels.aux_loss_plan,
     lambda probs, tokens_per_expert, total, *options: dict(
         probs=probs, counts=tokens_per_expert, total=total
@@ -275,7 +275,7 @@ ROUTER_AUX_LOSS = Op(
 )
 
 
-_AUX_LOSS_BACKWARD = Launch(
+_AUX_LOSS_BACKWARD = PlanBinding(
     kernels.aux_loss_backward_plan,
     lambda grad_loss, tokens_per_expert, total, *options: dict(
         grad_loss=grad_loss, counts=tokens_per_expert, total=total
