@@ -131,8 +131,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from moetriton.jax import reference_router, token_combine, token_dispatch
 from moetriton.jax.activation import apply_activation
 from moetriton.jax.moe import MoEConfig, dropless_forward, dropless_reverse, exchange_sizes, moe
+from moetriton.jax.moe.exchange import resolve_exchange
 from moetriton.jax.moe.experts import expert_major_rows, expert_mlp
-from moetriton.jax.moe.layer import _router, resolve_exchange
+from moetriton.jax.moe.routing import route
+from moetriton.jax.router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss
 from moetriton.kernels.rules.expert_parallel import ep_layout
 from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES, MoELayerShape
 
@@ -218,6 +220,23 @@ class Case:
     @property
     def batch(self) -> int:
         return self.ep * self.shape.num_tokens // self.seq
+
+
+def router_stage(x_flat, gate, expert_bias, config: MoEConfig, num_tokens_global: int):
+    """The layer's router stage alone (moetriton.jax.moe.routing.route), without a mask, as this benchmark
+    times it: (merging weights [T, K] fp32, indices [T, K] int32, routed slots per expert [E] int32, partial
+    load-balancing loss of this shard (fp32 scalar; the psum over token shards is the global loss))."""
+    logits, weights, indices, routing_map = route(x_flat, gate, expert_bias, None, config)
+    routed = routing_map.sum(0, dtype=jnp.int32)
+    if config.aux_loss_coeff == 0 or num_tokens_global == 0:  # no tokens anywhere: no loss
+        return weights, indices, routed, jnp.zeros((), jnp.float32)
+    _, scores = fused_compute_score_for_moe_aux_loss(logits, config.topk, config.score_function)
+    routed_global = jax.lax.psum(routed, config.token_axes) if config.token_axes else routed
+    num_experts = gate.shape[1]
+    loss = fused_moe_aux_loss(
+        scores, routed_global, num_tokens_global, num_experts, config.topk, config.aux_loss_coeff
+    )
+    return weights, indices, routed, loss.astype(jnp.float32)
 
 
 def _significant(value: float) -> float:
@@ -516,7 +535,7 @@ def stage_times(case: Case, mesh: Mesh | None, arrays, steps: int) -> dict[str, 
     x_flat = x.reshape(-1, shape.hidden)
 
     def router(x_flat, gate):
-        weights, indices, routed, aux = _router(x_flat, gate, None, config, tokens_per_shard * case.ep)
+        weights, indices, routed, aux = router_stage(x_flat, gate, None, config, tokens_per_shard * case.ep)
         return weights, indices, routed[None], aux[None]
 
     def dispatch(tokens, indices):
@@ -577,7 +596,7 @@ def moved_rows_ratio(case: Case, mesh: Mesh, arrays) -> float:
     x, gate, _, _ = arrays
 
     def block_index(x_flat, gate):
-        _, indices, _, _ = _router(x_flat, gate, None, config, shape.num_tokens * case.ep)
+        _, indices, _, _ = router_stage(x_flat, gate, None, config, shape.num_tokens * case.ep)
         *_, counts = token_dispatch(
             x_flat, indices=indices, num_experts=shape.num_experts, align_size=layout.align_size
         )

@@ -118,7 +118,7 @@ def run(small: bool = False) -> dict[str, dict[str, float]]:
         results[name] = check(mesh, arrays, options)
         print("  max |layer - reference|: " + ", ".join(f"{k} {v:.2e}" for k, v in results[name].items()))
 
-    from moetriton.jax.flax import MoEBlock, init_sharded
+    from moetriton.jax.moe.flax import MoEBlock, init_sharded
 
     block = MoEBlock(
         num_experts=sizes["num_experts"], ffn_dim=sizes["ffn"], topk=2, mesh=mesh, data_axes=("data",)

@@ -1,13 +1,15 @@
-"""The expert-parallel MoE layer for JAX (`moe`; its Flax module is moetriton.jax.flax), one module per
-part: `layer` (the layer, its arguments, losses and statistics), `balancing` (the expert-bias update),
-`exchange` (the EP row exchanges), `experts` (the grouped MLP) and `config` (a call's static configuration).
-See docs/moe.md."""
+"""The expert-parallel MoE layer for JAX (`moe`), one module per job: `layer` (the layer, its arguments and
+the sequence of steps), `routing` (router, token mask, drop policy), `statistics` (losses, dropped count,
+loads), `balancing` (the expert-bias update), `experts` (the grouped MLP, the shared experts), `exchange`
+(which exchange a call runs, the exchange around the experts), the exchanges `all_to_all` (dropless:
+ragged or padded) and `capacity` (fixed slabs), `config` (a call's static configuration) and `flax`
+(the Flax Linen module `MoEBlock`, imported only on its own: moetriton.jax.moe.flax). See docs/moe.md."""
 
 from moetriton.kernels.rules.moe import MoEStats
 
+from .all_to_all import dropless_forward, dropless_reverse, exchange_sizes
 from .balancing import update_expert_bias
 from .config import MoEConfig
-from .exchange import dropless_forward, dropless_reverse, exchange_sizes
 from .layer import ACTIVATIONS, EXCHANGES, moe
 
 __all__ = [

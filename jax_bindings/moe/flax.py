@@ -1,4 +1,4 @@
-"""Flax Linen front end of the expert-parallel MoE layer: `MoEBlock` (moetriton.jax.flax).
+"""Flax Linen front end of the expert-parallel MoE layer: `MoEBlock` (moetriton.jax.moe.flax).
 
 The block owns the layer's parameters, with logical-axis annotations so they shard the Flax way
 (`nn.logical_axis_rules`): gate [H, E] ("embed", "router_experts"), fused gate+up [E, H, 2F] ("experts",
@@ -27,7 +27,7 @@ from moetriton.kernels.rules import moe as layer_rules
 from moetriton.kernels.rules.expert_parallel import gate_up_width
 from moetriton.kernels.rules.moe import MoEStats
 
-from .moe import moe
+from .layer import moe
 
 #: Logical axis -> mesh axis for the default layout (experts over "ep", everything else replicated).
 DEFAULT_LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (

@@ -1,43 +1,28 @@
-"""Expert-parallel MoE layer: router -> dispatch -> all-to-all -> grouped GEMMs -> all-to-all -> combine.
+"""Expert-parallel MoE layer: router -> dispatch -> exchange -> grouped GEMMs -> exchange back -> combine.
 
 `moe(x, gate, gate_up, down, topk=..., mesh=...)` is a pure function (jit- and grad-safe, static shapes, no
 host sync). Tokens are sharded over (data axes..., EP axis) on their batch axis, experts over the EP axis
 (expert e lives on EP rank e // L, L = E / EP). Every token shard runs, inside one `jax.shard_map`:
 
-    logits = x @ gate (fp32) -> fused top-k (indices; masked tokens' slots -1: no expert) -> losses and
-    counts (global: counts psum-ed over all token shards, partial losses psum-ed) -> with drop_policy
-    "probs", the slots each expert drops set to -1 (`most_probable_slots`) -> token_dispatch (aligned, or
-    capacity C) -> exchange -> grouped_matmul(x, gate_up) reading the received rows in expert-major order
-    -> activation -> grouped_matmul(., down) writing them back in the received order -> reverse exchange
-    -> token_combine with the merging probs (+ the shared experts' FFN of the shard's tokens, optionally
-    gated per token, where shared weights are given: computed from the tokens alone, with no dependency on
-    the exchange). Dropless, `pipeline_chunks` runs the dispatch-to-combine part on that many token chunks
-    of the shard, independent of each other, so that one chunk's exchange can run beside another's GEMMs.
-
-The received rows arrive grouped by source rank. The padded exchange places them straight in expert-major
-order (and takes the results back out of it) by the chunk sort's row map (`_expert_major_rows`: the
-chunk-sort kernel's map of zero columns); after the ragged or capacity exchange the grouped GEMMs read and
-write them through that permutation instead. Either way no chunk sort copies them before and after the
-GEMMs (nor back in the backward pass).
+1. route (`routing`): logits = x @ gate [T, E] (fp32) -> fused top-k: indices [T, K] and merging weights
+   (masked tokens' slots -1: no expert);
+2. count (`statistics`): the losses, the dropped count and the loads, global over the token shards (counts
+   psum-ed over all token shards, partial losses psum-ed);
+3. drop and chunk (`routing`): under a capacity with drop_policy "probs", the slots each expert drops set
+   to -1 (`most_probable_slots`); dropless, `pipeline_chunks` static token chunks of the shard, independent
+   of each other, so that one chunk's exchange can run beside another's GEMMs;
+4. per chunk: dispatch (token_dispatch, aligned or capacity C) -> the exchange (`exchange` and one module
+   per exchange: `all_to_all` dropless, `capacity`) moves the rows to their experts' ranks, runs the
+   experts there (`experts`: grouped_matmul gate_up -> activation -> grouped_matmul down) and brings the
+   outputs back in the send buffer's layout -> combine (token_combine with the merging weights);
+5. + the shared experts' FFN of the shard's tokens (optionally gated per token), where shared weights are
+   given: computed from the tokens alone, with no dependency on the exchange.
 
 The exchange sizes and static buffer sizes come from moetriton.kernels.rules.expert_parallel (`ep_layout`,
-`dropless_exchange`, `dropped_slots`, `kept_slots`); nothing here re-derives them. Two exchanges move the
-same rows:
-
-* "ragged": `jax.lax.ragged_all_to_all` into the static receive buffer (GPU meshes only);
-* "padded": every (source, destination) pair's rows padded to one block size and moved with a fixed-size
-  `jax.lax.all_to_all`: the smallest of `EPLayout.exchange_block_rows` that holds the step's largest pair
-  (one `lax.switch` branch per size; every rank picks the same one from the all-gathered counts). The
-  receiver places the rows each source sent into the static worst-case layout, in expert-major order
-  (moetriton.kernels.exchange: those rows copied, nothing else written; each block's unused rows a last
-  chunk, ordered after the experts' rows), takes the results back out the same way, and the sending side
-  compacts what comes back.
-  Each direction's transpose is the other direction. "auto" picks this: XLA:CPU has no ragged
-  all-to-all, XLA's GPU one is slower than this between the GPUs of one host, and jaxlib 0.11 runs it
-  between processes only when XLA_FLAGS allows its NCCL fallback (`resolve_exchange`).
-
-The capacity policy needs neither: every (source, expert) pair owns exactly C rows, so one fixed-size
-all_to_all moves [L, C] slabs. Gradients are our ops' custom_vjp rules plus JAX's transposes of the
+`dropless_exchange`, `dropped_slots`, `kept_slots`); nothing here re-derives them. The dropless exchanges,
+"ragged" and "padded" ("auto": `resolve_exchange`), are moetriton.jax.moe.all_to_all's; under a capacity
+every (source, expert) pair owns exactly C rows, so one fixed-size all_to_all moves [L, C] slabs
+(moetriton.jax.moe.capacity). Gradients are our ops' custom_vjp rules plus JAX's transposes of the
 collectives. The grouped GEMMs are moetriton's (`grouped_matmul`: Triton kernels with their VJP; XLA lowers
 ragged_dot to E-times-padded dots on GPUs). Never imports torch or flax.
 """
@@ -55,180 +40,19 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from moetriton.kernels.rules import moe as layer_rules
 from moetriton.kernels.rules import validation
-from moetriton.kernels.rules.expert_parallel import dropped_slots, kept_slots, pipeline_chunk_bounds
+from moetriton.kernels.rules.expert_parallel import pipeline_chunk_bounds
 from moetriton.kernels.rules.moe import MoEStats
 
 from ..permutation import token_combine, token_dispatch
-from ..router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 from .config import MoEConfig
-from .exchange import exchanged_experts
-from .experts import dense_dot, expert_mlp, shared_mlp
+from .exchange import exchanged_experts, resolve_exchange
+from .experts import shared_mlp
+from .routing import apply_drop_policy, route
+from .statistics import routing_statistics
 
 #: Row exchanges and expert activations: the shared layer rules' names (moetriton.kernels.rules.moe).
 EXCHANGES = layer_rules.JAX_EXCHANGES
 ACTIVATIONS = layer_rules.ACTIVATIONS
-
-
-def _route(x_flat, gate, expert_bias, valid, config: MoEConfig):
-    """(logits [T, E] fp32, merging weights [T, K] fp32, indices [T, K] int32, routing map [T, E] bool).
-    valid [T] bool or None: a masked token's slots get index -1 (no expert), weight 0 and no routing-map
-    row, so it takes no expert row, no capacity and no count."""
-    logits = dense_dot(x_flat, gate.astype(x_flat.dtype))  # [T, E]
-    probs, routing_map, indices = fused_topk_with_score_function(
-        logits,
-        config.topk,
-        config.use_pre_softmax,
-        config.num_groups,
-        config.group_topk,
-        config.scaling_factor,
-        config.score_function,
-        None if expert_bias is None else jax.lax.stop_gradient(expert_bias.astype(jnp.float32)),
-        return_indices=True,
-    )
-    weights = jnp.take_along_axis(probs, indices, axis=1)  # before masking: -1 would wrap around
-    if valid is not None:
-        weights = jnp.where(valid[:, None], weights, 0.0)
-        indices = jnp.where(valid[:, None], indices, -1)
-        routing_map = routing_map & valid[:, None]
-    return logits, weights, indices, routing_map
-
-
-def _router(x_flat, gate, expert_bias, config: MoEConfig, num_tokens_global: int):
-    """The router stage alone, without a mask, as benchmarks/moe_jax.py times it: (merging weights [T, K]
-    fp32, indices [T, K] int32, routed slots per expert [E] int32, partial load-balancing loss of this shard
-    (fp32 scalar; the psum over token shards is the global loss))."""
-    logits, weights, indices, routing_map = _route(x_flat, gate, expert_bias, None, config)
-    routed = routing_map.sum(0, dtype=jnp.int32)
-    if config.aux_loss_coeff == 0 or num_tokens_global == 0:  # no tokens anywhere: no loss
-        return weights, indices, routed, jnp.zeros((), jnp.float32)
-    _, scores = fused_compute_score_for_moe_aux_loss(logits, config.topk, config.score_function)
-    routed_global = jax.lax.psum(routed, config.token_axes) if config.token_axes else routed
-    num_experts = gate.shape[1]
-    loss = fused_moe_aux_loss(
-        scores, routed_global, num_tokens_global, num_experts, config.topk, config.aux_loss_coeff
-    )
-    return weights, indices, routed, loss.astype(jnp.float32)
-
-
-def most_probable_slots(indices: jax.Array, weights: jax.Array, capacity: int, num_experts: int) -> jax.Array:
-    """drop_policy "probs": indices [T, K] int32 with every slot its expert drops set to -1 (no expert), so
-    that the dispatch's position capacity then keeps all the rest (no expert has more than `capacity` left).
-    Each expert keeps its `capacity` slots of highest merging weight (weights [T, K]), NaN below every
-    number and ties (-0.0 and +0.0, NaN and NaN) to the earlier slot in (token, slot) order
-    (moetriton.kernels.rules.moe.NON_FINITE); slots already -1 (masked tokens) stay -1. Static shapes,
-    deterministic."""
-    flat = indices.reshape(-1)
-    experts = jnp.where(flat >= 0, flat, num_experts)  # [T * K]; no expert sorts last and is never kept
-    flat_weights = weights.reshape(-1).astype(jnp.float32)
-    missing = jnp.isnan(flat_weights)
-    # Canonical keys, as PyTorch's layer builds them: NaN as -inf (set apart by the second sort), -0.0 as
-    # +0.0; the order is then the rule's whatever the sort does with NaN or signed zeros.
-    flat_weights = jnp.where(missing, -jnp.inf, jnp.where(flat_weights == 0, 0.0, flat_weights))
-    # Two stable sorts: by weight (descending; equal weights keep slot order), then by expert with NaN
-    # weights after every number of the same expert.
-    by_weight = jnp.argsort(-flat_weights, stable=True)
-    group = 2 * experts + missing  # [T * K]
-    order = by_weight[jnp.argsort(group[by_weight], stable=True)]  # expert-major, heaviest first
-    counts = jnp.bincount(experts, length=num_experts + 1)
-    starts = jnp.cumsum(counts) - counts  # where each expert's slots begin in `order`
-    rank_in_order = jnp.arange(flat.shape[0], dtype=jnp.int32) - starts[experts[order]].astype(jnp.int32)
-    rank = jnp.zeros_like(rank_in_order).at[order].set(rank_in_order, unique_indices=True)
-    return jnp.where((rank < capacity).reshape(indices.shape), indices, -1)
-
-
-def _sequence_balance(scores, routing_map, per_sequence, topk: int):
-    """Sum over this shard's B sequences of DeepSeek-V3's sequence-wise balance (LOSSES, unscaled):
-    sum_e (E / (K n_b) routed_be) (1 / n_b sum_t score_te). scores [T, E] fp32 and routing_map [T, E] bool
-    with masked rows zero, T = B * S; per_sequence [B]: unmasked tokens n_b. A sequence without one adds 0."""
-    batch, num_experts = per_sequence.shape[0], scores.shape[1]
-    routed = routing_map.reshape(batch, -1, num_experts).sum(1, dtype=jnp.float32)  # [B, E]
-    score_sums = scores.reshape(batch, -1, num_experts).sum(1)  # [B, E]
-    balance = (routed * score_sums).sum(1) * (num_experts / topk)  # [B]
-    return (balance / jnp.maximum(per_sequence, 1).astype(jnp.float32) ** 2).sum()
-
-
-def _losses_and_counts(logits, routing_map, valid, layout, config: MoEConfig, batch: int):
-    """(aux_loss fp32 scalar, dropped int32 scalar, MoEStats with config.return_stats or None), all global
-    over the token shards.
-
-    logits [T, E] fp32 and routing_map [T, E] bool of this shard (masked rows cleared); valid [T] bool or None
-    (every token counts); batch: B of the shard's x [B, S, H]. One psum carries the integer counts that are
-    needed (routed and kept slots per expert, unmasked tokens, sequences holding one), a second the losses'
-    partials. Without a mask the token counts are static. Every division is guarded: a group of padding
-    alone gives zero losses, never NaN."""
-    axes, return_stats = config.token_axes, config.return_stats
-
-    def total(value):
-        return jax.lax.psum(value, axes) if axes else value
-
-    num_experts, topk = layout.num_experts, layout.topk
-    balance_coeff, sequence_coeff = config.aux_loss_coeff, config.seq_aux_loss_coeff
-    z_coeff = config.z_loss_coeff
-    has_tokens = layout.num_tokens > 0  # the same on every shard: shards hold equal shapes
-    routed = routing_map.sum(0, dtype=jnp.int32)  # [E]
-    scores = balance_map = None
-    if has_tokens and (balance_coeff or sequence_coeff):
-        score_map, scores = fused_compute_score_for_moe_aux_loss(logits, topk, config.score_function)
-        if valid is not None:
-            scores = jnp.where(valid[:, None], scores, 0.0)  # [T, E] fp32
-            score_map = score_map & valid[:, None]
-        # The counts the load-balancing losses weigh the scores by (BALANCE_COUNTS).
-        balance_map = score_map if config.balance_counts == "scores" else routing_map
-    per_sequence = None
-    counts = {}
-    if (balance_coeff and has_tokens) or return_stats:
-        counts["routed"] = routed
-    if balance_coeff and has_tokens and config.balance_counts == "scores":
-        counts["balance"] = balance_map.sum(0, dtype=jnp.int32)
-    if return_stats:
-        counts["kept"] = kept_slots(routed, layout).astype(jnp.int32)
-    if valid is not None and has_tokens:
-        if balance_coeff or z_coeff:
-            counts["tokens"] = valid.sum(dtype=jnp.int32)[None]
-        if sequence_coeff:
-            per_sequence = valid.reshape(batch, -1).sum(1, dtype=jnp.int32)  # [B]
-            counts["sequences"] = (per_sequence > 0).sum(dtype=jnp.int32)[None]
-    if len(counts) == 1:
-        counts = {name: total(value) for name, value in counts.items()}
-    elif counts:  # one collective for every count
-        sizes = [value.shape[0] for value in counts.values()]
-        merged = total(jnp.concatenate(list(counts.values())))
-        parts = jnp.split(merged, [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)])
-        counts = dict(zip(counts, parts, strict=True))
-    # Without a mask every token counts and every sequence holds one: static counts.
-    tokens = counts["tokens"][0] if "tokens" in counts else layout.num_tokens * config.num_shards
-    sequences = counts["sequences"][0] if "sequences" in counts else batch * config.num_shards
-    if per_sequence is None and sequence_coeff and has_tokens:
-        per_sequence = jnp.full((batch,), layout.num_tokens // batch, jnp.int32)
-
-    partials = [None, None, None]  # this shard's share of each global loss
-    if has_tokens and (balance_coeff or sequence_coeff):
-        if balance_coeff:
-            # No unmasked token in the group: a traced total of 0, and the op's loss is then 0.
-            global_counts = counts.get("balance", counts.get("routed"))
-            loss = fused_moe_aux_loss(scores, global_counts, tokens, num_experts, topk, balance_coeff)
-            partials[0] = loss.astype(jnp.float32)
-        if sequence_coeff:
-            balance = _sequence_balance(scores, balance_map, per_sequence, topk)
-            partials[1] = sequence_coeff * balance / jnp.maximum(sequences, 1).astype(jnp.float32)
-    if has_tokens and z_coeff:
-        squares = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2  # [T]
-        if valid is not None:
-            squares = jnp.where(valid, squares, 0.0)
-        partials[2] = z_coeff * squares.sum() / jnp.maximum(tokens, 1).astype(jnp.float32)
-
-    if not return_stats:
-        present = [loss for loss in partials if loss is not None]
-        aux_loss = sum(present[1:], present[0]) if present else jnp.zeros((), jnp.float32)
-        return total(aux_loss), total(dropped_slots(routed, layout).astype(jnp.int32)), None
-    zero = jnp.zeros((), jnp.float32)
-    losses = jnp.stack([zero if loss is None else loss for loss in partials])  # [3]
-    if any(loss is not None for loss in partials):
-        losses = total(losses)
-    routed, kept = counts["routed"], counts["kept"]
-    dropped = (routed - kept).sum(dtype=jnp.int32)
-    stats = MoEStats.of(losses, routed, kept, dropped, kept.astype(jnp.float32).mean())
-    return losses.sum(), stats.dropped, stats
 
 
 def _shard(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, *, config: MoEConfig):
@@ -247,15 +71,14 @@ def _shard(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, *, c
         # launch, and jaxlib 0.11.2's compiler crashed (SIGSEGV) on that empty program, on GPUs and on
         # CPU devices.
         empty = jnp.zeros((0, num_experts), bool)
-        counted = _losses_and_counts(empty.astype(jnp.float32), empty, valid, layout, config, shape[0])
+        counted = routing_statistics(empty.astype(jnp.float32), empty, valid, layout, config, shape[0])
         return (jnp.zeros(shape, x.dtype), *counted[: 3 if config.return_stats else 2])
     if valid is not None:
         # Padding tokens enter as zeros: whatever they hold (NaN included) reaches no result or gradient.
         x_flat = jnp.where(valid[:, None], x_flat, jnp.zeros((), x_flat.dtype))
-    logits, weights, indices, routing_map = _route(x_flat, gate, expert_bias, valid, config)
-    aux_loss, dropped, stats = _losses_and_counts(logits, routing_map, valid, layout, config, shape[0])
-    if not layout.dropless and config.drop_policy == "probs":
-        indices = most_probable_slots(indices, weights, layout.capacity, num_experts)
+    logits, weights, indices, routing_map = route(x_flat, gate, expert_bias, valid, config)
+    aux_loss, dropped, stats = routing_statistics(logits, routing_map, valid, layout, config, shape[0])
+    indices = apply_drop_policy(indices, weights, layout, config.drop_policy)
     tokens = x_flat.astype(config.dtype)
     # From the tokens alone: no data dependency on the dispatch or the exchange.
     shared = None if shared_weights is None else shared_mlp(tokens, *shared_weights, config)  # [T, H]
@@ -303,23 +126,8 @@ def _routed(tokens, indices, weights, gate_up, down, layout, config: MoEConfig):
         send, _, row_id_map, pad_offsets, counts = token_dispatch(
             tokens, indices=indices, num_experts=num_experts, capacity=layout.capacity
         )
-    if layout.ep_size == 1:
-        # One EP rank: the send buffer is the receive buffer, already expert-major.
-        expert_out = expert_mlp(send, counts, gate_up, down, config)
-    else:
-        expert_out = exchanged_experts(send, counts, gate_up, down, layout, config)
+    expert_out = exchanged_experts(send, counts, gate_up, down, layout, config)
     return token_combine(expert_out, row_id_map, weights, pad_offsets)
-
-
-def resolve_exchange(exchange: str) -> str:
-    """ "ragged" or "padded": the exchange the call runs ("all_to_all" is "ragged", "auto" is "padded")."""
-    # "auto" is the padded exchange everywhere. XLA:CPU has no ragged-all-to-all; between the GPUs of one
-    # host XLA's ragged-all-to-all was far slower than the padded exchange (docs/moe.md, "Row exchange";
-    # https://github.com/openxla/xla/issues/33386 reports the same on B200s); between GPUs of different
-    # processes jaxlib 0.11 refuses it unless XLA_FLAGS allows its NCCL send/recv fallback.
-    if exchange == "auto":
-        return "padded"
-    return "ragged" if exchange == "all_to_all" else exchange
 
 
 #: The array arguments of `moe`, required and optional, as `_array` names them.

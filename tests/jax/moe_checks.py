@@ -460,7 +460,7 @@ def check_shared_experts() -> None:
     with shared experts: parameters replicated by the default rules, its result the functional layer's."""
     from flax import linen as nn
 
-    from moetriton.jax.flax import MoEBlock, init_sharded
+    from moetriton.jax.moe.flax import MoEBlock, init_sharded
 
     for (data, ep), gate, activation, capacity_factor in (
         ((1, 2), True, "swiglu", None),
@@ -515,7 +515,7 @@ def check_pipeline() -> None:
 def check_flax() -> None:
     from flax import linen as nn
 
-    from moetriton.jax.flax import MoEBlock, init_sharded
+    from moetriton.jax.moe.flax import MoEBlock, init_sharded
 
     mesh = make_mesh(2, 2)
     problem = fixed_problem(2, 2, routing="empty_ranks", topk=2, align_size=2)
@@ -641,7 +641,7 @@ def check_explicit_mesh() -> None:
     from flax import linen as nn
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from moetriton.jax.flax import MoEBlock, init_sharded
+    from moetriton.jax.moe.flax import MoEBlock, init_sharded
 
     for (data, ep), capacity_factor, explicit_axes in (
         ((1, 2), None, True),

@@ -162,8 +162,8 @@ def check_flax_block(case: Case, mesh: Mesh) -> None:
     the functional layer's results on its parameters, bit for bit."""
     from flax import linen as nn
 
-    from moetriton.jax.flax import MoEBlock, init_sharded
     from moetriton.jax.moe import moe
+    from moetriton.jax.moe.flax import MoEBlock, init_sharded
 
     problem = problem_of(case, "dropless")
     x = placed_inputs(problem, mesh)[0]

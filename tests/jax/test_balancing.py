@@ -130,7 +130,7 @@ def test_a_training_step_moves_the_bias_towards_underloaded_experts():
     step's routed counts, padding excluded."""
     from flax import linen as nn
 
-    from moetriton.jax.flax import MoEBlock
+    from moetriton.jax.moe.flax import MoEBlock
 
     x = jax.random.normal(jax.random.key(1), (2, 3, 8))
     token_mask = jnp.asarray([[True, True, True], [True, False, False]])

@@ -23,7 +23,8 @@ import pytest
 from hypothesis import assume, given, settings
 
 from moetriton.jax.moe import moe
-from moetriton.jax.moe.layer import most_probable_slots, resolve_exchange
+from moetriton.jax.moe.exchange import resolve_exchange
+from moetriton.jax.moe.routing import most_probable_slots
 from moetriton.kernels.rules.moe import MoEStats
 from tests.jax._helpers import gpu_count, run_python
 from tests.jax.moe_checks import (
@@ -346,7 +347,7 @@ def test_flax_block_passes_the_options_through():
     results on the block's parameters, bit for bit."""
     from flax import linen as nn
 
-    from moetriton.jax.flax import MoEBlock
+    from moetriton.jax.moe.flax import MoEBlock
 
     problem = _one_device_problem()
     x, mask = jnp.asarray(problem.x), jnp.asarray(padding_mask(problem.batch, problem.seq))
@@ -386,7 +387,7 @@ def test_flax_block_passes_the_options_through():
     ],
 )
 def test_flax_block_refuses_bad_options(options, error, message):
-    from moetriton.jax.flax import MoEBlock
+    from moetriton.jax.moe.flax import MoEBlock
 
     block = MoEBlock(num_experts=4, ffn_dim=4, topk=2, **options)
     with pytest.raises(error, match=re.escape(message)):
@@ -405,7 +406,7 @@ def _problem_arguments(problem, **options) -> dict:
 
 
 def test_flax_block_refuses_bad_shared_expert_options():
-    from moetriton.jax.flax import MoEBlock
+    from moetriton.jax.moe.flax import MoEBlock
 
     x = jnp.zeros((2, 3, 8))
     for options, message in (
@@ -529,7 +530,7 @@ def test_exchange_names_resolve_to_the_two_exchanges():
 
 
 def test_importing_moetriton_jax_does_not_import_flax():
-    code = "import sys, moetriton.jax; assert 'flax' not in sys.modules; import moetriton.jax.flax"
+    code = "import sys, moetriton.jax; assert 'flax' not in sys.modules; import moetriton.jax.moe.flax"
     result = run_python(["-c", code], timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
 
