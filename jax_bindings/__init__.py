@@ -6,15 +6,16 @@ interpreter (through jax.pure_callback) when TRITON_INTERPRET=1 was set before i
 pure-JAX reference (`moetriton.jax.reference`) runs instead. Every op is differentiable (custom_vjp), works
 under jax.jit and jax.vmap, and partitions along the token axis under jax.jit sharding (custom_partitioning
 with Shardy rules). `moe` is the expert-parallel MoE layer built on them (docs/moe.md), with
-`update_expert_bias` for aux-loss-free balancing; its Flax Linen module lives in `moetriton.jax.flax`, the
-only module that imports flax. Never imports torch. See docs/jax.md.
+`update_expert_bias` for aux-loss-free balancing; its Flax Linen module lives in `moetriton.jax.moe.flax`,
+the only module that imports flax. Never imports torch. See docs/jax.md.
 """
 
 from . import reference, reference_router, te
 from .activation import grouped_activation
+from .chunk_sort import sort_chunks_by_index
 from .grouped_gemm import grouped_matmul
 from .moe import MoEStats, moe, update_expert_bias
-from .permutation import sort_chunks_by_index, token_combine, token_dispatch
+from .permutation import token_combine, token_dispatch
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 
 __all__ = [
