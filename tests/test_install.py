@@ -39,11 +39,11 @@ import numpy as np
 
 import moetriton
 import moetriton.jax as mj
-import moetriton.jax.flax  # noqa: F401 (Flax Linen module)
 import moetriton.torch as mt
+from moetriton.jax.moe import flax as flax_module  # the Flax Linen module
 
 site = pathlib.Path(sys.argv[1]).resolve()
-for module in (moetriton, mt, mj, moetriton.jax.flax):
+for module in (moetriton, mt, mj, flax_module):
     path = pathlib.Path(module.__file__).resolve()
     assert path.is_relative_to(site), f"{module.__name__} imported from {path}, not from {site}"
 assert moetriton.__version__ == importlib.metadata.version("moetriton") == sys.argv[2], moetriton.__version__
