@@ -12,9 +12,10 @@ the only module that imports flax. Never imports torch. See docs/jax.md.
 
 from . import reference, reference_router, te
 from .activation import grouped_activation
+from .chunk_sort import sort_chunks_by_index
 from .grouped_gemm import grouped_matmul
 from .moe import MoEStats, moe, update_expert_bias
-from .permutation import sort_chunks_by_index, token_combine, token_dispatch
+from .permutation import token_combine, token_dispatch
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 
 __all__ = [

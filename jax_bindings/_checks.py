@@ -41,3 +41,11 @@ def check_values(rule: Callable[..., None], *arrays) -> None:
             jax.debug.callback(lambda *found: rule(*(np.asarray(value) for value in found)), *arrays)
         else:
             rule(*(np.asarray(x) for x in arrays))
+
+
+def check_shards(num_shards: int, *sizes: tuple[str, str, int]) -> None:
+    """Every (argument, what, size) must split into num_shards equal blocks."""
+    validation.check_positive("num_shards", num_shards)
+    for name, what, size in sizes:
+        if size % num_shards:
+            raise ValueError(f"{name}: expected {what} a multiple of num_shards = {num_shards}, got {size}")

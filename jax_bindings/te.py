@@ -35,7 +35,7 @@ from moetriton.kernels.rules import permutation as rules
 from moetriton.kernels.rules import validation
 from moetriton.kernels.rules.layout import round_up
 
-from . import permutation, router
+from . import chunk_sort, permutation, router
 from ._sharding import ShardedOp, explicit_mesh, on_explicit_mesh, run_local
 from .executor import compiles_kernels, describe, uses_kernels
 
@@ -519,7 +519,7 @@ def sort_chunks_by_index(
         >>> out[:, 0].tolist()
         [1.0, 2.0, 0.0]
     """
-    return permutation.sort_chunks_by_index(inp, split_sizes, sorted_indices)
+    return chunk_sort.sort_chunks_by_index(inp, split_sizes, sorted_indices)
 
 
 # Router --------------------------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ was set before import, and otherwise the pure-PyTorch reference (`moetriton.torc
 """
 
 from . import reference, reference_moe, reference_router
+from .chunk_sort import sort_chunks_by_index
 from .moe import MoELayer, MoEStats, moe, update_expert_bias
-from .permutation import sort_chunks_by_index, token_combine, token_dispatch
+from .permutation import token_combine, token_dispatch
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
 from .te import (
     moe_permute,

@@ -22,7 +22,8 @@ import torch
 from moetriton.kernels.rules import validation
 from moetriton.kernels.rules.layout import round_up
 
-from .permutation import sort_chunks_by_index, token_combine, token_dispatch
+from .chunk_sort import sort_chunks_by_index
+from .permutation import token_combine, token_dispatch
 
 
 def moe_permute(

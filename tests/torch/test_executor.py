@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moetriton import kernels
-from moetriton.torch import executor, permutation
+from moetriton.torch import chunk_sort, executor, permutation
 from tests._plans import dispatch_plan_with_defaults
 
 from ._helpers import DEVICE
@@ -154,7 +154,7 @@ def test_placeholder_results_are_none_directly_and_size0_tensors_from_the_custom
     order = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE)
     for backward in (False, True):
         sort_args = (rows, sizes, order, None, backward)
-        _, row_map, probs = permutation.SORT_CHUNKS(*sort_args)
+        _, row_map, probs = chunk_sort.SORT_CHUNKS(*sort_args)
         assert probs is None and (row_map is None) == backward
         torch.library.opcheck(torch.ops.moetriton.sort_chunks, sort_args)
     grad_args = (rows, None, direct[3])
