@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from moetriton.kernels.rules.expert_parallel import EPLayout
 
 from ..activation import apply_activation, grouped_activation
+from ..chunk_sort import sort_chunks_by_index
 from ..grouped_gemm import grouped_matmul
-from ..permutation import sort_chunks_by_index
 from .config import MoEConfig
 
 

@@ -13,7 +13,7 @@ from torch import Tensor
 from moetriton.kernels.rules.expert_parallel import dropless_exchange, ep_layout
 
 from .._stages import stage
-from ..permutation import sort_chunks_by_index
+from ..chunk_sort import sort_chunks_by_index
 from .collectives import finish_exchange, start_exchange
 from .exchange import Exchange, Send, gather_chunk_counts
 from .experts import Experts

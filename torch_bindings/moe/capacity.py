@@ -12,7 +12,7 @@ from torch import Tensor
 from moetriton.kernels.rules.expert_parallel import EPLayout
 
 from .._stages import stage
-from ..permutation import sort_chunks_by_index
+from ..chunk_sort import sort_chunks_by_index
 from .all_to_all import chunk_orders
 from .collectives import all_to_all_rows, gather_counts
 from .exchange import Exchange, Send
