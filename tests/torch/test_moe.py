@@ -1004,29 +1004,29 @@ def test_example_runs_and_agrees_with_the_reference(capsys):
     assert "MoELayer EP=1" in capsys.readouterr().out
 
 
-def _exchange_benchmark(tmp_path, world: int, *flags: str) -> subprocess.CompletedProcess:
-    """`benchmarks.exchange_torch` on `world` processes (torchrun), results under tmp_path."""
+def _exchange_overlap_study(tmp_path, world: int, *flags: str) -> subprocess.CompletedProcess:
+    """`benchmarks.studies.exchange_overlap` on `world` processes (torchrun), results under tmp_path."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
-    command += ["-m", "benchmarks.exchange_torch", "--out", str(tmp_path), *flags]
+    command += ["-m", "benchmarks.studies.exchange_overlap", "--out", str(tmp_path), *flags]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
-def test_exchange_overlap_benchmark_needs_gpus(tmp_path):
-    """Without CUDA the overlap probe refuses before any process group starts (streams and symmetric
+def test_exchange_overlap_study_needs_gpus(tmp_path):
+    """Without CUDA the overlap study refuses before any process group starts (streams and symmetric
     memory are CUDA's)."""
     if torch.cuda.is_available():
         pytest.skip("checks the refusal on a machine without CUDA GPUs")
-    result = _exchange_benchmark(tmp_path, 1, "--overlap")
-    assert result.returncode != 0 and "--overlap needs CUDA GPUs" in result.stderr, result.stderr[-2000:]
+    result = _exchange_overlap_study(tmp_path, 1)
+    assert result.returncode != 0 and "needs CUDA GPUs" in result.stderr, result.stderr[-2000:]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", _gpu_worlds(2))
-def test_exchange_overlap_benchmark_writes_a_row_per_transport(tmp_path, world):
-    """The overlap probe on two GPUs, small: one row per transport with consistent times."""
-    result = _exchange_benchmark(tmp_path, world, "--overlap", "--shapes", "mixtral", "--tokens", "1024")
+def test_exchange_overlap_study_writes_a_row_per_transport(tmp_path, world):
+    """The overlap study on two GPUs, small: one row per transport with consistent times."""
+    result = _exchange_overlap_study(tmp_path, world, "--shapes", "mixtral", "--tokens", "1024")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    (path,) = tmp_path.glob("*/exchange_torch_overlap.csv")
+    (path,) = tmp_path.glob("*/exchange_overlap.csv")
     with path.open() as handle:
         rows = list(csv.DictReader(handle))
     assert [row["transport"] for row in rows] == ["nccl", "copy_engine", "sm_copy", "pull"]
