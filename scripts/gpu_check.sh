@@ -32,7 +32,7 @@
 #   moe1        the MoE layer examples and layer-step benchmarks on one GPU (benchmarks.moe_torch,
 #               benchmarks.moe_jax; MOE_TORCH_ARGS, MOE_JAX_ARGS)
 #   moe2        the same with EP = 2 over two GPUs (torchrun for PyTorch, one process for JAX)
-#   overlap     on two GPUs, how much exchange time compute hides: benchmarks.exchange_torch --overlap (each
+#   overlap     on two GPUs, how much exchange time compute hides: benchmarks.studies.exchange_overlap (each
 #               transport beside the experts' GEMMs), then the layer steps plain, with a shared expert and in
 #               two pipelined token chunks (benchmarks.moe_torch, both exchanges, and benchmarks.moe_jax at
 #               EP = 2), whose exposed_exchange_ms columns show what the shared experts and the chunks hide
@@ -229,8 +229,8 @@ EOF
     overlap)
       run "${limit:-1200}" "$log" bash -c '
         set -e
-        "$0" -m torch.distributed.run --nproc-per-node 2 -m benchmarks.exchange_torch --overlap \
-          --out "$1/results" ${OVERLAP_ARGS:-}
+        "$0" -m torch.distributed.run --nproc-per-node 2 -m benchmarks.studies.exchange_overlap \
+          --out "$1/studies" ${OVERLAP_ARGS:-}
         "$0" -m torch.distributed.run --nproc-per-node 2 -m benchmarks.moe_torch \
           --variants plain,shared,pipeline2 --impl moetriton,moetriton_a2a --out "$1/results" ${MOE_TORCH_ARGS:-}
         "$0" -m benchmarks.moe_jax --ep 2 --impl moetriton --variants plain,shared,pipeline2 \
