@@ -1,5 +1,5 @@
-"""Property tests of moetriton.jax's token_dispatch / token_combine / sort_chunks_by_index against the
-pure-JAX reference (the same properties as the PyTorch side, on the shared strategies).
+"""Property tests of moetriton.jax's token_dispatch / token_combine against the pure-JAX reference (the
+same properties as the PyTorch side, on the shared strategies).
 
 Data movement matches bit for bit; fp32 sums within a few last places (see _helpers.assert_reduced);
 gradients are compared against jax.vjp of the reference. Every example runs jitted: one compile per
@@ -26,7 +26,7 @@ from tests.jax._helpers import (
     split_into_shards,
     tokens,
 )
-from tests.strategies import FLOAT_DTYPES, chunk_problems, routing_problems
+from tests.strategies import FLOAT_DTYPES, routing_problems
 
 _DISPATCH_NAMES = ("output", "permuted_probs", "row_id_map", "pad_offsets", "tokens_per_expert", "scales")
 
@@ -190,32 +190,6 @@ def test_dispatch_backward_is_a_combine_of_the_cotangent(problem, with_probs):
     (grad_x, grad_p), (grad_x_ref, grad_p_ref) = run(tokens(problem), p)
     assert_same(grad_x, grad_x_ref, "grad inp")  # sums of small integers: exact in any order
     assert_same(grad_p, grad_p_ref, "grad probs")
-
-
-@given(chunk_problems(), st.booleans())
-def test_chunk_sort_matches_reference_and_inverts_in_backward(problem, with_probs):
-    x = tokens(problem)
-    sizes, order = jnp.asarray(problem.split_sizes), jnp.asarray(problem.sorted_indices)
-    p = jnp.asarray(problem.probs) if with_probs else None
-    got = jax.jit(mj.sort_chunks_by_index)(x, sizes, order, p)
-    expected = jax.jit(reference.sort_chunks_by_index)(x, sizes, order, p)
-    assert len(got) == 2 + with_probs
-    for name, g, e in zip(("output", "row_id_map", "permuted_probs"), got, expected, strict=False):
-        assert_same(g, e, name)
-    if x.dtype.itemsize == 1:
-        return
-    weights = jnp.arange(x.size, dtype=x.dtype).reshape(x.shape)
-
-    def loss(x, p):
-        result = mj.sort_chunks_by_index(x, sizes, order, p)
-        value = (result[0].astype(jnp.float32) * weights.astype(jnp.float32)).sum()
-        return value + ((result[2] * jnp.arange(x.shape[0])).sum() if with_probs else 0)
-
-    grad_x, grad_p = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, p)
-    dst = np.asarray(got[1])
-    assert_same(grad_x, weights[dst], "grad inp")  # the gradient of a permutation is the inverse permutation
-    if with_probs:
-        assert_same(grad_p, jnp.arange(x.shape[0], dtype=p.dtype)[dst], "grad probs")
 
 
 @given(routing_problems(max_tokens=12), st.sampled_from([2, 3]), st.booleans())

@@ -1,4 +1,4 @@
-"""Property tests of token_dispatch / token_combine / sort_chunks_by_index (PyTorch) against the reference.
+"""Property tests of token_dispatch / token_combine (PyTorch) against the reference.
 
 Data movement must match bit for bit; combine matches the sequential-fp32 reference bit for bit too (the
 kernel turns fused multiply-add off); gradients are compared against autograd of the reference. Every test
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import moetriton.torch as mt
 from moetriton.torch import reference
-from tests.strategies import FLOAT_DTYPES, chunk_problems, layouts, routing_problems
+from tests.strategies import FLOAT_DTYPES, layouts, routing_problems
 from tests.torch._helpers import (
     DEVICE,
     assert_reduced,
@@ -297,38 +297,6 @@ def test_gradcheck_fp64(kind, align_size):
 
     # fast_mode checks random projections of the Jacobian: each full column would rerun the interpreter.
     assert torch.autograd.gradcheck(f, (x, p, w), fast_mode=True)
-
-
-@given(chunk_problems(), st.booleans(), layouts(), layouts(cotangent=True))
-def test_chunk_sort_matches_reference_and_inverts_in_backward(problem, with_probs, layout, grad_layout):
-    x = tokens(problem)
-    sizes = torch.from_numpy(problem.split_sizes).to(DEVICE)
-    order = torch.from_numpy(problem.sorted_indices).to(DEVICE)
-    p = torch.from_numpy(problem.probs).to(DEVICE) if with_probs else None
-    got = mt.sort_chunks_by_index(
-        relayout(x, layout), relayout(sizes, layout), relayout(order, layout), relayout(p, layout)
-    )
-    expected = reference.sort_chunks_by_index(x, sizes, order, p)
-    assert len(got) == len(expected) == (3 if with_probs else 2)
-    for name, g, e in zip(("output", "row_id_map", "permuted_probs"), got, expected, strict=False):
-        assert_same(g, e, name)
-    if not x.dtype.is_floating_point or x.element_size() == 1:
-        return
-    xg = x.clone().requires_grad_()
-    pg = p.clone().requires_grad_() if with_probs else None
-    result = mt.sort_chunks_by_index(relayout(xg, layout), sizes, order, relayout(pg, layout))
-    g = cotangent(result[0], grad_layout)
-    outputs, cotangents = [result[0]], [g]
-    if with_probs:
-        gp = cotangent(result[2], grad_layout, seed=1)
-        outputs.append(result[2])
-        cotangents.append(gp)
-    found = torch.autograd.grad(outputs, [xg] + ([pg] if with_probs else []), cotangents)
-    dst = got[1].long()
-    # The gradient of a permutation is the inverse permutation (a gather through the map).
-    assert torch.equal(bits(found[0]), bits(g[dst]))
-    if with_probs:
-        assert torch.equal(bits(found[1]), bits(gp[dst]))
 
 
 def test_fp8_payload_moves_bit_for_bit_with_scales():
