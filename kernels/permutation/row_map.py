@@ -65,8 +65,8 @@ def _listed_row(map_row, position, limit, num_rows):
     live: the entry is ignored, as an unlisted one (docs/design.md, "Index data is never trusted"). With
     limit = S the end is found from the list's -1 padding, so the first entries load while the count is
     still in flight (at large S the count and the lists lie in different cache lines): the combine walk
-    does this. The combine backward, which was slower that way (same-GPU A/B, docs/history.md item 27),
-    bounds its loads by the count."""
+    does this. The combine backward, which measured slower that way in a same-GPU A/B, bounds its loads
+    by the count."""
     row = tl.load(map_row + position, mask=position < limit, other=-1)
     return row.to(tl.int64), (row >= 0) & (row < num_rows)
 
