@@ -22,16 +22,77 @@ def _activate(hidden: Tensor, activation: str) -> Tensor:
     return activated.view(*hidden.shape[:-1], activated.shape[-1])
 
 
-def grouped_mm_supported(rows: Tensor, gate_up: Tensor, down: Tensor) -> bool:
+def grouped_mm_supported(rows: Tensor, *weights: Tensor) -> bool:
     """True where the dropless experts run `torch._grouped_mm`: CUDA, compute capability 9.0+, bf16 rows
-    and weights, and every row stride a multiple of 16 bytes (H, gate_up's width and F multiples of 8)."""
+    and weights [L, K, M], and every row stride a multiple of 16 bytes (H, K and M multiples of 8)."""
     return (
         hasattr(torch, "_grouped_mm")
         and rows.is_cuda
         and torch.cuda.get_device_properties(rows.device).major >= 9  # constant under torch.compile
-        and rows.dtype == gate_up.dtype == down.dtype == torch.bfloat16
-        and all(size % 8 == 0 for size in (rows.shape[1], gate_up.shape[2], down.shape[1]))
+        and all(tensor.dtype == torch.bfloat16 for tensor in (rows, *weights))
+        and all(
+            size % 8 == 0
+            for size in (rows.shape[1], *(size for weight in weights for size in weight.shape[1:]))
+        )
     )
+
+
+def _group_ends(group_sizes: Tensor, num_rows: int) -> Tensor:
+    """[L] int32 end row of each group, the last one at num_rows: no output row left undefined (rows past
+    the groups join the last one). A fill, not a host-to-device copy."""
+    offsets = group_sizes.cumsum(0, dtype=torch.int32)
+    offsets[-1:].fill_(num_rows)
+    return offsets
+
+
+def grouped_linear(
+    rows: Tensor,
+    group_sizes: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    use_grouped_mm: bool | None = None,
+) -> Tensor:
+    """One projection of every expert on expert-major rows: out[i] = rows[i] @ weight[j] (+ bias[j]) for
+    row i of group j. [N, K] -> [N, M].
+
+    Args:
+        rows: [N, K]; group j's rows follow group j - 1's, group_sizes[j] of them; rows past the last group
+            join it.
+        group_sizes: [L] int32/int64 on rows' device (no host sync).
+        weight: [L, K, M] (any strides: a transposed view of [L, M, K] is read in place by
+            torch._grouped_mm); bias: [L, M] or None.
+        use_grouped_mm: force torch._grouped_mm (True) or the masked per-expert product (False); None picks
+            `grouped_mm_supported`.
+
+    Example:
+        >>> weight, bias = torch.randn(2, 8, 4), torch.randn(2, 4)
+        >>> grouped_linear(torch.randn(5, 8), torch.tensor([3, 2]), weight, bias).shape
+        torch.Size([5, 4])
+    """
+    offsets = _group_ends(group_sizes, rows.shape[0])
+    if use_grouped_mm is None:
+        use_grouped_mm = grouped_mm_supported(rows, weight)
+    with stage("grouped_gemm"):
+        if use_grouped_mm:
+            out = torch._grouped_mm(rows, weight, offs=offsets)
+            expert_of_row = None
+        else:
+            positions = torch.arange(rows.shape[0], device=rows.device, dtype=torch.int32)
+            expert_of_row = torch.searchsorted(offsets, positions, right=True)[:, None]  # [N, 1]
+            out = rows.new_zeros(rows.shape[0], weight.shape[2])
+            for expert in range(weight.shape[0]):
+                mine = expert_of_row == expert
+                # The other rows are masked out of the product too, not only out of its result: the weight
+                # gradient sums rows x gradient, and another expert's non-finite row times a zero
+                # gradient would be NaN in this expert's gradient.
+                out = torch.where(mine, torch.where(mine, rows, 0) @ weight[expert], out)
+        if bias is None:
+            return out
+        if expert_of_row is None:
+            positions = torch.arange(rows.shape[0], device=rows.device, dtype=torch.int32)
+            expert_of_row = torch.searchsorted(offsets, positions, right=True)[:, None]
+        # Rows past the groups searchsort to L; they join the last group as in the product.
+        return out + bias[expert_of_row[:, 0].clamp_max(weight.shape[0] - 1)].to(out.dtype)
 
 
 def expert_mlp(
@@ -59,35 +120,12 @@ def expert_mlp(
         >>> expert_mlp(rows, torch.tensor([3, 2]), gate_up, down, "swiglu").shape
         torch.Size([5, 8])
     """
-    offsets = group_sizes.cumsum(0, dtype=torch.int32)  # [L] end of each group
-    offsets[-1:].fill_(rows.shape[0])  # no output row left undefined; a fill, not a host-to-device copy
     if use_grouped_mm is None:
         use_grouped_mm = grouped_mm_supported(rows, gate_up, down)
-    if use_grouped_mm:
-        with stage("grouped_gemm"):
-            hidden = torch._grouped_mm(rows, gate_up, offs=offsets)
-        with stage("activation"):
-            act = _activate(hidden, activation)
-        with stage("grouped_gemm"):
-            return torch._grouped_mm(act, down, offs=offsets)
-    positions = torch.arange(rows.shape[0], device=rows.device, dtype=torch.int32)
-    expert_of_row = torch.searchsorted(offsets, positions, right=True)[:, None]  # [N, 1]
-
-    def grouped(inp: Tensor, weights: Tensor) -> Tensor:
-        with stage("grouped_gemm"):
-            out = inp.new_zeros(inp.shape[0], weights.shape[2])
-            for expert in range(weights.shape[0]):
-                mine = expert_of_row == expert
-                # The other rows are masked out of the product too, not only out of its result: the weight
-                # gradient sums rows x gradient, and another expert's non-finite row times a zero
-                # gradient would be NaN in this expert's gradient.
-                out = torch.where(mine, torch.where(mine, inp, 0) @ weights[expert], out)
-            return out
-
-    hidden = grouped(rows, gate_up)
+    hidden = grouped_linear(rows, group_sizes, gate_up, use_grouped_mm=use_grouped_mm)
     with stage("activation"):
         act = _activate(hidden, activation)
-    return grouped(act, down)
+    return grouped_linear(act, group_sizes, down, use_grouped_mm=use_grouped_mm)
 
 
 def batched_mlp(rows: Tensor, gate_up: Tensor, down: Tensor, activation: str) -> Tensor:
