@@ -1,38 +1,28 @@
 """Time the JAX MoE layer's dropless exchanges alone, on real dispatched rows, beside plain all_to_all.
 
-    python -m benchmarks.exchange_jax                    # every XLA_FLAGS variant, one subprocess each
-    python -m benchmarks.exchange_jax --one              # this process's XLA_FLAGS only
+    python -m benchmarks.exchange_jax [--shapes mixtral,dsv3] [--steps 10]
 
 Per shape (MOE_LAYER_SHAPES, tokens per GPU as there, EP = every local GPU): the forward exchange then the
 reverse one (dropless_forward + dropless_reverse of moetriton.jax.moe, inside shard_map) for each exchange
 ("ragged": jax.lax.ragged_all_to_all; "padded": all_to_all of blocks sized to the largest pair, with the
 receiving side's compaction, which the layer skips), and two chained plain
 jax.lax.all_to_all calls of T * K rows per GPU. GB/s = 2 * T * K * H * 2 bytes per GPU over the median
-wall time. XLA reads its flags once per process, and an unknown flag aborts it, hence one subprocess per
-variant. One JSON line per measurement, all of them in <out>/<n>x_<gpu>/exchange_jax.csv
-(benchmarks.common).
+wall time, with this process's XLA_FLAGS (the study benchmarks.studies.exchange_jax_flags runs it under
+XLA's ragged all-to-all flags). One JSON line per measurement, all of them in
+<out>/<n>x_<gpu>/exchange_jax.csv (benchmarks.common).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
-# benchmarks.common imports no JAX: its flags are set per child.
+# JAX is imported where it runs (measure): benchmarks.common imports none.
 from benchmarks.common import exchange_parser, layer_shape, shape_layout, write_results
 
-ROOT = Path(__file__).resolve().parents[1]
-
-FLAG_VARIANTS = (
-    "",
-    "--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=false",
-    "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true",
-    "--xla_gpu_ragged_all_to_all_mode=symmetric",
-)
+ROWS: list[dict] = []  # the measurements, for the results file
 
 
 def measure(shape_names: list[str], steps: int, num_tokens: int | None) -> None:
@@ -116,35 +106,25 @@ def report(shape: str, exchange: str, ms: float | None, gigabytes: float, **extr
     row.update(shape=shape, exchange=exchange, ms=ms, **extra)
     if ms is not None:
         row["gbps"] = round(gigabytes / (ms * 1e-3), 1)
+    ROWS.append(row)
     print(json.dumps(row), flush=True)
 
 
 def main() -> int:
-    parser = exchange_parser(__doc__)
-    parser.add_argument("--one", action="store_true", help="measure with this process's XLA_FLAGS only")
-    args = parser.parse_args()
-    if args.one:
-        measure(args.shapes.split(","), args.steps, args.tokens)
-        return 0
-    rows = []
-    for flags in FLAG_VARIANTS:
-        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
-        command = [sys.executable, "-m", "benchmarks.exchange_jax", "--one", "--shapes", args.shapes]
-        command += ["--steps", str(args.steps), "--tokens", str(args.tokens)]
-        result = subprocess.run(
-            command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False
-        )
-        sys.stdout.write(result.stdout)
-        rows += [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-        if result.returncode != 0:
-            rows.append(dict(flags=flags, error=result.stderr[-600:].replace("\n", " ")))
-            print(json.dumps(rows[-1]), flush=True)
+    args = exchange_parser(__doc__).parse_args()
+    measure(args.shapes.split(","), args.steps, args.tokens)
+    write_rows("exchange_jax", ROWS, args.out)
+    return 0
+
+
+def write_rows(name: str, rows: list[dict], root) -> None:
+    """`rows` (JSON rows of `report`, errors among them) to <root>/<n>x_<gpu>/<name>.csv, the device and
+    GPU count of the first measured row as the file's provenance; nothing without a measured row."""
     measured = [row for row in rows if "device" in row]
     if measured:
         device, gpus = measured[0]["device"], measured[0]["gpus"]
         rows = [{key: value for key, value in row.items() if key not in ("device", "gpus")} for row in rows]
-        print(f"wrote {write_results('exchange_jax', rows, device, gpus, args.out)}")
-    return 0
+        print(f"wrote {write_results(name, rows, device, gpus, root)}")
 
 
 if __name__ == "__main__":
