@@ -87,6 +87,20 @@ def run(measure_shape: Callable[[str, int, int, torch.device], None], name: str,
     return 0
 
 
+def run_study(doc: str, measure_shape: Callable, name: str, needs_gpus: bool = False) -> int:
+    """An exchange study's command line (benchmarks.studies): exchange_parser's options, results under
+    benchmarks/studies/results, then `run`. needs_gpus: refused without CUDA GPUs, before any process
+    group starts."""
+    from benchmarks.studies import RESULTS_ROOT
+
+    parser = exchange_parser(doc)
+    parser.set_defaults(out=RESULTS_ROOT)
+    args = parser.parse_args()
+    if needs_gpus and not torch.cuda.is_available():
+        parser.error("needs CUDA GPUs of one host (streams, symmetric memory)")
+    return run(measure_shape, name, args)
+
+
 def main() -> int:
     return run(measure, "exchange_torch", exchange_parser(__doc__).parse_args())
 

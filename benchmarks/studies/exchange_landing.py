@@ -18,10 +18,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import exchange_parser, layer_shape, shape_layout
-from benchmarks.exchange_torch import ROWS, _routed_indices, run
+from benchmarks.common import layer_shape, shape_layout
+from benchmarks.exchange_torch import ROWS, _routed_indices, run_study
 from benchmarks.moe_torch import _median_ms
-from benchmarks.studies import RESULTS_ROOT
 from moetriton.kernels.rules.expert_parallel import dropless_exchange
 from moetriton.torch import sort_chunks_by_index
 from moetriton.torch.moe import all_to_all_rows
@@ -103,10 +102,7 @@ def measure_landing(name: str, steps: int, num_tokens: int, device: torch.device
 
 
 def main() -> int:
-    parser = exchange_parser(__doc__)
-    parser.set_defaults(out=RESULTS_ROOT)
-    args = parser.parse_args()
-    return run(measure_landing, "exchange_landing", args)
+    return run_study(__doc__, measure_landing, "exchange_landing")
 
 
 if __name__ == "__main__":

@@ -26,10 +26,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import exchange_parser, layer_shape
-from benchmarks.exchange_torch import ROWS, run
+from benchmarks.common import layer_shape
+from benchmarks.exchange_torch import ROWS, run_study
 from benchmarks.moe_torch import _median_ms
-from benchmarks.studies import RESULTS_ROOT
 from moetriton import kernels
 from moetriton.torch.executor import bound
 
@@ -136,12 +135,7 @@ def measure_overlap(name: str, steps: int, num_tokens: int, device: torch.device
 
 
 def main() -> int:
-    parser = exchange_parser(__doc__)
-    parser.set_defaults(out=RESULTS_ROOT)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("needs CUDA GPUs of one host (streams, symmetric memory)")
-    return run(measure_overlap, "exchange_overlap", args)
+    return run_study(__doc__, measure_overlap, "exchange_overlap", needs_gpus=True)
 
 
 if __name__ == "__main__":
