@@ -291,14 +291,7 @@ def moe(
         (torch.Size([6, 8]), torch.float32, torch.int32)
     """
     ep_size, ep_rank = check_groups(ep_group=ep_group, token_group=token_group)
-    router = dict(
-        topk=topk,
-        use_pre_softmax=use_pre_softmax,
-        num_groups=num_groups,
-        group_topk=group_topk,
-        scaling_factor=scaling_factor,
-        score_function=score_function,
-    )
+    router = (topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function)  # ROUTER_OPTIONS
     shape = _check_moe(
         x=signature(x),
         gate_weight=signature(gate_weight),
@@ -318,7 +311,7 @@ def moe(
         capacity_factor=capacity_factor,
         return_stats=return_stats,
         balance_counts=balance_counts,
-        router=tuple(router[name] for name in layer_rules.ROUTER_OPTIONS),
+        router=router,
         align_size=align_size,
         aux_loss_coeff=aux_loss_coeff,
         seq_aux_loss_coeff=seq_aux_loss_coeff,
@@ -338,7 +331,13 @@ def moe(
     )
     row_exchange = _exchange(layout, ep_group, ep_rank, tokens.device, exchange)
     with stage("router"):
-        routing = route(tokens, gate_weight, valid, expert_bias, **router)
+        routing = route(
+            tokens,
+            gate_weight,
+            valid,
+            expert_bias,
+            **dict(zip(layer_rules.ROUTER_OPTIONS, router, strict=True)),
+        )
         aux_loss, dropped, stats = routing_statistics(
             routing,
             valid,
