@@ -31,6 +31,9 @@
 #               beside TransformerEngine where importable
 #   moe1        the MoE layer examples and layer-step benchmarks on one GPU (benchmarks.moe_torch,
 #               benchmarks.moe_jax; MOE_TORCH_ARGS, MOE_JAX_ARGS)
+#   transformers  the transformers experts backend on one GPU: examples/transformers_moe.py, then
+#               benchmarks.transformers_backend (step time and peak memory with moetriton, grouped_mm and
+#               eager experts; TRANSFORMERS_ARGS); needs transformers in the Python environment
 #   moe2        the same with EP = 2 over two GPUs (torchrun for PyTorch, one process for JAX)
 #   overlap     on two GPUs, how much exchange time compute hides: benchmarks.studies.exchange_overlap (each
 #               transport beside the experts' GEMMs), then the layer steps plain, with a shared expert and in
@@ -213,6 +216,13 @@ EOF
         "$0" examples/jax_moe_ep.py
         "$0" -m benchmarks.moe_torch --out "$1/results" ${MOE_TORCH_ARGS:-}
         "$0" -m benchmarks.moe_jax --ep 1 --isolate "${MOE_ROW_TIMEOUT:-300}" --out "$1/results" ${MOE_JAX_ARGS:-}
+      ' "$PY" "$outdir" || status=$?
+      grep -v -i warn "$log" | tail -40 ;;
+    transformers)
+      run "${limit:-900}" "$log" bash -c '
+        set -e
+        "$0" examples/transformers_moe.py
+        "$0" -m benchmarks.transformers_backend --out "$1/results" ${TRANSFORMERS_ARGS:-}
       ' "$PY" "$outdir" || status=$?
       grep -v -i warn "$log" | tail -40 ;;
     moe2)
