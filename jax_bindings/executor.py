@@ -25,8 +25,7 @@ from moetriton.kernels.runtime.interpreter import (
 from moetriton.kernels.runtime.plan import (
     DeviceInfo,
     Plan,
-    RowStride,
-    alignment,
+    launch_arguments,
     plan_sizes,
     tuned_per_device,
 )
@@ -130,20 +129,9 @@ def _jax_triton():
     return jax_triton
 
 
-def _resolve_args(launch, env: dict, dummy) -> tuple[list, dict[str, int]]:
-    """A launch's arguments from the environment, plus the constexprs of its row strides: JAX arrays are
-    dense and row-major, so a row stride is the row length."""
-    args, strides = [], {}
-    for arg in launch.args:
-        if isinstance(arg, RowStride):
-            stride = env[arg.name].shape[1]
-            strides[arg.align] = alignment(stride)
-            args.append(stride)
-        elif isinstance(arg, str):
-            args.append(dummy if env[arg] is None else env[arg])
-        else:
-            args.append(arg)
-    return args, strides
+def _row_stride(array) -> int:
+    """JAX arrays are dense and row-major: a row stride is the row length."""
+    return array.shape[1]
 
 
 def _run_triton(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
@@ -160,7 +148,7 @@ def _run_triton(plan: Plan, inputs: dict) -> tuple[jax.Array, ...]:
             # A buffer no earlier launch wrote (the empty block counts when T = 0) starts as zeros.
             if isinstance(name, str) and name not in env:
                 env[name] = jnp.zeros(specs[name].shape, specs[name].dtype)
-        args, strides = _resolve_args(launch, env, dummy)
+        args, strides = launch_arguments(launch, env, dummy, _row_stride)
         outputs = jax_triton.triton_call(
             *args,
             kernel=launch.kernel,
@@ -220,7 +208,7 @@ def _interpret(plan: Plan, specs: dict, inputs: dict, names: list[str], arrays) 
     env.update(buffers)
     dummy = np.zeros(0, np.int32)
     for launch in plan.launches:
-        args, strides = _resolve_args(launch, env, dummy)
+        args, strides = launch_arguments(launch, env, dummy, _row_stride)
         args = [HostArray(arg) if isinstance(arg, np.ndarray) else arg for arg in args]
         outputs = [HostArray(buffers[name]) for name in launch.outputs]
         launch.kernel[launch.grid](*args, *outputs, **launch.constexprs, **strides)

@@ -27,6 +27,7 @@ from moetriton.kernels.runtime.plan import (
     Plan,
     RowStride,
     alignment,
+    launch_arguments,
     strided_inputs,
     tuned_per_device,
 )
@@ -484,6 +485,10 @@ def _options(launch) -> dict:
     return options
 
 
+def _row_stride(tensor: torch.Tensor) -> int:
+    return tensor.stride(0)
+
+
 def _arranged(tensor: torch.Tensor, strided: bool) -> torch.Tensor:
     """The layout rule: a 2-D input read through a row stride stays as it is when its columns are unit
     stride; everything else is made contiguous."""
@@ -511,10 +516,11 @@ def run_plan(
     if INTERPRETER and interpreter_problem():
         raise RuntimeError(interpreter_problem())
     strided = strided_inputs(plan)
-    env = {
-        name: None if tensor is None else _arranged(tensor, name in strided)
+    env = dict.fromkeys(arg for launch in plan.launches for arg in launch.args if isinstance(arg, str))
+    env.update(
+        (name, None if tensor is None else _arranged(tensor, name in strided))
         for name, tensor in inputs.items()
-    }
+    )
     for name, spec in plan.buffers.items():
         alloc = torch.zeros if spec.zero else torch.empty
         # A placeholder is None (kernels get the dummy pointer), or its size-0 tensor for a custom op.
@@ -524,15 +530,7 @@ def run_plan(
     context = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with context:
         for launch in plan.launches:
-            args, strides = [], {}
-            for arg in launch.args:
-                if isinstance(arg, RowStride):
-                    strides[arg.align] = alignment(env[arg.name].stride(0))
-                    args.append(env[arg.name].stride(0))
-                elif isinstance(arg, str):
-                    args.append(dummy if env.get(arg) is None else env[arg])
-                else:
-                    args.append(arg)
+            args, strides = launch_arguments(launch, env, dummy, _row_stride)
             args += [dummy if env[name] is None else env[name] for name in launch.outputs]
             launch.kernel[launch.grid](*args, **launch.constexprs, **strides, **_options(launch))
     return tuple(env[name] for name in plan.results)

@@ -237,6 +237,25 @@ def alignment(size: int) -> int:
     return math.gcd(size, 16)
 
 
+def launch_arguments(
+    launch: Launch, env: Mapping[str, Any], dummy: Any, row_stride: Callable[[Any], int]
+) -> tuple[list, dict[str, int]]:
+    """The arguments of `launch.args` in kernel order, taken from `env` (name -> array or None; None passes
+    `dummy`), and the constexprs its row strides set: every executor's walk over a launch's arguments.
+    `row_stride(array)` is the row stride of an input in the executor's framework."""
+    args, strides = [], {}
+    for arg in launch.args:
+        if isinstance(arg, RowStride):
+            stride = row_stride(env[arg.name])
+            strides[arg.align] = alignment(stride)
+            args.append(stride)
+        elif isinstance(arg, str):
+            args.append(dummy if env[arg] is None else env[arg])
+        else:
+            args.append(arg)
+    return args, strides
+
+
 def strided_inputs(plan: Plan) -> frozenset[str]:
     """Names of the inputs that some launch of `plan` reads through a row stride."""
     return frozenset(
