@@ -13,13 +13,7 @@
 # or on PYTHONPATH as scripts/gpu_check.sh puts it). Writes DEST/te_jax_junit.xml and DEST/te_jax.log;
 # the exit status is pytest's.
 set -uo pipefail
-if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-  sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
-  exit 2
-fi
-repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-mkdir -p "$1" && dest=$(cd "$1" && pwd)
-shift
+source "$(dirname "${BASH_SOURCE[0]}")/_output_folder.sh"
 te_tests=${TE_TESTS:-$repo/.te/tests/jax}
 files="test_permutation.py test_fused_router.py test_distributed_permutation.py test_distributed_router.py"
 
