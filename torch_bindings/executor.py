@@ -113,7 +113,6 @@ class _Launcher:
             (1, arg.name) if isinstance(arg, RowStride) else (0, arg) if isinstance(arg, str) else (2, arg)
             for arg in launch.args
         ]
-        self.stride_aligns = [(arg.name, arg.align) for arg in launch.args if isinstance(arg, RowStride)]
         names = launch.kernel.arg_names
         self.constexpr_names = names[len(launch.args) + len(launch.outputs) :]
         self.options = _options(launch)
@@ -122,15 +121,7 @@ class _Launcher:
 
     def __call__(self, env: dict, dummy: torch.Tensor, key: tuple, stream: int | None) -> None:
         """The JIT-style launch; `stream` is None under the interpreter."""
-        args = []
-        for kind, value in self.template:
-            if kind == 0:
-                tensor = env[value]
-                args.append(dummy if tensor is None else tensor)
-            elif kind == 1:
-                args.append(env[value].stride(0))
-            else:
-                args.append(value)
+        args, strides = launch_arguments(self.launch, env, dummy, _row_stride)
         for name in self.launch.outputs:
             tensor = env[name]
             args.append(dummy if tensor is None else tensor)
@@ -153,7 +144,6 @@ class _Launcher:
             )
             return
         launch = self.launch
-        strides = {align: alignment(env[name].stride(0)) for name, align in self.stride_aligns}
         compiled = launch.kernel[launch.grid](*args, **launch.constexprs, **strides, **self.options)
         if stream is not None and compiled is not None:  # compiled (not interpreted) kernels only
             constexprs = {**launch.constexprs, **strides}
