@@ -121,6 +121,7 @@ class Version:
     root: Path
     modules: dict[str, ModuleType]
     torch_file: Path  # where its moetriton.torch came from, links resolved
+    stand_in_root: Path | None = None  # the empty package root written for a version without one
 
     @property
     def torch(self) -> ModuleType:
@@ -130,7 +131,11 @@ class Version:
         """Raise unless every module of this version with a file comes from its own checkout."""
         for name, module in self.modules.items():
             path = getattr(module, "__file__", None)
-            if path and not Path(path).resolve().is_relative_to(self.root):
+            if (
+                path
+                and not Path(path).resolve().is_relative_to(self.root)
+                and Path(path) != self.stand_in_root
+            ):
                 raise RuntimeError(f"the {self.label}'s {name} comes from {path}, not from {self.root}")
 
 
@@ -179,8 +184,14 @@ class Versions:
         for name, folder in SOURCE_FOLDERS.items():
             if (root / folder).is_dir():
                 (package / name).symlink_to(root / folder, target_is_directory=True)
+        stand_in_root = None
         if (root / PACKAGE / "__init__.py").is_file():  # versions with a package root (moetriton.__version__)
             (package / "__init__.py").symlink_to(root / PACKAGE / "__init__.py")
+        else:
+            stand_in_root = package / "__init__.py"
+            # An empty one: a folder without it would be a namespace portion, and a regular moetriton
+            # package later on the path (the checkout's root in the working directory) would win over it.
+            stand_in_root.write_text("")
         self._set_aside()
         importlib.invalidate_caches()
         sys.path.insert(0, str(package.parent))
@@ -197,7 +208,9 @@ class Versions:
                     torch_module.permutation = importlib.import_module(f"{PACKAGE}.torch.ops")
         finally:
             sys.path.remove(str(package.parent))
-        version = Version(label, root, _package_modules(), Path(torch_module.__file__).resolve())
+        version = Version(
+            label, root, _package_modules(), Path(torch_module.__file__).resolve(), stand_in_root
+        )
         version.check_origin()
         self.active = version
         return version

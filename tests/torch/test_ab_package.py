@@ -20,8 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 OPS = {"dispatch", "dispatch_bwd", "combine", "combine_bwd", "chunk_sort", "router_topk", "router_fwd_bwd"}
 
 
-@pytest.mark.parametrize("stub", [False, True], ids=["kernels", "stubbed"])
-def test_ab_package_times_both_versions_of_every_op(tmp_path, stub):
+@pytest.mark.parametrize(
+    "stub, package_root",
+    [(False, True), (True, True), (True, False)],
+    ids=["kernels", "stubbed", "stubbed-baseline-without-package-root"],
+)
+def test_ab_package_times_both_versions_of_every_op(tmp_path, stub, package_root):
+    """package_root=False: a baseline from before moetriton/__init__.py existed, whose folder of links must
+    not lose to the checkout's regular package in the working directory."""
     # The stubbed host path runs on CPU tensors under the interpreter, on a GPU machine too.
     env = dict(os.environ, TRITON_INTERPRET="1") if stub else os.environ
     if stub and (problem := interpreted_kernels_problem()):
@@ -36,6 +42,8 @@ def test_ab_package_times_both_versions_of_every_op(tmp_path, stub):
     baseline = tmp_path / "baseline"
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(baseline, filter="data")
+    if not package_root:
+        (baseline / "moetriton" / "__init__.py").unlink()
     out = tmp_path / "ab.csv"
     command = [sys.executable, "-m", "benchmarks.ab_package", str(baseline), "--shapes", "16x32x8x2"]
     command += ["--rounds", "1", "--smoke", "--out", str(out)] + (["--stub-kernels"] if stub else [])
