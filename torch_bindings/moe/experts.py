@@ -139,7 +139,7 @@ def batched_mlp(rows: Tensor, gate_up: Tensor, down: Tensor, activation: str) ->
         return torch.bmm(act, down).reshape(rows.shape)
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: torch 2.11's dynamo loses the fields a frozen dataclass sets in a compiled region
 class Experts:
     """This rank's L experts as an exchange runs them: rows [N, H], expert-major -> their outputs [N, H].
     group_sizes [L]: the rows of each expert (dropless: `expert_mlp`), or None for L equal groups (the
