@@ -84,14 +84,13 @@ def _model(name: str, implementation: str, device: torch.device, dtype: torch.dt
         num_hidden_layers=2,
         num_attention_heads=16 if not tiny else 4,
         num_key_value_heads=16 if not tiny else 4,
-        head_dim=128 if not tiny else 8,
         vocab_size=32000 if not tiny else 64,
         max_position_embeddings=4096,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
         router_aux_loss_coef=0.01,
-        **{"intermediate_size": 4096, **options, **sizes},
+        **{"intermediate_size": 4096, "head_dim": 128 if not tiny else 8, **options, **sizes},
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation=implementation)

@@ -7,13 +7,24 @@ top_k_index [T, K], top_k_weights [T, K]) -> [T, H]`, picked by name with
 adds moetriton there, after which the model keeps its own router and runs dispatch, the expert GEMMs, the
 activation and combine on moetriton's kernels (and `torch._grouped_mm` where the layer uses it).
 
-transformers is an optional dependency: it is imported when `register` runs, not when this module is imported.
+transformers is an optional dependency (the `transformers` extra): this module imports it, and
+`moetriton.torch` does not import this module.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+
+try:
+    # At import, not in the forward: torch.compile cannot trace transformers' lazy modules.
+    from transformers import activations as hf_activations
+    from transformers.integrations import moe as hf_moe
+except ImportError as error:  # transformers < 5 has no experts registry
+    raise ImportError(
+        "moetriton.torch.transformers needs transformers >= 5 (its ExpertsInterface): pip install "
+        "'moetriton[transformers]'"
+    ) from error
 
 from .activation import ACTIVATE
 from .moe.experts import grouped_linear
@@ -36,30 +47,20 @@ def register(name: str = IMPLEMENTATION) -> str:
         >>> register()
         'moetriton'
     """
-    try:
-        from transformers.integrations.moe import ExpertsInterface
-    except ImportError as error:  # transformers < 5 has no experts registry
-        raise ImportError(
-            "moetriton.torch.transformers needs transformers >= 5 (its ExpertsInterface): pip install "
-            "'moetriton[transformers]'"
-        ) from error
-    ExpertsInterface.register(name, experts_forward)
+    hf_moe.ExpertsInterface.register(name, experts_forward)
     return name
 
 
 def _fused_activation(experts: nn.Module) -> str | None:
     """The moetriton activation that equals the experts' own gate or activation exactly, or None where the
     module defines its own (GPT-OSS's clamped SwiGLU on interleaved columns), which then runs as written."""
-    from transformers import activations
-    from transformers.integrations import moe as hf_moe
-
     act = getattr(experts, "act_fn", None)
-    exact_gelu = isinstance(act, activations.GELUActivation) and act.act is nn.functional.gelu
+    exact_gelu = isinstance(act, hf_activations.GELUActivation) and act.act is nn.functional.gelu
     if experts.has_gate:
         # A class of its own `_apply_gate` (an interleaved or clamped gate) keeps it.
         if type(experts)._apply_gate is not getattr(hf_moe, "_default_apply_gate", None):
             return None
-        if isinstance(act, (nn.SiLU, activations.SiLUActivation)):
+        if isinstance(act, (nn.SiLU, getattr(hf_activations, "SiLUActivation", nn.SiLU))):
             return "swiglu"
         return "geglu" if exact_gelu else None
     if isinstance(act, nn.ReLU):
