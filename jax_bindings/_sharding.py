@@ -119,13 +119,15 @@ def run_local(op: ShardedOp, arrays: Sequence[jax.Array], use_kernels: bool) -> 
 # Partitioning -------------------------------------------------------------------------------------------
 
 
-def _axes(entry) -> tuple[str, ...]:
+def mesh_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, an axis name, or a tuple of them)."""
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def _axes_size(mesh, axes: tuple[str, ...]) -> int:
+def axes_size(mesh, axes: tuple[str, ...]) -> int:
+    """How many devices `axes` of `mesh` span together."""
     return math.prod(mesh.shape[axis] for axis in axes)
 
 
@@ -136,7 +138,7 @@ def _axis_orders(mesh, size: int, exclude: tuple[str, ...] = ()) -> list[tuple[s
         axes
         for count in range(len(names) + 1)
         for axes in itertools.permutations(names, count)
-        if _axes_size(mesh, axes) == size
+        if axes_size(mesh, axes) == size
     ]
 
 
@@ -167,7 +169,7 @@ def _choose_axes(op: ShardedOp, mesh, arg_shapes) -> tuple[tuple[str, ...], tupl
     if decoded is None:
         return (), ()
     token_axes, hidden_axes = decoded
-    if not op.token_parallel and op.num_shards % _axes_size(mesh, token_axes):
+    if not op.token_parallel and op.num_shards % axes_size(mesh, token_axes):
         token_axes = ()
     return token_axes, hidden_axes
 
@@ -196,7 +198,7 @@ def _lower(op: ShardedOp, token_axes: tuple[str, ...], *arrays: jax.Array) -> tu
 
 def _partition(op: ShardedOp, mesh, arg_shapes, result_shape):
     token_axes, hidden_axes = _choose_axes(op, mesh, arg_shapes)
-    shards = op.num_shards if op.token_parallel else op.num_shards // _axes_size(mesh, token_axes)
+    shards = op.num_shards if op.token_parallel else op.num_shards // axes_size(mesh, token_axes)
     local = dataclasses.replace(op, num_shards=shards, hidden_axes=hidden_axes)
     return (
         mesh,
@@ -334,7 +336,7 @@ def explicit_mesh(*arrays) -> jax.sharding.AbstractMesh | None:
 def spec_axes(array: jax.Array, dim: int) -> tuple[str, ...]:
     """The mesh axes that dimension `dim` of `array` is split over, as its type states (Explicit axes)."""
     spec = jax.typeof(array).sharding.spec
-    return _axes(spec[dim]) if dim < len(spec) else ()
+    return mesh_axes(spec[dim]) if dim < len(spec) else ()
 
 
 def explicit_results(op: ShardedOp, *arrays: jax.Array | None) -> tuple[NamedSharding, ...] | None:
@@ -347,7 +349,7 @@ def explicit_results(op: ShardedOp, *arrays: jax.Array | None) -> tuple[NamedSha
     first = next(x for x in arrays if x is not None)
     token_axes = spec_axes(first, 0)
     hidden_axes = spec_axes(first, 1) if first.ndim > 1 else ()
-    if not op.token_parallel and op.num_shards % _axes_size(mesh, token_axes):
+    if not op.token_parallel and op.num_shards % axes_size(mesh, token_axes):
         token_axes = ()
     return _shardings(op, mesh, op.results, token_axes, hidden_axes)
 

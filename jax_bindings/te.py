@@ -36,7 +36,7 @@ from moetriton.kernels.rules import validation
 from moetriton.kernels.rules.layout import round_up
 
 from . import chunk_sort, permutation, router
-from ._sharding import ShardedOp, explicit_mesh, on_explicit_mesh, run_local
+from ._sharding import ShardedOp, axes_size, explicit_mesh, mesh_axes, on_explicit_mesh, run_local
 from .executor import compiles_kernels, describe, uses_kernels
 
 __all__ = [
@@ -216,9 +216,8 @@ def _token_axes(op: _DeviceOp, mesh, arg_shapes) -> tuple[str, ...]:
     sharding = shape.sharding
     if not isinstance(sharding, NamedSharding) or not sharding.spec:
         return ()
-    entry = sharding.spec[0]
-    axes = () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
-    devices = math.prod(mesh.shape[axis] for axis in axes)
+    axes = mesh_axes(sharding.spec[0])
+    devices = axes_size(mesh, axes)
     sizes = [s.shape[0] for name, s in zip(op.args, arg_shapes, strict=True) if op.role(name)] + [op.rows]
     return axes if all(size % devices == 0 for size in sizes) else ()
 
@@ -234,7 +233,7 @@ def _lower(op: _DeviceOp, devices: int, *arrays: jax.Array) -> tuple[jax.Array, 
 
 def _partition(op: _DeviceOp, mesh, arg_shapes, result_shape):
     axes = _token_axes(op, mesh, arg_shapes)
-    devices = math.prod(mesh.shape[axis] for axis in axes)
+    devices = axes_size(mesh, axes)
     results = result_shape if isinstance(result_shape, tuple | list) else (result_shape,)
     return (
         mesh,
