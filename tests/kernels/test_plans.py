@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moetriton import kernels
-from moetriton.kernels.runtime.plan import tuned_per_device
+from moetriton.kernels.runtime.plan import RowStride, launch_arguments, tuned_per_device
 from moetriton.torch.executor import run_plan
 from tests._plans import dispatch_plan_with_defaults
 from tests.torch._helpers import DEVICE
@@ -163,3 +163,18 @@ def test_the_executors_shared_step_reads_dtypes_and_device_tuning_one_way():
     tuned = {builder.__name__ for builder in _declared_builders() if tuned_per_device(builder)}
     assert {"dispatch_plan", "combine_plan", "sort_chunks_plan", "topk_plan"} <= tuned
     assert not tuned_per_device(kernels.aux_loss_plan)
+
+
+def test_the_executors_walk_a_launchs_arguments_one_way():
+    launch = kernels.Launch(
+        kernel=None,
+        grid=(1,),
+        args=("x", RowStride("x", "X_ALIGN"), "absent", 7, RowStride("y", "Y_ALIGN")),
+        outputs=("out",),
+    )
+    env = {"x": (24, 1), "absent": None, "y": (6, 1)}
+    args, strides = launch_arguments(launch, env, "dummy", row_stride=lambda shape: shape[0])
+    assert args == [(24, 1), 24, "dummy", 7, 6]
+    assert strides == {"X_ALIGN": 8, "Y_ALIGN": 2}
+    with pytest.raises(KeyError):  # a name the environment lacks is an error, not the dummy
+        launch_arguments(launch, {"x": (24, 1)}, "dummy", row_stride=lambda shape: shape[0])
