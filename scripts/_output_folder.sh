@@ -1,4 +1,4 @@
-# Sourced by the scripts that take an output folder and then pytest's arguments (te_jax_tests.sh,
+# Sourced by the scripts that take an output folder first (gpu_check.sh, te_jax_tests.sh,
 # te_torch_tests.sh), right after their `set -uo pipefail` line. Without the folder, or with an option
 # first, it prints the calling script's header comment (its usage) and exits 2. Otherwise it sets `repo`
 # (this checkout), makes the folder, sets `dest` to its absolute path and shifts it off the arguments.

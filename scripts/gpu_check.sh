@@ -68,13 +68,8 @@
 # Each stage's time limit is <STAGE>_TIMEOUT seconds (e.g. BENCH_TIMEOUT). The exit status is that of the
 # last failing stage, 0 if none failed.
 set -uo pipefail
-if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-  sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
-  exit 2
-fi
-repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-mkdir -p "$1" && outdir=$(cd "$1" && pwd)
-shift
+source "$(dirname "${BASH_SOURCE[0]}")/_output_folder.sh"
+outdir=$dest
 stages=${*:-tests bench}
 PY=${PYTHON:-python3}
 
