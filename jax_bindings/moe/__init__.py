@@ -2,8 +2,9 @@
 the sequence of steps), `routing` (router, token mask, drop policy), `statistics` (losses, dropped count,
 loads), `balancing` (the expert-bias update), `experts` (the grouped MLP, the shared experts), `exchange`
 (which exchange a call runs, the exchange around the experts), the exchanges `all_to_all` (dropless:
-ragged or padded) and `capacity` (fixed slabs), `config` (a call's static configuration) and `flax`
-(the Flax Linen module `MoEBlock`, imported only on its own: moetriton.jax.moe.flax). See docs/moe.md."""
+ragged or padded) and `capacity` (fixed slabs), `config` (a call's static configuration), `flax`
+(the Flax Linen module `MoEBlock`) and `nnx` (the Flax NNX module `MoE`), each imported only on its own
+(`from moetriton.jax.moe.flax import MoEBlock`). See docs/moe.md."""
 
 from moetriton.kernels.rules.moe import MoEStats
 
