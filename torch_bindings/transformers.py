@@ -147,3 +147,100 @@ def experts_forward(
     if getattr(experts, "has_post_expert_norm", False):
         out = experts.post_expert_norm(out)
     return token_combine(out.to(hidden_states.dtype), row_id_map, top_k_weights.float())
+
+
+# model type -> how its router selects and weights (in moetriton's router options), for `moe_arguments`.
+_SOFTMAX_TOP_K = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+_SIGMOID_GROUPED = ("deepseek_v3", "glm4_moe")
+
+
+def _router_options(block: nn.Module, config) -> dict:
+    """moetriton's router options equal to the block's own router (see `moe_arguments`)."""
+    model_type = config.model_type
+    topk = config.num_experts_per_tok
+    if model_type in _SOFTMAX_TOP_K:
+        # Softmax over every expert, then the top K, renormalised where norm_topk_prob (Mixtral always):
+        # renormalised top-K softmax values are the softmax over the top K logits (use_pre_softmax=False).
+        normalised = getattr(config, "norm_topk_prob", True) if model_type != "mixtral" else True
+        return dict(topk=topk, score_function="softmax", use_pre_softmax=not normalised)
+    if model_type in _SIGMOID_GROUPED:
+        if not config.norm_topk_prob and topk > 1:
+            raise NotImplementedError(
+                f"{model_type} with norm_topk_prob=False: moetriton's sigmoid router renormalises K > 1 "
+                "weights"
+            )
+        groups = config.n_group if config.n_group > 1 else None
+        if groups is not None and topk // config.topk_group != 2:
+            raise NotImplementedError(
+                f"{model_type} scores a group by its top 2; moetriton's router by its top K / topk_group = "
+                f"{topk // config.topk_group}"
+            )
+        return dict(
+            topk=topk,
+            score_function="sigmoid",
+            expert_bias=block.gate.e_score_correction_bias,
+            num_groups=groups,
+            group_topk=config.topk_group if groups is not None else None,
+            scaling_factor=float(config.routed_scaling_factor),
+        )
+    raise NotImplementedError(
+        f"moe_arguments: no mapping of {model_type}'s router to moetriton's (supported: "
+        f"{', '.join(_SOFTMAX_TOP_K + _SIGMOID_GROUPED)})"
+    )
+
+
+def _shared_weights(block: nn.Module) -> dict:
+    """moetriton's shared-expert weights from the block's shared MLP (and its per-token gate)."""
+    shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)
+    if shared is None:
+        return {}
+    weights = dict(
+        shared_gate_up=torch.cat([shared.gate_proj.weight, shared.up_proj.weight]).t(),  # [H, 2Fs]
+        shared_down=shared.down_proj.weight.t(),  # [Fs, H]
+    )
+    gate = getattr(block, "shared_expert_gate", None)
+    if gate is not None:
+        weights["shared_gate"] = gate.weight.t()  # [H, 1]
+    return weights
+
+
+def moe_arguments(block: nn.Module) -> dict:
+    """The keyword arguments of `moetriton.torch.moe` that compute a transformers sparse-MoE block.
+
+    `moe(x, **moe_arguments(block))[0]` equals `block(x)` for x [B, S, H] (to fp32 rounding), gradients
+    included: the router's weight, the experts' and shared experts' projections are views of the block's
+    parameters (gradients reach them), the router options are the block's recipe.
+
+    Supported: Mixtral, Qwen2-MoE (gated shared expert), Qwen3-MoE, OLMoE (softmax top-k, with or without
+    renormalisation); DeepSeek-V3 and GLM-4-MoE (sigmoid, correction bias, group-limited selection where a
+    group's score is the sum of its top K / topk_group = 2, scaling, shared experts). Other blocks, and these
+    with options moetriton's router does not express, raise NotImplementedError naming what is missing.
+
+    Example:
+        >>> from transformers import MixtralConfig
+        >>> from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+        >>> import moetriton.torch as mt
+        >>> config = MixtralConfig(hidden_size=8, intermediate_size=4, num_local_experts=4)
+        >>> block = MixtralSparseMoeBlock(config)
+        >>> out, aux_loss, dropped = mt.moe(torch.randn(1, 3, 8), **moe_arguments(block))
+    """
+    experts = getattr(block, "experts", None)
+    router = getattr(block, "gate", None) or getattr(block, "router", None)
+    if experts is None or router is None or not hasattr(router, "weight"):
+        raise TypeError(f"moe_arguments: {type(block).__name__} has no experts and gate (router) modules")
+    _check_layout(experts)
+    if experts.has_bias or not experts.has_gate or _fused_activation(experts) != "swiglu":
+        raise NotImplementedError(
+            f"moe_arguments: {type(experts).__name__} is not gated SiLU experts without biases (use the "
+            "experts implementation, register(), for it)"
+        )
+    config = experts.config
+    layout = (lambda weight: weight) if experts.is_transposed else (lambda weight: weight.transpose(1, 2))
+    return dict(
+        gate_weight=router.weight,  # [E, H]
+        gate_up=layout(experts.gate_up_proj),  # [E, H, 2F]
+        down=layout(experts.down_proj),  # [E, F, H]
+        activation="swiglu",
+        **_router_options(block, config),
+        **_shared_weights(block),
+    )

@@ -16,86 +16,12 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers (the test extra) is not installed")
 
 from moetriton.torch.transformers import IMPLEMENTATION, experts_forward, register  # noqa: E402
-
-_COMMON = dict(
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=64,
-    max_position_embeddings=64,
-    head_dim=8,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-_MLA = dict(
-    num_key_value_heads=4,
-    head_dim=None,
-    kv_lora_rank=16,
-    q_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=8,
-)
-_GROUPED = dict(
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    n_shared_experts=1,
-    n_group=2,
-    topk_group=1,
-    first_k_dense_replace=0,
-)
-_QWEN = dict(
-    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1, mlp_only_layers=[]
-)
-
-# model type -> its config beside _COMMON: the routing recipes transformers' MoE models cover.
-MODELS = {
-    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "qwen3_moe": ("qwen3_moe", dict(_QWEN, norm_topk_prob=True)),
-    "qwen3_moe-unnormalised": ("qwen3_moe", dict(_QWEN, norm_topk_prob=False)),
-    "qwen2_moe-shared": ("qwen2_moe", dict(_QWEN, shared_expert_intermediate_size=24)),
-    "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2)),
-    "deepseek_v3": ("deepseek_v3", dict(_COMMON, **_MLA, **_GROUPED)),
-    "deepseek_v2-group-greedy": (
-        "deepseek_v2",
-        dict(_COMMON, **_MLA, **_GROUPED, topk_method="group_limited_greedy"),
-    ),
-    "glm4_moe": ("glm4_moe", dict(_GROUPED)),
-    "ernie4_5_moe": (
-        "ernie4_5_moe",
-        dict(
-            moe_num_experts=4,
-            moe_k=2,
-            moe_intermediate_size=16,
-            moe_layer_start_index=0,
-            moe_num_shared_experts=1,
-        ),
-    ),
-    "gpt_oss": (
-        "gpt_oss",
-        dict(num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention", "full_attention"]),
-    ),
-}
+from tests.transformers_models import MODELS, tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
     register()
-
-
-def _model(name: str, seed: int = 0) -> torch.nn.Module:
-    model_type, options = MODELS[name]
-    config = transformers.AutoConfig.for_model(model_type, **{**_COMMON, **options})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
-    with torch.no_grad():
-        for parameter in model.parameters():  # biases, router bias, norms: all nonzero, all in play
-            parameter.normal_(0.0, 0.3)
-    return model.float()
 
 
 def _step(model: torch.nn.Module, implementation: str, ids: torch.Tensor) -> tuple:
@@ -113,7 +39,7 @@ def _step(model: torch.nn.Module, implementation: str, ids: torch.Tensor) -> tup
 
 @pytest.mark.parametrize("name", MODELS)
 def test_causal_lm_matches_eager_experts(name):
-    model = _model(name)
+    model = tiny_model(name)
     ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     logits, loss, aux, grads = _step(model, "eager", ids)
     our_logits, our_loss, our_aux, our_grads = _step(model, IMPLEMENTATION, ids)
@@ -131,7 +57,7 @@ def test_causal_lm_matches_eager_experts(name):
 def test_training_steps_track_eager():
     losses = {}
     for implementation in ("eager", IMPLEMENTATION):
-        model = _model("mixtral", seed=3)
+        model = tiny_model("mixtral", seed=3)
         model.set_experts_implementation(implementation)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(4))
@@ -149,7 +75,7 @@ def test_training_steps_track_eager():
 
 
 def _experts(name: str = "mixtral") -> torch.nn.Module:
-    model = _model(name)
+    model = tiny_model(name)
     return next(module for module in model.modules() if type(module).__name__.endswith("Experts"))
 
 
