@@ -140,6 +140,7 @@ def _torch_results(case: RouterCase, quick: bool) -> list[Result]:
             scale,
             case.score_function,
             case.routing_map_format,
+            None,
         )
         for s in sets
     ]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moetriton.kernels.rules.router import group_score_count, normalizes_topk
+
 from .reference import pack_bitmap, unpack_bitmap
 
 EPSILON = 1e-20
@@ -47,13 +49,15 @@ def _mask_from(indices: jax.Array, shape: tuple[int, int]) -> jax.Array:
     return jnp.zeros(shape, dtype=bool).at[rows, indices].set(True)
 
 
-def _group_excluded(select: jax.Array, topk: int, num_groups: int, group_topk: int) -> jax.Array:
+def _group_excluded(
+    select: jax.Array, topk: int, num_groups: int, group_topk: int, group_score: str
+) -> jax.Array:
     """[T, E] True for experts outside each token's group_topk best groups (group score: the sum of the
-    group's top topk / group_topk selection scores, added in descending order)."""
+    group's top `group_score_count` selection scores, added in descending order)."""
     num_tokens, num_experts = select.shape
     size = num_experts // num_groups
     grouped = select.reshape(num_tokens * num_groups, size)
-    per_group = topk // group_topk
+    per_group = group_score_count(group_score, topk, group_topk)
     best = jnp.take_along_axis(grouped, rank(grouped)[:, :per_group], axis=-1)
     best = best.reshape(num_tokens, num_groups, per_group)
     group_score = best[..., 0]
@@ -70,18 +74,17 @@ def weights_from_map(
     use_pre_softmax: bool,
     scaling_factor: float,
     score_function: str,
+    normalize_topk: bool | None = None,
 ) -> jax.Array:
     """Differentiable probs [T, E] (logits dtype) of the experts a routing map selects."""
     x = logits.astype(_compute_dtype(logits.dtype))
-    if score_function == "softmax":
-        if use_pre_softmax:
-            weights = jnp.where(routing_map, jax.nn.softmax(x, axis=-1), 0.0)
-        else:
-            weights = jax.nn.softmax(jnp.where(routing_map, x, -jnp.inf), axis=-1)
-            weights = jnp.where(routing_map, weights, 0.0)
+    if score_function == "softmax" and not use_pre_softmax:
+        weights = jax.nn.softmax(jnp.where(routing_map, x, -jnp.inf), axis=-1)
+        weights = jnp.where(routing_map, weights, 0.0)
     else:
-        weights = jnp.where(routing_map, _activation(x, score_function), 0.0)
-        if topk > 1:
+        score = jax.nn.softmax(x, axis=-1) if score_function == "softmax" else _activation(x, score_function)
+        weights = jnp.where(routing_map, score, 0.0)
+        if normalizes_topk(score_function, use_pre_softmax, topk, normalize_topk):
             weights = jnp.where(routing_map, weights / (weights.sum(-1, keepdims=True) + EPSILON), 0.0)
     return (weights * scaling_factor).astype(logits.dtype)
 
@@ -97,6 +100,8 @@ def topk_forward(
     score_function: str,
     return_indices: bool,
     routing_map_format: str = "bytemap",
+    normalize_topk: bool | None = None,
+    group_score: str = "topk_sum",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The router top-k on [T, E] logits: (probs, routing_map, indices [T, K] or [T, 0] int32).
     num_groups = group_topk = 0: no groups. The map is bool [T, E], or packed ("bitmap")."""
@@ -105,12 +110,14 @@ def topk_forward(
         select = jax.nn.softmax(x, axis=-1) if use_pre_softmax else x
     else:
         select = _activation(x, score_function)
-        if expert_bias is not None:
-            select = select + expert_bias.astype(select.dtype)
-    excluded = _group_excluded(select, topk, num_groups, group_topk) if group_topk else None
+    if expert_bias is not None:
+        select = select + expert_bias.astype(select.dtype)
+    excluded = _group_excluded(select, topk, num_groups, group_topk, group_score) if group_topk else None
     indices = rank(select, excluded)[:, :topk]
     routing_map = _mask_from(indices, logits.shape)
-    probs = weights_from_map(logits, routing_map, topk, use_pre_softmax, scaling_factor, score_function)
+    probs = weights_from_map(
+        logits, routing_map, topk, use_pre_softmax, scaling_factor, score_function, normalize_topk
+    )
     if routing_map_format == "bitmap":
         routing_map = pack_bitmap(routing_map)
     return probs, routing_map, indices[:, : topk if return_indices else 0].astype(jnp.int32)
@@ -125,13 +132,16 @@ def topk_backward(
     scaling_factor: float,
     score_function: str,
     routing_map_format: str = "bytemap",
+    normalize_topk: bool | None = None,
 ) -> jax.Array:
     """grad_logits [T, E] by differentiating weights_from_map (the map unpacked first when it is a
     "bitmap")."""
     if routing_map_format == "bitmap":
         routing_map = unpack_bitmap(routing_map, logits.shape[1])
     _, vjp = jax.vjp(
-        lambda x: weights_from_map(x, routing_map, topk, use_pre_softmax, scaling_factor, score_function),
+        lambda x: weights_from_map(
+            x, routing_map, topk, use_pre_softmax, scaling_factor, score_function, normalize_topk
+        ),
         logits,
     )
     return vjp(grad_probs.astype(logits.dtype))[0]
@@ -215,6 +225,8 @@ def fused_topk_with_score_function(
     routing_map_format: str = "bytemap",
     *,
     return_indices: bool = False,
+    normalize_topk: bool | None = None,
+    group_score: str = "topk_sum",
 ) -> tuple[jax.Array, ...]:
     """Reference of moetriton.jax.router.fused_topk_with_score_function (differentiable in logits;
     routing_map_format "bytemap" or "bitmap")."""
@@ -232,8 +244,9 @@ def fused_topk_with_score_function(
         scale,
         score_function,
         True,
+        group_score=group_score,
     )
-    probs = weights_from_map(flat, routing_map, topk, use_pre_softmax, scale, score_function)
+    probs = weights_from_map(flat, routing_map, topk, use_pre_softmax, scale, score_function, normalize_topk)
     if routing_map_format == "bitmap":
         routing_map = pack_bitmap(routing_map)
     result = (probs.reshape(logits.shape), routing_map.reshape(*logits.shape[:-1], routing_map.shape[-1]))

@@ -196,7 +196,7 @@ def _topk(logits, bias, options):
 
 
 def _topk_fwd(logits, bias, options):
-    map_name = _map_name(options[-1])
+    map_name = _map_name(dict(zip(rules.TOPK_OPTIONS, options, strict=True))["routing_map_format"])
     probs, routing_map, indices = _call(
         _topk_local, options, dict(logits=logits, bias=bias), ("probs", map_name, "indices")
     )
@@ -205,10 +205,11 @@ def _topk_fwd(logits, bias, options):
 
 def _topk_bwd(options, residuals, cotangents):
     logits, routing_map = residuals
-    topk, use_pre_softmax, _, _, scaling_factor, score_function, _, routing_map_format = options
+    named = dict(zip(rules.TOPK_OPTIONS, options, strict=True))
+    routing_map_format = named["routing_map_format"]
     (grad_logits,) = _call(
         _topk_backward_local,
-        (topk, use_pre_softmax, scaling_factor, score_function, routing_map_format),
+        tuple(named[name] for name in rules.TOPK_BACKWARD_OPTIONS),
         {"grad_probs": cotangents[0], "logits": logits, _map_name(routing_map_format): routing_map},
         ("grad_logits",),
     )
@@ -287,6 +288,8 @@ def fused_topk_with_score_function(
     routing_map_format: str = "bytemap",
     *,
     return_indices: bool = False,
+    normalize_topk: bool | None = None,
+    group_score: str = "topk_sum",
 ) -> tuple[jax.Array, ...]:
     """Route every token to its top-k experts (fused score function, group limit, bias, scaling).
 
@@ -295,14 +298,13 @@ def fused_topk_with_score_function(
         topk: K experts per token, 1 <= K <= E (a Python int).
         use_pre_softmax: softmax only: softmax over all E before the top-k (probs are those softmax values),
             instead of a softmax over the K selected logits. Ignored for sigmoid / sqrtsoftplus (as TE).
-        num_groups, group_topk: group-limited top-k (DeepSeek-V3): experts form num_groups equal groups; a
-            group's score is the sum of its top K / group_topk selection scores; experts are chosen only in
-            the group_topk best groups. Both or neither.
-        scaling_factor: multiplies the probs (a Python float; None = 1.0).
-        score_function: "softmax", "sigmoid" or "sqrtsoftplus" (sqrt(softplus(x))). Sigmoid and
-            sqrtsoftplus weights are renormalised over the K selected experts when K > 1.
-        expert_bias: [E] float bias added to the sigmoid / sqrtsoftplus scores for selection only (the
-            weights use the unbiased score; no gradient). Not allowed with softmax.
+        num_groups, group_topk: group-limited top-k (DeepSeek-V3): experts form num_groups equal groups,
+            scored by `group_score`; experts are chosen only in the group_topk best groups. Both or neither.
+        scaling_factor: multiplies the probs (a Python float; None = 1.0), after any renormalisation.
+        score_function: "softmax", "sigmoid" or "sqrtsoftplus" (sqrt(softplus(x))).
+        expert_bias: [E] float bias added to the scores for selection only (the weights use the unbiased
+            score; no gradient): with sigmoid / sqrtsoftplus, or softmax with use_pre_softmax=True (the
+            softmax over all E is what it shifts; ERNIE-4.5). Not allowed with a softmax after the top-k.
         routing_map_format: "bytemap" (bool [..., E]) or "bitmap" (uint8 [..., ceil(E / 8)]: bit e % 8 of
             byte e // 8 set when the token routes to expert e, LSB first, unused high bits 0); TE's
             "bitmap_u8" and RoutingMapFormat members are accepted too. The bitmap is packed from the bool
@@ -310,6 +312,13 @@ def fused_topk_with_score_function(
             bytemap's bit for bit. `token_dispatch(..., routing_map_format="bitmap", num_experts=E)` takes
             the bitmap directly.
         return_indices: also return the selected expert ids [..., K] int32 in rank order (best first).
+        normalize_topk: renormalise the K selected weights, w / (sum w + 1e-20). None (TE's rule):
+            sigmoid / sqrtsoftplus when K > 1, not the softmax over all E. True / False force it for
+            sigmoid / sqrtsoftplus at any K and for use_pre_softmax=True (Qwen3-MoE's and DeepSeek-V3's
+            norm_topk_prob). A softmax after the top-k sums to 1 already: False is refused there.
+        group_score: how a group is scored: "topk_sum" (the sum of its top K / group_topk selection
+            scores, TE), "top2_sum" (the sum of its top 2, DeepSeek-V3) or "max" (its best score,
+            DeepSeek-V2's group_limited_greedy). Needs groups; the count must fit in a group.
 
     Returns:
         (probs [..., E] in logits.dtype, zero outside the selection; routing_map [..., E] bool, or
@@ -335,6 +344,8 @@ def fused_topk_with_score_function(
         score_function=score_function,
         expert_bias=describe(expert_bias),
         routing_map_format=routing_map_format,
+        normalize_topk=normalize_topk,
+        group_score=group_score,
     )
     if not isinstance(return_indices, bool):
         raise TypeError(f"return_indices: expected a bool, got {type(return_indices).__name__}")
@@ -347,6 +358,8 @@ def fused_topk_with_score_function(
         config.score_function,
         return_indices,
         config.routing_map_format,
+        config.normalize_topk,
+        config.group_score,
     )
     shape = logits.shape
     flat = logits.reshape(config.num_tokens, config.num_experts)
@@ -354,7 +367,7 @@ def fused_topk_with_score_function(
         _topk_local,
         options,
         dict(logits=flat, bias=expert_bias),
-        ("probs", _map_name(options[-1]), "indices"),
+        ("probs", _map_name(config.routing_map_format), "indices"),
     )
     probs, routing_map, indices = on_explicit_mesh(partial(_topk, options=options), results)(
         flat, expert_bias

@@ -2,8 +2,9 @@
 
 `router_problems()` draws one call of fused_topk_with_score_function / fused_compute_score_for_moe_aux_loss:
 leading token dims ([T] or [B, S], T = 0 and 1 included), E experts, top-k, a score function, pre/post
-softmax, valid group settings (group sizes and counts that are not powers of two included), an expert bias,
-a scaling factor, a logits dtype and a logits pattern:
+softmax, valid group settings (group sizes and counts that are not powers of two included) and group scores,
+the renormalisation of the selected weights (None, True, or False where allowed), an expert bias (sigmoid,
+sqrtsoftplus or softmax before the top-k), a scaling factor, a logits dtype and a logits pattern:
 
 * "random": continuous values, rounded to the logits dtype (bf16/fp16 rounding creates exact ties);
 * "ties": values from a small set (with -0.0 and +0.0), so experts tie exactly. The set holds no x and -x
@@ -61,6 +62,8 @@ class RouterProblem:
     pattern: str
     logits: np.ndarray  # [*lead_shape, E] float32, exactly representable in `dtype`
     bias: np.ndarray | None  # [E] float32
+    normalize_topk: bool | None = None
+    group_score: str = "topk_sum"
 
     @property
     def finite(self) -> bool:
@@ -74,6 +77,8 @@ class RouterProblem:
             group_topk=self.group_topk,
             scaling_factor=self.scaling_factor,
             score_function=self.score_function,
+            normalize_topk=self.normalize_topk,
+            group_score=self.group_score,
         )
 
 
@@ -114,9 +119,17 @@ def router_problems(
         num_groups = draw(st.sampled_from([g for g in range(1, num_experts + 1) if num_experts % g == 0]))
         group_topk = draw(st.integers(1, num_groups))
         topk = group_topk * draw(st.integers(1, num_experts // num_groups))
+        counts = dict(topk_sum=topk // group_topk, top2_sum=2, max=1)
+        group_score = draw(
+            st.sampled_from([name for name, count in counts.items() if count <= num_experts // num_groups])
+        )
     else:
         topk = draw(st.integers(1, num_experts))
-    has_bias = bias and score_function != "softmax" and draw(st.booleans())
+        group_score = "topk_sum"
+    # False contradicts a softmax after the top-k (normalised by construction).
+    post_softmax = score_function == "softmax" and not use_pre_softmax
+    normalize_topk = draw(st.sampled_from([None, True] if post_softmax else [None, True, False]))
+    has_bias = bias and not post_softmax and draw(st.booleans())
     scaling_factor = draw(st.sampled_from([None, 1.0, 2.5, 0.3]))
     dtype = draw(st.sampled_from(dtypes))
     num_tokens = draw(st.one_of(st.sampled_from([0, 1]), st.integers(2, max_tokens)))
@@ -152,6 +165,8 @@ def router_problems(
         pattern=pattern,
         logits=logits,
         bias=expert_bias,
+        normalize_topk=normalize_topk,
+        group_score=group_score,
     )
 
 

@@ -143,6 +143,43 @@ def test_chunk_sort_and_its_gradient_are_bitwise_identical(problem, with_probs):
     _same(vjp(_jax(cotangent, problem.dtype))[0], torch_grad, "grad inp")
 
 
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        dict(
+            score_function="sigmoid", num_groups=4, group_topk=2, group_score="top2_sum", normalize_topk=False
+        ),
+        dict(score_function="sigmoid", topk=1, normalize_topk=True, bias=True, scaling_factor=2.5),
+        dict(score_function="softmax", use_pre_softmax=True, normalize_topk=True, bias=True),
+        dict(score_function="softmax", use_pre_softmax=True, num_groups=4, group_topk=2, group_score="max"),
+    ],
+    ids=["deepseek_v3", "sigmoid_k1", "ernie", "group_max"],
+)
+def test_router_recipes_are_bitwise_identical(recipe):
+    """Renormalisation, group scores and the softmax bias: probs, map, indices and logits gradient."""
+    recipe = dict(recipe)
+    topk, with_bias = recipe.pop("topk", 4), recipe.pop("bias", False)
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((6, 12)).astype(np.float32)
+    bias = rng.standard_normal(12).astype(np.float32)
+    cotangent = np.linspace(-1, 1, 6 * 12, dtype=np.float32).reshape(6, 12)
+
+    def route(api, convert, x):
+        expert_bias = convert(bias) if with_bias else None
+        return api.fused_topk_with_score_function(
+            x, topk, expert_bias=expert_bias, return_indices=True, **recipe
+        )
+
+    from_jax = route(mj, _jax, _jax(logits))
+    x = _torch(logits).requires_grad_()
+    from_torch = route(mt, _torch, x)
+    for name, a, b in zip(("probs", "routing_map", "indices"), from_jax, from_torch, strict=True):
+        _same(a, b, name)
+    jax_grad = jax.grad(lambda x: (route(mj, _jax, x)[0] * _jax(cotangent)).sum())(_jax(logits))
+    (torch_grad,) = torch.autograd.grad((from_torch[0] * _torch(cotangent)).sum(), x)
+    _same(jax_grad, torch_grad, "grad logits")
+
+
 @pytest.mark.parametrize(("num_experts", "groups"), [(12, (2, 2)), (5, (None, None))])
 def test_bitmap_router_and_dispatch_are_bitwise_identical(num_experts, groups):
     """The router's bitmap, its probs and logits gradient (the backward reads the bits), and a dispatch from

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from moetriton.kernels.rules.router import group_score_count, normalizes_topk
+
 from .reference import pack_bitmap, unpack_bitmap
 
 EPSILON = 1e-20
@@ -39,13 +41,15 @@ def _activation(x: torch.Tensor, score_function: str) -> torch.Tensor:
     return torch.sqrt(torch.nn.functional.softplus(x))  # softplus(x) = x past 20, as the kernels
 
 
-def _group_excluded(select: torch.Tensor, topk: int, num_groups: int, group_topk: int) -> torch.Tensor:
+def _group_excluded(
+    select: torch.Tensor, topk: int, num_groups: int, group_topk: int, group_score: str
+) -> torch.Tensor:
     """[T, E] True for experts outside each token's group_topk best groups (group score: the sum of the
-    group's top topk / group_topk selection scores, added in descending order)."""
+    group's top `group_score_count` selection scores, added in descending order)."""
     num_tokens, num_experts = select.shape
     size = num_experts // num_groups
     grouped = select.reshape(num_tokens * num_groups, size)
-    per_group = topk // group_topk
+    per_group = group_score_count(group_score, topk, group_topk)
     best = grouped.gather(-1, rank(grouped)[:, :per_group]).reshape(num_tokens, num_groups, per_group)
     group_score = best[..., 0]
     for i in range(1, per_group):
@@ -62,18 +66,17 @@ def weights_from_map(
     use_pre_softmax: bool,
     scaling_factor: float,
     score_function: str,
+    normalize_topk: bool | None = None,
 ) -> torch.Tensor:
     """Differentiable probs [T, E] (logits dtype) of the experts a routing map selects."""
     x = logits.to(_compute_dtype(logits.dtype))
-    if score_function == "softmax":
-        if use_pre_softmax:
-            weights = torch.where(routing_map, torch.softmax(x, dim=-1), 0.0)
-        else:
-            weights = torch.softmax(x.masked_fill(~routing_map, float("-inf")), dim=-1)
-            weights = torch.where(routing_map, weights, 0.0)
+    if score_function == "softmax" and not use_pre_softmax:
+        weights = torch.softmax(x.masked_fill(~routing_map, float("-inf")), dim=-1)
+        weights = torch.where(routing_map, weights, 0.0)
     else:
-        weights = torch.where(routing_map, _activation(x, score_function), 0.0)
-        if topk > 1:
+        score = torch.softmax(x, dim=-1) if score_function == "softmax" else _activation(x, score_function)
+        weights = torch.where(routing_map, score, 0.0)
+        if normalizes_topk(score_function, use_pre_softmax, topk, normalize_topk):
             weights = torch.where(routing_map, weights / (weights.sum(-1, keepdim=True) + EPSILON), 0.0)
     return (weights * scaling_factor).to(logits.dtype)
 
@@ -89,6 +92,8 @@ def topk_forward(
     score_function: str,
     return_indices: bool,
     routing_map_format: str = "bytemap",
+    normalize_topk: bool | None = None,
+    group_score: str = "topk_sum",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """moetriton::router_topk on [T, E] logits: (probs, routing_map, indices [T, K] or [T, 0] int32).
     num_groups = group_topk = 0: no groups. The map is bool [T, E], or packed ("bitmap")."""
@@ -97,13 +102,15 @@ def topk_forward(
         select = torch.softmax(x, dim=-1) if use_pre_softmax else x
     else:
         select = _activation(x, score_function)
-        if expert_bias is not None:
-            select = select + expert_bias.to(select.dtype)
-    excluded = _group_excluded(select, topk, num_groups, group_topk) if group_topk else None
+    if expert_bias is not None:
+        select = select + expert_bias.to(select.dtype)
+    excluded = _group_excluded(select, topk, num_groups, group_topk, group_score) if group_topk else None
     indices = rank(select, excluded)[:, :topk]
     routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
     routing_map.scatter_(-1, indices, True)
-    probs = weights_from_map(logits, routing_map, topk, use_pre_softmax, scaling_factor, score_function)
+    probs = weights_from_map(
+        logits, routing_map, topk, use_pre_softmax, scaling_factor, score_function, normalize_topk
+    )
     if routing_map_format == "bitmap":
         routing_map = pack_bitmap(routing_map)
     return probs, routing_map, indices[:, : topk if return_indices else 0].to(torch.int32)
@@ -124,13 +131,16 @@ def topk_backward(
     scaling_factor: float,
     score_function: str,
     routing_map_format: str = "bytemap",
+    normalize_topk: bool | None = None,
 ) -> torch.Tensor:
     """moetriton::router_topk_backward: grad_logits [T, E] by autograd of weights_from_map (the map
     unpacked first when it is a "bitmap")."""
     if routing_map_format == "bitmap":
         routing_map = unpack_bitmap(routing_map, logits.shape[1])
     return _vjp(
-        lambda x: weights_from_map(x, routing_map, topk, use_pre_softmax, scaling_factor, score_function),
+        lambda x: weights_from_map(
+            x, routing_map, topk, use_pre_softmax, scaling_factor, score_function, normalize_topk
+        ),
         logits,
         grad_probs.to(logits.dtype),
     )
@@ -222,6 +232,8 @@ def fused_topk_with_score_function(
     routing_map_format: str = "bytemap",
     *,
     return_indices: bool = False,
+    normalize_topk: bool | None = None,
+    group_score: str = "topk_sum",
 ) -> tuple[torch.Tensor, ...]:
     """Reference of moetriton.torch.router.fused_topk_with_score_function (differentiable in logits;
     routing_map_format "bytemap" or "bitmap")."""
@@ -239,8 +251,9 @@ def fused_topk_with_score_function(
         scale,
         score_function,
         True,
+        group_score=group_score,
     )
-    probs = weights_from_map(flat, routing_map, topk, use_pre_softmax, scale, score_function)
+    probs = weights_from_map(flat, routing_map, topk, use_pre_softmax, scale, score_function, normalize_topk)
     if routing_map_format == "bitmap":
         routing_map = pack_bitmap(routing_map)
     result = (probs.reshape(logits.shape), routing_map.reshape(*logits.shape[:-1], routing_map.shape[-1]))

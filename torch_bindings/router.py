@@ -100,25 +100,30 @@ def _router_topk(
     score_function: str,
     return_indices: bool,
     routing_map_format: str,
+    normalize_topk: bool | None,
+    group_score: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(probs [T, E], routing_map (bool [T, E], or uint8 [T, ceil(E / 8)] for "bitmap"), indices [T, K]
-    int32 or [T, 0]) of [T, E] logits; num_groups = group_topk = 0: no groups."""
+    int32 or [T, 0]) of [T, E] logits; num_groups = group_topk = 0: no groups; normalize_topk None: TE's
+    rule (moetriton.kernels.rules.router.normalizes_topk)."""
     options = (topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function, return_indices)
-    return _TOPK.run(logits, expert_bias, *options, routing_map_format)
+    return _TOPK.run(logits, expert_bias, *options, routing_map_format, normalize_topk, group_score)
 
 
 def _topk_setup(ctx, inputs, output):
-    logits, _, topk, use_pre_softmax, _, _, scaling_factor, score_function, _, routing_map_format = inputs
-    ctx.options = (topk, use_pre_softmax, scaling_factor, score_function, routing_map_format)
+    logits, _, topk, use_pre_softmax, _, _, scaling_factor, score_function, _, map_format, normalize, _ = (
+        inputs
+    )
+    ctx.options = (topk, use_pre_softmax, scaling_factor, score_function, map_format, normalize)
     ctx.save_for_backward(logits, output[1])
 
 
 def _topk_backward(ctx, grad_probs, grad_map, grad_indices):
     if grad_probs is None:
-        return (None,) * 10
+        return (None,) * 12
     logits, routing_map = ctx.saved_tensors
     grad_logits = ROUTER_TOPK_BACKWARD(grad_probs, logits, routing_map, *ctx.options)
-    return grad_logits, *(None,) * 9
+    return grad_logits, *(None,) * 11
 
 
 ROUTER_TOPK = Op("router_topk", _router_topk, _TOPK.fake, setup=_topk_setup, backward=_topk_backward)
@@ -149,6 +154,7 @@ def _router_topk_backward(
     scaling_factor: float,
     score_function: str,
     routing_map_format: str,
+    normalize_topk: bool | None,
 ) -> Tensor:
     """grad_logits [T, E] (logits dtype), recomputing the scores from logits and the routing map (the
     forward's, bit-packed for "bitmap": unpacked into a bool scratch map first)."""
@@ -161,6 +167,7 @@ def _router_topk_backward(
         scaling_factor,
         score_function,
         routing_map_format,
+        normalize_topk,
     )
 
 
@@ -329,6 +336,8 @@ def fused_topk_with_score_function(
     routing_map_format: str = "bytemap",
     *,
     return_indices: bool = False,
+    normalize_topk: bool | None = None,
+    group_score: str = "topk_sum",
 ) -> tuple[Tensor, ...]:
     """Route every token to its top-k experts (fused score function, group limit, bias, scaling).
 
@@ -337,14 +346,13 @@ def fused_topk_with_score_function(
         topk: K experts per token, 1 <= K <= E.
         use_pre_softmax: softmax only: softmax over all E before the top-k (probs are those softmax values),
             instead of a softmax over the K selected logits. Ignored for sigmoid / sqrtsoftplus (as TE).
-        num_groups, group_topk: group-limited top-k (DeepSeek-V3): experts form num_groups equal groups; a
-            group's score is the sum of its top K / group_topk selection scores; experts are chosen only in
-            the group_topk best groups. Both or neither.
-        scaling_factor: multiplies the probs (None = 1.0).
-        score_function: "softmax", "sigmoid" or "sqrtsoftplus" (sqrt(softplus(x))). Sigmoid and
-            sqrtsoftplus weights are renormalised over the K selected experts when K > 1.
-        expert_bias: [E] float bias added to the sigmoid / sqrtsoftplus scores for selection only (the
-            weights use the unbiased score; no gradient). Not allowed with softmax.
+        num_groups, group_topk: group-limited top-k (DeepSeek-V3): experts form num_groups equal groups,
+            scored by `group_score`; experts are chosen only in the group_topk best groups. Both or neither.
+        scaling_factor: multiplies the probs (None = 1.0), after any renormalisation.
+        score_function: "softmax", "sigmoid" or "sqrtsoftplus" (sqrt(softplus(x))).
+        expert_bias: [E] float bias added to the scores for selection only (the weights use the unbiased
+            score; no gradient): with sigmoid / sqrtsoftplus, or softmax with use_pre_softmax=True (the
+            softmax over all E is what it shifts; ERNIE-4.5). Not allowed with a softmax after the top-k.
         routing_map_format: "bytemap" (bool [..., E]) or "bitmap" (uint8 [..., ceil(E / 8)]: bit e % 8 of
             byte e // 8 set when the token routes to expert e, LSB first, unused high bits 0); TE's
             "bitmap_u8" and RoutingMapFormat members are accepted too. The bitmap is packed from the bool
@@ -353,6 +361,13 @@ def fused_topk_with_score_function(
             the bitmap directly.
         return_indices: also return the selected expert ids [..., K] int32 in rank order (best first),
             ready for `token_dispatch(..., indices=indices, num_experts=E)`.
+        normalize_topk: renormalise the K selected weights, w / (sum w + 1e-20). None (TE's rule):
+            sigmoid / sqrtsoftplus when K > 1, not the softmax over all E. True / False force it for
+            sigmoid / sqrtsoftplus at any K and for use_pre_softmax=True (Qwen3-MoE's and DeepSeek-V3's
+            norm_topk_prob). A softmax after the top-k sums to 1 already: False is refused there.
+        group_score: how a group is scored: "topk_sum" (the sum of its top K / group_topk selection
+            scores, TE), "top2_sum" (the sum of its top 2, DeepSeek-V3) or "max" (its best score,
+            DeepSeek-V2's group_limited_greedy). Needs groups; the count must fit in a group.
 
     Returns:
         (probs [..., E] in logits.dtype, zero outside the selection; routing_map [..., E] bool, or
@@ -378,6 +393,8 @@ def fused_topk_with_score_function(
         scaling_factor=scaling_factor,
         score_function=score_function,
         routing_map_format=routing_map_format,
+        normalize_topk=normalize_topk,
+        group_score=group_score,
     )
     shape = logits.shape
     probs, routing_map, indices = ROUTER_TOPK(
@@ -391,6 +408,8 @@ def fused_topk_with_score_function(
         config.score_function,
         return_indices,
         config.routing_map_format,
+        config.normalize_topk,
+        config.group_score,
     )
     if len(shape) == 2:  # the common case needs no reshape back
         return (probs, routing_map, indices) if return_indices else (probs, routing_map)

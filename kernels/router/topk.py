@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import triton
 import triton.language as tl
 
+from ..rules.router import group_score_count, normalizes_topk
 from ..runtime.plan import (
     DEFAULT_DEVICE,
     Buffer,
@@ -98,13 +99,16 @@ def _topk_forward_kernel(
     SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RETURN_INDICES: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    PER_GROUP: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     """Fused top-k with score function. Grid (cdiv(T, BLOCK_T),): program b routes tokens
     [b*BLOCK_T, (b+1)*BLOCK_T): one coalesced [BLOCK_T, WIDTH] load of logits, scores and keys in
     registers, optional group pruning, K max-reductions for the top-k, then probs, routing map and
     (optionally) the ranked expert ids are stored. Ungrouped calls pass NUM_GROUPS = 1, GROUP_SIZE = E;
-    WIDTH = GROUPS_POW2 * GROUP_POW2.
+    WIDTH = GROUPS_POW2 * GROUP_POW2. A group scores the sum of its PER_GROUP best selection scores; NORMALIZE
+    renormalises the K selected weights of every path but the softmax after the top-k (normalised anyway).
     """
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
@@ -122,22 +126,20 @@ def _topk_forward_kernel(
 
     if SCORE_FUNCTION == 0:
         if USE_PRE_SOFTMAX:
-            soft = _softmax_rows(x, valid)
-            select = soft
+            score = _softmax_rows(x, valid)
+            select = score
         else:
             select = x
     else:
-        act = _activation(x, SCORE_FUNCTION)
-        select = act
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + experts, mask=col_ok, other=0.0).to(tl.float32)
-            select = act + bias[None, :]
+        score = _activation(x, SCORE_FUNCTION)
+        select = score
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + experts, mask=col_ok, other=0.0).to(tl.float32)
+        select = score + bias[None, :]
 
     keys = tl.where(valid, _order_keys(select, cols[None, :], WIDTH), _INT64_MIN)
     if GROUP_TOPK > 0:
-        keys = _keep_best_groups(
-            keys, BLOCK_T, NUM_GROUPS, GROUPS_POW2, GROUP_POW2, TOPK // GROUP_TOPK, GROUP_TOPK
-        )
+        keys = _keep_best_groups(keys, BLOCK_T, NUM_GROUPS, GROUPS_POW2, GROUP_POW2, PER_GROUP, GROUP_TOPK)
     if RETURN_INDICES:
         kth, ranked = _ranked_columns(keys, TOPK, TOPK_POW2, WIDTH)
         ranks = tl.arange(0, TOPK_POW2)
@@ -154,14 +156,11 @@ def _topk_forward_kernel(
         kth = _kth_key(keys, TOPK)
     selected = valid & (keys >= kth[:, None])
 
-    if SCORE_FUNCTION == 0:
-        if USE_PRE_SOFTMAX:
-            weights = tl.where(selected, soft, 0.0)
-        else:
-            weights = tl.where(selected, _softmax_rows(x, selected), 0.0)
+    if SCORE_FUNCTION == 0 and not USE_PRE_SOFTMAX:
+        weights = tl.where(selected, _softmax_rows(x, selected), 0.0)
     else:
-        weights = tl.where(selected, act, 0.0)
-        if TOPK > 1:
+        weights = tl.where(selected, score, 0.0)
+        if NORMALIZE:
             # The outer where keeps unselected probs exactly 0 when a selected score is NaN.
             weights = tl.where(selected, weights / (tl.sum(weights, axis=1)[:, None] + 1e-20), 0.0)
     probs = weights * SCALE
@@ -181,6 +180,7 @@ def _topk_backward_kernel(
     SCORE_FUNCTION: tl.constexpr,
     USE_PRE_SOFTMAX: tl.constexpr,
     SCALE: tl.constexpr,
+    NORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     EXPERTS_POW2: tl.constexpr,
 ):
@@ -188,33 +188,32 @@ def _topk_backward_kernel(
     [b*BLOCK_T, (b+1)*BLOCK_T) from their logits and routing map and writes grad_logits. With
     g = grad_probs * scaling_factor and r the routing map:
       softmax post: y = softmax(x[r]); dx = r * y * (g - sum_r g y)
-      softmax pre:  y = softmax(x); g' = r * g; dx = y * (g' - sum g' y)
-      sigmoid / sqrtsoftplus: ga = r * (g / S - sum_r(g a) / S^2), S = sum_r a + 1e-20 (ga = r * g when
-      K == 1); dx = ga * da/dx. The expert bias gets no gradient.
+      otherwise a is the score (softmax over all E, or the elementwise sigmoid / sqrtsoftplus) and
+      ga = r * (g / S - sum_r(g a) / S^2), S = sum_r a + 1e-20, with NORMALIZE, else ga = r * g; then
+      dx = a * (ga - sum ga a) for the softmax, dx = ga * da/dx elementwise otherwise. The expert bias
+      only moves the selection, so it gets no gradient.
     """
     _, valid, offsets, x = _logits_tile(logits_ptr, num_tokens, NUM_EXPERTS, BLOCK_T, EXPERTS_POW2)
     grad = tl.load(grad_probs_ptr + offsets, mask=valid, other=0.0).to(tl.float32) * SCALE
     routed = valid & (tl.load(routing_map_ptr + offsets, mask=valid, other=0) != 0)
 
-    if SCORE_FUNCTION == 0:
-        if USE_PRE_SOFTMAX:
-            y = _softmax_rows(x, valid)
-            grad = tl.where(routed, grad, 0.0)
-            dot = tl.sum(tl.where(valid, grad * y, 0.0), axis=1)
-            dx = tl.where(valid, y * (grad - dot[:, None]), 0.0)
-        else:
-            y = _softmax_rows(x, routed)
-            dot = tl.sum(tl.where(routed, grad * y, 0.0), axis=1)
-            dx = tl.where(routed, y * (grad - dot[:, None]), 0.0)
+    if SCORE_FUNCTION == 0 and not USE_PRE_SOFTMAX:
+        y = _softmax_rows(x, routed)
+        dot = tl.sum(tl.where(routed, grad * y, 0.0), axis=1)
+        dx = tl.where(routed, y * (grad - dot[:, None]), 0.0)
     else:
-        act = _activation(x, SCORE_FUNCTION)
-        if TOPK > 1:
-            total = tl.sum(tl.where(routed, act, 0.0), axis=1)[:, None] + 1e-20
-            dot = tl.sum(tl.where(routed, grad * act, 0.0), axis=1)[:, None]
-            grad_act = tl.where(routed, grad / total - dot / (total * total), 0.0)
+        score = _softmax_rows(x, valid) if SCORE_FUNCTION == 0 else _activation(x, SCORE_FUNCTION)
+        if NORMALIZE:
+            total = tl.sum(tl.where(routed, score, 0.0), axis=1)[:, None] + 1e-20
+            dot = tl.sum(tl.where(routed, grad * score, 0.0), axis=1)[:, None]
+            grad_score = tl.where(routed, grad / total - dot / (total * total), 0.0)
         else:
-            grad_act = tl.where(routed, grad, 0.0)
-        dx = tl.where(routed, grad_act * _activation_grad(x, act, SCORE_FUNCTION), 0.0)
+            grad_score = tl.where(routed, grad, 0.0)
+        if SCORE_FUNCTION == 0:
+            dot = tl.sum(tl.where(valid, grad_score * score, 0.0), axis=1)
+            dx = tl.where(valid, score * (grad_score - dot[:, None]), 0.0)
+        else:
+            dx = tl.where(routed, grad_score * _activation_grad(x, score, SCORE_FUNCTION), 0.0)
     tl.store(grad_logits_ptr + offsets, dx.to(grad_logits_ptr.dtype.element_ty), mask=valid)
 
 
@@ -266,10 +265,13 @@ def topk_plan(
     has_bias: bool,
     return_indices: bool,
     routing_map_format: str = "bytemap",
+    normalize_topk: bool | None = None,
+    group_score: str = "topk_sum",
     device: DeviceInfo = DEFAULT_DEVICE,
     config: Mapping[str, int] | None = None,
 ) -> Plan:
-    """fused_topk_with_score_function forward. num_groups = group_topk = 0: no groups.
+    """fused_topk_with_score_function forward. num_groups = group_topk = 0: no groups. `normalize_topk` and
+    `group_score`: as moetriton.kernels.rules.router.normalizes_topk and group_score_count read them.
 
     Inputs: "logits" [T, E], "bias" [E] or None. Results: probs [T, E] (logits dtype), routing_map (bool
     [T, E], or with routing_map_format "bitmap" uint8 [T, ceil(E / 8)], packed from a bool scratch map by a
@@ -298,6 +300,8 @@ def topk_plan(
             SCALE=scaling_factor,
             HAS_BIAS=has_bias,
             RETURN_INDICES=return_indices,
+            NORMALIZE=normalizes_topk(score_function, use_pre_softmax, topk, normalize_topk),
+            PER_GROUP=group_score_count(group_score, topk, group_topk) if group_topk else 0,
         ),
         routing_map_format=routing_map_format,
         device=device,
@@ -316,18 +320,24 @@ def topk_backward_plan(
     use_pre_softmax: bool,
     scaling_factor: float,
     routing_map_format: str = "bytemap",
+    normalize_topk: bool | None = None,
     device: DeviceInfo = DEFAULT_DEVICE,
     config: Mapping[str, int] | None = None,
 ) -> Plan:
     """Backward of the fused top-k. Inputs: "grad_probs" [T, E], "logits" [T, E], "routing_map" (the
     forward's: bool [T, E], or with routing_map_format "bitmap" uint8 [T, ceil(E / 8)], unpacked into a bool
-    scratch map by a first launch). Result: grad_logits [T, E] in the logits dtype."""
+    scratch map by a first launch). Result: grad_logits [T, E] in the logits dtype. `normalize_topk`: as in
+    `topk_plan`."""
     return _rows_plan(
         _topk_backward_kernel,
         TOPK_BACKWARD_SPACE,
         inputs=("grad_probs", "logits", "routing_map"),
         buffers=grad_logits_outputs(num_tokens, num_experts),
-        constexprs=dict(USE_PRE_SOFTMAX=use_pre_softmax, SCALE=scaling_factor),
+        constexprs=dict(
+            USE_PRE_SOFTMAX=use_pre_softmax,
+            SCALE=scaling_factor,
+            NORMALIZE=normalizes_topk(score_function, use_pre_softmax, topk, normalize_topk),
+        ),
         num_tokens=num_tokens,
         num_experts=num_experts,
         topk=topk,

@@ -33,8 +33,20 @@ TOPK_OPTIONS = (
     "score_function",
     "return_indices",
     "routing_map_format",
+    "normalize_topk",
+    "group_score",
 )
-TOPK_BACKWARD_OPTIONS = ("topk", "use_pre_softmax", "scaling_factor", "score_function", "routing_map_format")
+TOPK_BACKWARD_OPTIONS = (
+    "topk",
+    "use_pre_softmax",
+    "scaling_factor",
+    "score_function",
+    "routing_map_format",
+    "normalize_topk",
+)
+#: How group-limited routing scores a group: the sum of its top K / group_topk selection scores (TE), the
+#: sum of its top 2 whatever K (DeepSeek-V3), or its largest score (DeepSeek-V2's group_limited_greedy).
+GROUP_SCORES = ("topk_sum", "top2_sum", "max")
 AUX_SCORES_OPTIONS = ("topk", "score_function", "routing_map_format")
 
 Desc = tuple[tuple[int, ...], str]
@@ -83,6 +95,39 @@ def _logits(logits: Desc) -> tuple[int, int]:
     return math.prod(shape[:-1]), num_experts
 
 
+def normalizes_topk(score_function: str, use_pre_softmax: bool, topk: int, normalize_topk) -> bool:
+    """Whether the K selected weights are renormalised (w / (sum_selected w + 1e-20)).
+
+    None keeps TE's rule: sigmoid / sqrtsoftplus renormalise iff K > 1, softmax over all E before the
+    top-k does not. True / False force it for those paths. A softmax after the top-k is normalised by
+    construction (True), so False contradicts it and is refused.
+    """
+    if normalize_topk is not None and not isinstance(normalize_topk, bool):
+        raise TypeError(f"normalize_topk: expected a bool or None, got {type(normalize_topk).__name__}")
+    if score_function == "softmax" and not use_pre_softmax:
+        if normalize_topk is False:
+            fail(
+                "normalize_topk",
+                "False contradicts score_function 'softmax' with use_pre_softmax=False (a softmax over "
+                "the selected logits sums to 1); pass use_pre_softmax=True for unnormalised softmax weights",
+            )
+        return True
+    if normalize_topk is None:
+        return score_function != "softmax" and topk > 1
+    return normalize_topk
+
+
+def group_score_count(group_score, topk: int, group_topk: int) -> int:
+    """How many of a group's largest selection scores add up to its score (`GROUP_SCORES`)."""
+    if group_score not in GROUP_SCORES:
+        fail("group_score", f"expected one of {GROUP_SCORES}, got {group_score!r}")
+    if group_score == "max":
+        return 1
+    if group_score == "top2_sum":
+        return 2
+    return topk // group_topk
+
+
 @dataclass(frozen=True)
 class TopkConfig:
     """Normalised arguments of fused_topk_with_score_function. num_groups = group_topk = 0: no groups."""
@@ -97,6 +142,9 @@ class TopkConfig:
     scaling_factor: float
     has_bias: bool
     routing_map_format: str = "bytemap"
+    #: Resolved by `normalizes_topk` (always a bool).
+    normalize_topk: bool = False
+    group_score: str = "topk_sum"
 
 
 def check_topk(
@@ -110,17 +158,24 @@ def check_topk(
     score_function,
     expert_bias: Desc | None,
     routing_map_format="bytemap",
+    normalize_topk=None,
+    group_score="topk_sum",
 ) -> TopkConfig:
     """Validates fused_topk_with_score_function arguments.
 
     `use_pre_softmax` only matters for softmax and is ignored for sigmoid/sqrtsoftplus (as in TE). Groups:
     both `num_groups` and `group_topk` or neither; E % num_groups == 0, group_topk <= num_groups,
     topk % group_topk == 0 and topk / group_topk <= E / num_groups (each chosen group supplies the same
-    number of experts). `routing_map_format`: see `check_routing_map_format`.
+    number of experts). `group_score` (`GROUP_SCORES`) needs groups unless it is the default, and its
+    count of scores per group must fit in a group. `normalize_topk`: see `normalizes_topk`.
+    `expert_bias` needs a score before the top-k that it can shift: sigmoid, sqrtsoftplus, or softmax with
+    use_pre_softmax=True. `routing_map_format`: see `check_routing_map_format`.
     """
     num_tokens, num_experts = _logits(logits)
     topk = _int("topk", topk, low=1, high=num_experts)
     score_function = _score_function(score_function)
+    if group_score not in GROUP_SCORES:
+        fail("group_score", f"expected one of {GROUP_SCORES}, got {group_score!r}")
     if not isinstance(use_pre_softmax, bool):
         raise TypeError(f"use_pre_softmax: expected a bool, got {type(use_pre_softmax).__name__}")
     if (num_groups is None) != (group_topk is None):
@@ -131,6 +186,8 @@ def check_topk(
         )
     if num_groups is None:
         num_groups = group_topk = 0
+        if group_score != "topk_sum":
+            fail("group_score", f"needs groups (num_groups and group_topk), got group_score={group_score!r}")
     else:
         num_groups = _int("num_groups", num_groups, low=1, high=num_experts)
         if num_experts % num_groups:
@@ -144,11 +201,25 @@ def check_topk(
                 f"expected topk / group_topk <= experts per group = {num_experts // num_groups}, "
                 f"got {topk} / {group_topk}",
             )
+        per_group = group_score_count(group_score, topk, group_topk)
+        if per_group > num_experts // num_groups:
+            fail(
+                "group_score",
+                f"{group_score!r} scores a group by its top {per_group}, but a group has "
+                f"{num_experts // num_groups} experts",
+            )
+    use_pre_softmax = use_pre_softmax and score_function == "softmax"
+    normalize_topk = normalizes_topk(score_function, use_pre_softmax, topk, normalize_topk)
     scaling_factor = 1.0 if scaling_factor is None else _real("scaling_factor", scaling_factor)
     if expert_bias is not None:
         require_array("expert_bias", expert_bias)
-        if score_function == "softmax":
-            fail("expert_bias", "only supported with score_function 'sigmoid' or 'sqrtsoftplus'")
+        if score_function == "softmax" and not use_pre_softmax:
+            fail(
+                "expert_bias",
+                "needs scores before the top-k to shift: score_function 'sigmoid' or 'sqrtsoftplus', or "
+                "'softmax' with use_pre_softmax=True (a softmax after the top-k only sees the selected "
+                "logits)",
+            )
         shape, dtype = expert_bias
         if tuple(shape) != (num_experts,):
             fail("expert_bias", f"expected shape ({num_experts},) (one per expert), got {tuple(shape)}")
@@ -159,12 +230,14 @@ def check_topk(
         num_experts=num_experts,
         topk=topk,
         score_function=score_function,
-        use_pre_softmax=use_pre_softmax and score_function == "softmax",
+        use_pre_softmax=use_pre_softmax,
         num_groups=num_groups,
         group_topk=group_topk,
         scaling_factor=scaling_factor,
         has_bias=expert_bias is not None,
         routing_map_format=check_routing_map_format(routing_map_format),
+        normalize_topk=normalize_topk,
+        group_score=group_score,
     )
 
 

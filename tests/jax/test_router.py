@@ -170,7 +170,20 @@ def _aux_loss(**kwargs):
         (lambda x: fused_topk_with_score_function(x, 9), "topk: expected an int in [1, 8]"),
         (
             lambda x: fused_topk_with_score_function(x, 2, expert_bias=jnp.zeros(8)),
-            "expert_bias: only supported",
+            "expert_bias: needs scores before the top-k to shift",
+        ),
+        (
+            lambda x: fused_topk_with_score_function(x, 2, normalize_topk=False),
+            "normalize_topk: False contradicts score_function 'softmax'",
+        ),
+        (lambda x: fused_topk_with_score_function(x, 2, group_score="max"), "group_score: needs groups"),
+        (
+            lambda x: fused_topk_with_score_function(x, 2, False, 4, 2, group_score="mean"),
+            "group_score: expected one of",
+        ),
+        (
+            lambda x: fused_topk_with_score_function(x, 2, False, 8, 2, group_score="top2_sum"),
+            "group_score: 'top2_sum' scores a group by its top 2, but a group has 1 experts",
         ),
         (
             lambda x: fused_topk_with_score_function(x, 3, False, 4, 2),
@@ -187,6 +200,45 @@ def test_bad_arguments(call, message):
     with pytest.raises(ValueError) as error:
         call(jnp.zeros((4, 8)))
     assert str(error.value).startswith(message)
+
+
+def test_normalize_topk_must_be_a_bool_or_none():
+    with pytest.raises(TypeError, match=r"^normalize_topk: expected a bool or None"):
+        fused_topk_with_score_function(jnp.zeros((4, 8)), 2, score_function="sigmoid", normalize_topk=1)
+
+
+RECIPES = [
+    dict(score_function="sigmoid", normalize_topk=False, num_groups=4, group_topk=2, group_score="top2_sum"),
+    dict(score_function="sigmoid", normalize_topk=True, topk=1, bias=True, scaling_factor=2.5),
+    dict(score_function="softmax", use_pre_softmax=True, normalize_topk=True, bias=True),
+    dict(score_function="softmax", use_pre_softmax=True, num_groups=4, group_topk=2, group_score="max"),
+    dict(score_function="sqrtsoftplus", normalize_topk=False, bias=True, routing_map_format="bitmap"),
+]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda recipe: "-".join(map(str, recipe.values())))
+def test_recipe_options(recipe):
+    """normalize_topk, group_score, K = 1 and the bias with a softmax before the top-k: forward and
+    gradient against the reference."""
+    recipe = dict(recipe)
+    topk, with_bias = recipe.pop("topk", 4), recipe.pop("bias", False)
+    rng = np.random.default_rng(len(recipe))
+    logits = jnp.asarray(rng.standard_normal((5, 12)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(12), jnp.float32) if with_bias else None
+    kwargs = dict(recipe, expert_bias=bias, return_indices=True)
+
+    def split(fn):
+        return lambda x: (lambda out: (out[0], out[1:]))(fn(x, topk, **kwargs))
+
+    probs, vjp, (routing_map, indices) = jax.vjp(split(fused_topk_with_score_function), logits, has_aux=True)
+    ref_probs, ref_vjp, (ref_map, ref_indices) = jax.vjp(
+        split(reference.fused_topk_with_score_function), logits, has_aux=True
+    )
+    np.testing.assert_array_equal(routing_map, ref_map)
+    np.testing.assert_array_equal(indices, ref_indices)
+    _assert_close(probs, ref_probs, "float32")
+    cotangent = _cotangent(probs.shape, probs.dtype)
+    _assert_close(vjp(cotangent)[0], ref_vjp(cotangent)[0], "float32", grad=True)
 
 
 @given(problem=router_problems(max_tokens=6, patterns=("random", "ties")))

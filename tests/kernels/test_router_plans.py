@@ -5,6 +5,7 @@ in warp_elements run once)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -13,6 +14,8 @@ import torch
 from moetriton import kernels
 from moetriton.kernels import DeviceInfo
 from moetriton.torch.executor import run_plan
+
+from ._compile import in_child
 
 DEVICE = os.environ.get("MOETRITON_TEST_DEVICE", "cpu")
 
@@ -142,3 +145,57 @@ def test_empty_plans_launch_nothing():
     assert (
         kernels.aux_scores_plan(num_tokens=0, num_experts=4, topk=2, score_function="sigmoid").launches == ()
     )
+
+
+# The top-k kernels' constexpr variants at DeepSeek-V3's, DeepSeek-V2's, ERNIE-4.5's and Qwen3-MoE's sizes:
+# score function, pre-softmax, renormalisation, groups and group score, bias, indices.
+_VARIANT_FIELDS = (
+    "num_experts",
+    "topk",
+    "score_function",
+    "use_pre_softmax",
+    "normalize_topk",
+    "num_groups",
+    "group_topk",
+    "group_score",
+    "has_bias",
+    "return_indices",
+)
+_TOPK_VARIANTS = [
+    dict(zip(_VARIANT_FIELDS, values, strict=True))
+    for values in [
+        (256, 8, "sigmoid", False, True, 8, 4, "top2_sum", True, True),
+        (256, 8, "sigmoid", False, False, 8, 4, "topk_sum", True, False),
+        (160, 6, "softmax", True, False, 8, 3, "max", False, True),
+        (128, 8, "softmax", True, True, 0, 0, "topk_sum", True, True),
+        (64, 1, "sqrtsoftplus", False, True, 0, 0, "topk_sum", False, True),
+        (64, 4, "softmax", False, None, 0, 0, "topk_sum", False, False),
+    ]
+]
+
+
+def _compile_topk_variants() -> None:
+    """Child process: compile the top-k forward and backward kernels for sm_90 at the plans' constexprs of
+    every variant, print the count as JSON."""
+    from moetriton.kernels.router import topk
+
+    from ._compile import compile_sm90
+
+    device = DeviceInfo("Compile GPU", 132, arch="sm_90")
+    compiled = 0
+    for variant in _TOPK_VARIANTS:
+        common = dict(num_tokens=4096, scaling_factor=2.5, device=device)
+        forward = kernels.topk_plan(**common, **variant)
+        backward_options = ("num_experts", "topk", "score_function", "use_pre_softmax", "normalize_topk")
+        backward = kernels.topk_backward_plan(**common, **{name: variant[name] for name in backward_options})
+        for launch in (*forward.launches, *backward.launches):
+            if launch.kernel in (topk._topk_forward_kernel, topk._topk_backward_kernel):
+                pointers = {name: "*fp32" for name in launch.kernel.arg_names if name.endswith("_ptr")}
+                pointers.update(routing_map_ptr="*i1", indices_ptr="*i32")
+                compile_sm90(launch.kernel, launch.constexprs, pointers, num_warps=launch.num_warps)
+                compiled += 1
+    print(json.dumps(compiled))
+
+
+def test_topk_kernels_compile_for_sm90():
+    assert in_child("tests.kernels.test_router_plans:_compile_topk_variants") == 2 * len(_TOPK_VARIANTS)

@@ -161,6 +161,70 @@ def test_every_option_combination(score_function, pre, groups, bias, scale):
     _assert_close(grad, ref_grad, dtype, grad=True)
 
 
+# The recipes beyond TE's: forced renormalisation (or none), group scores, K = 1, the bias with a softmax
+# before the top-k. Bias, scaling and the bitmap alternate over the grid to keep it small.
+RECIPE_GRID = [
+    (score_function, normalize, groups, topk)
+    for score_function in SCORE_FUNCTIONS
+    for normalize in (None, True, False)
+    for groups in (None, "topk_sum", "top2_sum", "max")
+    for topk in (1, 4)
+]
+
+
+@pytest.mark.parametrize(("score_function", "normalize", "group_score", "topk"), RECIPE_GRID)
+def test_recipe_options(score_function, normalize, group_score, topk):
+    """normalize_topk x group_score x K for sigmoid, sqrtsoftplus and softmax before the top-k, with and
+    without bias, scaling and the bitmap: forward (indices, map, probs) and gradient against the reference."""
+    case = RECIPE_GRID.index((score_function, normalize, group_score, topk))
+    generator = torch.Generator().manual_seed(case)
+    logits = torch.randn(5, 12, generator=generator).to(DEVICE)
+    kwargs = dict(
+        use_pre_softmax=score_function == "softmax",
+        score_function=score_function,
+        normalize_topk=normalize,
+        expert_bias=torch.randn(12, generator=generator).to(DEVICE) if case % 2 else None,
+        scaling_factor=2.5 if case % 3 == 0 else None,
+        routing_map_format="bitmap" if case % 4 == 1 else "bytemap",
+        return_indices=True,
+    )
+    if group_score:
+        kwargs.update(num_groups=4, group_topk=min(2, topk), group_score=group_score)
+    mine, theirs = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    probs, routing_map, indices = fused_topk_with_score_function(mine, topk, **kwargs)
+    expected = reference.fused_topk_with_score_function(theirs, topk, **kwargs)
+    assert torch.equal(routing_map, expected[1]) and torch.equal(indices, expected[2])
+    _assert_close(probs, expected[0], "float32")
+    scale = kwargs["scaling_factor"] or 1.0
+    selected_sums = probs.detach().sum(-1) / scale
+    if normalize or (normalize is None and score_function != "softmax" and topk > 1):
+        torch.testing.assert_close(selected_sums, torch.ones_like(selected_sums))
+    else:
+        assert not torch.allclose(selected_sums, torch.ones_like(selected_sums))
+    cotangent = torch.randn(probs.shape, generator=generator).to(probs)
+    (grad,) = torch.autograd.grad(probs, mine, cotangent)
+    (ref_grad,) = torch.autograd.grad(expected[0], theirs, cotangent)
+    _assert_close(grad, ref_grad, "float32", grad=True)
+
+
+def test_group_scores_choose_different_groups():
+    """One token whose best group differs by group score: "max" picks the group of the single largest
+    logit, "top2_sum" the best pair, "topk_sum" with K / group_topk = 3 the best triple (softmax after the
+    top-k selects on the logits)."""
+    logits = torch.tensor([[5.0, -9.0, -9.0, 3.0, 3.0, -9.0, 2.0, 2.0, 2.0]], device=DEVICE)
+    chosen = {}
+    for group_score in ("max", "top2_sum", "topk_sum"):
+        _, _, indices = fused_topk_with_score_function(
+            logits, 3, False, 3, 1, group_score=group_score, return_indices=True
+        )
+        reference_indices = reference.fused_topk_with_score_function(
+            logits, 3, False, 3, 1, group_score=group_score, return_indices=True
+        )[2]
+        assert torch.equal(indices, reference_indices)
+        chosen[group_score] = sorted(indices[0].tolist())
+    assert chosen == {"max": [0, 1, 2], "top2_sum": [3, 4, 5], "topk_sum": [6, 7, 8]}
+
+
 @pytest.mark.parametrize("score_function", SCORE_FUNCTIONS)
 @pytest.mark.parametrize("use_pre_softmax", [False, True])
 def test_ties_go_to_the_lowest_expert(score_function: str, use_pre_softmax: bool):
@@ -267,7 +331,17 @@ def _kind(message: str) -> type[Exception]:
         (9, {}, "topk: expected an int in [1, 8]"),
         (2.0, {}, "topk: expected an int"),
         (2, dict(score_function="relu"), "score_function: expected one of"),
-        (2, dict(expert_bias=_bias(8)), "expert_bias: only supported with score_function"),
+        (2, dict(expert_bias=_bias(8)), "expert_bias: needs scores before the top-k to shift"),
+        (2, dict(normalize_topk=False), "normalize_topk: False contradicts score_function 'softmax'"),
+        (2, dict(SIGMOID, normalize_topk=1), "normalize_topk: expected a bool or None"),
+        (2, dict(group_score="max"), "group_score: needs groups"),
+        (2, dict(num_groups=4, group_topk=2, group_score="sum"), "group_score: expected one of"),
+        (2, dict(group_score="sum"), "group_score: expected one of"),
+        (
+            2,
+            dict(num_groups=8, group_topk=2, group_score="top2_sum"),
+            "group_score: 'top2_sum' scores a group",
+        ),
         (2, dict(SIGMOID, expert_bias=_bias(7)), "expert_bias: expected shape (8,)"),
         (2, dict(SIGMOID, expert_bias=_bias(8, dtype=torch.int32)), "expert_bias: expected dtype"),
         (2, dict(num_groups=4), "num_groups / group_topk: pass both"),
@@ -384,9 +458,14 @@ def test_custom_ops_pass_opcheck():
     logits = torch.randn(5, 8, generator=generator).to(DEVICE).requires_grad_(True)
     bias = torch.randn(8, generator=generator).to(DEVICE)
     ops = torch.ops.moetriton
-    torch.library.opcheck(ops.router_topk, (logits, bias, 2, False, 2, 1, 1.5, "sigmoid", True, "bytemap"))
-    torch.library.opcheck(ops.router_topk, (logits, None, 3, True, 0, 0, 1.0, "softmax", False, "bytemap"))
-    torch.library.opcheck(ops.router_topk, (logits, bias, 2, False, 0, 0, 1.0, "sigmoid", True, "bitmap"))
+    for args in [
+        (logits, bias, 2, False, 2, 1, 1.5, "sigmoid", True, "bytemap", True, "topk_sum"),
+        (logits, None, 3, True, 0, 0, 1.0, "softmax", False, "bytemap", False, "topk_sum"),
+        (logits, bias, 2, False, 0, 0, 1.0, "sigmoid", True, "bitmap", True, "topk_sum"),
+        (logits, bias, 2, True, 2, 1, 1.0, "softmax", True, "bytemap", True, "max"),
+        (logits, bias, 1, False, 2, 1, 2.0, "sigmoid", False, "bitmap", True, "top2_sum"),
+    ]:
+        torch.library.opcheck(ops.router_topk, args)
     # opcheck's AOT helper sums the outputs in order and cannot start with an integer one (the routing map).
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     for routing_map_format in ("bytemap", "bitmap"):
