@@ -1,14 +1,15 @@
 """Triton kernels for MoE token routing and their framework-neutral launch plans.
 
 The tree shows the layers: one module (or package) per kernel family (permutation, chunk_sort, router,
-grouped_gemm, activation, and the expert-parallel copies block_copy and peer_copy: kernels and their
-launch plans), `_jit` (jit helpers several families share), `rules/` (argument rules, one module per family,
-shape arithmetic, the MoE layer's rules and sizes) and `runtime/` (plans, the executors' shared step, the
-autotune caches, the interpreter). This package exports every family the same way: its plan builders and
-the output shapes its ops' fakes use, by name, and its search spaces in SEARCH_SPACES; beside them the plan
-types, the buffer shapes and the interpreter's state. Rules and runtime modules are imported by their paths.
-Imports triton and the standard library only; importing touches no GPU. Set TRITON_INTERPRET=1 before
-importing to run the kernels under the Triton interpreter on CPU.
+grouped_gemm (bf16 and FP8), quantize (the FP8 copies), activation, and the expert-parallel copies
+block_copy and peer_copy: kernels and their launch plans), `_jit` (jit helpers several families share),
+`rules/` (argument rules, one module per family, shape arithmetic, the MoE layer's rules and sizes) and
+`runtime/` (plans, the executors' shared step, the autotune caches, the interpreter). This package exports
+every family the same way: its plan builders and the output shapes its ops' fakes use, by name, and its
+search spaces in SEARCH_SPACES; beside them the plan types, the buffer shapes and the interpreter's state.
+Rules and runtime modules are imported by their paths. Imports triton and the standard library only;
+importing touches no GPU. Set TRITON_INTERPRET=1 before importing to run the kernels under the Triton
+interpreter on CPU.
 """
 
 from . import chunk_sort, grouped_gemm, permutation, router
@@ -16,10 +17,12 @@ from .activation import activation_backward_plan, activation_plan
 from .block_copy import place_blocks_plan, take_blocks_plan
 from .chunk_sort import sort_chunks_plan
 from .grouped_gemm import grouped_matmul_plan, grouped_matmul_wgrad_plan
+from .grouped_gemm.fp8 import fp8_grouped_matmul_plan, fp8_grouped_matmul_wgrad_plan
 from .peer_copy import pull_rows_plan, push_rows_plan
 from .permutation.combine import combine_backward_plan, combine_plan
 from .permutation.dispatch import dispatch_outputs, dispatch_plan, scatter_plan
 from .permutation.row_map import expert_count_plan
+from .quantize import quantize_plan, quantize_weights_plan
 from .router.aux_loss import (
     aux_loss_backward_outputs,
     aux_loss_backward_plan,
@@ -66,6 +69,8 @@ __all__ = [
     "dispatch_outputs",
     "dispatch_plan",
     "expert_count_plan",
+    "fp8_grouped_matmul_plan",
+    "fp8_grouped_matmul_wgrad_plan",
     "grad_logits_outputs",
     "grouped_matmul_plan",
     "grouped_matmul_wgrad_plan",
@@ -73,6 +78,8 @@ __all__ = [
     "place_blocks_plan",
     "pull_rows_plan",
     "push_rows_plan",
+    "quantize_plan",
+    "quantize_weights_plan",
     "routing_map_buffer",
     "row_map_columns",
     "row_map_slots",

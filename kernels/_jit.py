@@ -65,6 +65,48 @@ def _chunk_of_rows(rows, sizes, in_table, CHUNKS_POW2: tl.constexpr):
     return chunk, first
 
 
+@triton.jit
+def _group_bounds(group_sizes_ptr, num_rows, NUM_GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr):
+    """[GROUPS_POW2] vectors of the groups, their first rows and their row counts, sizes clipped to
+    [0, num_rows - first row] so that every group lies inside the rows present. Sizes are clipped in their
+    own dtype before narrowing and summed in int64, so no size (2**32 + 5, or many large ones) wraps."""
+    groups = tl.arange(0, GROUPS_POW2)
+    sizes = tl.load(group_sizes_ptr + groups, mask=groups < NUM_GROUPS, other=0)
+    sizes = tl.minimum(tl.maximum(sizes, 0), num_rows).to(tl.int64)
+    running = tl.cumsum(sizes, axis=0)
+    ends = tl.minimum(running, num_rows).to(tl.int32)
+    starts = tl.minimum(running - sizes, num_rows).to(tl.int32)
+    return groups, starts, ends - starts
+
+
+@triton.jit
+def _pick(values, groups, group):
+    """values[group] of a [GROUPS_POW2] vector, as a scalar."""
+    return tl.sum(tl.where(groups == group, values, 0), axis=0)
+
+
+@triton.jit
+def _group_tile(
+    group_sizes_ptr,
+    num_rows,
+    tile,
+    NUM_GROUPS: tl.constexpr,
+    GROUPS_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Row tile `tile` when every group's rows are cut into BLOCK_M-row tiles numbered group by group
+    (each group starting a new tile): (its group, first row, the group's end row, the rows of all groups,
+    the tiles of all groups). The group is NUM_GROUPS for tiles past the groups' tiles."""
+    groups, starts, sizes = _group_bounds(group_sizes_ptr, num_rows, NUM_GROUPS, GROUPS_POW2)
+    tiles = tl.cdiv(sizes, BLOCK_M)
+    tile_ends = tl.cumsum(tiles, axis=0)
+    group = tl.sum((tile_ends <= tile).to(tl.int32), axis=0)
+    start = _pick(starts, groups, group)
+    end = start + _pick(sizes, groups, group)
+    first = start + (tile - _pick(tile_ends - tiles, groups, group)) * BLOCK_M
+    return group, first, end, tl.sum(sizes, axis=0), tl.sum(tiles, axis=0)
+
+
 def column_programs(hidden: int, block_h: int) -> int:
     """Programs per token row: one per BLOCK_H columns, and one even for H = 0, since a token's first
     program also moves its per-slot data (row map, probs)."""

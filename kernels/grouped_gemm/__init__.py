@@ -1,5 +1,6 @@
 """Grouped GEMM for the expert MLPs: rows [M, K] split into E contiguous groups, group g multiplied by its own
-weight matrix [K, N] (`jax.lax.ragged_dot` semantics).
+weight matrix [K, N] (`jax.lax.ragged_dot` semantics). This module holds the bf16 / fp16 / fp32 kernels,
+`fp8` the FP8 ones.
 
 `group_sizes` [E] lives on the device, so the number of row tiles of each group is only known to the
 kernel: grids are sized for the worst case (cdiv(M, BLOCK_M) + E row tiles: every group may waste one
@@ -26,10 +27,10 @@ from collections.abc import Mapping
 import triton
 import triton.language as tl
 
-from ._jit import _as_bits, block_columns
-from .runtime import autotune
-from .runtime.interpreter import INTERPRETER
-from .runtime.plan import (
+from .._jit import _as_bits, _group_bounds, _pick, block_columns
+from ..runtime import autotune
+from ..runtime.interpreter import INTERPRETER
+from ..runtime.plan import (
     DEFAULT_DEVICE,
     Buffer,
     DeviceInfo,
@@ -42,20 +43,7 @@ from .runtime.plan import (
     next_pow2,
     sized_by,
 )
-
-
-@triton.jit
-def _group_bounds(group_sizes_ptr, num_rows, NUM_GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr):
-    """[GROUPS_POW2] vectors of the groups, their first rows and their row counts, sizes clipped to
-    [0, num_rows - first row] so that every group lies inside the rows present. Sizes are clipped in their
-    own dtype before narrowing and summed in int64, so no size (2**32 + 5, or many large ones) wraps."""
-    groups = tl.arange(0, GROUPS_POW2)
-    sizes = tl.load(group_sizes_ptr + groups, mask=groups < NUM_GROUPS, other=0)
-    sizes = tl.minimum(tl.maximum(sizes, 0), num_rows).to(tl.int64)
-    running = tl.cumsum(sizes, axis=0)
-    ends = tl.minimum(running, num_rows).to(tl.int32)
-    starts = tl.minimum(running - sizes, num_rows).to(tl.int32)
-    return groups, starts, ends - starts
+from . import fp8
 
 
 @triton.jit
@@ -65,12 +53,6 @@ def _permuted(rows_ptr, rows, mask, num_rows, PERMUTED: tl.constexpr):
         rows = tl.load(rows_ptr + rows, mask=mask, other=0)
         rows = tl.minimum(tl.maximum(rows, 0), num_rows - 1)
     return rows
-
-
-@triton.jit
-def _pick(values, groups, group):
-    """values[group] of a [GROUPS_POW2] vector, as a scalar."""
-    return tl.sum(tl.where(groups == group, values, 0), axis=0)
 
 
 @triton.jit
@@ -266,8 +248,8 @@ def _matmul_space(kernel: str, block_m: tuple[int, ...], block_k: tuple[int, ...
 
 GROUPED_MATMUL_SPACE = _matmul_space("grouped_matmul", block_m=(64, 128), block_k=(32, 64))
 GROUPED_MATMUL_WGRAD_SPACE = _matmul_space("grouped_matmul_wgrad", block_m=(32, 64), block_k=(64, 128))
-#: The family's search spaces (moetriton.kernels.SEARCH_SPACES gathers every family's).
-SEARCH_SPACES = (GROUPED_MATMUL_SPACE, GROUPED_MATMUL_WGRAD_SPACE)
+#: The family's search spaces, bf16 and FP8 (moetriton.kernels.SEARCH_SPACES gathers every family's).
+SEARCH_SPACES = (GROUPED_MATMUL_SPACE, GROUPED_MATMUL_WGRAD_SPACE, *fp8.SEARCH_SPACES)
 _SWIZZLE = 8
 
 
