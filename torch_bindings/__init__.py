@@ -7,6 +7,7 @@ was set before import, and otherwise the pure-PyTorch reference (`moetriton.torc
 
 from . import reference, reference_moe, reference_router
 from .chunk_sort import sort_chunks_by_index
+from .fp8 import fp8_grouped_linear, grouped_matmul_fp8, grouped_matmul_fp8_wgrad, quantize, quantize_weights
 from .moe import MoELayer, MoEStats, moe, update_expert_bias
 from .permutation import token_combine, token_dispatch
 from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fused_topk_with_score_function
@@ -22,9 +23,12 @@ from .te import (
 __all__ = [
     "MoELayer",
     "MoEStats",
+    "fp8_grouped_linear",
     "fused_compute_score_for_moe_aux_loss",
     "fused_moe_aux_loss",
     "fused_topk_with_score_function",
+    "grouped_matmul_fp8",
+    "grouped_matmul_fp8_wgrad",
     "moe",
     "moe_permute",
     "moe_permute_and_pad_with_probs",
@@ -32,6 +36,8 @@ __all__ = [
     "moe_sort_chunks_by_index",
     "moe_sort_chunks_by_index_with_probs",
     "moe_unpermute",
+    "quantize",
+    "quantize_weights",
     "reference",
     "reference_moe",
     "reference_router",
