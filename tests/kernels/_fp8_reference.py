@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from moetriton.kernels.runtime.interpreter import INTERPRETER
+
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 TINY = 2.0**-126
 NAN_CODE = 0x7F
@@ -186,3 +188,28 @@ def weight_gradient(x, grad, group_sizes, blockwise: bool, dtype, grad_dtype):
         out[group], bound[group] = a.T @ b, a.T.abs() @ b.abs()
         block += blocks
     return out, bound
+
+
+def assert_product(
+    got: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, depth: int, fast_acc=False
+):
+    """got within fp32 accumulation error of the float64 product (a rigorous bound: exact fp8 products,
+    at most D + 2 D / 128 + 8 roundings each of at most u |terms|, u = 2**-24), plus the rounding of a
+    bf16 output: half an ulp compiled, a whole one interpreted (the interpreter truncates fp32 to bf16).
+    NaN exactly where the product is NaN. Compiled, the tensor cores sum FP8 products with fewer bits
+    (about 13 kept): an allowance of 2**-13 per term summed inside them, every term of an unsplit
+    tensorwise product (`fast_acc`), one 128-deep step of the others (split accumulation and blockwise
+    scaling add each step's sum into fp32)."""
+    rounding = (2.0**-7 if INTERPRETER else 2.0**-8) if got.dtype == torch.bfloat16 else 0.0
+    got = got.cpu().double()
+    assert torch.equal(torch.isnan(got), torch.isnan(expected)), "NaN positions"
+    finite = ~torch.isnan(expected)
+    accumulation = 2.0**-24 * (depth + 2 * -(-depth // 128) + 8) * bound
+    if not INTERPRETER:
+        accumulation = accumulation + 2.0**-13 * (depth if fast_acc else min(depth, 128)) * bound
+    tolerance = accumulation * (1 + rounding) + rounding * expected.abs()
+    error = (got - expected).abs()
+    worst = (error - tolerance)[finite].max() if finite.any() else torch.tensor(-1.0)
+    assert worst <= 0, (
+        f"error past the bound by {worst.item():.3g} (max error {error[finite].max().item():.3g})"
+    )

@@ -335,31 +335,6 @@ def _recipe(recipe: str):
     return spec.blockwise, dtypes[spec.forward_dtype], dtypes[spec.gradient_dtype]
 
 
-def _assert_product(
-    got: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, depth: int, fast_acc=False
-):
-    """got within fp32 accumulation error of the float64 product (a rigorous bound: exact fp8 products,
-    at most D + 2 D / 128 + 8 roundings each of at most u |terms|, u = 2**-24), plus the rounding of a
-    bf16 output: half an ulp compiled, a whole one interpreted (the interpreter truncates fp32 to bf16).
-    NaN exactly where the product is NaN. Compiled, the tensor cores sum FP8 products with fewer bits
-    (about 13 kept): an allowance of 2**-13 per term summed inside them, every term of an unsplit
-    tensorwise product (`fast_acc`), one 128-deep step of the others (split accumulation and blockwise
-    scaling add each step's sum into fp32)."""
-    rounding = (2.0**-7 if INTERPRETER else 2.0**-8) if got.dtype == torch.bfloat16 else 0.0
-    got = got.cpu().double()
-    assert torch.equal(torch.isnan(got), torch.isnan(expected)), "NaN positions"
-    finite = ~torch.isnan(expected)
-    accumulation = 2.0**-24 * (depth + 2 * -(-depth // 128) + 8) * bound
-    if not INTERPRETER:
-        accumulation = accumulation + 2.0**-13 * (depth if fast_acc else min(depth, 128)) * bound
-    tolerance = accumulation * (1 + rounding) + rounding * expected.abs()
-    error = (got - expected).abs()
-    worst = (error - tolerance)[finite].max() if finite.any() else torch.tensor(-1.0)
-    assert worst <= 0, (
-        f"error past the bound by {worst.item():.3g} (max error {error[finite].max().item():.3g})"
-    )
-
-
 def _run_gemm(plan, inputs: dict) -> tuple[torch.Tensor, dict]:
     buffers, holders = run_plan(plan, inputs, DEVICE, guard=GUARD)
     _assert_guards(holders)
@@ -426,7 +401,7 @@ def test_forward_and_data_gradient(recipe, data_gradient, num_rows, depth, num_c
     group_sizes = _sizes(sizes)
     out, fast = _forward(recipe, x, w, group_sizes, data_gradient=data_gradient)
     expected, bound = _expected_forward(recipe, x, w, group_sizes, data_gradient)
-    _assert_product(out, expected, bound, x.shape[1], fast)
+    ref.assert_product(out, expected, bound, x.shape[1], fast)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
@@ -436,7 +411,7 @@ def test_forward_hostile_sizes_and_fp32_out(recipe, sizes):
     group_sizes = _sizes(sizes)
     out, fast = _forward(recipe, x, w, group_sizes, out_dtype="float32")
     expected, bound = _expected_forward(recipe, x, w, group_sizes)
-    _assert_product(out, expected, bound, 128, fast)
+    ref.assert_product(out, expected, bound, 128, fast)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
@@ -444,7 +419,7 @@ def test_forward_without_zero_tail_leaves_the_tail(recipe):
     x, w = _rows(200, 128, seed=6), _weights(2, 128, 64, seed=6)
     out, fast = _forward(recipe, x, w, _sizes([50, 60]), zero_tail=False)
     expected, bound = _expected_forward(recipe, x, w, _sizes([50, 60]))
-    _assert_product(out[:110], expected[:110], bound[:110], 128, fast)
+    ref.assert_product(out[:110], expected[:110], bound[:110], 128, fast)
     assert _unwritten(out[110:])
 
 
@@ -458,7 +433,7 @@ def test_forward_from_reference_operands(recipe):
     plan = fg.fp8_grouped_matmul_plan(recipe=recipe, num_rows=200, depth=256, num_cols=128, num_groups=3)
     inputs = dict(lhs=rows, rhs=cols, lhs_scale=rows_scale, rhs_scale=w_scale, group_sizes=sizes)
     out, _ = _run_gemm(plan, {k: _poisoned(v) for k, v in inputs.items()})
-    _assert_product(out, *ref.forward(x, w, sizes, blockwise, fp8, fp8), 256, not blockwise)
+    ref.assert_product(out, *ref.forward(x, w, sizes, blockwise, fp8, fp8), 256, not blockwise)
 
 
 def _wgrad(recipe, x, dy, sizes, out_dtype="float32", config=None, split=True):
@@ -501,14 +476,14 @@ WGRAD_PROBLEMS = [
 def test_weight_gradient(recipe, num_rows, depth, num_cols, sizes):
     x, dy = _rows(num_rows, depth, seed=1), _rows(num_rows, num_cols, seed=2)
     out, expected, bound, fast = _wgrad(recipe, x, dy, _sizes(sizes))
-    _assert_product(out, expected, bound, max(num_rows, 1), fast)
+    ref.assert_product(out, expected, bound, max(num_rows, 1), fast)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 def test_weight_gradient_bf16_out_and_unsplit(recipe):
     x, dy = _rows(200, 128, seed=3), _rows(200, 64, seed=4)
     out, expected, bound, fast = _wgrad(recipe, x, dy, _sizes([70, 130]), out_dtype="bfloat16", split=False)
-    _assert_product(out, expected, bound, 200, fast)
+    ref.assert_product(out, expected, bound, 200, fast)
 
 
 def test_non_finite_values_propagate_through_e5m2_gemms():
@@ -521,10 +496,10 @@ def test_non_finite_values_propagate_through_e5m2_gemms():
     out, fast = _forward("tensorwise", dy, w, sizes, data_gradient=True)
     expected, bound = _expected_forward("tensorwise", dy, w, sizes, data_gradient=True)
     assert torch.isnan(expected[10]).all() and torch.isnan(expected[150]).all()
-    _assert_product(out, expected, bound, 128, fast)
+    ref.assert_product(out, expected, bound, 128, fast)
     out, expected, bound, fast = _wgrad("tensorwise", x, dy, sizes)
     assert torch.isnan(expected[0, :, 3]).all() and torch.isnan(expected[1, :, 100]).all()
-    _assert_product(out, expected, bound, 200, fast)
+    ref.assert_product(out, expected, bound, 200, fast)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
@@ -536,7 +511,7 @@ def test_non_finite_values_propagate_through_e4m3_gemms(recipe):
     out, fast = _forward(recipe, x, w, sizes)
     expected, bound = _expected_forward(recipe, x, w, sizes)
     assert torch.isnan(expected[10]).all() and torch.isnan(expected[120:, 7]).all()
-    _assert_product(out, expected, bound, 128, fast)
+    ref.assert_product(out, expected, bound, 128, fast)
 
 
 def _some(space, count: int = 5) -> list[dict]:
@@ -562,7 +537,7 @@ def test_gemm_configs(recipe, config, data_gradient):
     sizes = _sizes([65, 0, 200])
     out, fast = _forward(recipe, x, w, sizes, data_gradient=data_gradient, config=config)
     expected, bound = _expected_forward(recipe, x, w, sizes, data_gradient)
-    _assert_product(out, expected, bound, 256, fast)
+    ref.assert_product(out, expected, bound, 256, fast)
 
 
 @pytest.mark.parametrize(
@@ -573,7 +548,7 @@ def test_gemm_configs(recipe, config, data_gradient):
 def test_wgrad_configs(recipe, config):
     x, dy = _rows(300, 256, seed=22), _rows(300, 256, seed=23)
     out, expected, bound, fast = _wgrad(recipe, x, dy, _sizes([65, 0, 200]), config=config)
-    _assert_product(out, expected, bound, 300, fast)
+    ref.assert_product(out, expected, bound, 300, fast)
 
 
 # ----------------------------------------------------------------------------------------------------
