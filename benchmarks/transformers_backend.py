@@ -57,12 +57,13 @@ MODELS = {
             qk_rope_head_dim=32,
             qk_nope_head_dim=64,
             v_head_dim=64,
-            head_dim=None,
+            head_dim=32,  # the rotary part's width, as DeepSeek-V3's own config sets it
         ),
         (4, 2048),
     ),
 }
 TINY_SIZES = dict(
+    head_dim=8,
     hidden_size=32,
     intermediate_size=48,
     moe_intermediate_size=16,
