@@ -13,6 +13,7 @@ the only module that imports flax. Never imports torch. See docs/jax.md.
 from . import reference, reference_router, te
 from .activation import grouped_activation
 from .chunk_sort import sort_chunks_by_index
+from .fp8 import fp8_grouped_linear, grouped_matmul_fp8, grouped_matmul_fp8_wgrad, quantize, quantize_weights
 from .grouped_gemm import grouped_matmul
 from .moe import MoEStats, moe, update_expert_bias
 from .permutation import token_combine, token_dispatch
@@ -20,12 +21,17 @@ from .router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss, fu
 
 __all__ = [
     "MoEStats",
+    "fp8_grouped_linear",
     "fused_compute_score_for_moe_aux_loss",
     "fused_moe_aux_loss",
     "fused_topk_with_score_function",
     "grouped_activation",
     "grouped_matmul",
+    "grouped_matmul_fp8",
+    "grouped_matmul_fp8_wgrad",
     "moe",
+    "quantize",
+    "quantize_weights",
     "reference",
     "reference_router",
     "sort_chunks_by_index",
