@@ -10,7 +10,7 @@ counted: the previous layer and the optimizer hold them anyway. Counted as a GPU
 EP = 1, SwiGLU, the PyTorch experts on torch._grouped_mm (its support check reads a CUDA device's compute
 capability, so the meta run takes the GPU's path). Each row gives the bytes, the elements per routed slot
 (T * K slots) and, for comparison, what the backward cannot cheaply rebuild: the gate/up output, 2F elements
-per slot. Writes <out>/cpu/saved_bytes.csv (the counts depend on the code, not on a device).
+per slot. Writes <out>/device-independent/saved_bytes.csv (the counts depend on the code, not on a device).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from moetriton.kernels.rules.shapes import MOE_LAYER_SHAPES, MoELayerShape
 
 from .common import add_out_option, write_results
 
+#: The results folder: the counts depend on the code, not on a device.
+DEVICE = "device-independent"
 TINY = MoELayerShape("tiny", 64, 32, 24, 8, 2)
 
 
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             for tensor_shape, dtype, size in saved if args.list else ():
                 print(f"    {dtype:<9} {list(tensor_shape)!s:<22} {size / 1e6:10.2f} MB")
-    print(f"wrote {write_results('saved_bytes', rows, 'cpu', 1, args.out)}")
+    print(f"wrote {write_results('saved_bytes', rows, DEVICE, 1, args.out)}")
     return 0
 
 

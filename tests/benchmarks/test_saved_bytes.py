@@ -24,7 +24,7 @@ def test_per_slot_tensors_are_rows_hidden_and_expert_output(framework):
 
 def test_results_file(tmp_path):
     assert saved_bytes.main(["--shapes", "tiny", "--out", str(tmp_path)]) == 0
-    rows = list(csv.DictReader((tmp_path / "cpu" / "saved_bytes.csv").open()))
+    rows = list(csv.DictReader((tmp_path / saved_bytes.DEVICE / "saved_bytes.csv").open()))
     assert [row["framework"] for row in rows] == ["torch", "jax"]
     for row in rows:
         assert float(row["saved_elements_per_slot"]) >= 2 * SHAPE.hidden + 3 * SHAPE.ffn, row
