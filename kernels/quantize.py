@@ -213,6 +213,8 @@ def _quantize_kernel(
             codes = _quantized(x, finite, col_scale[None, :], FP8, SOFTWARE_CAST)
         else:
             codes = _quantized(x, finite, scale, FP8, SOFTWARE_CAST)
+        # rules.fp8.padded_rows(M, E), computed here rather than passed: the compiler then knows the
+        # row stride is a multiple of 128 (16-byte copies), which jax-triton does not tell it.
         padded = 128 * (tl.cdiv(num_rows, 128) + NUM_GROUPS - 1)
         # Element (r, c) of the tile goes to column 128 b + r of row c; rows past the group's end are
         # x = 0, so the padding is written as zeros.

@@ -222,6 +222,8 @@ def _fp8_grouped_matmul_wgrad_kernel(
     blocks = tl.cdiv(sizes, 128)
     first_block = _pick(tl.cumsum(blocks, axis=0) - blocks, groups, group)
     steps = _pick(blocks, groups, group) * (128 // BLOCK_M)
+    # rules.fp8.padded_rows(M, E), computed here rather than passed: the compiler then knows the
+    # row stride is a multiple of 128 (16-byte copies), which jax-triton does not tell it.
     padded = 128 * (tl.cdiv(num_rows, 128) + NUM_GROUPS - 1)
     depth = depth_tile * BLOCK_K + tl.arange(0, BLOCK_K)
     cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -176,3 +176,28 @@ def test_bad_arguments_raise(call, error, match):
     x, w = _rows(8, 128, seed=13).to(DEVICE), _rows(256, 16, seed=14).view(2, 128, 16).to(DEVICE)
     with pytest.raises(error, match=match):
         call(x, torch.tensor([3, 5]).to(DEVICE), w)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_strided_rows_and_an_expanded_gradient(recipe):
+    """A column slice of wider rows and a transposed weight give what their contiguous copies give; the
+    gradient of out.sum() (a stride-0 expanded tensor) is taken as the dense ones it equals."""
+    wide = _rows(40, 256, seed=15).to(DEVICE)
+    weight_t = _rows(2 * 64, 128, seed=16).view(2, 64, 128).to(DEVICE)
+    sizes = torch.tensor([15, 25]).to(DEVICE)
+    rows, weight = wide[:, 64:192], weight_t.transpose(1, 2)
+    assert not rows.is_contiguous() and not weight.is_contiguous()
+    for got, expected in zip(
+        mt.quantize(rows, sizes, recipe, columnwise=True),
+        mt.quantize(rows.contiguous(), sizes, recipe, columnwise=True),
+        strict=True,
+    ):
+        assert torch.equal(_bits(got), _bits(expected))  # the groups cover every row and block
+    results = []
+    for x, w in ((rows, weight), (rows.contiguous(), weight.contiguous())):
+        x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        out = mt.fp8_grouped_linear(x, sizes, w, recipe)
+        out.sum().backward()  # the cotangent: ones expanded from a scalar
+        results.append((out.detach(), x.grad, w.grad))
+    for got, expected in zip(*results, strict=True):
+        assert torch.equal(got, expected)
