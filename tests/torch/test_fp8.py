@@ -201,3 +201,17 @@ def test_strided_rows_and_an_expanded_gradient(recipe):
         results.append((out.detach(), x.grad, w.grad))
     for got, expected in zip(*results, strict=True):
         assert torch.equal(got, expected)
+
+
+def test_fp8_grouped_linear_under_torch_compile_fullgraph():
+    x = _rows(40, 128, seed=17).to(DEVICE)
+    w = _rows(2 * 128, 64, seed=18).view(2, 128, 64).to(DEVICE)
+    sizes = torch.tensor([15, 25]).to(DEVICE)
+    results = []
+    for function in (mt.fp8_grouped_linear, torch.compile(mt.fp8_grouped_linear, fullgraph=True)):
+        leaf_x, leaf_w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = function(leaf_x, sizes, leaf_w, "blockwise")
+        out.float().square().sum().backward()
+        results.append((out.detach(), leaf_x.grad, leaf_w.grad))
+    for got, expected in zip(*results, strict=True):
+        assert torch.equal(got, expected)
