@@ -149,6 +149,8 @@ def moe_reference(
         opts.score_function,
         bias,
         return_indices=True,
+        normalize_topk=opts.normalize_topk,
+        group_score=opts.group_score,
     )
     weights = jnp.take_along_axis(probs, indices, axis=1)  # [T, K]
     routed = jnp.broadcast_to(valid[:, None], indices.shape)  # [T, K]: slots that take an expert

@@ -89,6 +89,8 @@ def moe_reference(
         scaling_factor=opts.scaling_factor,
         score_function=opts.score_function,
         expert_bias=None if expert_bias is None else expert_bias.float(),
+        normalize_topk=opts.normalize_topk,
+        group_score=opts.group_score,
     )
     routing_map = routing_map & valid.to(routing_map.device)[:, None]  # padding is routed nowhere
     kept = routing_map.clone()  # [T, E]

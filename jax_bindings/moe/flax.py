@@ -78,9 +78,11 @@ class MoEBlock(nn.Module):
 
     Attributes:
         num_experts: E (a multiple of the EP size). ffn_dim: F. topk: K.
-        score_function, use_pre_softmax, num_groups, group_topk, scaling_factor: router options.
-        use_expert_bias: keep an [E] fp32 selection bias in the "moe" collection (sigmoid / sqrtsoftplus
-            only), zeros at init; the block only reads it (aux-loss-free balancing updates it, see below).
+        score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, normalize_topk,
+            group_score: router options (`fused_topk_with_score_function`).
+        use_expert_bias: keep an [E] fp32 selection bias in the "moe" collection (sigmoid / sqrtsoftplus,
+            or softmax with use_pre_softmax), zeros at init; the block only reads it (aux-loss-free
+            balancing updates it, see below).
         aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff: weights of the load-balancing, sequence-wise
             load-balancing and router z losses (moetriton.kernels.rules.moe.LOSSES; aux_loss is their sum).
         align_size, capacity_factor (None: dropless), drop_policy ("position" or "probs": which slots a full
@@ -128,6 +130,8 @@ class MoEBlock(nn.Module):
     num_groups: int | None = None
     group_topk: int | None = None
     scaling_factor: float | None = None
+    normalize_topk: bool | None = None
+    group_score: str = "topk_sum"
     use_expert_bias: bool = False
     aux_loss_coeff: float = 0.0
     seq_aux_loss_coeff: float = 0.0
@@ -220,6 +224,8 @@ class MoEBlock(nn.Module):
             num_groups=self.num_groups,
             group_topk=self.group_topk,
             scaling_factor=self.scaling_factor,
+            normalize_topk=self.normalize_topk,
+            group_score=self.group_score,
             aux_loss_coeff=self.aux_loss_coeff,
             align_size=self.align_size,
             capacity_factor=self.capacity_factor,

@@ -185,6 +185,8 @@ def moe(
     num_groups: int | None = None,
     group_topk: int | None = None,
     scaling_factor: float | None = None,
+    normalize_topk: bool | None = None,
+    group_score: str = "topk_sum",
     aux_loss_coeff: float = 0.0,
     align_size: int | None = None,
     capacity_factor: float | None = None,
@@ -217,11 +219,14 @@ def moe(
             F columns are the gate, the last F the up projection), or [E, H, F] for "gelu" / "relu".
         down: [E, F, H] down projections.
         topk: K experts per token (1 <= K <= E).
-        expert_bias: [E] selection bias (sigmoid / sqrtsoftplus only; no gradient). Aux-loss-free balancing
+        expert_bias: [E] selection bias (sigmoid / sqrtsoftplus, or softmax with use_pre_softmax; no
+            gradient). Aux-loss-free balancing
             updates it between steps from the routed counts: `update_expert_bias(expert_bias,
             stats.routed, rate)`.
-        score_function, use_pre_softmax, num_groups, group_topk, scaling_factor: the router's options, as in
-            `fused_topk_with_score_function`.
+        score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, normalize_topk,
+            group_score: the router's options, as in `fused_topk_with_score_function`, so that a model's
+            routing recipe (DeepSeek-V3's top-2 group scores and unnormalised weights, Qwen3-MoE's
+            norm_topk_prob, ERNIE-4.5's bias on a softmax before the top-k) carries over.
         aux_loss_coeff: weight of the switch / GShard load-balancing loss (0 disables it; the loss is then
             0). Every loss is global over the token shards (the same value and gradients as the unsharded
             layer's) and defined in moetriton.kernels.rules.moe.LOSSES.
@@ -338,6 +343,7 @@ def moe(
         experts_held=None,
         activation=activation,
         score_function=score_function,
+        use_pre_softmax=use_pre_softmax,
     )
     shared = dict(shared_gate_up=shared_gate_up, shared_down=shared_down, shared_gate=shared_gate)
     layer_rules.check_shared_weights(
@@ -361,6 +367,7 @@ def moe(
         )
     router = dict(topk=topk, score_function=score_function, use_pre_softmax=use_pre_softmax)
     router.update(num_groups=num_groups, group_topk=group_topk, scaling_factor=scaling_factor)
+    router.update(normalize_topk=normalize_topk, group_score=group_score)
     losses = dict(aux_loss_coeff=float(aux_loss_coeff), seq_aux_loss_coeff=float(seq_aux_loss_coeff))
     losses.update(z_loss_coeff=float(z_loss_coeff))
     config = MoEConfig(

@@ -28,6 +28,8 @@ def route(x_flat, gate, expert_bias, valid, config: MoEConfig):
         config.score_function,
         None if expert_bias is None else jax.lax.stop_gradient(expert_bias.astype(jnp.float32)),
         return_indices=True,
+        normalize_topk=config.normalize_topk,
+        group_score=config.group_score,
     )
     weights = jnp.take_along_axis(probs, indices, axis=1)  # before masking: -1 would wrap around
     if valid is not None:

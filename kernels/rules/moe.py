@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from .expert_parallel import GATED_ACTIVATIONS, gate_up_width
 from .router import BIAS_DTYPES as ROUTER_BIAS_DTYPES
-from .router import SCORE_FUNCTIONS, check_topk
+from .router import SCORE_FUNCTIONS, TOPK_OPTIONS, check_topk
 
 #: Expert activations, in both layers: gated ones take gate_up [.., H, 2F] ([gate | up]), the others
 #: [.., H, F].
@@ -151,8 +151,9 @@ def check_layer_dtypes(
             _fail(name, f"expected dtype {x} (as x), got {dtype}")
 
 
-#: The router's options of the layers, in this order.
-ROUTER_OPTIONS = ("topk", "use_pre_softmax", "num_groups", "group_topk", "scaling_factor", "score_function")
+#: The router's options of the layers, in this order: the top-k's but for the outputs' forms (the layer
+#: needs the indices and a bool map).
+ROUTER_OPTIONS = tuple(name for name in TOPK_OPTIONS if name not in ("return_indices", "routing_map_format"))
 
 
 def check_router(*, num_tokens: int, num_experts: int, logits_dtype: str, expert_bias, **router) -> None:
@@ -310,6 +311,8 @@ class LayerOptions:
     num_groups: int | None = None
     group_topk: int | None = None
     scaling_factor: float | None = None
+    normalize_topk: bool | None = None
+    group_score: str = "topk_sum"
     aux_loss_coeff: float = 0.0
     align_size: int | None = None
     activation: str = "swiglu"
@@ -338,13 +341,15 @@ def check_weights(
     experts_held: int | None,
     activation: str,
     score_function: str,
+    use_pre_softmax: bool = False,
 ) -> LayerShape:
     """Shapes of the layer's arrays; returns (H, E, F).
 
     x_shape: [..., H]. gate: (argument name, its layout as the framework writes it, e.g. "[E, H]", E, H)
     as read from the router weight. gate_up [n, H, 2F] (gated) or [n, H, F], down [n, F, H], with n the
     experts a rank's weights hold: `experts_held` (PyTorch: L = E / EP), or E when None (JAX).
-    expert_bias: [E] or None (sigmoid / sqrtsoftplus only)."""
+    expert_bias: [E] or None (sigmoid / sqrtsoftplus, or softmax with use_pre_softmax: a score before the
+    top-k for it to shift)."""
     gate_name, gate_layout, num_experts, hidden = gate
     if len(x_shape) < 1 or x_shape[-1] != hidden:
         _fail("x", f"expected [..., H] with H = {hidden} (as {gate_name} {gate_layout}), got {list(x_shape)}")
@@ -364,8 +369,12 @@ def check_weights(
     if list(down) != [held, ffn, hidden]:
         _fail("down", f"expected [n, F, H] = {[held, ffn, hidden]}, got {list(down)}")
     if expert_bias is not None:
-        if score_function == "softmax":
-            _fail("expert_bias", "only supported with score_function 'sigmoid' or 'sqrtsoftplus'")
+        if score_function == "softmax" and use_pre_softmax is not True:
+            _fail(
+                "expert_bias",
+                "only supported with score_function 'sigmoid' or 'sqrtsoftplus', or 'softmax' with "
+                "use_pre_softmax=True (a softmax after the top-k only sees the selected logits)",
+            )
         if list(expert_bias) != [num_experts]:
             _fail("expert_bias", f"expected [E] = [{num_experts}], got {list(expert_bias)}")
     return LayerShape(hidden, num_experts, ffn)

@@ -231,6 +231,39 @@ def test_balance_counts_on_one_device_match_reference(capacity_factor):
         assert float(getattr(stats["routed"], name)) != float(getattr(stats["scores"], name)), name
 
 
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        dict(
+            score_function="sigmoid", num_groups=2, group_topk=1, group_score="top2_sum", normalize_topk=False
+        ),
+        dict(score_function="softmax", use_pre_softmax=True, normalize_topk=True),
+        dict(score_function="softmax", use_pre_softmax=True, num_groups=2, group_topk=1, group_score="max"),
+    ],
+    ids=["deepseek_v3", "ernie", "deepseek_v2"],
+)
+def test_router_recipes_on_one_device_match_reference(recipe):
+    """normalize_topk, group_score and the bias with a softmax before the top-k reach the layer's router:
+    outputs and gradients as the reference's, and the Flax block passes them as the layer does."""
+    flax = pytest.importorskip("flax")
+    from moetriton.jax.moe.flax import MoEBlock
+
+    bias = np.array([0.3, -0.2, 0.1, -0.4], np.float32)
+    problem = _one_device_problem(expert_bias=bias)  # the recipe comes in the options
+    options = dict(recipe, scaling_factor=2.5)
+    with jax.default_matmul_precision("highest"):
+        check_against_reference(problem, None, options=options)
+    block = MoEBlock(num_experts=4, ffn_dim=problem.ffn, topk=2, use_expert_bias=True, **options)
+    x = jnp.asarray(problem.x)
+    variables = block.init(jax.random.key(0), x)
+    variables = dict(variables, moe={"expert_bias": jnp.asarray(bias)})
+    params = flax.linen.meta.unbox(variables["params"])
+    out = block.apply(variables, x)[0]
+    gate, gate_up, down = (params[name] for name in ("gate", "gate_up", "down"))
+    expected = moe(x, gate, gate_up, down, topk=2, expert_bias=jnp.asarray(bias), **options)[0]
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+
+
 def test_all_padding_gives_zeros_without_nan():
     """Every token masked: zero output, zero losses (no division by zero), zero counts, zero gradients."""
     problem = _one_device_problem(capacity_factor=0.5)

@@ -1283,3 +1283,49 @@ def test_compiled_layer_fullgraph_matches_eager(capacity_factor):
         # for bit equal), so the bound scales with the tensor; a wrongly routed token would be off by O(1).
         scale = float(expected.float().abs().max()) if expected.is_floating_point() else 0.0
         torch.testing.assert_close(got, expected, rtol=3e-2, atol=3e-2 * max(scale, 1.0))
+
+
+# Routing recipes of real models through the layer: DeepSeek-V3 (sigmoid, bias, groups scored by their top
+# 2, unnormalised weights), ERNIE-4.5 (bias on a softmax before the top-k, renormalised), DeepSeek-V2
+# (softmax before the top-k, groups scored by their best expert).
+LAYER_RECIPES = [
+    dict(score_function="sigmoid", num_groups=2, group_topk=1, group_score="top2_sum", normalize_topk=False),
+    dict(score_function="softmax", use_pre_softmax=True, normalize_topk=True),
+    dict(score_function="softmax", use_pre_softmax=True, num_groups=2, group_topk=1, group_score="max"),
+]
+
+
+@pytest.mark.parametrize("recipe", LAYER_RECIPES, ids=["deepseek_v3", "ernie", "deepseek_v2"])
+def test_router_recipes_match_reference(recipe):
+    """normalize_topk, group_score and the bias with a softmax before the top-k reach the layer's router:
+    output, aux loss and gradients as the reference's, and MoELayer passes them as moe does."""
+    x, weights = _tokens(12), _weights()
+    bias = torch.tensor([0.3, -0.2, 0.1, -0.4], device=DEVICE)
+    options = dict(recipe, topk=2, expert_bias=bias, aux_loss_coeff=0.1, scaling_factor=2.5)
+    out, aux_loss, _, grads = _run(x, weights, **options)
+    expected = moe_reference(x, *weights, **options)
+    torch.testing.assert_close(out, expected[0].to(out), **TOLERANCE)
+    torch.testing.assert_close(aux_loss, expected[1].to(aux_loss), **TOLERANCE)
+    leaves = [x.clone().requires_grad_(), *(w.clone().requires_grad_() for w in weights)]
+    expected_out, expected_aux = moe_reference(*leaves, **options)[:2]
+    cotangent = torch.linspace(-1, 1, expected_out.numel(), device=DEVICE).view_as(expected_out)
+    ((expected_out * cotangent).sum() + expected_aux).backward()
+    for grad, leaf in zip(grads, leaves, strict=True):
+        torch.testing.assert_close(grad, leaf.grad, **TOLERANCE)
+    layer_options = {name: value for name, value in options.items() if name not in ("topk", "expert_bias")}
+    layer = mt.MoELayer(H, F, E, 2, expert_bias=True, device=DEVICE, **layer_options)
+    with torch.no_grad():
+        for parameter, weight in zip((layer.gate_weight, layer.gate_up, layer.down), weights, strict=True):
+            parameter.copy_(weight)
+        layer.expert_bias.copy_(bias)
+        assert torch.equal(layer(x)[0], mt.moe(x, *weights, **options)[0])
+
+
+def test_router_recipe_arguments_are_checked():
+    x, weights = _tokens(4), _weights()
+    with pytest.raises(ValueError, match=r"^normalize_topk: False contradicts"):
+        mt.moe(x, *weights, topk=2, normalize_topk=False)
+    with pytest.raises(ValueError, match=r"^group_score: needs groups"):
+        mt.moe(x, *weights, topk=2, group_score="max")
+    with pytest.raises(ValueError, match=r"^expert_bias: only supported with score_function"):
+        mt.moe(x, *weights, topk=2, expert_bias=torch.zeros(E, device=DEVICE))

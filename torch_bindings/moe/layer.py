@@ -138,6 +138,7 @@ def _check_moe(
     num_experts, hidden = gate_weight[0]
     if num_experts % ep_size:
         raise ValueError(f"num_experts: expected a multiple of the EP size {ep_size}, got {num_experts}")
+    router = dict(zip(layer_rules.ROUTER_OPTIONS, router, strict=True))
     shape = layer_rules.check_weights(
         x_shape=tuple(x[0]),
         gate=("gate_weight", "[E, H]", num_experts, hidden),
@@ -147,13 +148,13 @@ def _check_moe(
         experts_held=num_experts // ep_size,
         activation=activation,
         score_function=score_function,
+        use_pre_softmax=router["use_pre_softmax"],
     )
     layer_rules.check_shared_weights(
         hidden=hidden,
         activation=activation,
         **{name: None if sig is None else tuple(sig[0]) for name, sig in shared.items()},
     )
-    router = dict(zip(layer_rules.ROUTER_OPTIONS, router, strict=True))
     num_tokens = math.prod(x[0][:-1])
     ep_layout(
         num_tokens=num_tokens,
@@ -192,6 +193,8 @@ def moe(
     num_groups: int | None = None,
     group_topk: int | None = None,
     scaling_factor: float | None = None,
+    normalize_topk: bool | None = None,
+    group_score: str = "topk_sum",
     aux_loss_coeff: float = 0.0,
     align_size: int | None = None,
     activation: str = "swiglu",
@@ -221,8 +224,11 @@ def moe(
         gate_up: [L, H, 2F] fused gate+up weights of this rank's L = E / EP experts (experts
             rank * L ... rank * L + L - 1), first F columns the gate; [L, H, F] for non-gated activations.
         down: [L, F, H] down-projection weights of the local experts.
-        topk, expert_bias, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor: the
-            router's (moetriton.torch.fused_topk_with_score_function); expert_bias [E] steers selection only.
+        topk, expert_bias, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
+            normalize_topk, group_score: the router's (moetriton.torch.fused_topk_with_score_function), so
+            a model's routing recipe (DeepSeek-V3's top-2 group scores and unnormalised weights, Qwen3-MoE's
+            norm_topk_prob, ERNIE-4.5's bias on a softmax before the top-k) carries over; expert_bias [E]
+            steers selection only.
         aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff: weights of the switch load-balancing loss, the
             sequence-wise one of DeepSeek-V3 (needs x [B, S, H]) and the router z-loss, each global over
             token_group as moetriton.kernels.rules.moe.LOSSES defines it (0: that loss is off); aux_loss is
@@ -291,7 +297,8 @@ def moe(
         (torch.Size([6, 8]), torch.float32, torch.int32)
     """
     ep_size, ep_rank = check_groups(ep_group=ep_group, token_group=token_group)
-    router = (topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function)  # ROUTER_OPTIONS
+    router = (topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function)
+    router += (normalize_topk, group_score)  # ROUTER_OPTIONS, in order
     shape = _check_moe(
         x=signature(x),
         gate_weight=signature(gate_weight),
@@ -387,12 +394,13 @@ class MoELayer(nn.Module):
 
     Parameters: gate_weight [E, H]; gate_up [L, H, 2F] (SwiGLU; [L, H, F] non-gated) and down [L, F, H] for
     this rank's L = E / EP experts (rank r holds experts r * L ... r * L + L - 1); with `expert_bias=True`
-    an fp32 buffer expert_bias [E] (sigmoid / sqrtsoftplus), which aux-loss-free balancing moves after
-    each optimizer step: `layer.update_expert_bias(stats.routed, update_rate)` with the stats of
-    `layer(x, return_stats=True)`. With `num_shared_experts=n > 0` (DeepSeek-V3: 1) the shared
-    experts, one always-on FFN of width Fs = n * F: shared_gate_up [H, 2Fs] ([H, Fs] non-gated) and
-    shared_down [Fs, H], replicated on every rank; with `shared_expert_gate=True` (Qwen-MoE) also
-    shared_gate [H, 1], scaling their output per token by sigmoid(x @ shared_gate) (see `moe`).
+    an fp32 buffer expert_bias [E] (sigmoid / sqrtsoftplus, or softmax with use_pre_softmax), which
+    aux-loss-free balancing moves after each optimizer step: `layer.update_expert_bias(stats.routed,
+    update_rate)` with the stats of `layer(x, return_stats=True)`. With `num_shared_experts=n > 0`
+    (DeepSeek-V3: 1) the shared experts, one always-on FFN of width Fs = n * F: shared_gate_up [H, 2Fs]
+    ([H, Fs] non-gated) and shared_down [Fs, H], replicated on every rank; with `shared_expert_gate=True`
+    (Qwen-MoE) also shared_gate [H, 1], scaling their output per token by sigmoid(x @ shared_gate) (see
+    `moe`).
 
     forward(x [..., H], token_mask=None, return_stats=False) -> (out [..., H], aux_loss fp32 scalar,
     dropped int32 scalar[, MoEStats]); the loss coefficients, drop_policy and balance_counts are `moe`'s
@@ -423,6 +431,8 @@ class MoELayer(nn.Module):
         num_groups: int | None = None,
         group_topk: int | None = None,
         scaling_factor: float | None = None,
+        normalize_topk: bool | None = None,
+        group_score: str = "topk_sum",
         expert_bias: bool = False,
         aux_loss_coeff: float = 0.0,
         align_size: int | None = None,
@@ -492,6 +502,8 @@ class MoELayer(nn.Module):
             num_groups=num_groups,
             group_topk=group_topk,
             scaling_factor=scaling_factor,
+            normalize_topk=normalize_topk,
+            group_score=group_score,
             aux_loss_coeff=aux_loss_coeff,
             align_size=align_size,
             activation=activation,
