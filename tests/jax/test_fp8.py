@@ -5,6 +5,10 @@ compiled), under jax.jit; and the same argument errors."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -155,3 +159,19 @@ def test_bad_arguments_raise(call, error, match):
     x, w = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((2, 128, 16), jnp.bfloat16)
     with pytest.raises(error, match=match):
         call(x, jnp.array([3, 5]), w)
+
+
+def test_without_kernels_the_ops_refuse():
+    """On CPU without the interpreter there is no fallback: the ops say what they need (a fresh process:
+    TRITON_INTERPRET is read when moetriton is imported)."""
+    code = (
+        "import jax.numpy as jnp, moetriton.jax as mj\n"
+        "try:\n"
+        "    mj.quantize(jnp.ones((4, 128), jnp.bfloat16), jnp.array([4]), 'blockwise')\n"
+        "except RuntimeError as error:\n"
+        "    print(error)\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["JAX_PLATFORMS"] = "cpu"
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "TRITON_INTERPRET=1" in child.stdout, child.stdout + child.stderr

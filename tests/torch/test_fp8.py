@@ -7,6 +7,10 @@ against the eager one, and the argument errors. On CPU the kernels run under the
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -215,3 +219,18 @@ def test_fp8_grouped_linear_under_torch_compile_fullgraph():
         results.append((out.detach(), leaf_x.grad, leaf_w.grad))
     for got, expected in zip(*results, strict=True):
         assert torch.equal(got, expected)
+
+
+def test_without_kernels_the_ops_refuse():
+    """On CPU without the interpreter there is no framework fallback: the ops say what they need (checked
+    in a fresh process, since TRITON_INTERPRET is read when moetriton is imported)."""
+    code = (
+        "import torch, moetriton.torch as mt\n"
+        "try:\n"
+        "    mt.quantize(torch.ones(4, 128, dtype=torch.bfloat16), torch.tensor([4]), 'blockwise')\n"
+        "except RuntimeError as error:\n"
+        "    print(error)\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "TRITON_INTERPRET=1" in child.stdout, child.stdout + child.stderr
