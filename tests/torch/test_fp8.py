@@ -234,3 +234,21 @@ def test_without_kernels_the_ops_refuse():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert "TRITON_INTERPRET=1" in child.stdout, child.stdout + child.stderr
+
+
+@pytest.mark.parametrize("frozen", ["rows", "weight"])
+def test_fp8_grouped_linear_with_one_input_frozen(frozen):
+    """The backward computes (and quantizes the output gradient for) only the gradient asked for, the same
+    one as when both are asked for."""
+    x = _rows(40, 128, seed=19).to(DEVICE)
+    w = _rows(2 * 128, 64, seed=20).view(2, 128, 64).to(DEVICE)
+    sizes, dy = torch.tensor([15, 25]).to(DEVICE), _rows(40, 64, seed=21).to(DEVICE)
+    both = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+    mt.fp8_grouped_linear(both[0], sizes, both[1], "tensorwise").backward(dy)
+    one = [x.clone().requires_grad_(frozen != "rows"), w.clone().requires_grad_(frozen != "weight")]
+    mt.fp8_grouped_linear(one[0], sizes, one[1], "tensorwise").backward(dy)
+    for got, expected in zip(one, both, strict=True):
+        if got.requires_grad:
+            assert torch.equal(got.grad, expected.grad)
+        else:
+            assert got.grad is None
