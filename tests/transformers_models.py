@@ -53,6 +53,12 @@ MODELS = {
         "deepseek_v2",
         dict(_COMMON, **_MLA, **_GROUPED, topk_method="group_limited_greedy"),
     ),
+    # Kimi-style: no renormalisation, and K / topk_group = 4 (a group still scored by its top 2).
+    "deepseek_v3-unnormalised-top4": (
+        "deepseek_v3",
+        dict(_COMMON, **_MLA, **dict(_GROUPED, num_experts_per_tok=4), norm_topk_prob=False),
+    ),
+    "deepseek_v2-greedy": ("deepseek_v2", dict(_COMMON, **_MLA, **_GROUPED, topk_method="greedy")),
     "glm4_moe": ("glm4_moe", dict(_GROUPED)),
     "ernie4_5_moe": (
         "ernie4_5_moe",

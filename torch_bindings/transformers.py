@@ -152,6 +152,14 @@ def experts_forward(
 # model type -> how its router selects and weights (in moetriton's router options), for `moe_arguments`.
 _SOFTMAX_TOP_K = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 _SIGMOID_GROUPED = ("deepseek_v3", "glm4_moe")
+_SUPPORTED = (*_SOFTMAX_TOP_K, *_SIGMOID_GROUPED, "deepseek_v2", "ernie4_5_moe")
+
+
+def _groups(config) -> dict:
+    """Group-limited selection's options, or none where the config has one group."""
+    if getattr(config, "n_group", 1) in (None, 1):
+        return {}
+    return dict(num_groups=config.n_group, group_topk=config.topk_group)
 
 
 def _router_options(block: nn.Module, config) -> dict:
@@ -159,33 +167,46 @@ def _router_options(block: nn.Module, config) -> dict:
     model_type = config.model_type
     topk = config.num_experts_per_tok
     if model_type in _SOFTMAX_TOP_K:
-        # Softmax over every expert, then the top K, renormalised where norm_topk_prob (Mixtral always):
-        # renormalised top-K softmax values are the softmax over the top K logits (use_pre_softmax=False).
+        # Softmax over every expert, then the top K, renormalised where norm_topk_prob (Mixtral always).
         normalised = getattr(config, "norm_topk_prob", True) if model_type != "mixtral" else True
-        return dict(topk=topk, score_function="softmax", use_pre_softmax=not normalised)
+        return dict(topk=topk, score_function="softmax", use_pre_softmax=True, normalize_topk=normalised)
     if model_type in _SIGMOID_GROUPED:
-        if not config.norm_topk_prob and topk > 1:
-            raise NotImplementedError(
-                f"{model_type} with norm_topk_prob=False: moetriton's sigmoid router renormalises K > 1 "
-                "weights"
-            )
-        groups = config.n_group if config.n_group > 1 else None
-        if groups is not None and topk // config.topk_group != 2:
-            raise NotImplementedError(
-                f"{model_type} scores a group by its top 2; moetriton's router by its top K / topk_group = "
-                f"{topk // config.topk_group}"
-            )
+        # Sigmoid scores, selection on score + correction bias among the groups of the best top-2 sums,
+        # weights the selected scores (renormalised where norm_topk_prob) times the scaling factor.
         return dict(
             topk=topk,
             score_function="sigmoid",
             expert_bias=block.gate.e_score_correction_bias,
-            num_groups=groups,
-            group_topk=config.topk_group if groups is not None else None,
+            normalize_topk=bool(config.norm_topk_prob),
+            group_score="top2_sum",
             scaling_factor=float(config.routed_scaling_factor),
+            **_groups(config),
+        )
+    if model_type == "deepseek_v2":
+        # Softmax over every expert; "greedy" the top K of them, "group_limited_greedy" within the groups
+        # of the largest scores; weights the softmax values times the scaling factor, not renormalised.
+        grouped = config.topk_method == "group_limited_greedy"
+        return dict(
+            topk=topk,
+            score_function="softmax",
+            use_pre_softmax=True,
+            normalize_topk=False,
+            scaling_factor=float(config.routed_scaling_factor),
+            **(dict(group_score="max", **_groups(config)) if grouped else {}),
+        )
+    if model_type == "ernie4_5_moe":
+        # Softmax over every expert, selection on softmax + correction bias, weights the selected softmax
+        # values renormalised (transformers clamps the sum at moe_norm_min, 1e-12: equal for any sum above).
+        return dict(
+            topk=topk,
+            score_function="softmax",
+            use_pre_softmax=True,
+            normalize_topk=True,
+            expert_bias=block.gate.moe_statics.e_score_correction_bias.reshape(-1),
         )
     raise NotImplementedError(
         f"moe_arguments: no mapping of {model_type}'s router to moetriton's (supported: "
-        f"{', '.join(_SOFTMAX_TOP_K + _SIGMOID_GROUPED)})"
+        f"{', '.join(_SUPPORTED)})"
     )
 
 
@@ -212,9 +233,11 @@ def moe_arguments(block: nn.Module) -> dict:
     parameters (gradients reach them), the router options are the block's recipe.
 
     Supported: Mixtral, Qwen2-MoE (gated shared expert), Qwen3-MoE, OLMoE (softmax top-k, with or without
-    renormalisation); DeepSeek-V3 and GLM-4-MoE (sigmoid, correction bias, group-limited selection where a
-    group's score is the sum of its top K / topk_group = 2, scaling, shared experts). Other blocks, and these
-    with options moetriton's router does not express, raise NotImplementedError naming what is missing.
+    renormalisation); DeepSeek-V3 and GLM-4-MoE (sigmoid, correction bias, groups scored by their top-2
+    sum, with or without renormalisation, scaling, shared experts); DeepSeek-V2 (softmax, greedy or
+    group-limited by the group's largest score, scaling, shared experts); ERNIE-4.5-MoE (softmax, selection
+    with a correction bias, renormalised, shared experts). Other blocks (GPT-OSS: expert biases and a clamped
+    gate; Llama 4: weights on the experts' input) raise NotImplementedError naming what is missing.
 
     Example:
         >>> from transformers import MixtralConfig
