@@ -34,6 +34,8 @@
 #   transformers  the transformers experts backend on one GPU: examples/transformers_moe.py, then
 #               benchmarks.transformers_backend (step time and peak memory with moetriton, grouped_mm and
 #               eager experts; TRANSFORMERS_ARGS); needs transformers in the Python environment
+#   fp8         the FP8 grouped GEMMs and quantizers: benchmarks.fp8_grouped_gemm (FP8_ARGS), beside the
+#               bf16 grouped GEMM and a dense FP8 GEMM of the same run
 #   moe2        the same with EP = 2 over two GPUs (torchrun for PyTorch, one process for JAX)
 #   overlap     on two GPUs, how much exchange time compute hides: benchmarks.studies.exchange_overlap (each
 #               transport beside the experts' GEMMs), then the layer steps plain, with a shared expert and in
@@ -219,6 +221,10 @@ EOF
         "$0" examples/transformers_moe.py
         "$0" -m benchmarks.transformers_backend --out "$1/results" ${TRANSFORMERS_ARGS:-}
       ' "$PY" "$outdir" || status=$?
+      grep -v -i warn "$log" | tail -40 ;;
+    fp8)
+      run "${limit:-900}" "$log" "$PY" -m benchmarks.fp8_grouped_gemm --out "$outdir/results" ${FP8_ARGS:-} \
+        || status=$?
       grep -v -i warn "$log" | tail -40 ;;
     moe2)
       run "${limit:-1200}" "$log" bash -c '
