@@ -86,6 +86,13 @@ def _check_layout(experts: nn.Module) -> None:
         )
 
 
+def _input_major(experts: nn.Module, name: str) -> Tensor:
+    """The experts' weight `name` as [E, in, out] (rows @ weight[e]): as stored where `is_transposed`, else
+    a transposed view of [E, out, in] (no copy)."""
+    weight = getattr(experts, name)
+    return weight if experts.is_transposed else weight.transpose(1, 2)
+
+
 def experts_forward(
     experts: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
 ) -> Tensor:
@@ -130,12 +137,8 @@ def experts_forward(
         hidden_states, indices=indices, num_experts=num_experts, num_out_tokens=top_k_index.numel()
     )  # rows [T * K, H], expert-major; rows past the routed ones are zero
     first, second = ("gate_up_proj", "down_proj") if experts.has_gate else ("up_proj", "down_proj")
-    # grouped_linear multiplies rows @ weight[e]: [E, in, out], which the transposed layout stores.
-    layout = (lambda weight: weight) if experts.is_transposed else (lambda weight: weight.transpose(1, 2))
     bias = (lambda name: getattr(experts, f"{name}_bias")) if experts.has_bias else (lambda name: None)
-    hidden = grouped_linear(
-        rows, group_sizes, layout(getattr(experts, first)), bias(first)
-    )  # [N, 2F] | [N, F]
+    hidden = grouped_linear(rows, group_sizes, _input_major(experts, first), bias(first))  # [N, 2F] | [N, F]
     activation = _fused_activation(experts)
     if activation is not None:
         act = ACTIVATE(hidden, activation)
@@ -143,7 +146,7 @@ def experts_forward(
         act = experts._apply_gate(hidden)
     else:
         act = experts.act_fn(hidden)
-    out = grouped_linear(act.to(rows.dtype), group_sizes, layout(getattr(experts, second)), bias(second))
+    out = grouped_linear(act.to(rows.dtype), group_sizes, _input_major(experts, second), bias(second))
     if getattr(experts, "has_post_expert_norm", False):
         out = experts.post_expert_norm(out)
     return token_combine(out.to(hidden_states.dtype), row_id_map, top_k_weights.float())
@@ -258,11 +261,10 @@ def moe_arguments(block: nn.Module) -> dict:
             "experts implementation, register(), for it)"
         )
     config = experts.config
-    layout = (lambda weight: weight) if experts.is_transposed else (lambda weight: weight.transpose(1, 2))
     return dict(
         gate_weight=router.weight,  # [E, H]
-        gate_up=layout(experts.gate_up_proj),  # [E, H, 2F]
-        down=layout(experts.down_proj),  # [E, F, H]
+        gate_up=_input_major(experts, "gate_up_proj"),  # [E, H, 2F]
+        down=_input_major(experts, "down_proj"),  # [E, F, H]
         activation="swiglu",
         **_router_options(block, config),
         **_shared_weights(block),
