@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from functools import partial
+from functools import cache
 
 import jax
 import jax.numpy as jnp
@@ -399,10 +399,23 @@ def moe(
     if capacity_factor is not None:  # a float in the jit key: 1 and 1.0 compile once
         config = dataclasses.replace(config, capacity_factor=float(capacity_factor))
     shared_weights = None if shared_gate_up is None else (shared_gate_up, shared_down, shared_gate)
-    return _moe(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, config)
+    return _jitted(config)(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, config)
 
 
-@partial(jax.jit, static_argnums=(7,))
+@cache
+def _jitted(config: MoEConfig):
+    """The jitted layer for `config`. On a mesh of Auto and Explicit axes the output's type names only its
+    Explicit axes, and JAX 0.11 then places it replicated over the Auto ones: jit is told the tokens'
+    sharding of the output (the other results are the compiler's to place)."""
+    mesh = config.mesh
+    kinds = set(mesh.axis_types) if mesh is not None else set()
+    if {AxisType.Auto, AxisType.Explicit} <= kinds:
+        tokens = NamedSharding(mesh, PartitionSpec(config.token_axes or None))
+        results = 4 if config.return_stats else 3
+        return jax.jit(_moe, static_argnums=(7,), out_shardings=(tokens, *(None,) * (results - 1)))
+    return _moe_jit
+
+
 def _moe(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, config: MoEConfig):
     if config.mesh is None:
         return _shard(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, config=config)
@@ -429,6 +442,9 @@ def _moe(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, config
     # collective here is explicit, and JAX still psums the gradients of replicated inputs.
     sharded = jax.shard_map(body, mesh=config.mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
     return sharded(*arrays)
+
+
+_moe_jit = jax.jit(_moe, static_argnums=(7,))
 
 
 def _resharded(arrays, mesh: Mesh, spec: PartitionSpec):

@@ -599,6 +599,7 @@ def test_benchmark_process_group(tmp_path, timeout, expect_rows):
     EP = 2 and process 0 writes the rows, marked processes = 2; a group past its time limit is killed and
     the exit status is 1."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["JAX_PLATFORMS"] = "cpu"  # on a machine with GPUs too: a group of N processes takes N GPUs
     argv = ["--processes", "2", "--tiny", "--steps", "1", "--shapes", "mixtral", "--timeout", str(timeout)]
     result = run_python(["-m", "benchmarks.moe_jax", *argv, "--out", str(tmp_path)], env, timeout=300)
     output = result.stdout[-4000:] + result.stderr[-4000:]
