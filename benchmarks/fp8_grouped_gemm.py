@@ -1,9 +1,9 @@
 """FP8 grouped GEMMs (moetriton.kernels.grouped_gemm.fp8, through moetriton.torch's FP8 ops) at the MoE layer
 shapes, beside the bf16 grouped GEMM and a dense FP8 GEMM of the same run.
 
-    python -m benchmarks.fp8_grouped_gemm [--shapes mixtral,dsv3] [--recipes tensorwise,blockwise]
+    python -m benchmarks.fp8_grouped_gemm [--shapes mixtral,qwen3,dsv3] [--recipes tensorwise,blockwise]
                                           [--out ROOT]
-    python -m benchmarks.fp8_grouped_gemm --tiny --out /tmp/results   # CPU: the same code paths, interpreted
+    python -m benchmarks.fp8_grouped_gemm --tiny --out /tmp/results   # every path, tiny (CPU: interpreted)
 
 For every layer shape (rows = T x K routed slots split evenly over E experts) and each of its two GEMMs
 (gate_up: K = H, N = 2F; down: K = F, N = H), per recipe: the quantization of the rows (rowwise and
@@ -11,8 +11,8 @@ columnwise), of the output gradient and of the weights (both copies), in ms and 
 written; the three products (forward, data gradient, weight gradient with bf16 output) in ms and TFLOP/s
 (2 M K N per GEMM); beside them our bf16 grouped GEMM's forward and a dense FP8 GEMM (torch._scaled_mm,
 tensorwise scales) of M x K x N, both timed in the same run. GPU timings are CUDA-graph replays
-(benchmarks.timing.time_graph). --tiny runs a tiny shape on CPU under the Triton interpreter (host
-wall-clock times, no dense baselines): a check that every path runs. Writes
+(benchmarks.timing.time_graph). --tiny runs a tiny shape, on the GPU or, without one, on CPU under the
+Triton interpreter (host wall-clock times), with no dense baselines: a check that every path runs. Writes
 <out>/<machine>/fp8_grouped_gemm.csv (benchmarks.common).
 """
 
@@ -107,14 +107,16 @@ def _projection(mt, timer, recipe: str, operands: dict, gpu: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = shapes_parser(__doc__, ",".join(MOE_LAYER_SHAPES))
     parser.add_argument("--recipes", default=",".join(RECIPES))
-    parser.add_argument("--tiny", action="store_true", help="the tiny shape on CPU, interpreted")
+    parser.add_argument(
+        "--tiny", action="store_true", help="the tiny shape (on the GPU if there is one, else interpreted)"
+    )
     args = parser.parse_args(argv)
-    gpu = torch.cuda.is_available() and not args.tiny
+    gpu = torch.cuda.is_available()
     if not gpu and not args.tiny:
         print("benchmarks.fp8_grouped_gemm needs a GPU (or --tiny)", file=sys.stderr)
         return 1
-    if args.tiny and os.environ.get("TRITON_INTERPRET") != "1":
-        print("--tiny runs the kernels interpreted: set TRITON_INTERPRET=1", file=sys.stderr)
+    if not gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        print("--tiny without a GPU runs the kernels interpreted: set TRITON_INTERPRET=1", file=sys.stderr)
         return 1
     import moetriton.torch as mt
 
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             problem = dict(shape=name, gemm=gemm, rows=num_rows, depth=depth, num_cols=num_cols)
             problem["groups"] = shape.num_experts
             baselines = {}
-            if gpu:
+            if gpu and not args.tiny:  # cuBLAS's FP8 GEMM needs dimensions in multiples of 16
                 bf16_ms = _bf16_forward_ms(
                     timer, operands["rows"], operands["weights"], operands["group_sizes"]
                 )
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{name:<8} {gemm:<8} {recipe:<10} forward {row['forward_tflops']:8.2f} dgrad "
                     f"{row['dgrad_tflops']:8.2f} wgrad {row['wgrad_tflops']:8.2f} TFLOP/s"
                     + (f"  (bf16 {baselines['bf16_forward_tflops']}, dense fp8 "
-                       f"{baselines['dense_fp8_tflops']})" if gpu else ""),
+                       f"{baselines['dense_fp8_tflops']})" if baselines else ""),
                     flush=True,
                 )  # fmt: skip
             del operands

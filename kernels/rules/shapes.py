@@ -50,6 +50,7 @@ MOE_LAYER_SHAPES: dict[str, MoELayerShape] = {
     shape.name: shape
     for shape in (
         MoELayerShape("mixtral", 16384, 4096, 14336, 8, 2),
+        MoELayerShape("qwen3", 16384, 2048, 768, 128, 8),
         MoELayerShape("dsv3", 8192, 7168, 2048, 256, 8, "sigmoid", 8, 4),
     )
 }
