@@ -71,6 +71,11 @@ def _looked_up_features(monkeypatch) -> dict[str, set[tuple[str, ...]]]:
     kernels.aux_scores_plan(**router)
     router.pop("topk")
     kernels.aux_scores_backward_plan(**router)
+    gemm = dict(num_rows=256, depth=256, num_cols=128, num_groups=4, device=device)
+    for recipe in ("tensorwise", "blockwise"):
+        for data_gradient in (False, True):
+            kernels.fp8_grouped_matmul_plan(recipe=recipe, data_gradient=data_gradient, **gemm)
+        kernels.fp8_grouped_matmul_wgrad_plan(recipe=recipe, **gemm)
     return seen
 
 
