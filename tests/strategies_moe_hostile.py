@@ -10,7 +10,8 @@ Two kinds of case:
   argument's name; `DIFFERENT` lists the cases where docs/moe.md's argument table says the frameworks
   differ, and what each does.
 * `hostile_calls()`: a valid call with every option drawn on or off (token_mask, drop_policy, the three
-  losses, return_stats, an expert bias, shared experts, pipeline_chunks, capacity, balance_counts) and one
+  losses, return_stats, an expert bias, normalize_topk, group-limited selection under each group_score,
+  shared experts, pipeline_chunks, capacity, balance_counts) and one
   data corruption: non-finite or huge tokens, NaN padding, a NaN router column, no tokens, every token
   masked, overflowing capacity, exact ties. Its result is the documented one: the dense reference's (which
   implements moetriton.kernels.rules.moe.NON_FINITE), with the invariants `check_invariants` names;
@@ -187,6 +188,15 @@ REFUSED = {
     "scaling_factor nan": Refusal(dict(scaling_factor=float("nan")), ValueError, "scaling_factor"),
     "scaling_factor str": Refusal(dict(scaling_factor="2"), TypeError, "scaling_factor"),
     "use_pre_softmax int": Refusal(dict(use_pre_softmax=1), TypeError, "use_pre_softmax"),
+    "normalize_topk int": Refusal(dict(normalize_topk=1), TypeError, "normalize_topk"),
+    "normalize_topk False with softmax": Refusal(dict(normalize_topk=False), ValueError, "normalize_topk"),
+    "group_score unknown": Refusal(
+        dict(_BIAS, num_groups=2, group_topk=1, group_score="mean"), ValueError, "group_score"
+    ),
+    "group_score without groups": Refusal(dict(group_score="max"), ValueError, "group_score"),
+    "group_score past a group": Refusal(
+        dict(_BIAS, num_groups=4, group_topk=1, topk=1, group_score="top2_sum"), ValueError, "group_score"
+    ),
     "activation": Refusal(dict(activation="tanh"), ValueError, "activation"),
     "score_function": Refusal(dict(score_function="relu"), ValueError, "score_function"),
     "exchange": Refusal(dict(exchange="nvlink"), ValueError, "exchange", own_words=True),
@@ -339,6 +349,15 @@ def hostile_calls(draw, shards: int = 1, corruptions: tuple[str, ...] = CORRUPTI
         options["balance_counts"] = "scores"
     if options["score_function"] == "sigmoid" and draw(st.booleans()):
         arrays["expert_bias"] = rng.normal(0, 0.5, EXPERTS).astype(np.float32)
+    if options["score_function"] == "sigmoid" or draw(st.booleans()):
+        # sigmoid either way; softmax only unnormalised (over all E, before the top-k)
+        options["normalize_topk"] = draw(st.sampled_from([None, True, False]))
+        if options["score_function"] == "softmax":
+            options["use_pre_softmax"] = True
+    if draw(st.booleans()):
+        # two groups of two experts, one chosen: the group score by each rule that fits in a group
+        options.update(num_groups=2, group_topk=1)
+        options["group_score"] = draw(st.sampled_from(["topk_sum", "top2_sum", "max"]))
     if draw(st.booleans()):
         arrays.update(shared_arrays(gate=draw(st.booleans())))
     if draw(st.booleans()):
@@ -358,19 +377,24 @@ EVERY_OPTION = dict(
 )
 
 
+#: Group-limited selection on the layer's four experts: two groups of two, one chosen.
+_GROUPS = dict(num_groups=2, group_topk=1)
+
+
 def expert_parallel_calls(shards: int = 2, unequal: bool = True) -> list[HostileCall]:
     """The data-dependent cases every rank of an EP group (every shard of a mesh) must handle alike, each
     with every option on: NaN tokens in one shard (under the probs policy, and dropless in pipelined chunks),
     overflowing tokens, one shard all padding, every token to one expert under a small capacity (most slots
-    dropped) and under a large one (most of the fixed slabs' rows unused), the scores' counts, no tokens on
-    any shard, and, with `unequal` (process groups: dropless allows it), a rank without tokens."""
+    dropped) and under a large one (most of the fixed slabs' rows unused), the scores' counts, unnormalised
+    sigmoid weights, group-limited selection by the groups' top two and by their largest score, no tokens
+    on any shard, and, with `unequal` (process groups: dropless allows it), a rank without tokens."""
     rng = np.random.default_rng(11)
     cases = [
         ("nan_tokens", dict(capacity_factor=0.5, drop_policy="probs")),
         ("nan_tokens", dict(capacity_factor=None, pipeline_chunks=2)),
-        ("huge_tokens", dict(capacity_factor=None, balance_counts="scores")),
-        ("overflow", dict(capacity_factor=0.25, drop_policy="position")),
-        ("overflow", dict(capacity_factor=4.0, drop_policy="probs")),
+        ("huge_tokens", dict(capacity_factor=None, balance_counts="scores", normalize_topk=False)),
+        ("overflow", dict(capacity_factor=0.25, drop_policy="position", **_GROUPS, group_score="top2_sum")),
+        ("overflow", dict(capacity_factor=4.0, drop_policy="probs", **_GROUPS, group_score="max")),
         ("one_shard_masked", dict(capacity_factor=1.0, drop_policy="probs", balance_counts="scores")),
     ]
     calls = []
