@@ -67,6 +67,20 @@ def _group_excluded(
     return ~jnp.repeat(chosen, size, axis=-1)
 
 
+def replayed_selection(routing_indices: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(routing_map [T, E] bool, kept ids [T, K] int32) of given expert ids [T, K]: a slot keeps its id when
+    it lies in [0, E) and no earlier slot of its row holds the same id; other slots select nothing (-1)."""
+    ids = routing_indices
+    num_slots = ids.shape[-1]
+    earlier = jnp.tril(jnp.ones((num_slots, num_slots), dtype=bool), -1)
+    repeated = ((ids[:, :, None] == ids[:, None, :]) & earlier).any(-1)
+    kept = (ids >= 0) & (ids < num_experts) & ~repeated
+    # Slots that select nothing write the extra column E, which is dropped.
+    columns = jnp.where(kept, ids, num_experts)
+    routing_map = _mask_from(columns, (ids.shape[0], num_experts + 1))[:, :num_experts]
+    return routing_map, jnp.where(kept, ids, -1).astype(jnp.int32)
+
+
 def weights_from_map(
     logits: jax.Array,
     routing_map: jax.Array,
@@ -89,6 +103,29 @@ def weights_from_map(
     return (weights * scaling_factor).astype(logits.dtype)
 
 
+def _selection(
+    logits: jax.Array,
+    expert_bias: jax.Array | None,
+    topk: int,
+    num_groups: int,
+    group_topk: int,
+    use_pre_softmax: bool,
+    score_function: str,
+    group_score: str,
+) -> tuple[jax.Array, jax.Array]:
+    """(routing_map [T, E] bool, indices [T, K] by rank) the router chooses for [T, E] logits."""
+    x = logits.astype(_compute_dtype(logits.dtype))
+    if score_function == "softmax":
+        select = jax.nn.softmax(x, axis=-1) if use_pre_softmax else x
+    else:
+        select = _activation(x, score_function)
+    if expert_bias is not None:
+        select = select + expert_bias.astype(select.dtype)
+    excluded = _group_excluded(select, topk, num_groups, group_topk, group_score) if group_topk else None
+    indices = rank(select, excluded)[:, :topk]
+    return _mask_from(indices, logits.shape), indices
+
+
 def topk_forward(
     logits: jax.Array,
     expert_bias: jax.Array | None,
@@ -102,19 +139,17 @@ def topk_forward(
     routing_map_format: str = "bytemap",
     normalize_topk: bool | None = None,
     group_score: str = "topk_sum",
+    routing_indices: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The router top-k on [T, E] logits: (probs, routing_map, indices [T, K] or [T, 0] int32).
-    num_groups = group_topk = 0: no groups. The map is bool [T, E], or packed ("bitmap")."""
-    x = logits.astype(_compute_dtype(logits.dtype))
-    if score_function == "softmax":
-        select = jax.nn.softmax(x, axis=-1) if use_pre_softmax else x
+    num_groups = group_topk = 0: no groups. The map is bool [T, E], or packed ("bitmap"). With
+    `routing_indices` [T, K] the selection is `replayed_selection`'s (groups and bias unused)."""
+    if routing_indices is not None:
+        routing_map, indices = replayed_selection(routing_indices, logits.shape[-1])
     else:
-        select = _activation(x, score_function)
-    if expert_bias is not None:
-        select = select + expert_bias.astype(select.dtype)
-    excluded = _group_excluded(select, topk, num_groups, group_topk, group_score) if group_topk else None
-    indices = rank(select, excluded)[:, :topk]
-    routing_map = _mask_from(indices, logits.shape)
+        routing_map, indices = _selection(
+            logits, expert_bias, topk, num_groups, group_topk, use_pre_softmax, score_function, group_score
+        )
     probs = weights_from_map(
         logits, routing_map, topk, use_pre_softmax, scaling_factor, score_function, normalize_topk
     )
@@ -227,9 +262,10 @@ def fused_topk_with_score_function(
     return_indices: bool = False,
     normalize_topk: bool | None = None,
     group_score: str = "topk_sum",
+    routing_indices: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """Reference of moetriton.jax.router.fused_topk_with_score_function (differentiable in logits;
-    routing_map_format "bytemap" or "bitmap")."""
+    routing_map_format "bytemap" or "bitmap"; `routing_indices` [..., K] replays a selection)."""
     num_experts = logits.shape[-1]
     flat = logits.reshape(-1, num_experts)
     use_pre_softmax = use_pre_softmax and score_function == "softmax"
@@ -245,6 +281,7 @@ def fused_topk_with_score_function(
         score_function,
         True,
         group_score=group_score,
+        routing_indices=None if routing_indices is None else routing_indices.reshape(-1, topk),
     )
     probs = weights_from_map(flat, routing_map, topk, use_pre_softmax, scale, score_function, normalize_topk)
     if routing_map_format == "bitmap":

@@ -37,11 +37,17 @@ from .executor import describe, run_builder
 # order the reference functions take them after their array arguments.
 
 
-def _topk_local(use_kernels, options, logits, bias=None):
+def _topk_local(use_kernels, options, logits, bias=None, routing_indices=None):
     if not use_kernels:
-        return reference.topk_forward(logits, bias, *options)
+        return reference.topk_forward(logits, bias, *options, routing_indices=routing_indices)
     named = dict(zip(rules.TOPK_OPTIONS, options, strict=True))
-    return tuple(run_builder(kernels.topk_plan, dict(logits=logits, bias=bias), **named).values())
+    inputs = dict(logits=logits, bias=bias, routing_indices=routing_indices)
+    return tuple(run_builder(kernels.topk_plan, inputs, **named).values())
+
+
+def _replay_local(use_kernels, options, logits, routing_indices):
+    """`_topk_local` replaying the selection `routing_indices` (the bias would change nothing: not taken)."""
+    return _topk_local(use_kernels, options, logits, routing_indices=routing_indices)
 
 
 def _topk_backward_local(use_kernels, options, grad_probs, logits, routing_map):
@@ -136,6 +142,7 @@ class _RouterOp(ShardedOp):
         "routing_map": ("t", "e"),
         "bitmap": ("t", "b"),
         "indices": ("t", "k"),
+        "routing_indices": ("t", "k"),
         "grad_probs": ("t", "e"),
         "grad_logits": ("t", "e"),
         "scores": ("t", "e"),
@@ -190,16 +197,23 @@ def _map_name(routing_map_format: str) -> str:
 # Differentiable ops ------------------------------------------------------------------------------------
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _topk(logits, bias, options):
-    return _topk_fwd(logits, bias, options)[0]
-
-
-def _topk_fwd(logits, bias, options):
+def _topk_call(logits, bias, routing_indices, options) -> tuple:
+    """(local, options, args, results) of the top-k kernel call: a replay of `routing_indices` when they
+    are given (without the bias, which changes nothing there), else the top-k of the scores."""
     map_name = _map_name(dict(zip(rules.TOPK_OPTIONS, options, strict=True))["routing_map_format"])
-    probs, routing_map, indices = _call(
-        _topk_local, options, dict(logits=logits, bias=bias), ("probs", map_name, "indices")
-    )
+    results = ("probs", map_name, "indices")
+    if routing_indices is None:
+        return _topk_local, options, dict(logits=logits, bias=bias), results
+    return _replay_local, options, dict(logits=logits, routing_indices=routing_indices), results
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _topk(logits, bias, routing_indices, options):
+    return _topk_fwd(logits, bias, routing_indices, options)[0]
+
+
+def _topk_fwd(logits, bias, routing_indices, options):
+    probs, routing_map, indices = _call(*_topk_call(logits, bias, routing_indices, options))
     return (probs, routing_map, indices), (logits, routing_map)
 
 
@@ -213,7 +227,7 @@ def _topk_bwd(options, residuals, cotangents):
         {"grad_probs": cotangents[0], "logits": logits, _map_name(routing_map_format): routing_map},
         ("grad_logits",),
     )
-    return grad_logits, None
+    return grad_logits, None, None
 
 
 _topk.defvjp(_topk_fwd, _topk_bwd)
@@ -290,6 +304,7 @@ def fused_topk_with_score_function(
     return_indices: bool = False,
     normalize_topk: bool | None = None,
     group_score: str = "topk_sum",
+    routing_indices: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """Route every token to its top-k experts (fused score function, group limit, bias, scaling).
 
@@ -319,12 +334,20 @@ def fused_topk_with_score_function(
         group_score: how a group is scored: "topk_sum" (the sum of its top K / group_topk selection
             scores, TE), "top2_sum" (the sum of its top 2, DeepSeek-V3) or "max" (its best score,
             DeepSeek-V2's group_limited_greedy). Needs groups; the count must fit in a group.
+        routing_indices: replay a selection: [..., K] int32/int64 expert ids (logits' leading dims, K =
+            topk), e.g. the `indices` of an earlier call; token-sharded like logits. The selection is these
+            ids (groups and expert_bias do not change it); the weights are this call's, computed from
+            `logits` as for any selection (score function, use_pre_softmax, normalize_topk,
+            scaling_factor), with their gradient. An id outside [0, E), or one repeated in its row after
+            its first slot, selects nothing (weight 0, not in the map; -1 in the returned indices). Ids
+            are never read on the host.
 
     Returns:
         (probs [..., E] in logits.dtype, zero outside the selection; routing_map [..., E] bool, or
-        [..., ceil(E / 8)] uint8) and, with `return_indices`, indices [..., K] int32. Ties go to the lowest
-        expert index; NaN scores rank below every number. Math is fp32. Differentiable in logits;
-        token-sharded inputs stay sharded.
+        [..., ceil(E / 8)] uint8) and, with `return_indices`, indices [..., K] int32 (with
+        `routing_indices`: those ids, -1 where a slot selects nothing). Ties go to the lowest expert index;
+        NaN scores rank below every number. Math is fp32. Differentiable in logits; token-sharded inputs
+        stay sharded.
 
     Example:
         >>> logits = jnp.array([[1.0, 3.0, 2.0, 3.0]])
@@ -333,6 +356,11 @@ def fused_topk_with_score_function(
         ([[False, True, False, True]], [[1, 3]])
         >>> fused_topk_with_score_function(logits, 2, routing_map_format="bitmap")[1].tolist()
         [[10]]
+        >>> replayed = fused_topk_with_score_function(logits, 2, routing_indices=indices, return_indices=True)
+        >>> all(bool((a == b).all()) for a, b in zip(replayed, (probs, routing_map, indices)))
+        True
+        >>> fused_topk_with_score_function(logits, 2, routing_indices=jnp.array([[0, 9]]))[1].tolist()
+        [[True, False, False, False]]
     """
     config = rules.check_topk(
         logits=describe(logits),
@@ -346,6 +374,7 @@ def fused_topk_with_score_function(
         routing_map_format=routing_map_format,
         normalize_topk=normalize_topk,
         group_score=group_score,
+        routing_indices=describe(routing_indices),
     )
     if not isinstance(return_indices, bool):
         raise TypeError(f"return_indices: expected a bool, got {type(return_indices).__name__}")
@@ -363,14 +392,11 @@ def fused_topk_with_score_function(
     )
     shape = logits.shape
     flat = logits.reshape(config.num_tokens, config.num_experts)
-    results = _explicit(
-        _topk_local,
-        options,
-        dict(logits=flat, bias=expert_bias),
-        ("probs", _map_name(config.routing_map_format), "indices"),
-    )
+    if routing_indices is not None:
+        routing_indices = routing_indices.reshape(config.num_tokens, config.topk)
+    results = _explicit(*_topk_call(flat, expert_bias, routing_indices, options))
     probs, routing_map, indices = on_explicit_mesh(partial(_topk, options=options), results)(
-        flat, expert_bias
+        flat, expert_bias, routing_indices
     )
     result = (probs.reshape(shape), routing_map.reshape(*shape[:-1], routing_map.shape[-1]))
     return (*result, indices.reshape(*shape[:-1], config.topk)) if return_indices else result

@@ -59,6 +59,21 @@ def _group_excluded(
     return ~chosen.repeat_interleave(size, dim=-1)
 
 
+def replayed_selection(routing_indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(routing_map [T, E] bool, kept ids [T, K] int32) of given expert ids [T, K]: a slot keeps its id when
+    it lies in [0, E) and no earlier slot of its row holds the same id; other slots select nothing (-1)."""
+    ids = routing_indices.long()
+    num_slots = ids.shape[-1]
+    earlier = torch.ones(num_slots, num_slots, dtype=torch.bool, device=ids.device).tril(-1)
+    repeated = ((ids[:, :, None] == ids[:, None, :]) & earlier).any(-1)
+    kept = (ids >= 0) & (ids < num_experts) & ~repeated
+    # Slots that select nothing write the extra column E, which is dropped.
+    columns = torch.where(kept, ids, num_experts)
+    routing_map = torch.zeros(ids.shape[0], num_experts + 1, dtype=torch.bool, device=ids.device)
+    routing_map.scatter_(-1, columns, True)
+    return routing_map[:, :num_experts], torch.where(kept, ids, -1).to(torch.int32)
+
+
 def weights_from_map(
     logits: torch.Tensor,
     routing_map: torch.Tensor,
@@ -81,6 +96,31 @@ def weights_from_map(
     return (weights * scaling_factor).to(logits.dtype)
 
 
+def _selection(
+    logits: torch.Tensor,
+    expert_bias: torch.Tensor | None,
+    topk: int,
+    num_groups: int,
+    group_topk: int,
+    use_pre_softmax: bool,
+    score_function: str,
+    group_score: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(routing_map [T, E] bool, indices [T, K] int64 by rank) the router chooses for [T, E] logits."""
+    x = logits.detach().to(_compute_dtype(logits.dtype))
+    if score_function == "softmax":
+        select = torch.softmax(x, dim=-1) if use_pre_softmax else x
+    else:
+        select = _activation(x, score_function)
+    if expert_bias is not None:
+        select = select + expert_bias.to(select.dtype)
+    excluded = _group_excluded(select, topk, num_groups, group_topk, group_score) if group_topk else None
+    indices = rank(select, excluded)[:, :topk]
+    routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    routing_map.scatter_(-1, indices, True)
+    return routing_map, indices
+
+
 def topk_forward(
     logits: torch.Tensor,
     expert_bias: torch.Tensor | None,
@@ -94,20 +134,17 @@ def topk_forward(
     routing_map_format: str = "bytemap",
     normalize_topk: bool | None = None,
     group_score: str = "topk_sum",
+    routing_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """moetriton::router_topk on [T, E] logits: (probs, routing_map, indices [T, K] or [T, 0] int32).
-    num_groups = group_topk = 0: no groups. The map is bool [T, E], or packed ("bitmap")."""
-    x = logits.detach().to(_compute_dtype(logits.dtype))
-    if score_function == "softmax":
-        select = torch.softmax(x, dim=-1) if use_pre_softmax else x
+    num_groups = group_topk = 0: no groups. The map is bool [T, E], or packed ("bitmap"). With
+    `routing_indices` [T, K] the selection is `replayed_selection`'s (groups and bias unused)."""
+    if routing_indices is not None:
+        routing_map, indices = replayed_selection(routing_indices, logits.shape[-1])
     else:
-        select = _activation(x, score_function)
-    if expert_bias is not None:
-        select = select + expert_bias.to(select.dtype)
-    excluded = _group_excluded(select, topk, num_groups, group_topk, group_score) if group_topk else None
-    indices = rank(select, excluded)[:, :topk]
-    routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-    routing_map.scatter_(-1, indices, True)
+        routing_map, indices = _selection(
+            logits, expert_bias, topk, num_groups, group_topk, use_pre_softmax, score_function, group_score
+        )
     probs = weights_from_map(
         logits, routing_map, topk, use_pre_softmax, scaling_factor, score_function, normalize_topk
     )
@@ -234,9 +271,10 @@ def fused_topk_with_score_function(
     return_indices: bool = False,
     normalize_topk: bool | None = None,
     group_score: str = "topk_sum",
+    routing_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Reference of moetriton.torch.router.fused_topk_with_score_function (differentiable in logits;
-    routing_map_format "bytemap" or "bitmap")."""
+    routing_map_format "bytemap" or "bitmap"; `routing_indices` [..., K] replays a selection)."""
     num_experts = logits.shape[-1]
     flat = logits.reshape(-1, num_experts)
     use_pre_softmax = use_pre_softmax and score_function == "softmax"
@@ -252,6 +290,7 @@ def fused_topk_with_score_function(
         score_function,
         True,
         group_score=group_score,
+        routing_indices=None if routing_indices is None else routing_indices.reshape(-1, topk),
     )
     probs = weights_from_map(flat, routing_map, topk, use_pre_softmax, scale, score_function, normalize_topk)
     if routing_map_format == "bitmap":

@@ -26,12 +26,22 @@ from .executor import dtype_name
 
 @memoised
 def _check_topk(
-    *, logits: Signature, expert_bias: Signature | None, return_indices, **options
+    *,
+    logits: Signature,
+    expert_bias: Signature | None,
+    routing_indices: Signature | None,
+    return_indices,
+    **options,
 ) -> rules.TopkConfig:
-    config = rules.check_topk(logits=describe(logits), expert_bias=describe(expert_bias), **options)
+    config = rules.check_topk(
+        logits=describe(logits),
+        expert_bias=describe(expert_bias),
+        routing_indices=describe(routing_indices),
+        **options,
+    )
     if not isinstance(return_indices, bool):
         raise TypeError(f"return_indices: expected a bool, got {type(return_indices).__name__}")
-    same_device(logits=logits, expert_bias=expert_bias)
+    same_device(logits=logits, expert_bias=expert_bias, routing_indices=routing_indices)
     return config
 
 
@@ -76,9 +86,13 @@ def _check_aux_loss(
 
 _TOPK = PlanBinding(
     kernels.topk_plan,
-    lambda logits, expert_bias, *options: dict(logits=logits, bias=expert_bias),
+    lambda logits, expert_bias, routing_indices, *options: dict(
+        logits=logits, bias=expert_bias, routing_indices=routing_indices
+    ),
     trailing(*rules.TOPK_OPTIONS),
-    reference.topk_forward,
+    lambda logits, expert_bias, routing_indices, *options: reference.topk_forward(
+        logits, expert_bias, *options, routing_indices=routing_indices
+    ),
     outputs=lambda sizes: kernels.topk_outputs(
         sizes["num_tokens"],
         sizes["num_experts"],
@@ -92,6 +106,7 @@ _TOPK = PlanBinding(
 def _router_topk(
     logits: Tensor,
     expert_bias: Tensor | None,
+    routing_indices: Tensor | None,
     topk: int,
     use_pre_softmax: bool,
     num_groups: int,
@@ -105,13 +120,16 @@ def _router_topk(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(probs [T, E], routing_map (bool [T, E], or uint8 [T, ceil(E / 8)] for "bitmap"), indices [T, K]
     int32 or [T, 0]) of [T, E] logits; num_groups = group_topk = 0: no groups; normalize_topk None: TE's
-    rule (moetriton.kernels.rules.router.normalizes_topk)."""
+    rule (moetriton.kernels.rules.router.normalizes_topk); routing_indices [T, K] int32/int64 or None: the
+    selection to replay (ids outside [0, E) and repeats select nothing)."""
     options = (topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function, return_indices)
-    return _TOPK.run(logits, expert_bias, *options, routing_map_format, normalize_topk, group_score)
+    return _TOPK.run(
+        logits, expert_bias, routing_indices, *options, routing_map_format, normalize_topk, group_score
+    )
 
 
 def _topk_setup(ctx, inputs, output):
-    logits, _, topk, use_pre_softmax, _, _, scaling_factor, score_function, _, map_format, normalize, _ = (
+    logits, _, _, topk, use_pre_softmax, _, _, scaling_factor, score_function, _, map_format, normalize, _ = (
         inputs
     )
     ctx.options = (topk, use_pre_softmax, scaling_factor, score_function, map_format, normalize)
@@ -120,10 +138,10 @@ def _topk_setup(ctx, inputs, output):
 
 def _topk_backward(ctx, grad_probs, grad_map, grad_indices):
     if grad_probs is None:
-        return (None,) * 12
+        return (None,) * 13
     logits, routing_map = ctx.saved_tensors
     grad_logits = ROUTER_TOPK_BACKWARD(grad_probs, logits, routing_map, *ctx.options)
-    return grad_logits, *(None,) * 11
+    return grad_logits, *(None,) * 12
 
 
 ROUTER_TOPK = Op("router_topk", _router_topk, _TOPK.fake, setup=_topk_setup, backward=_topk_backward)
@@ -338,6 +356,7 @@ def fused_topk_with_score_function(
     return_indices: bool = False,
     normalize_topk: bool | None = None,
     group_score: str = "topk_sum",
+    routing_indices: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """Route every token to its top-k experts (fused score function, group limit, bias, scaling).
 
@@ -368,11 +387,18 @@ def fused_topk_with_score_function(
         group_score: how a group is scored: "topk_sum" (the sum of its top K / group_topk selection
             scores, TE), "top2_sum" (the sum of its top 2, DeepSeek-V3) or "max" (its best score,
             DeepSeek-V2's group_limited_greedy). Needs groups; the count must fit in a group.
+        routing_indices: replay a selection: [..., K] int32/int64 expert ids (logits' leading dims, K =
+            topk, the device of logits), e.g. the `indices` of an earlier call. The selection is these ids
+            (groups and expert_bias do not change it); the weights are this call's, computed from `logits`
+            as for any selection (score function, use_pre_softmax, normalize_topk, scaling_factor), with
+            their gradient. An id outside [0, E), or one repeated in its row after its first slot, selects
+            nothing (weight 0, not in the map; -1 in the returned indices). Ids are not read on the host.
 
     Returns:
         (probs [..., E] in logits.dtype, zero outside the selection; routing_map [..., E] bool, or
-        [..., ceil(E / 8)] uint8) and, with `return_indices`, indices [..., K] int32. Ties go to the lowest
-        expert index; NaN scores rank below every number. Math is fp32. Differentiable in logits.
+        [..., ceil(E / 8)] uint8) and, with `return_indices`, indices [..., K] int32 (with
+        `routing_indices`: those ids, -1 where a slot selects nothing). Ties go to the lowest expert index;
+        NaN scores rank below every number. Math is fp32. Differentiable in logits.
 
     Example:
         >>> logits = torch.tensor([[1.0, 3.0, 2.0, 3.0]])
@@ -381,10 +407,16 @@ def fused_topk_with_score_function(
         ([[False, True, False, True]], [[1, 3]])
         >>> fused_topk_with_score_function(logits, 2, routing_map_format="bitmap")[1].tolist()
         [[10]]
+        >>> replayed = fused_topk_with_score_function(logits, 2, routing_indices=indices, return_indices=True)
+        >>> all(torch.equal(a, b) for a, b in zip(replayed, (probs, routing_map, indices)))
+        True
+        >>> fused_topk_with_score_function(logits, 2, routing_indices=torch.tensor([[0, 9]]))[1].tolist()
+        [[True, False, False, False]]
     """
     config = _check_topk(
         logits=signature(logits),
         expert_bias=signature(expert_bias),
+        routing_indices=signature(routing_indices),
         return_indices=return_indices,
         topk=topk,
         use_pre_softmax=use_pre_softmax,
@@ -397,9 +429,12 @@ def fused_topk_with_score_function(
         group_score=group_score,
     )
     shape = logits.shape
+    if routing_indices is not None and routing_indices.dim() != 2:
+        routing_indices = routing_indices.reshape(-1, config.topk)
     probs, routing_map, indices = ROUTER_TOPK(
         logits if logits.dim() == 2 else logits.reshape(-1, config.num_experts),
         expert_bias,
+        routing_indices,
         config.topk,
         config.use_pre_softmax,
         config.num_groups,

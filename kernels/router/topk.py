@@ -78,9 +78,50 @@ def _keep_best_groups(
 
 
 @triton.jit
+def _replayed_selection(
+    ids_ptr,
+    indices_ptr,
+    rows,
+    row_ok,
+    experts,
+    valid,
+    NUM_EXPERTS: tl.constexpr,
+    TOPK: tl.constexpr,
+    TOPK_POW2: tl.constexpr,
+    RETURN_INDICES: tl.constexpr,
+):
+    """The selection, a bool tile shaped like `valid` [BLOCK_T, WIDTH] whose columns hold `experts`, of the
+    given expert ids [T, K] of tokens `rows`; with RETURN_INDICES the kept ids are stored as indices [T, K]
+    int32.
+
+    Slot k of a token keeps its id when the id lies in [0, E) and no earlier slot of the token holds it;
+    otherwise the slot selects nothing (and lists -1 among the stored indices). Ids are checked in their own
+    dtype, before the narrowing to int32, and only compared with columns, never used as addresses.
+    """
+    ranks = tl.arange(0, TOPK_POW2)
+    slot_ok = row_ok[:, None] & (ranks[None, :] < TOPK)
+    slot_offsets = rows.to(tl.int64)[:, None] * TOPK + ranks[None, :]
+    ids = tl.load(ids_ptr + slot_offsets, mask=slot_ok, other=-1)
+    kept = tl.full([rows.shape[0], TOPK_POW2], -1, tl.int32)
+    selected = tl.zeros(valid.shape, tl.int1)
+    for k in range(TOPK):
+        at_k = ranks[None, :] == k
+        # Column k of the ids: one nonzero term per row, so the sum is exact in the ids' dtype.
+        id_k = tl.sum(tl.where(at_k, ids, 0), axis=1)
+        copies = tl.sum(tl.where((ranks[None, :] < k) & (ids == id_k[:, None]), 1, 0), axis=1)
+        keep = (id_k >= 0) & (id_k < NUM_EXPERTS) & (copies == 0)
+        kept = tl.where(at_k & keep[:, None], id_k.to(tl.int32)[:, None], kept)
+        selected = selected | (keep[:, None] & (experts[None, :] == id_k[:, None]))
+    if RETURN_INDICES:
+        tl.store(indices_ptr + slot_offsets, kept, mask=slot_ok)
+    return valid & selected
+
+
+@triton.jit
 def _topk_forward_kernel(
     logits_ptr,  # [T, E]
     bias_ptr,  # [E] (HAS_BIAS)
+    routing_indices_ptr,  # [T, K] int32 or int64 (REPLAY)
     num_tokens,
     probs_ptr,  # [T, E] logits dtype
     routing_map_ptr,  # [T, E] bool
@@ -101,6 +142,7 @@ def _topk_forward_kernel(
     RETURN_INDICES: tl.constexpr,
     NORMALIZE: tl.constexpr,
     PER_GROUP: tl.constexpr,
+    REPLAY: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     """Fused top-k with score function. Grid (cdiv(T, BLOCK_T),): program b routes tokens
@@ -109,6 +151,8 @@ def _topk_forward_kernel(
     (optionally) the ranked expert ids are stored. Ungrouped calls pass NUM_GROUPS = 1, GROUP_SIZE = E;
     WIDTH = GROUPS_POW2 * GROUP_POW2. A group scores the sum of its PER_GROUP best selection scores; NORMALIZE
     renormalises the K selected weights of every path but the softmax after the top-k (normalised anyway).
+    REPLAY takes the selection from routing_indices instead (`_replayed_selection`; groups only lay the tile
+    out, the bias is not read) and computes the weights of that selection as above.
     """
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
@@ -124,37 +168,58 @@ def _topk_forward_kernel(
     offsets = rows.to(tl.int64)[:, None] * NUM_EXPERTS + experts[None, :]
     x = tl.load(logits_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
 
-    if SCORE_FUNCTION == 0:
-        if USE_PRE_SOFTMAX:
-            score = _softmax_rows(x, valid)
-            select = score
-        else:
-            select = x
-    else:
-        score = _activation(x, SCORE_FUNCTION)
-        select = score
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + experts, mask=col_ok, other=0.0).to(tl.float32)
-        select = score + bias[None, :]
-
-    keys = tl.where(valid, _order_keys(select, cols[None, :], WIDTH), _INT64_MIN)
-    if GROUP_TOPK > 0:
-        keys = _keep_best_groups(keys, BLOCK_T, NUM_GROUPS, GROUPS_POW2, GROUP_POW2, PER_GROUP, GROUP_TOPK)
-    if RETURN_INDICES:
-        kth, ranked = _ranked_columns(keys, TOPK, TOPK_POW2, WIDTH)
-        ranks = tl.arange(0, TOPK_POW2)
-        if GROUPS_POW2 == 1:
-            ranked_experts = ranked
-        else:
-            ranked_experts = (ranked // GROUP_POW2) * GROUP_SIZE + ranked % GROUP_POW2
-        tl.store(
-            indices_ptr + rows.to(tl.int64)[:, None] * TOPK + ranks[None, :],
-            ranked_experts,
-            mask=row_ok[:, None] & (ranks[None, :] < TOPK),
+    if REPLAY:
+        selected = _replayed_selection(
+            routing_indices_ptr,
+            indices_ptr,
+            rows,
+            row_ok,
+            experts,
+            valid,
+            NUM_EXPERTS,
+            TOPK,
+            TOPK_POW2,
+            RETURN_INDICES,
         )
+        if SCORE_FUNCTION == 0:
+            if USE_PRE_SOFTMAX:
+                score = _softmax_rows(x, valid)
+        else:
+            score = _activation(x, SCORE_FUNCTION)
     else:
-        kth = _kth_key(keys, TOPK)
-    selected = valid & (keys >= kth[:, None])
+        if SCORE_FUNCTION == 0:
+            if USE_PRE_SOFTMAX:
+                score = _softmax_rows(x, valid)
+                select = score
+            else:
+                select = x
+        else:
+            score = _activation(x, SCORE_FUNCTION)
+            select = score
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + experts, mask=col_ok, other=0.0).to(tl.float32)
+            select = score + bias[None, :]
+
+        keys = tl.where(valid, _order_keys(select, cols[None, :], WIDTH), _INT64_MIN)
+        if GROUP_TOPK > 0:
+            keys = _keep_best_groups(
+                keys, BLOCK_T, NUM_GROUPS, GROUPS_POW2, GROUP_POW2, PER_GROUP, GROUP_TOPK
+            )
+        if RETURN_INDICES:
+            kth, ranked = _ranked_columns(keys, TOPK, TOPK_POW2, WIDTH)
+            ranks = tl.arange(0, TOPK_POW2)
+            if GROUPS_POW2 == 1:
+                ranked_experts = ranked
+            else:
+                ranked_experts = (ranked // GROUP_POW2) * GROUP_SIZE + ranked % GROUP_POW2
+            tl.store(
+                indices_ptr + rows.to(tl.int64)[:, None] * TOPK + ranks[None, :],
+                ranked_experts,
+                mask=row_ok[:, None] & (ranks[None, :] < TOPK),
+            )
+        else:
+            kth = _kth_key(keys, TOPK)
+        selected = valid & (keys >= kth[:, None])
 
     if SCORE_FUNCTION == 0 and not USE_PRE_SOFTMAX:
         weights = tl.where(selected, _softmax_rows(x, selected), 0.0)
@@ -249,7 +314,10 @@ def topk_outputs(
 
 
 @sized_by(
-    Sizes(axes=dict(num_tokens=("logits", 0), num_experts=("logits", 1)), present=dict(has_bias="bias"))
+    Sizes(
+        axes=dict(num_tokens=("logits", 0), num_experts=("logits", 1)),
+        present=dict(has_bias="bias", replay="routing_indices"),
+    )
 )
 @cached
 def topk_plan(
@@ -267,16 +335,25 @@ def topk_plan(
     routing_map_format: str = "bytemap",
     normalize_topk: bool | None = None,
     group_score: str = "topk_sum",
+    replay: bool = False,
     device: DeviceInfo = DEFAULT_DEVICE,
     config: Mapping[str, int] | None = None,
 ) -> Plan:
     """fused_topk_with_score_function forward. num_groups = group_topk = 0: no groups. `normalize_topk` and
     `group_score`: as moetriton.kernels.rules.router.normalizes_topk and group_score_count read them.
+    `replay`: the selection is the "routing_indices" input's. Groups and bias then change no result: the
+    launch keeps only the groups' tile layout, so that the weights' fp32 sums run in the order of the call
+    being replayed (bit-identical probs for the same logits).
 
-    Inputs: "logits" [T, E], "bias" [E] or None. Results: probs [T, E] (logits dtype), routing_map (bool
-    [T, E], or with routing_map_format "bitmap" uint8 [T, ceil(E / 8)], packed from a bool scratch map by a
-    second launch), indices [T, K] int32 ([T, 0] unless `return_indices`): the selected experts by rank.
+    Inputs: "logits" [T, E], "bias" [E] or None, "routing_indices" [T, K] int32 or int64 (expert ids; an id
+    outside [0, E), or a repeat of an earlier slot's id, selects nothing) or None. Results: probs [T, E]
+    (logits dtype), routing_map (bool [T, E], or with routing_map_format "bitmap" uint8 [T, ceil(E / 8)],
+    packed from a bool scratch map by a second launch), indices [T, K] int32 ([T, 0] unless
+    `return_indices`): the selected experts by rank, or with `replay` the given ids, -1 in the slots that
+    select nothing.
     """
+    if replay:
+        group_topk, has_bias = 0, False
     groups, size, groups_pow2, size_pow2 = _group_layout(num_experts, num_groups)
     return _rows_plan(
         _topk_forward_kernel,
@@ -286,7 +363,7 @@ def topk_plan(
         topk=topk,
         score_function=score_function,
         width=groups_pow2 * size_pow2,
-        inputs=("logits", "bias"),
+        inputs=("logits", "bias", "routing_indices"),
         buffers=topk_outputs(num_tokens, num_experts, topk, return_indices, routing_map_format),
         constexprs=dict(
             TOPK_POW2=next_pow2(topk),
@@ -302,6 +379,7 @@ def topk_plan(
             RETURN_INDICES=return_indices,
             NORMALIZE=normalizes_topk(score_function, use_pre_softmax, topk, normalize_topk),
             PER_GROUP=group_score_count(group_score, topk, group_topk) if group_topk else 0,
+            REPLAY=replay,
         ),
         routing_map_format=routing_map_format,
         device=device,

@@ -12,7 +12,7 @@ import math
 import operator
 from dataclasses import dataclass
 
-from .validation import check_routing_map_format, fail, require_array
+from .validation import INDEX_DTYPES, check_routing_map_format, fail, require_array
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
@@ -145,6 +145,22 @@ class TopkConfig:
     #: Resolved by `normalizes_topk` (always a bool).
     normalize_topk: bool = False
     group_score: str = "topk_sum"
+    #: routing_indices given: the selection is replayed from them.
+    replay: bool = False
+
+
+def _check_routing_indices(routing_indices: Desc, lead_shape: tuple[int, ...], topk: int) -> None:
+    """routing_indices [..., K]: logits' leading dims, K = topk, an integer dtype of `INDEX_DTYPES`."""
+    require_array("routing_indices", routing_indices)
+    shape, dtype = routing_indices
+    expected = (*lead_shape, topk)
+    if tuple(shape) != expected:
+        fail(
+            "routing_indices",
+            f"expected shape {expected} (logits' leading dims, then topk = {topk}), got {tuple(shape)}",
+        )
+    if dtype not in INDEX_DTYPES:
+        fail("routing_indices", f"expected dtype in {INDEX_DTYPES} (expert ids), got {dtype}")
 
 
 def check_topk(
@@ -160,6 +176,7 @@ def check_topk(
     routing_map_format="bytemap",
     normalize_topk=None,
     group_score="topk_sum",
+    routing_indices: Desc | None = None,
 ) -> TopkConfig:
     """Validates fused_topk_with_score_function arguments.
 
@@ -169,7 +186,10 @@ def check_topk(
     number of experts). `group_score` (`GROUP_SCORES`) needs groups unless it is the default, and its
     count of scores per group must fit in a group. `normalize_topk`: see `normalizes_topk`.
     `expert_bias` needs a score before the top-k that it can shift: sigmoid, sqrtsoftplus, or softmax with
-    use_pre_softmax=True. `routing_map_format`: see `check_routing_map_format`.
+    use_pre_softmax=True. `routing_map_format`: see `check_routing_map_format`. `routing_indices`
+    (replay): expert ids shaped like logits with the last dim topk instead of E, int32 or int64; every
+    other argument is checked as without it (groups and bias are valid arguments that then change nothing).
+    Their values are not checked: an id outside [0, E) or repeated in its row selects nothing.
     """
     num_tokens, num_experts = _logits(logits)
     topk = _int("topk", topk, low=1, high=num_experts)
@@ -225,6 +245,8 @@ def check_topk(
             fail("expert_bias", f"expected shape ({num_experts},) (one per expert), got {tuple(shape)}")
         if dtype not in BIAS_DTYPES:
             fail("expert_bias", f"expected dtype in {BIAS_DTYPES}, got {dtype}")
+    if routing_indices is not None:
+        _check_routing_indices(routing_indices, tuple(logits[0][:-1]), topk)
     return TopkConfig(
         num_tokens=num_tokens,
         num_experts=num_experts,
@@ -238,6 +260,7 @@ def check_topk(
         routing_map_format=check_routing_map_format(routing_map_format),
         normalize_topk=normalize_topk,
         group_score=group_score,
+        replay=routing_indices is not None,
     )
 
 

@@ -258,3 +258,130 @@ def test_matches_torch(problem: RouterProblem):
     np.testing.assert_array_equal(ours[1], theirs[1].numpy())
     np.testing.assert_array_equal(ours[2], theirs[2].numpy())
     _assert_close(ours[0], theirs[0].float().numpy(), problem.dtype)
+
+
+# Router replay: routing_indices --------------------------------------------------------------------------
+
+REPLAY_RECIPES = [
+    dict(score_function="softmax"),
+    dict(score_function="softmax", use_pre_softmax=True, normalize_topk=True, bias=True, groups=(4, 2)),
+    dict(score_function="sigmoid", bias=True, groups=(4, 2), scaling_factor=2.5, routing_map_format="bitmap"),
+    dict(score_function="sqrtsoftplus", normalize_topk=False, dtype="bfloat16"),
+]
+
+
+@pytest.mark.parametrize("recipe", REPLAY_RECIPES, ids=lambda recipe: "-".join(map(str, recipe.values())))
+def test_replay_reproduces_an_earlier_call(recipe):
+    """routing_indices = an earlier call's indices: with the same logits every output and the gradient are
+    that call's bit for bit (under jit too); with other logits the selection stays, and probs and gradient
+    are the reference's weights of that selection."""
+    recipe = dict(recipe)
+    dtype, with_bias, groups = (
+        recipe.pop("dtype", "float32"),
+        recipe.pop("bias", False),
+        recipe.pop("groups", None),
+    )
+    rng = np.random.default_rng(len(recipe) + with_bias)
+    logits = _array(rng.standard_normal((2, 3, 12)), dtype)
+    bias = _array(rng.standard_normal(12)) if with_bias else None
+    kwargs = dict(recipe, expert_bias=bias, return_indices=True)
+    if groups:
+        kwargs.update(num_groups=groups[0], group_topk=groups[1])
+    cotangent = _cotangent(logits.shape, logits.dtype)
+
+    def run(fn, x, routing_indices=None):
+        probs, vjp, rest = jax.vjp(
+            lambda x: (lambda out: (out[0], out[1:]))(fn(x, 4, **kwargs, routing_indices=routing_indices)),
+            x,
+            has_aux=True,
+        )
+        return (probs, *rest, vjp(cotangent)[0])
+
+    recorded = run(fused_topk_with_score_function, logits)
+    replayed = run(fused_topk_with_score_function, logits, recorded[2])
+    jitted = jax.jit(lambda x, ids: run(fused_topk_with_score_function, x, ids))(logits, recorded[2])
+    for actual, again, expected in zip(replayed, jitted, recorded, strict=True):
+        assert actual.dtype == expected.dtype
+        np.testing.assert_array_equal(actual, expected)
+        np.testing.assert_array_equal(again, expected)
+
+    other = _array(rng.standard_normal(logits.shape), dtype)
+    probs, routing_map, indices, grad = run(fused_topk_with_score_function, other, recorded[2])
+    expected = run(reference.fused_topk_with_score_function, other, recorded[2])
+    np.testing.assert_array_equal(routing_map, recorded[1])
+    np.testing.assert_array_equal(routing_map, expected[1])
+    np.testing.assert_array_equal(indices, expected[2])
+    _assert_close(probs, expected[0], dtype)
+    _assert_close(grad, expected[3], dtype, grad=True)
+
+
+@pytest.mark.parametrize(("score_function", "use_pre_softmax"), [("softmax", False), ("sigmoid", False)])
+def test_replay_of_hostile_ids_matches_reference_and_torch(score_function, use_pre_softmax):
+    """Ids outside [0, E) (negative, E, the int32 extremes) and repeats of an earlier slot's id select
+    nothing: map, indices (-1 there), probs and gradient as the reference's, and as PyTorch's."""
+    num_experts, topk = 10, 4
+    ids = np.array(
+        [
+            [-1, 10, -7, 2**31 - 1],
+            [3, 3, 3, 3],
+            [0, 9, -(2**31), 9],
+            [5, 4, 5, 11],
+            [1, 2, 3, 4],
+            [8, 8, 0, 1],
+        ],
+        np.int32,
+    )
+    logits = _array(np.random.default_rng(3).standard_normal((ids.shape[0], num_experts)))
+    kwargs = dict(
+        use_pre_softmax=use_pre_softmax,
+        score_function=score_function,
+        return_indices=True,
+        routing_indices=ids,
+    )
+    ours = fused_topk_with_score_function(logits, topk, **kwargs)
+    expected = reference.fused_topk_with_score_function(logits, topk, **kwargs)
+    np.testing.assert_array_equal(ours[1], expected[1])
+    np.testing.assert_array_equal(ours[2], expected[2])
+    assert ours[2].tolist()[2] == [0, 9, -1, -1] and not np.asarray(ours[0][0]).any()
+    _assert_close(ours[0], expected[0], "float32")
+
+    def grad(fn):
+        return jax.grad(lambda x: (fn(x, topk, **kwargs)[0] * _cotangent(logits.shape, logits.dtype)).sum())(
+            logits
+        )
+
+    _assert_close(
+        grad(fused_topk_with_score_function),
+        grad(reference.fused_topk_with_score_function),
+        "float32",
+        grad=True,
+    )
+    torch = pytest.importorskip("torch")
+    from moetriton.torch import router as torch_router
+
+    torch_kwargs = dict(kwargs, routing_indices=torch.from_numpy(ids))
+    theirs = torch_router.fused_topk_with_score_function(
+        torch.from_numpy(np.array(logits)), topk, **torch_kwargs
+    )
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_array_equal(a, b.numpy())
+
+
+@pytest.mark.parametrize(
+    ("routing_indices", "message"),
+    [
+        (
+            jnp.zeros((4, 1), jnp.int32),
+            "routing_indices: expected shape (4, 2) (logits' leading dims, then topk",
+        ),
+        (
+            jnp.zeros((4, 2)),
+            "routing_indices: expected dtype in ('int32', 'int64') (expert ids), got float32",
+        ),
+        (jnp.zeros((8,), jnp.int32), "routing_indices: expected shape (4, 2)"),
+    ],
+)
+def test_bad_routing_indices(routing_indices, message):
+    with pytest.raises(ValueError) as error:
+        fused_topk_with_score_function(jnp.zeros((4, 8)), 2, routing_indices=routing_indices)
+    assert str(error.value).startswith(message)

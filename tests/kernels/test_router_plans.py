@@ -70,6 +70,14 @@ def test_every_topk_config_agrees(num_experts, topk, score_function, num_groups,
             kernels.topk_backward_plan(**backward, config=config), grad_inputs, logits.device
         )
         _agree(grad_logits[0], expected_grad[0])
+    # Replaying the selection gives the same results at every config.
+    replay_inputs = dict(inputs, routing_indices=expected[2].flip(-1).long())
+    replayed = run_plan(kernels.topk_plan(**forward, replay=True), replay_inputs, logits.device)
+    assert torch.equal(replayed[1], expected[1]) and torch.equal(replayed[2], expected[2].flip(-1))
+    for config in _configs(kernels.SEARCH_SPACES["router_topk"]):
+        plan = kernels.topk_plan(**forward, replay=True, config=config)
+        for actual, want in zip(run_plan(plan, replay_inputs, logits.device), replayed, strict=True):
+            _agree(actual, want)
 
 
 @pytest.mark.parametrize("score_function", ["softmax", "sqrtsoftplus"])
@@ -174,28 +182,42 @@ _TOPK_VARIANTS = [
 ]
 
 
+# Replay variants (routing_indices given): grouped and ungrouped layouts, int32 and int64 ids, with and
+# without indices.
+_REPLAY_VARIANTS = [
+    (dict(_TOPK_VARIANTS[0], replay=True), "*i64"),
+    (dict(_TOPK_VARIANTS[3], replay=True), "*i32"),
+    (dict(_TOPK_VARIANTS[5], replay=True), "*i64"),
+]
+
+
 def _compile_topk_variants() -> None:
     """Child process: compile the top-k forward and backward kernels for sm_90 at the plans' constexprs of
-    every variant, print the count as JSON."""
+    every variant, and the forward of every replay variant; print the count as JSON."""
     from moetriton.kernels.router import topk
 
     from ._compile import compile_sm90
 
     device = DeviceInfo("Compile GPU", 132, arch="sm_90")
-    compiled = 0
+    common = dict(num_tokens=4096, scaling_factor=2.5, device=device)
+    backward_options = ("num_experts", "topk", "score_function", "use_pre_softmax", "normalize_topk")
+    launches = []  # (launch, the Triton type of its routing_indices_ptr)
     for variant in _TOPK_VARIANTS:
-        common = dict(num_tokens=4096, scaling_factor=2.5, device=device)
         forward = kernels.topk_plan(**common, **variant)
-        backward_options = ("num_experts", "topk", "score_function", "use_pre_softmax", "normalize_topk")
         backward = kernels.topk_backward_plan(**common, **{name: variant[name] for name in backward_options})
-        for launch in (*forward.launches, *backward.launches):
-            if launch.kernel in (topk._topk_forward_kernel, topk._topk_backward_kernel):
-                pointers = {name: "*fp32" for name in launch.kernel.arg_names if name.endswith("_ptr")}
-                pointers.update(routing_map_ptr="*i1", indices_ptr="*i32")
-                compile_sm90(launch.kernel, launch.constexprs, pointers, num_warps=launch.num_warps)
-                compiled += 1
+        launches += [(launch, "*i32") for launch in (*forward.launches, *backward.launches)]
+    for variant, ids_type in _REPLAY_VARIANTS:
+        launches += [(launch, ids_type) for launch in kernels.topk_plan(**common, **variant).launches]
+    compiled = 0
+    for launch, ids_type in launches:
+        if launch.kernel in (topk._topk_forward_kernel, topk._topk_backward_kernel):
+            pointers = {name: "*fp32" for name in launch.kernel.arg_names if name.endswith("_ptr")}
+            pointers.update(routing_map_ptr="*i1", indices_ptr="*i32", routing_indices_ptr=ids_type)
+            compile_sm90(launch.kernel, launch.constexprs, pointers, num_warps=launch.num_warps)
+            compiled += 1
     print(json.dumps(compiled))
 
 
 def test_topk_kernels_compile_for_sm90():
-    assert in_child("tests.kernels.test_router_plans:_compile_topk_variants") == 2 * len(_TOPK_VARIANTS)
+    expected = 2 * len(_TOPK_VARIANTS) + len(_REPLAY_VARIANTS)
+    assert in_child("tests.kernels.test_router_plans:_compile_topk_variants") == expected

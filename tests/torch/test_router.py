@@ -426,9 +426,12 @@ def test_torch_compile_fullgraph():
     def router(x):
         kwargs = dict(num_groups=4, group_topk=2, scaling_factor=2.0, expert_bias=bias, return_indices=True)
         probs, routing_map, indices = fused_topk_with_score_function(x, 4, score_function="sigmoid", **kwargs)
+        replayed = fused_topk_with_score_function(
+            x * 2, 4, score_function="sigmoid", **kwargs, routing_indices=indices.flip(-1)
+        )[0]
         _, scores = fused_compute_score_for_moe_aux_loss(x, 4, "sqrtsoftplus")
         loss = fused_moe_aux_loss(scores, counts, total, 16, 4, 0.1)
-        return probs, routing_map, indices, loss
+        return probs + replayed, routing_map, indices, loss
 
     compiled = torch.compile(router, fullgraph=True)
     eager = router(logits)
@@ -458,12 +461,15 @@ def test_custom_ops_pass_opcheck():
     logits = torch.randn(5, 8, generator=generator).to(DEVICE).requires_grad_(True)
     bias = torch.randn(8, generator=generator).to(DEVICE)
     ops = torch.ops.moetriton
+    ids = torch.tensor([[0, 1], [7, 7], [2, -1], [5, 9], [3, 4]], device=DEVICE)
     for args in [
-        (logits, bias, 2, False, 2, 1, 1.5, "sigmoid", True, "bytemap", True, "topk_sum"),
-        (logits, None, 3, True, 0, 0, 1.0, "softmax", False, "bytemap", False, "topk_sum"),
-        (logits, bias, 2, False, 0, 0, 1.0, "sigmoid", True, "bitmap", True, "topk_sum"),
-        (logits, bias, 2, True, 2, 1, 1.0, "softmax", True, "bytemap", True, "max"),
-        (logits, bias, 1, False, 2, 1, 2.0, "sigmoid", False, "bitmap", True, "top2_sum"),
+        (logits, bias, None, 2, False, 2, 1, 1.5, "sigmoid", True, "bytemap", True, "topk_sum"),
+        (logits, None, None, 3, True, 0, 0, 1.0, "softmax", False, "bytemap", False, "topk_sum"),
+        (logits, bias, None, 2, False, 0, 0, 1.0, "sigmoid", True, "bitmap", True, "topk_sum"),
+        (logits, bias, None, 2, True, 2, 1, 1.0, "softmax", True, "bytemap", True, "max"),
+        (logits, bias, None, 1, False, 2, 1, 2.0, "sigmoid", False, "bitmap", True, "top2_sum"),
+        (logits, None, ids, 2, False, 0, 0, 1.0, "softmax", True, "bytemap", True, "topk_sum"),
+        (logits, bias, ids.int(), 2, False, 2, 1, 2.0, "sigmoid", True, "bitmap", True, "topk_sum"),
     ]:
         torch.library.opcheck(ops.router_topk, args)
     # opcheck's AOT helper sums the outputs in order and cannot start with an integer one (the routing map).
@@ -520,3 +526,159 @@ def test_cuda_graph_capture_matches_eager():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(captured, expected, rtol=0, atol=0)
+
+
+# Router replay: routing_indices --------------------------------------------------------------------------
+
+REPLAY_GRID = [
+    (score_function, pre, groups, bias, dtype, routing_map_format)
+    for score_function in SCORE_FUNCTIONS
+    for pre in ((False, True) if score_function == "softmax" else (False,))
+    for groups in (None, (4, 2))
+    for bias in ((False,) if score_function == "softmax" and not pre else (False, True))
+    for dtype, routing_map_format in (("float32", "bytemap"), ("bfloat16", "bitmap"))
+]
+
+
+def _replay_kwargs(case: int, score_function, pre, groups, bias, routing_map_format, generator) -> dict:
+    num_groups, group_topk = groups or (None, None)
+    return dict(
+        use_pre_softmax=pre,
+        num_groups=num_groups,
+        group_topk=group_topk,
+        scaling_factor=2.5 if case % 2 else None,
+        score_function=score_function,
+        expert_bias=torch.randn(12, generator=generator).to(DEVICE) if bias else None,
+        routing_map_format=routing_map_format,
+        normalize_topk=None if score_function == "softmax" and not pre else bool(case % 3),
+        return_indices=True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("score_function", "pre", "groups", "bias", "dtype", "routing_map_format"), REPLAY_GRID
+)
+def test_replay_reproduces_an_earlier_call(score_function, pre, groups, bias, dtype, routing_map_format):
+    """routing_indices = an earlier call's indices: with the same logits every output and the gradient are
+    that call's bit for bit; with other logits the selection stays, and probs and gradient are the
+    reference's weights of that selection."""
+    case = REPLAY_GRID.index((score_function, pre, groups, bias, dtype, routing_map_format))
+    generator = torch.Generator().manual_seed(100 + case)
+    logits = torch.randn(2, 3, 12, generator=generator).to(DEVICE, getattr(torch, dtype))
+    kwargs = _replay_kwargs(case, score_function, pre, groups, bias, routing_map_format, generator)
+    cotangent = torch.randn(logits.shape, generator=generator).to(logits)
+
+    first = logits.clone().requires_grad_(True)
+    recorded = fused_topk_with_score_function(first, 4, **kwargs)
+    (recorded_grad,) = torch.autograd.grad(recorded[0], first, cotangent)
+    again = logits.clone().requires_grad_(True)
+    replayed = fused_topk_with_score_function(again, 4, **kwargs, routing_indices=recorded[2])
+    (replayed_grad,) = torch.autograd.grad(replayed[0], again, cotangent)
+    for actual, expected in zip((*replayed, replayed_grad), (*recorded, recorded_grad), strict=True):
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected)
+
+    other = torch.randn(logits.shape, generator=generator).to(logits)
+    mine, theirs = other.clone().requires_grad_(True), other.clone().requires_grad_(True)
+    probs, routing_map, indices = fused_topk_with_score_function(
+        mine, 4, **kwargs, routing_indices=recorded[2]
+    )
+    expected = reference.fused_topk_with_score_function(theirs, 4, **kwargs, routing_indices=recorded[2])
+    assert torch.equal(routing_map, recorded[1]) and torch.equal(routing_map, expected[1])
+    assert torch.equal(indices, recorded[2]) and torch.equal(indices, expected[2])
+    _assert_close(probs, expected[0], dtype)
+    (grad,) = torch.autograd.grad(probs, mine, cotangent)
+    (ref_grad,) = torch.autograd.grad(expected[0], theirs, cotangent)
+    _assert_close(grad, ref_grad, dtype, grad=True)
+
+
+def _hostile_ids(num_tokens: int, topk: int, num_experts: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Expert ids [T, K]: in range, -1, other negatives, E, past E, the dtype's extremes (past int32 for
+    int64), and repeats of a row's earlier ids."""
+    info = torch.iinfo(dtype)
+    wild = [-1, -2, num_experts, num_experts + 1, info.min, info.max, -num_experts]
+    if dtype == torch.int64:
+        wild += [2**32, 2**32 + 1, -(2**32), 2**40 + 3]
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, num_experts, (num_tokens, topk), generator=generator, dtype=torch.int64)
+    kind = torch.randint(0, 4, (num_tokens, topk), generator=generator)
+    wild_ids = torch.tensor(wild)[torch.randint(0, len(wild), (num_tokens, topk), generator=generator)]
+    ids = torch.where(kind == 1, wild_ids, ids)
+    repeat = torch.roll(ids, 1, dims=1)
+    ids = torch.where((kind == 2) & (torch.arange(topk) > 0), repeat, ids)
+    return ids.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize(
+    ("score_function", "pre"), [("softmax", False), ("softmax", True), ("sigmoid", False)]
+)
+def test_replay_of_hostile_ids(index_dtype, score_function, pre):
+    """Ids outside [0, E) select nothing, a repeat of an earlier slot's id selects nothing: the map, the
+    returned indices (-1 there), probs and gradient follow the reference, and nothing is read or written for
+    those slots (a token whose ids all are bad gets zero probs)."""
+    num_tokens, num_experts, topk = 24, 10, 4
+    ids = _hostile_ids(num_tokens, topk, num_experts, index_dtype, seed=int(pre) + len(score_function))
+    ids[0] = torch.tensor([-1, num_experts, -7, torch.iinfo(index_dtype).max])  # nothing selected
+    ids[1] = torch.tensor([3, 3, 3, 3])  # one expert
+    generator = torch.Generator().manual_seed(11)
+    logits = torch.randn(num_tokens, num_experts, generator=generator).to(DEVICE)
+    kwargs = dict(
+        use_pre_softmax=pre, score_function=score_function, return_indices=True, routing_indices=ids
+    )
+    mine, theirs = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    probs, routing_map, indices = fused_topk_with_score_function(mine, topk, **kwargs)
+    expected = reference.fused_topk_with_score_function(theirs, topk, **kwargs)
+    assert torch.equal(routing_map, expected[1]) and torch.equal(indices, expected[2])
+    # An independent count of the rule: the distinct in-range ids of each row.
+    for row, row_ids in enumerate(ids.tolist()):
+        chosen = sorted({i for i in row_ids if 0 <= i < num_experts})
+        assert routing_map[row].nonzero().flatten().tolist() == chosen
+        first = [i if 0 <= i < num_experts and i not in row_ids[:k] else -1 for k, i in enumerate(row_ids)]
+        assert indices[row].tolist() == first
+    assert not probs[0].any() and not probs[~routing_map].any()
+    _assert_close(probs, expected[0], "float32")
+    cotangent = torch.randn(probs.shape, generator=generator).to(probs)
+    (grad,) = torch.autograd.grad(probs, mine, cotangent)
+    (ref_grad,) = torch.autograd.grad(expected[0], theirs, cotangent)
+    _assert_close(grad, ref_grad, "float32", grad=True)
+    assert not grad[0].any()
+
+
+_IDS = torch.zeros(4, 2, dtype=torch.int64, device=DEVICE)
+
+
+@pytest.mark.parametrize(
+    ("routing_indices", "message"),
+    [
+        (
+            _IDS[:, :1],
+            "routing_indices: expected shape (4, 2) (logits' leading dims, then topk = 2), got (4, 1)",
+        ),
+        (_IDS[:3], "routing_indices: expected shape (4, 2)"),
+        (_IDS.reshape(8), "routing_indices: expected shape (4, 2)"),
+        (_IDS.float(), "routing_indices: expected dtype in ('int32', 'int64') (expert ids), got float32"),
+        (_IDS.to(torch.int16), "routing_indices: expected dtype in ('int32', 'int64')"),
+        (_IDS.tolist(), "routing_indices: expected a torch.Tensor"),
+    ],
+)
+def test_bad_routing_indices(routing_indices, message):
+    with pytest.raises((TypeError, ValueError)) as error:
+        fused_topk_with_score_function(torch.zeros(4, 8, device=DEVICE), 2, routing_indices=routing_indices)
+    assert str(error.value).startswith(message)
+    assert type(error.value) is (TypeError if "torch.Tensor" in message else ValueError)
+
+
+def test_routing_indices_follow_leading_dims():
+    logits = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    ids = torch.tensor([[[0, 1], [7, 7], [2, -1]], [[5, 4], [3, 8], [6, 0]]], device=DEVICE)
+    probs, routing_map, indices = fused_topk_with_score_function(
+        logits, 2, score_function="sigmoid", return_indices=True, routing_indices=ids
+    )
+    expected = reference.fused_topk_with_score_function(
+        logits, 2, score_function="sigmoid", return_indices=True, routing_indices=ids
+    )
+    assert probs.shape == routing_map.shape == logits.shape and indices.shape == ids.shape
+    assert torch.equal(routing_map, expected[1]) and torch.equal(indices, expected[2])
+    _assert_close(probs, expected[0], "float32")
+    with pytest.raises(ValueError, match=r"^routing_indices: expected shape \(2, 3, 2\)"):
+        fused_topk_with_score_function(logits, 2, routing_indices=ids.reshape(6, 2))
