@@ -10,8 +10,10 @@ group sizes (num_groups None) every row is computed: the PyTorch layer's buffers
 received rows, and one fused kernel per direction replaces eager PyTorch's several elementwise ones.
 
 Activations (GATED_ACTIVATIONS of kernels/rules/activation.py says which are gated): "swiglu" silu(gate)
-* up and "geglu" gelu(gate) * up on [M, 2F] = [gate | up], "gelu" and "relu" on [M, F]; gelu is the exact
-(erf) one. Math in fp32, results rounded once to the input dtype, as the frameworks' fp32 references do.
+* up, "geglu" gelu(gate) * up and "clamped_swiglu" (GPT-OSS's: (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g),
+g = min(gate, 7), kernels/rules/activation.py) on [M, 2F] = [gate | up], "gelu" and "relu" on [M, F]; gelu
+is the exact (erf) one. Math in fp32, results rounded once to the input dtype, as the frameworks' fp32
+references do.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ._jit import block_columns
-from .rules.activation import GATED_ACTIVATIONS
+from .rules.activation import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, GATED_ACTIVATIONS
 from .runtime.plan import (
     DEFAULT_DEVICE,
     Buffer,
@@ -34,23 +36,41 @@ from .runtime.plan import (
     sized_by,
 )
 
-#: The function of every activation (the gated ones' on their gate half), as the kernels' FUNCTION constexpr.
-_FUNCTIONS = {"swiglu": 0, "geglu": 1, "gelu": 1, "relu": 2}
+#: The function of every activation (the gated ones' on their gate half), as the kernels' FUNCTION constexpr;
+#: clamped_swiglu's (_CLAMPED) also clamps gate and up first.
+_FUNCTIONS = {"swiglu": 0, "geglu": 1, "gelu": 1, "relu": 2, "clamped_swiglu": 3}
+_CLAMPED = tl.constexpr(_FUNCTIONS["clamped_swiglu"])
 _SQRT_HALF = tl.constexpr(0.7071067811865476)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_ALPHA = tl.constexpr(CLAMPED_SWIGLU_ALPHA)
+_LIMIT = tl.constexpr(CLAMPED_SWIGLU_LIMIT)
 
 
 @triton.jit
 def _function(x, FUNCTION: tl.constexpr):
-    """(f(x), f'(x)) in fp32 of FUNCTION: 0 silu, 1 exact gelu, 2 relu."""
+    """(f(x), f'(x)) in fp32 of FUNCTION: 0 silu, 1 exact gelu, 2 relu, 3 x * sigmoid(alpha x)."""
     if FUNCTION == 0:
         sigmoid = tl.sigmoid(x)
         return x * sigmoid, sigmoid * (1.0 + x * (1.0 - sigmoid))
     elif FUNCTION == 1:
         cdf = 0.5 * (1.0 + tl.math.erf(x * _SQRT_HALF))
         return x * cdf, cdf + x * _INV_SQRT_2PI * tl.exp(-0.5 * x * x)
-    else:
+    elif FUNCTION == 2:
         return tl.maximum(x, 0.0), (x > 0.0).to(tl.float32)
+    else:
+        scaled = x * _ALPHA
+        sigmoid = tl.sigmoid(scaled)
+        return x * sigmoid, sigmoid * (1.0 + scaled * (1.0 - sigmoid))
+
+
+@triton.jit
+def _clamp(gate, up):
+    """clamped_swiglu's inputs: (min(gate, limit), clamp(up, -limit, limit) + 1) and where each passes its
+    gradient, torch.clamp's rule: gate <= limit, -limit <= up <= limit (false at NaN). Selects, not
+    tl.minimum / tl.maximum, so that a NaN goes through as in torch.clamp (a hardware min drops it)."""
+    clamped_gate = tl.where(gate > _LIMIT, _LIMIT, gate)
+    clamped_up = tl.where(up > _LIMIT, _LIMIT, tl.where(up < -_LIMIT, -_LIMIT, up))
+    return clamped_gate, clamped_up + 1.0, gate <= _LIMIT, (up >= -_LIMIT) & (up <= _LIMIT)
 
 
 @triton.jit
@@ -95,9 +115,9 @@ def _activate_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
-    """out = f(gate) * up (GATED) or f(hidden) on the groups' rows. Grid (cdiv(M, BLOCK_ROWS), cdiv(F,
-    BLOCK_COLS)): program (b, c) computes columns [c*BLOCK_COLS, +BLOCK_COLS) of rows [b*BLOCK_ROWS,
-    +BLOCK_ROWS) below sum(group_sizes); a block wholly past them exits."""
+    """out = f(gate) * up (GATED; clamped first for _CLAMPED) or f(hidden) on the groups' rows. Grid
+    (cdiv(M, BLOCK_ROWS), cdiv(F, BLOCK_COLS)): program (b, c) computes columns [c*BLOCK_COLS, +BLOCK_COLS)
+    of rows [b*BLOCK_ROWS, +BLOCK_ROWS) below sum(group_sizes); a block wholly past them exits."""
     rows, cols, mask, live = _block(
         group_sizes_ptr, num_rows, FFN, NUM_GROUPS, GROUPS_POW2, BLOCK_ROWS, BLOCK_COLS
     )
@@ -105,9 +125,15 @@ def _activate_kernel(
         return
     width: tl.constexpr = 2 * FFN if GATED else FFN
     hidden = hidden_ptr + rows[:, None] * width + cols[None, :]
-    value, _ = _function(tl.load(hidden, mask=mask, other=0.0).to(tl.float32), FUNCTION)
+    gate = tl.load(hidden, mask=mask, other=0.0).to(tl.float32)
     if GATED:
-        value *= tl.load(hidden + FFN, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(hidden + FFN, mask=mask, other=0.0).to(tl.float32)
+        if FUNCTION == _CLAMPED:
+            gate, up, _, _ = _clamp(gate, up)
+        value, _ = _function(gate, FUNCTION)
+        value *= up
+    else:
+        value, _ = _function(gate, FUNCTION)
     tl.store(out_ptr + rows[:, None] * FFN + cols[None, :], value.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -126,8 +152,9 @@ def _activate_backward_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
-    """grad_hidden = [grad * up * f'(gate) | grad * f(gate)] (GATED) or grad * f'(hidden) on the groups'
-    rows. Grid and programs as `_activate_kernel`'s."""
+    """grad_hidden = [grad * up * f'(gate) | grad * f(gate)] (GATED; for _CLAMPED of the clamped gate and
+    up, each 0 where its clamp stops the gradient) or grad * f'(hidden) on the groups' rows. Grid and
+    programs as `_activate_kernel`'s."""
     rows, cols, mask, live = _block(
         group_sizes_ptr, num_rows, FFN, NUM_GROUPS, GROUPS_POW2, BLOCK_ROWS, BLOCK_COLS
     )
@@ -136,13 +163,24 @@ def _activate_backward_kernel(
     width: tl.constexpr = 2 * FFN if GATED else FFN
     offsets = rows[:, None] * width + cols[None, :]
     grad = tl.load(grad_ptr + rows[:, None] * FFN + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    value, slope = _function(tl.load(hidden_ptr + offsets, mask=mask, other=0.0).to(tl.float32), FUNCTION)
+    gate = tl.load(hidden_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     out_dtype = grad_hidden_ptr.dtype.element_ty
     if GATED:
         up = tl.load(hidden_ptr + offsets + FFN, mask=mask, other=0.0).to(tl.float32)
-        tl.store(grad_hidden_ptr + offsets, (grad * up * slope).to(out_dtype), mask=mask)
-        tl.store(grad_hidden_ptr + offsets + FFN, (grad * value).to(out_dtype), mask=mask)
+        if FUNCTION == _CLAMPED:
+            gate, up, gate_passes, up_passes = _clamp(gate, up)
+        value, slope = _function(gate, FUNCTION)
+        grad_gate = grad * up * slope
+        grad_up = grad * value
+        if FUNCTION == _CLAMPED:
+            # Selected last, as torch.clamp's backward does: a stopped gradient is 0 even where the product
+            # is NaN (a NaN up or cotangent).
+            grad_gate = tl.where(gate_passes, grad_gate, 0.0)
+            grad_up = tl.where(up_passes, grad_up, 0.0)
+        tl.store(grad_hidden_ptr + offsets, grad_gate.to(out_dtype), mask=mask)
+        tl.store(grad_hidden_ptr + offsets + FFN, grad_up.to(out_dtype), mask=mask)
     else:
+        _, slope = _function(gate, FUNCTION)
         tl.store(grad_hidden_ptr + offsets, (grad * slope).to(out_dtype), mask=mask)
 
 

@@ -14,6 +14,7 @@ import torch
 
 from moetriton.kernels import buffer_rows, row_map_slots
 from moetriton.kernels.rules import permutation as rules
+from moetriton.kernels.rules.activation import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 from moetriton.kernels.rules.layout import bitmap_columns, round_up
 
 _BIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -325,26 +326,38 @@ def sort_chunks_by_index(
     return (output, dst) if probs is None else (output, dst, permuted)
 
 
-_GATED = {"swiglu": torch.nn.functional.silu, "geglu": torch.nn.functional.gelu}
+def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's gated activation (kernels/rules/activation.py), written as transformers' GptOssExperts."""
+    gate = gate.clamp(max=CLAMPED_SWIGLU_LIMIT)
+    up = up.clamp(-CLAMPED_SWIGLU_LIMIT, CLAMPED_SWIGLU_LIMIT)
+    return (up + 1) * gate * torch.sigmoid(CLAMPED_SWIGLU_ALPHA * gate)
+
+
+#: Gated activations: a function of (gate, up), each [M, F]; plain ones: a function of hidden [M, F].
+_GATED = {
+    "swiglu": lambda gate, up: torch.nn.functional.silu(gate) * up,
+    "geglu": lambda gate, up: torch.nn.functional.gelu(gate) * up,
+    "clamped_swiglu": _clamped_swiglu,
+}
 _PLAIN = {"gelu": torch.nn.functional.gelu, "relu": torch.relu}
 
 
-def activate(hidden: torch.Tensor, activation: str) -> torch.Tensor:
-    """The expert activation of hidden [M, 2F] ([gate | up], "swiglu" / "geglu") or [M, F] ("gelu" (exact) /
-    "relu"), math in fp32, one rounding to hidden's dtype (the kernels' contract)."""
-    h32 = hidden.float()
+def _activation(h32: torch.Tensor, activation: str) -> torch.Tensor:
+    """The activation of h32 [M, 2F] ([gate | up]) or [M, F], in h32's dtype, differentiable."""
     if activation in _GATED:
-        gate, up = h32.chunk(2, dim=-1)
-        return (_GATED[activation](gate) * up).to(hidden.dtype)
-    return _PLAIN[activation](h32).to(hidden.dtype)
+        return _GATED[activation](*h32.chunk(2, dim=-1))
+    return _PLAIN[activation](h32)
+
+
+def activate(hidden: torch.Tensor, activation: str) -> torch.Tensor:
+    """The expert activation of hidden [M, 2F] ([gate | up], "swiglu" / "geglu" / "clamped_swiglu") or
+    [M, F] ("gelu" (exact) / "relu"), math in fp32, one rounding to hidden's dtype (the kernels' contract)."""
+    return _activation(hidden.float(), activation).to(hidden.dtype)
 
 
 def activate_backward(grad: torch.Tensor, hidden: torch.Tensor, activation: str) -> torch.Tensor:
     """The gradient of `activate` with respect to hidden, in fp32 by autograd, rounded to hidden's dtype."""
     with torch.enable_grad():
         h32 = hidden.detach().float().requires_grad_(True)
-        gate, up = h32.chunk(2, dim=-1) if activation in _GATED else (h32, None)
-        function = _GATED.get(activation) or _PLAIN[activation]
-        out = function(gate) * up if up is not None else function(gate)
-        (grad_hidden,) = torch.autograd.grad(out, h32, grad.float())
+        (grad_hidden,) = torch.autograd.grad(_activation(h32, activation), h32, grad.float())
     return grad_hidden.to(hidden.dtype)

@@ -8,7 +8,16 @@ from .validation import fail, require_array
 
 #: Expert activations by name: True for a gated one (the fused gate_up weight holds [gate | up], 2F columns),
 #: False for a plain one (F columns). Each framework implements the functions; the shapes are decided here.
-GATED_ACTIVATIONS = {"swiglu": True, "geglu": True, "gelu": False, "relu": False}
+GATED_ACTIVATIONS = {"swiglu": True, "geglu": True, "clamped_swiglu": True, "gelu": False, "relu": False}
+
+#: "clamped_swiglu", GPT-OSS's gated activation (its experts' swiglu_alpha and swiglu_limit; transformers
+#: stores gate and up interleaved in columns, de-interleave them once into [gate | up]):
+#: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit). The gradient is
+#: PyTorch autograd's of that formula with torch.clamp: gate's passes where gate <= limit, up's where
+#: -limit <= up <= limit (the limit itself included), both 0 elsewhere. A NaN goes through its clamp (a NaN
+#: output); its own gradient is 0, the other half's is NaN unless that half is clamped.
+CLAMPED_SWIGLU_ALPHA = 1.702
+CLAMPED_SWIGLU_LIMIT = 7.0
 
 
 def check_grouped_activation(

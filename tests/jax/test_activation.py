@@ -66,3 +66,68 @@ def test_bad_dtypes():
         grouped_activation(jnp.zeros((4, 8), jnp.int32), jnp.zeros((2,), jnp.int32), "relu")
     with pytest.raises(ValueError, match="group_sizes: expected an integer"):
         grouped_activation(jnp.zeros((4, 8), jnp.float32), jnp.zeros((2,), jnp.float32), "relu")
+
+
+def _clamped_swiglu_numpy(hidden: np.ndarray, grad: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GPT-OSS's activation (transformers' GptOssExperts._apply_gate: alpha 1.702, limit 7) and its
+    gradient, derived by hand in float64, torch.clamp's rule: a clamp passes the gradient where its input
+    lies within the bounds, the bounds included, and nowhere at NaN."""
+    gate, up = np.split(hidden.astype(np.float64), 2, axis=1)
+    grad = grad.astype(np.float64)
+    clamped_gate, clamped_up = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
+    sigmoid = 1 / (1 + np.exp(-1.702 * clamped_gate))
+    out = (clamped_up + 1) * clamped_gate * sigmoid
+    slope = sigmoid * (1 + 1.702 * clamped_gate * (1 - sigmoid))
+    with np.errstate(invalid="ignore"):
+        grad_gate = np.where(gate <= 7.0, grad * (clamped_up + 1) * slope, 0.0)
+        grad_up = np.where((up >= -7.0) & (up <= 7.0), grad * clamped_gate * sigmoid, 0.0)
+    return out, np.concatenate([grad_gate, grad_up], axis=1)
+
+
+def _clamped_swiglu_both(hidden: jax.Array, grad: jax.Array, group_sizes: jax.Array, kernels: bool):
+    """(out, grad_hidden) of grouped_activation (kernels) or apply_activation (XLA), under jit."""
+
+    @jax.jit
+    def both(h):
+        if kernels:
+            out, vjp = jax.vjp(lambda x: grouped_activation(x, group_sizes, "clamped_swiglu"), h)
+        else:
+            out, vjp = jax.vjp(lambda x: apply_activation(x, "clamped_swiglu"), h)
+        return out, vjp(grad)[0]
+
+    return both(hidden)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["grouped", "xla"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_clamped_swiglu_matches_the_formula_past_and_at_the_limit(kernels, dtype):
+    """Values past +-7 (a quarter of 6 N(0, 1)) and exactly +-7 (every 7th), where the clamps' gradient
+    rule decides: the kernels and the XLA path both follow torch.clamp's."""
+    rows, ffn, sizes = 9, 24, [4, 3]
+    rng = np.random.default_rng(7)
+    values = 6 * rng.standard_normal((rows, 2 * ffn))
+    values.reshape(-1)[::7] = 7.0 * np.sign(values.reshape(-1)[::7])
+    hidden = jnp.asarray(values, dtype)
+    grad = jnp.asarray(rng.standard_normal((rows, ffn)), dtype)
+    out, grad_hidden = _clamped_swiglu_both(hidden, grad, jnp.asarray(sizes, jnp.int32), kernels)
+    valid = sum(sizes)
+    expected = _clamped_swiglu_numpy(np.asarray(hidden[:valid], np.float64), np.asarray(grad[:valid]))
+    for name, got, want in zip(("out", "grad"), (out, grad_hidden), expected, strict=True):
+        atol = _TOLERANCE[dtype] * max(float(np.abs(want).max()), 1.0)
+        np.testing.assert_allclose(np.asarray(got[:valid], np.float64), want, rtol=0, atol=atol, err_msg=name)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["grouped", "xla"])
+def test_clamped_swiglu_nan_inputs_go_through_as_in_torch(kernels):
+    """A NaN gate or up gives a NaN output; its own gradient is 0, the other half's NaN unless that half is
+    clamped (gate > 7, |up| > 7), then 0."""
+    nan = np.nan
+    gate = [nan, nan, nan, 1.0, 9.0, -9.0, 7.0, nan]
+    up = [1.0, 8.0, -7.0, nan, nan, nan, -7.0, nan]
+    hidden = np.asarray([gate + up], np.float32)
+    grad = np.asarray([[1.0, 2.0, 1.0, 1.0, 1.0, 1.0, nan, 1.0]], np.float32)
+    got = _clamped_swiglu_both(jnp.asarray(hidden), jnp.asarray(grad), jnp.asarray([1], jnp.int32), kernels)
+    expected = _clamped_swiglu_numpy(hidden, grad)
+    assert np.isnan(expected[0]).sum() == 7 and np.isnan(expected[1]).sum() == 6
+    for name, value, want in zip(("out", "grad"), got, expected, strict=True):
+        np.testing.assert_allclose(np.asarray(value, np.float64), want, rtol=1e-6, atol=1e-6, err_msg=name)

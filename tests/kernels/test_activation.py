@@ -18,12 +18,33 @@ from tests.torch._helpers import DEVICE, assert_rounded
 from ._compile import in_child
 
 _DTYPES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's activation as transformers writes it (GptOssExperts._apply_gate, alpha 1.702, limit 7)."""
+    gate = gate.clamp(min=None, max=7.0)
+    up = up.clamp(min=-7.0, max=7.0)
+    return (up + 1) * gate * torch.sigmoid(gate * 1.702)
+
+
+#: A gated activation's function of (gate, up), a plain one's of hidden.
 _REFERENCE = {
-    "swiglu": torch.nn.functional.silu,
-    "geglu": torch.nn.functional.gelu,
+    "swiglu": lambda gate, up: torch.nn.functional.silu(gate) * up,
+    "geglu": lambda gate, up: torch.nn.functional.gelu(gate) * up,
+    "clamped_swiglu": _clamped_swiglu,
     "gelu": torch.nn.functional.gelu,
     "relu": torch.relu,
 }
+
+
+def _inputs(num_rows: int, width: int, activation: str, generator: torch.Generator) -> torch.Tensor:
+    """[M, W] fp32: 2 N(0, 1); for clamped_swiglu 6 N(0, 1) (a quarter past +-7) with every 7th value
+    exactly +-7, where the clamps' gradient rule decides."""
+    if activation != "clamped_swiglu":
+        return 2 * torch.randn(num_rows, width, generator=generator)
+    hidden = 6 * torch.randn(num_rows, width, generator=generator)
+    hidden.view(-1)[::7] = 7.0 * torch.sign(hidden.view(-1)[::7])
+    return hidden
 
 
 def _run(plan: kernels.Plan, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -47,11 +68,7 @@ def _reference(hidden: torch.Tensor, grad: torch.Tensor, activation: str):
     """(out, grad_hidden) in float64 from the rounded inputs."""
     hidden = hidden.detach().double().requires_grad_(True)
     function = _REFERENCE[activation]
-    if GATED_ACTIVATIONS[activation]:
-        ffn = hidden.shape[1] // 2
-        out = function(hidden[:, :ffn]) * hidden[:, ffn:]
-    else:
-        out = function(hidden)
+    out = function(*hidden.chunk(2, dim=1)) if GATED_ACTIVATIONS[activation] else function(hidden)
     (grad_hidden,) = torch.autograd.grad(out, hidden, grad.double())
     return out.detach(), grad_hidden
 
@@ -67,7 +84,7 @@ def test_groups_rows_match_the_reference_and_the_tail_is_untouched(activation, d
     ffn = 24  # not a power of two: masked columns
     width = 2 * ffn if GATED_ACTIVATIONS[activation] else ffn
     generator = torch.Generator().manual_seed(num_rows + width)
-    hidden = (2 * torch.randn(num_rows, width, generator=generator)).to(dtype).to(DEVICE)
+    hidden = _inputs(num_rows, width, activation, generator).to(dtype).to(DEVICE)
     grad = torch.randn(num_rows, ffn, generator=generator).to(dtype).to(DEVICE)
     group_sizes = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
     valid = min(sum(max(size, 0) for size in sizes), num_rows)
@@ -89,6 +106,28 @@ def test_groups_rows_match_the_reference_and_the_tail_is_untouched(activation, d
     assert out[valid:].isnan().all() and grad_hidden[valid:].isnan().all(), (
         "a row past the groups was written"
     )
+
+
+def test_clamped_swiglu_nan_inputs_go_through_as_in_torch():
+    """A NaN gate or up gives a NaN output; its own gradient is 0 (torch.clamp stops it at NaN), the other
+    half's NaN, unless that half is clamped (gate > 7, |up| > 7): then 0 as well, as torch's autograd."""
+    nan = float("nan")
+    gate = [nan, nan, nan, 1.0, 9.0, -9.0, 7.0, nan]
+    up = [1.0, 8.0, -7.0, nan, nan, nan, -7.0, nan]
+    hidden = torch.tensor([gate + up], device=DEVICE)
+    grad = torch.tensor([[1.0, 2.0, 1.0, 1.0, 1.0, 1.0, nan, 1.0]], device=DEVICE)
+    dims = dict(activation="clamped_swiglu", num_rows=1, width=16, num_groups=1, element_bytes=4)
+    group_sizes = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    out = _run(activation_plan(**dims), dict(hidden=hidden, group_sizes=group_sizes))["out"]
+    inputs = dict(hidden=hidden, grad=grad, group_sizes=group_sizes)
+    grad_hidden = _run(activation_backward_plan(**dims), inputs)["grad_hidden"]
+    expected_out, expected_grad = _reference(hidden, grad, "clamped_swiglu")
+    assert out[0].isnan().tolist() == [True] * 6 + [False, True]
+    # The gate's gradient is NaN where up or the cotangent is and the gate passes (<= 7), up's likewise.
+    assert grad_hidden[0, :8].isnan().tolist() == [False] * 3 + [True, False, True, True, False]
+    assert grad_hidden[0, 8:].isnan().tolist() == [True, False, True, False, False, False, True, False]
+    for got, want in ((out, expected_out), (grad_hidden, expected_grad)):
+        torch.testing.assert_close(got.cpu().double(), want.cpu(), rtol=1e-6, atol=1e-6, equal_nan=True)
 
 
 def test_activation_plan_rejects_bad_problems():

@@ -5,26 +5,36 @@ CPU the kernels run under the Triton interpreter (the conftest sets it), on a GP
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from moetriton.torch.activation import ACTIVATE
 from tests.torch._helpers import DEVICE, ROUNDED_TOLERANCE, assert_rounded
 
+
+def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's activation as transformers writes it (GptOssExperts._apply_gate, alpha 1.702, limit 7)."""
+    gate = gate.clamp(min=None, max=7.0)
+    up = up.clamp(min=-7.0, max=7.0)
+    return (up + 1) * gate * torch.sigmoid(gate * 1.702)
+
+
+#: A gated activation's function of (gate, up), a plain one's of hidden.
 _FUNCTIONS = {
-    "swiglu": torch.nn.functional.silu,
+    "swiglu": lambda gate, up: torch.nn.functional.silu(gate) * up,
+    "clamped_swiglu": _clamped_swiglu,
     "gelu": torch.nn.functional.gelu,
     "relu": torch.relu,
 }
+_GATED = ("swiglu", "clamped_swiglu")
 
 
 def _reference(hidden: torch.Tensor, grad: torch.Tensor, activation: str):
     hidden = hidden.detach().double().requires_grad_(True)
-    if activation == "swiglu":
-        gate, up = hidden.chunk(2, dim=-1)
-        out = _FUNCTIONS[activation](gate) * up
-    else:
-        out = _FUNCTIONS[activation](hidden)
+    function = _FUNCTIONS[activation]
+    out = function(*hidden.chunk(2, dim=-1)) if activation in _GATED else function(hidden)
     (grad_hidden,) = torch.autograd.grad(out, hidden, grad.double())
     return out.detach(), grad_hidden
 
@@ -44,18 +54,20 @@ def _check(hidden: torch.Tensor, grad: torch.Tensor, activation: str) -> None:
 @pytest.mark.parametrize("rows", [1, 37])
 def test_matches_the_reference(activation, dtype, rows):
     ffn = 24
-    width = 2 * ffn if activation == "swiglu" else ffn
+    width = 2 * ffn if activation in _GATED else ffn
     generator = torch.Generator().manual_seed(rows)
-    hidden = (2 * torch.randn(rows, width, generator=generator)).to(dtype).to(DEVICE)
+    # clamped_swiglu's clamps at +-7 matter: a quarter of 6 N(0, 1) lies past them.
+    scale = 6 if activation == "clamped_swiglu" else 2
+    hidden = (scale * torch.randn(rows, width, generator=generator)).to(dtype).to(DEVICE)
     grad = torch.randn(rows, ffn, generator=generator).to(dtype).to(DEVICE)
     _check(hidden, grad, activation)
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu", "gelu"])
 def test_strided_hidden_and_the_stride_zero_cotangent_of_a_sum(activation):
     """hidden a transposed view (column stride != 1); the cotangent of out.sum() an expanded scalar."""
     ffn = 16
-    width = 2 * ffn if activation == "swiglu" else ffn
+    width = 2 * ffn if activation in _GATED else ffn
     generator = torch.Generator().manual_seed(2)
     hidden = torch.randn(width, 9, generator=generator).to(torch.bfloat16).to(DEVICE).t()
     assert not hidden.is_contiguous()
@@ -71,6 +83,36 @@ def test_strided_hidden_and_the_stride_zero_cotangent_of_a_sum(activation):
 def test_empty_dimensions(rows, ffn):
     hidden = torch.randn(rows, 2 * ffn).to(DEVICE)
     _check(hidden, torch.randn(rows, ffn).to(DEVICE), "swiglu")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's sigmoid(-170): 0
+def test_clamped_swiglu_is_gpt_oss_experts_gate():
+    """Against transformers' own GptOssExperts._apply_gate (with GptOssConfig's alpha and limit) on its
+    interleaved [gate0, up0, gate1, up1, ...] columns, de-interleaved to [gate | up] for ours: values past
+    +-limit, at it and NaN; the gradients are autograd's of transformers' code."""
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers (the test extra) is not installed"
+    )
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = transformers.GptOssConfig()
+    experts = SimpleNamespace(alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+    generator = torch.Generator().manual_seed(5)
+    interleaved = 8 * torch.randn(7, 2 * 20, generator=generator)
+    interleaved[0, :8] = torch.tensor([7.0, -7.0, 100.0, -100.0, -7.0, 7.0, -100.0, 100.0])
+    interleaved[1, :4] = torch.tensor([float("nan"), 1.0, 1.0, float("nan")])
+    grad = torch.randn(7, 20, generator=generator)
+    leaf = interleaved.clone().requires_grad_(True)
+    expected = GptOssExperts._apply_gate(experts, leaf)
+    expected.backward(grad)
+    ours = torch.cat([interleaved[:, ::2], interleaved[:, 1::2]], dim=1).to(DEVICE).requires_grad_(True)
+    out = ACTIVATE(ours, "clamped_swiglu")
+    out.backward(grad.to(DEVICE))
+    grad_ours = torch.stack([ours.grad[:, :20], ours.grad[:, 20:]], dim=2).flatten(1)  # re-interleaved
+    torch.testing.assert_close(out.cpu(), expected.detach(), rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(grad_ours.cpu(), leaf.grad, rtol=1e-5, atol=1e-5, equal_nan=True)
+    # (gate, up) = (100, -100) is (7, -7) with no gradient; NaN in the gate and in the up of one column each.
+    assert out[0, 1] == out[0, 0] and (grad_ours[0, 2:4] == 0).all() and out[1].isnan().sum() == 2
 
 
 def test_custom_op_fake_shapes():
