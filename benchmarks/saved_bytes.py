@@ -1,6 +1,6 @@
 """What the MoE layers keep for their backward: the exact bytes autograd saves, counted on CPU.
 
-    python -m benchmarks.saved_bytes                 # mixtral and dsv3 layer shapes, both frameworks
+    python -m benchmarks.saved_bytes                 # every layer shape, both frameworks
     python -m benchmarks.saved_bytes --list          # every saved tensor with its shape
 
 Nothing is computed: PyTorch runs the layer on meta tensors under `torch.autograd.graph.saved_tensors_hooks`
@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--shapes", default="mixtral,dsv3", help="MOE_LAYER_SHAPES names, or tiny")
+    parser.add_argument(
+        "--shapes", default=",".join(MOE_LAYER_SHAPES), help="MOE_LAYER_SHAPES names, or tiny"
+    )
     parser.add_argument("--frameworks", default="torch,jax")
     parser.add_argument("--list", action="store_true", help="print every saved tensor")
     add_out_option(parser)

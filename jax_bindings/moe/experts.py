@@ -3,6 +3,8 @@ and activation), reading and writing the rows through a permutation when they ar
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -25,8 +27,19 @@ def expert_mlp(
     hidden = grouped_matmul(
         rows.astype(dtype), gate_up.astype(dtype), group_sizes, lhs_rows=order, zero_tail=False
     )
-    act = grouped_activation(hidden, group_sizes, config.activation)
-    return grouped_matmul(act, down.astype(dtype), group_sizes, out_rows=order, zero_tail=False)
+    # Rematerialised: the backward keeps hidden [N, W] and computes the activation output [N, F] again (one
+    # elementwise kernel) instead of keeping it; the down GEMM's forward is not rerun (its output is
+    # unused in the backward, so it is dead code there).
+    down_of_activation = jax.checkpoint(
+        partial(_down_of_activation, activation=config.activation),
+        policy=jax.checkpoint_policies.nothing_saveable,
+    )
+    return down_of_activation(hidden, down.astype(dtype), group_sizes, order)
+
+
+def _down_of_activation(hidden, down, group_sizes, order, activation: str) -> jax.Array:
+    act = grouped_activation(hidden, group_sizes, activation)
+    return grouped_matmul(act, down, group_sizes, out_rows=order, zero_tail=False)
 
 
 def dense_dot(a: jax.Array, b: jax.Array) -> jax.Array:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .._stages import stage
-from ..activation import ACTIVATE
+from ..activation import ACTIVATE, ACTIVATE_BACKWARD
 
 
 def _activate(hidden: Tensor, activation: str) -> Tensor:
@@ -95,6 +95,80 @@ def grouped_linear(
         return out + bias[expert_of_row[:, 0].clamp_max(weight.shape[0] - 1)].to(out.dtype)
 
 
+def _grouped_weight_gradient(rows: Tensor, grad: Tensor, group_sizes: Tensor, use_grouped_mm: bool) -> Tensor:
+    """The weight gradient of grouped_linear without bias: [L, K, M] = per group rows^T @ grad, from rows
+    [N, K] and grad [N, M] (rows past the groups join the last one, as in the product)."""
+    offsets = _group_ends(group_sizes, rows.shape[0])
+    if use_grouped_mm:
+        return torch._grouped_mm(rows.t(), grad, offs=offsets)
+    positions = torch.arange(rows.shape[0], device=rows.device, dtype=torch.int32)
+    expert_of_row = torch.searchsorted(offsets, positions, right=True)[:, None]  # [N, 1]
+    # Each group's rows alone on both sides: another group's non-finite row must not reach this gradient.
+    return torch.stack(
+        [
+            torch.where(expert_of_row == expert, rows, 0).t() @ torch.where(expert_of_row == expert, grad, 0)
+            for expert in range(group_sizes.shape[0])
+        ]
+    )
+
+
+class _ActivatedDown(torch.autograd.Function):
+    """down(activation(hidden)): the second half of the expert MLP, keeping only hidden [N, W] for the
+    backward, which computes the activation output [N, F] again (one elementwise kernel) instead of keeping
+    it: F fewer elements per routed row. Grouped rows (group_sizes [L]) or, with group_sizes None, the
+    capacity policy's L equal slabs. The gradients are the same products autograd would run (and the
+    activation's own backward kernel), so they are bit for bit the unfused path's."""
+
+    @staticmethod
+    def forward(ctx, hidden, group_sizes, down, activation, use_grouped_mm):
+        ctx.activation, ctx.use_grouped_mm = activation, use_grouped_mm
+        ctx.save_for_backward(hidden, group_sizes, down)
+        with stage("activation"):
+            act = _activate(hidden, activation)
+        return _down(act, group_sizes, down, use_grouped_mm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, group_sizes, down = ctx.saved_tensors
+        grad = grad.to(hidden.dtype)
+        with stage("activation"):
+            act = _activate(hidden, ctx.activation)
+        with stage("grouped_gemm"):
+            if group_sizes is None:  # slabs [L, M, F] x [L, F, H]
+                slabs = act.view(down.shape[0], -1, act.shape[-1])
+                grad_slabs = grad.view(down.shape[0], -1, grad.shape[-1])
+                grad_act = torch.bmm(grad_slabs, down.transpose(1, 2)).view(act.shape)
+                grad_down = torch.bmm(slabs.transpose(1, 2), grad_slabs) if ctx.needs_input_grad[2] else None
+            else:
+                grad_act = grouped_linear(
+                    grad, group_sizes, down.transpose(1, 2), use_grouped_mm=ctx.use_grouped_mm
+                )
+                grad_down = None
+                if ctx.needs_input_grad[2]:
+                    grad_down = _grouped_weight_gradient(act, grad, group_sizes, ctx.use_grouped_mm)
+        with stage("activation"):
+            flat = grad_act.reshape(-1, grad_act.shape[-1])
+            grad_hidden = ACTIVATE_BACKWARD(flat, hidden.reshape(-1, hidden.shape[-1]), ctx.activation)
+        return grad_hidden.view(hidden.shape), None, grad_down, None, None
+
+
+def _activated_down(
+    hidden: Tensor, group_sizes: Tensor | None, down: Tensor, activation: str, use_grouped_mm: bool
+) -> Tensor:
+    # The function's node takes the stage of the range it is created in (benchmarks.moe_torch attributes a
+    # backward node's CPU time so); its kernels run in the inner activation and GEMM ranges.
+    with stage("grouped_gemm"):
+        return _ActivatedDown.apply(hidden, group_sizes, down, activation, use_grouped_mm)
+
+
+def _down(act: Tensor, group_sizes: Tensor | None, down: Tensor, use_grouped_mm: bool) -> Tensor:
+    """act [N, F] (grouped) or [L, M, F] (slabs) times each expert's down projection."""
+    if group_sizes is None:
+        with stage("grouped_gemm"):
+            return torch.bmm(act, down)
+    return grouped_linear(act, group_sizes, down, use_grouped_mm=use_grouped_mm)
+
+
 def expert_mlp(
     rows: Tensor,
     group_sizes: Tensor,
@@ -123,9 +197,7 @@ def expert_mlp(
     if use_grouped_mm is None:
         use_grouped_mm = grouped_mm_supported(rows, gate_up, down)
     hidden = grouped_linear(rows, group_sizes, gate_up, use_grouped_mm=use_grouped_mm)
-    with stage("activation"):
-        act = _activate(hidden, activation)
-    return grouped_linear(act, group_sizes, down, use_grouped_mm=use_grouped_mm)
+    return _activated_down(hidden, group_sizes, down, activation, use_grouped_mm)
 
 
 def batched_mlp(rows: Tensor, gate_up: Tensor, down: Tensor, activation: str) -> Tensor:
@@ -133,10 +205,7 @@ def batched_mlp(rows: Tensor, gate_up: Tensor, down: Tensor, activation: str) ->
     slabs = rows.view(gate_up.shape[0], -1, rows.shape[1])  # [L, M, H]
     with stage("grouped_gemm"):
         hidden = torch.bmm(slabs, gate_up)
-    with stage("activation"):
-        act = _activate(hidden, activation)
-    with stage("grouped_gemm"):
-        return torch.bmm(act, down).reshape(rows.shape)
+    return _activated_down(hidden, None, down, activation, False).reshape(rows.shape)
 
 
 @dataclass  # not frozen: torch 2.11's dynamo loses the fields a frozen dataclass sets in a compiled region
