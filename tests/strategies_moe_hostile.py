@@ -11,7 +11,7 @@ Two kinds of case:
   differ, and what each does.
 * `hostile_calls()`: a valid call with every option drawn on or off (token_mask, drop_policy, the three
   losses, return_stats, an expert bias, normalize_topk, group-limited selection under each group_score,
-  shared experts, pipeline_chunks, capacity, balance_counts) and one
+  shared experts, pipeline_chunks, capacity, balance_counts, a router replay of hostile ids) and one
   data corruption: non-finite or huge tokens, NaN padding, a NaN router column, no tokens, every token
   masked, overflowing capacity, exact ties. Its result is the documented one: the dense reference's (which
   implements moetriton.kernels.rules.moe.NON_FINITE), with the invariants `check_invariants` names;
@@ -42,6 +42,7 @@ ARRAYS = (
     "shared_gate_up",
     "shared_down",
     "shared_gate",
+    "routing_indices",
 )
 
 
@@ -189,6 +190,12 @@ REFUSED = {
     "scaling_factor str": Refusal(dict(scaling_factor="2"), TypeError, "scaling_factor"),
     "use_pre_softmax int": Refusal(dict(use_pre_softmax=1), TypeError, "use_pre_softmax"),
     "normalize_topk int": Refusal(dict(normalize_topk=1), TypeError, "normalize_topk"),
+    "routing_indices past topk": Refusal(
+        dict(routing_indices=np.zeros((2, 3, 3), np.int32)), ValueError, "routing_indices"
+    ),
+    "routing_indices float": Refusal(
+        dict(routing_indices=np.zeros((2, 3, 2), np.float32)), ValueError, "routing_indices"
+    ),
     "normalize_topk False with softmax": Refusal(dict(normalize_topk=False), ValueError, "normalize_topk"),
     "group_score unknown": Refusal(
         dict(_BIAS, num_groups=2, group_topk=1, group_score="mean"), ValueError, "group_score"
@@ -266,8 +273,9 @@ class HostileCall:
         first = sum(batches[:index])
         rows = slice(first, first + batches[index])
         arrays = dict(self.arrays, x=self.arrays["x"][rows])
-        if self.token_mask is not None:
-            arrays["token_mask"] = self.token_mask[rows]
+        for name in ("token_mask", "routing_indices"):
+            if arrays.get(name) is not None:
+                arrays[name] = arrays[name][rows]
         return dataclasses.replace(self, arrays=arrays, broken=self.broken[rows])
 
     def masking(self, tokens: np.ndarray) -> HostileCall:
@@ -362,6 +370,8 @@ def hostile_calls(draw, shards: int = 1, corruptions: tuple[str, ...] = CORRUPTI
         arrays.update(shared_arrays(gate=draw(st.booleans())))
     if draw(st.booleans()):
         arrays["token_mask"] = rng.random((batch, seq)) < 0.7
+    if draw(st.booleans()):  # router replay of ids in and out of range, repeats included
+        arrays["routing_indices"] = rng.integers(-2, EXPERTS + 2, (batch, seq, topk)).astype(np.int32)
     return corrupted(arrays, options, corruption, rng)
 
 
@@ -489,9 +499,21 @@ def check_invariants(
     assert (results["grads"]["x"][~valid] == 0).all(), "padding rows of the x gradient"
     stats = results["stats"]
     unmasked = valid.sum() if unmasked is None else unmasked
-    assert stats["routed"].sum() == call.options["topk"] * unmasked, stats
+    replayed = call.arrays.get("routing_indices")
+    if replayed is None:
+        assert stats["routed"].sum() == call.options["topk"] * unmasked, stats
+    else:  # a replayed slot counts where its id is in range and new to its token
+        slots = [
+            len({int(i) for i in ids if 0 <= i < EXPERTS}) for ids in replayed.reshape(-1, replayed.shape[-1])
+        ]
+        expected = np.asarray(slots).reshape(valid.shape)[valid].sum()
+        assert stats["routed"].sum() == expected, (stats, replayed)
     assert stats["dropped"] == (stats["routed"] - stats["kept"]).sum() == results["dropped"], stats
-    assert np.isfinite(out[valid & ~call.broken]).all(), "a finite token's output"
+    finite = valid & ~call.broken
+    if replayed is not None:  # a replay may pick an expert of NaN logits (nan_gate): NaN weights
+        nan_experts = np.flatnonzero(np.isnan(call.arrays["gate"]).any(axis=0))
+        finite &= ~np.isin(replayed, nan_experts).any(axis=-1)
+    assert np.isfinite(out[finite]).all(), "a finite token's output"
     held = results["grads"]["gate_up"].shape[0]
     for expert in np.flatnonzero(stats["kept"][first_expert : first_expert + held] == 0):
         for name in ("gate_up", "down"):

@@ -448,3 +448,45 @@ def test_capacity_counts_padded_tokens_in_both_layers(drop_policy):
         np.testing.assert_array_equal(kept, np.minimum(routed, capacity))
         assert routed.sum() == 2 * mask.sum() and kept.max() > fewer, (routed, kept, capacity, fewer)
     np.testing.assert_array_equal(counts[0][4], counts[1][4])
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_layers_replay_the_same_hostile_ids_alike(capacity_factor):
+    """Router replay in both layers with ids out of range, negative and repeated within a token (each
+    selects nothing): outputs, aux loss, dropped count and every gradient agree to fp32 rounding."""
+    rng = np.random.default_rng(5)
+    arrays = dict(
+        x=rng.normal(size=(2, 3, _H)).astype(np.float32),
+        gate=rng.normal(0, _H**-0.5, (_H, _E)).astype(np.float32),
+        gate_up=rng.normal(0, _H**-0.5, (_E, _H, 2 * _F)).astype(np.float32),
+        down=rng.normal(0, _F**-0.5, (_E, _F, _H)).astype(np.float32),
+    )
+    ids = rng.integers(-3, _E + 3, size=(2, 3, 2)).astype(np.int32)
+    ids[0, 0] = [1, 1]  # a repeat
+    cotangent = rng.normal(size=arrays["x"].shape).astype(np.float32)
+    options = dict(topk=2, score_function="sigmoid", aux_loss_coeff=1e-2, capacity_factor=capacity_factor)
+
+    def jax_loss(x, gate, gate_up, down):
+        out, aux_loss, dropped = mj.moe(x, gate, gate_up, down, **options, routing_indices=_jax(ids))
+        return jnp.sum(out * cotangent) + aux_loss, (out, aux_loss, dropped)
+
+    (_, (jax_out, jax_aux, jax_dropped)), jax_grads = jax.value_and_grad(
+        jax_loss, argnums=(0, 1, 2, 3), has_aux=True
+    )(*map(_jax, arrays.values()))
+    leaves = {name: _torch(value).requires_grad_() for name, value in arrays.items()}
+    out, aux_loss, dropped = mt.moe(
+        leaves["x"],
+        leaves["gate"].t(),
+        leaves["gate_up"],
+        leaves["down"],
+        **options,
+        routing_indices=_torch(ids),
+    )
+    ((out * _torch(cotangent)).sum() + aux_loss).backward()
+    np.testing.assert_allclose(np.asarray(jax_out), out.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax_aux), aux_loss.detach().cpu().numpy(), rtol=1e-5)
+    assert int(jax_dropped) == int(dropped)
+    for name, grad in zip(arrays, jax_grads, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(grad), leaves[name].grad.cpu().numpy(), rtol=1e-5, atol=1e-5, err_msg=name
+        )

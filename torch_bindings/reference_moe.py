@@ -17,17 +17,11 @@ from torch import Tensor
 from moetriton.kernels.rules.expert_parallel import shard_capacity
 from moetriton.kernels.rules.moe import LayerOptions, MoEStats
 
-from . import reference_router
+from . import reference, reference_router
 
 
 def _expert(rows: Tensor, gate_up: Tensor, down: Tensor, activation: str) -> Tensor:
-    hidden = rows @ gate_up
-    if activation in ("swiglu", "geglu"):
-        gate, up = hidden.chunk(2, dim=-1)
-        act = (F.silu(gate) if activation == "swiglu" else F.gelu(gate)) * up
-    else:
-        act = F.gelu(hidden) if activation == "gelu" else F.relu(hidden)
-    return act @ down
+    return reference.activate(rows @ gate_up, activation) @ down  # fp32 rows: no rounding
 
 
 def moe_reference(
@@ -43,6 +37,7 @@ def moe_reference(
     token_mask: Tensor | None = None,
     num_shards: int = 1,
     return_stats: bool = False,
+    routing_indices: Tensor | None = None,
     **options,
 ) -> tuple[Tensor, Tensor, Tensor] | tuple[Tensor, Tensor, Tensor, MoEStats]:
     """Reference of `moe` on the unsharded batch.
@@ -54,6 +49,7 @@ def moe_reference(
         num_shards: token shards of the capacity policy (the token group's size).
         shared_gate_up [H, 2Fs] (or [H, Fs]), shared_down [Fs, H], shared_gate [H, 1]: the shared experts,
             a dense FFN of every token added to the routed output (times sigmoid(x @ shared_gate) per token).
+        routing_indices: [..., K] expert ids the router replays (the reference router's replay).
         expert_bias, token_mask, return_stats and options (topk, score_function, ..., drop_policy: the
             fields of `moetriton.kernels.rules.moe.LayerOptions`): `moe`'s.
 
@@ -91,6 +87,7 @@ def moe_reference(
         expert_bias=None if expert_bias is None else expert_bias.float(),
         normalize_topk=opts.normalize_topk,
         group_score=opts.group_score,
+        routing_indices=None if routing_indices is None else routing_indices.reshape(num_tokens, topk),
     )
     routing_map = routing_map & valid.to(routing_map.device)[:, None]  # padding is routed nowhere
     kept = routing_map.clone()  # [T, E]

@@ -70,11 +70,12 @@ _SHARED_INIT_AND_AXES = {
 
 class MoEBlock(nn.Module):
     """Mixture-of-experts MLP with expert parallelism; `__call__(x [B, S, H], token_mask=None,
-    return_stats=False)` returns (out [B, S, H], aux_loss fp32 scalar, dropped int32 scalar), and with
-    `return_stats` a fourth element, `moetriton.kernels.rules.moe.MoEStats`, as `moetriton.jax.moe`, whose
-    docstring explains every option below. token_mask: [B, S] bool or None (False: padding, routed nowhere,
-    counted nowhere, output zero). return_stats is a Python bool, static under jit: bind it outside the
-    jitted function (`jax.jit(functools.partial(block.apply, return_stats=True))`) or call apply inside one.
+    return_stats=False, routing_indices=None)` returns (out [B, S, H], aux_loss fp32 scalar, dropped int32
+    scalar), and with `return_stats` a fourth element, `moetriton.kernels.rules.moe.MoEStats`, as
+    `moetriton.jax.moe`, whose docstring explains every option below. token_mask: [B, S] bool or None
+    (False: padding, routed nowhere, counted nowhere, output zero). return_stats is a Python bool, static
+    under jit: bind it outside the jitted function (`jax.jit(functools.partial(block.apply,
+    return_stats=True))`) or call apply inside one. routing_indices: [B, S, K] or None (router replay).
 
     Attributes:
         num_experts: E (a multiple of the EP size). ffn_dim: F. topk: K.
@@ -155,7 +156,11 @@ class MoEBlock(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, token_mask: jax.Array | None = None, return_stats: bool = False
+        self,
+        x: jax.Array,
+        token_mask: jax.Array | None = None,
+        return_stats: bool = False,
+        routing_indices: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array, MoEStats]:
         layer_rules.check_options(  # before the weights' shapes are derived from the activation
             activation=self.activation,
@@ -242,5 +247,6 @@ class MoEBlock(nn.Module):
             pipeline_chunks=self.pipeline_chunks,
             token_mask=token_mask,
             return_stats=return_stats,
+            routing_indices=routing_indices,
             balance_counts=self.balance_counts,
         )

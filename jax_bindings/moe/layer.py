@@ -55,10 +55,12 @@ EXCHANGES = layer_rules.JAX_EXCHANGES
 ACTIVATIONS = layer_rules.ACTIVATIONS
 
 
-def _shard(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, *, config: MoEConfig):
+def _shard(x, gate, gate_up, down, expert_bias, shared_weights, per_token, *, config: MoEConfig):
     """What one token shard computes: x [B_local, S, H] -> (out [B_local, S, H], aux loss, dropped), and
     MoEStats with config.return_stats. shared_weights: (shared_gate_up, shared_down, shared_gate or None),
-    or None without shared experts; token_mask: [B_local, S] bool or None."""
+    or None without shared experts; per_token: (token_mask [B_local, S] bool or None, routing_indices
+    [B_local, S, K] or None)."""
+    token_mask, routing_indices = per_token
     shape = x.shape
     num_tokens, hidden = shape[0] * shape[1], shape[2]
     num_experts = gate.shape[1]
@@ -76,7 +78,8 @@ def _shard(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, *, c
     if valid is not None:
         # Padding tokens enter as zeros: whatever they hold (NaN included) reaches no result or gradient.
         x_flat = jnp.where(valid[:, None], x_flat, jnp.zeros((), x_flat.dtype))
-    logits, weights, indices, routing_map = route(x_flat, gate, expert_bias, valid, config)
+    replayed = None if routing_indices is None else routing_indices.reshape(num_tokens, -1)  # [T, K]
+    logits, weights, indices, routing_map = route(x_flat, gate, expert_bias, valid, config, replayed)
     aux_loss, dropped, stats = routing_statistics(logits, routing_map, valid, layout, config, shape[0])
     indices = apply_drop_policy(indices, weights, layout, config.drop_policy)
     tokens = x_flat.astype(config.dtype)
@@ -132,7 +135,9 @@ def _routed(tokens, indices, weights, gate_up, down, layout, config: MoEConfig):
 
 #: The array arguments of `moe`, required and optional, as `_array` names them.
 ARGUMENTS = ("x", "gate", "gate_up", "down")
-OPTIONAL_ARGUMENTS = ("expert_bias", "token_mask", "shared_gate_up", "shared_down", "shared_gate")
+OPTIONAL_ARGUMENTS = (
+    "expert_bias", "token_mask", "shared_gate_up", "shared_down", "shared_gate", "routing_indices",
+)  # fmt: skip
 
 
 def _array(name: str, value) -> jax.Array:
@@ -206,6 +211,7 @@ def moe(
     token_mask: jax.Array | None = None,
     return_stats: bool = False,
     balance_counts: str = "routed",
+    routing_indices: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array, MoEStats]:
     """A mixture-of-experts MLP layer with expert parallelism.
 
@@ -215,8 +221,9 @@ def moe(
             weight below may be any of those three dtypes: it is cast to `dtype` (docs/moe.md, "dtype
             rules").
         gate: [H, E] router weights. Logits are x @ gate accumulated in fp32 and kept in fp32.
-        gate_up: [E, H, 2F] fused gate and up projections for a gated activation ("swiglu", "geglu": the first
-            F columns are the gate, the last F the up projection), or [E, H, F] for "gelu" / "relu".
+        gate_up: [E, H, 2F] fused gate and up projections for a gated activation ("swiglu", "geglu",
+            "clamped_swiglu": the first F columns are the gate, the last F the up projection), or [E, H, F]
+            for "gelu" / "relu".
         down: [E, F, H] down projections.
         topk: K experts per token (1 <= K <= E).
         expert_bias: [E] selection bias (sigmoid / sqrtsoftplus, or softmax with use_pre_softmax; no
@@ -235,7 +242,7 @@ def moe(
             expert) pair keeps C = align * max(1, ceil(c * T * K / (E * align))) of its routed slots, which
             ones by `drop_policy`, and drops the rest (a dropped slot adds nothing to its token; the other
             weights are not renormalised). T is the tokens of one shard, padding included.
-        activation: "swiglu" (default), "geglu", "gelu" or "relu".
+        activation: "swiglu" (default), "geglu", "clamped_swiglu" (GPT-OSS's), "gelu" or "relu".
         dtype: compute dtype of the dispatched tokens, the expert weights and the grouped GEMMs (default
             x.dtype; float32, bfloat16 or float16). The router runs in fp32; the output is in x.dtype.
         mesh: the device mesh (None: one device, no collectives). Tokens are sharded over
@@ -278,6 +285,10 @@ def moe(
             zero (shared experts' included) and a zero gradient. No host sync: the counts stay on device.
         return_stats: also return a `moetriton.kernels.rules.moe.MoEStats` (every field global over the
             token shards). False: the outputs and the compiled program are those without it.
+        routing_indices: [B, S, K] int32/int64 or None, sharded like x: router replay, the expert ids the
+            router takes instead of choosing (e.g. recorded at inference), with this call's weights from
+            this call's logits; ids outside [0, E) and repeats within a token select nothing
+            (docs/router.md, "Router replay"). Losses and statistics follow the replayed selection.
         balance_counts: the counts the two load-balancing losses weigh the scores by
             (moetriton.kernels.rules.moe.BALANCE_COUNTS): "routed" (default: the slots the router routed,
             expert bias and group limits included) or "scores" (the top-K of the aux-loss scores without
@@ -318,8 +329,8 @@ def moe(
     x, gate, gate_up, down = (
         _array(name, value) for name, value in zip(ARGUMENTS, (x, gate, gate_up, down), strict=True)
     )
-    optional = (expert_bias, token_mask, shared_gate_up, shared_down, shared_gate)
-    expert_bias, token_mask, shared_gate_up, shared_down, shared_gate = (
+    optional = (expert_bias, token_mask, shared_gate_up, shared_down, shared_gate, routing_indices)
+    expert_bias, token_mask, shared_gate_up, shared_down, shared_gate, routing_indices = (
         None if value is None else _array(name, value)
         for name, value in zip(OPTIONAL_ARGUMENTS, optional, strict=True)
     )
@@ -330,6 +341,10 @@ def moe(
         x_shape=tuple(x.shape),
         token_mask=mask_type,
         seq_aux_loss_coeff=seq_aux_loss_coeff,
+        routing_indices=None
+        if routing_indices is None
+        else (tuple(routing_indices.shape), jnp.dtype(routing_indices.dtype).name),
+        topk=topk,
     )
     if gate.ndim != 2:
         raise ValueError(f"gate: expected [H, E], got shape {list(gate.shape)}")
@@ -399,7 +414,8 @@ def moe(
     if capacity_factor is not None:  # a float in the jit key: 1 and 1.0 compile once
         config = dataclasses.replace(config, capacity_factor=float(capacity_factor))
     shared_weights = None if shared_gate_up is None else (shared_gate_up, shared_down, shared_gate)
-    return _jitted(config)(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, config)
+    per_token = (token_mask, routing_indices)
+    return _jitted(config)(x, gate, gate_up, down, expert_bias, shared_weights, per_token, config)
 
 
 @cache
@@ -416,19 +432,19 @@ def _jitted(config: MoEConfig):
     return _moe_jit
 
 
-def _moe(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, config: MoEConfig):
+def _moe(x, gate, gate_up, down, expert_bias, shared_weights, per_token, config: MoEConfig):
     if config.mesh is None:
-        return _shard(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, config=config)
+        return _shard(x, gate, gate_up, down, expert_bias, shared_weights, per_token, config=config)
     tokens = PartitionSpec(config.token_axes or None)
     experts = PartitionSpec(config.ep_axis)
     # The shared experts' weights are replicated (PartitionSpec() for every leaf; None leaves are no arrays);
-    # the token mask [B, S] shards like x, on its batch axis.
+    # the token mask [B, S] and the replayed ids [B, S, K] shard like x, on its batch axis.
     specs = (tokens, PartitionSpec(), experts, experts, PartitionSpec(), PartitionSpec(), tokens)
 
-    def body(x, gate, gate_up, down, expert_bias, shared_weights, token_mask):
-        return _shard(x, gate, gate_up, down, expert_bias, shared_weights, token_mask, config=config)
+    def body(x, gate, gate_up, down, expert_bias, shared_weights, per_token):
+        return _shard(x, gate, gate_up, down, expert_bias, shared_weights, per_token, config=config)
 
-    arrays = (x, gate, gate_up, down, expert_bias, shared_weights, token_mask)
+    arrays = (x, gate, gate_up, down, expert_bias, shared_weights, per_token)
     if AxisType.Explicit in tuple(config.mesh.axis_types):
         # Explicit axes: shard_map's in_specs must be the shardings the arrays' types carry, so each array
         # is resharded to its spec (what jit does by itself on Auto axes).

@@ -73,9 +73,10 @@ class ExpertBias(nnx.Variable):
 class MoE(nnx.Module):
     """Mixture-of-experts MLP with expert parallelism, as an NNX module.
 
-    `__call__(x [B, S, H], token_mask=None, return_stats=False)` returns (out [B, S, H], aux_loss fp32
-    scalar, dropped int32 scalar), and with `return_stats` a fourth element, MoEStats, as
-    `moetriton.jax.moe`, whose docstring explains every option. token_mask: [B, S] bool or None.
+    `__call__(x [B, S, H], token_mask=None, return_stats=False, routing_indices=None)` returns (out
+    [B, S, H], aux_loss fp32 scalar, dropped int32 scalar), and with `return_stats` a fourth element,
+    MoEStats, as `moetriton.jax.moe`, whose docstring explains every option. token_mask: [B, S] bool or
+    None.
 
     Args:
         hidden: H. num_experts: E (a multiple of the EP size). ffn_dim: F. topk: K.
@@ -159,7 +160,11 @@ class MoE(nnx.Module):
         self._shared_names = tuple(name for name in _SHARED_INIT_AND_AXES if name in shapes)
 
     def __call__(
-        self, x: jax.Array, token_mask: jax.Array | None = None, return_stats: bool = False
+        self,
+        x: jax.Array,
+        token_mask: jax.Array | None = None,
+        return_stats: bool = False,
+        routing_indices: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array, MoEStats]:
         return moe(
             x,
@@ -172,6 +177,7 @@ class MoE(nnx.Module):
             mesh=self.mesh,
             token_mask=token_mask,
             return_stats=return_stats,
+            routing_indices=routing_indices,
             **{name: getattr(self, name)[...] for name in self._shared_names},
             **self.options,
         )

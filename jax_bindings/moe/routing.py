@@ -13,10 +13,11 @@ from .config import MoEConfig
 from .experts import dense_dot
 
 
-def route(x_flat, gate, expert_bias, valid, config: MoEConfig):
+def route(x_flat, gate, expert_bias, valid, config: MoEConfig, routing_indices=None):
     """(logits [T, E] fp32, merging weights [T, K] fp32, indices [T, K] int32, routing map [T, E] bool).
     valid [T] bool or None: a masked token's slots get index -1 (no expert), weight 0 and no routing-map
-    row, so it takes no expert row, no capacity and no count."""
+    row, so it takes no expert row, no capacity and no count. routing_indices [T, K] or None: the router's
+    replay (a slot it refuses has index -1)."""
     logits = dense_dot(x_flat, gate.astype(x_flat.dtype))  # [T, E]
     probs, routing_map, indices = fused_topk_with_score_function(
         logits,
@@ -30,8 +31,10 @@ def route(x_flat, gate, expert_bias, valid, config: MoEConfig):
         return_indices=True,
         normalize_topk=config.normalize_topk,
         group_score=config.group_score,
+        routing_indices=routing_indices,
     )
-    weights = jnp.take_along_axis(probs, indices, axis=1)  # before masking: -1 would wrap around
+    # -1 (a slot a replay refuses) would wrap around: such a slot has weight 0
+    weights = jnp.where(indices >= 0, jnp.take_along_axis(probs, jnp.maximum(indices, 0), axis=1), 0.0)
     if valid is not None:
         weights = jnp.where(valid[:, None], weights, 0.0)
         indices = jnp.where(valid[:, None], indices, -1)

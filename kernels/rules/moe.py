@@ -283,20 +283,35 @@ def check_options(
 
 
 def check_tokens(
-    *, x_shape: tuple[int, ...], token_mask: tuple[tuple[int, ...], str] | None, seq_aux_loss_coeff
+    *,
+    x_shape: tuple[int, ...],
+    token_mask: tuple[tuple[int, ...], str] | None,
+    seq_aux_loss_coeff,
+    routing_indices: tuple[tuple[int, ...], str] | None = None,
+    topk: int = 0,
 ) -> None:
     """x [..., H] against the token options: token_mask (its shape and dtype name, or None) must be bool
     of x's leading shape (True: a token the layer routes; False: padding, routed nowhere, counted in no
-    loss, load or capacity, output zero); the sequence-wise loss needs x [B, S, H]."""
+    loss, load or capacity, output zero); the sequence-wise loss needs x [B, S, H]. routing_indices (router
+    replay: the expert ids the router takes instead of choosing, moetriton's router `routing_indices`) must
+    be int32 or int64 [..., K] of x's leading shape."""
     if seq_aux_loss_coeff and len(x_shape) != 3:
         _fail("x", f"expected [B, S, H] with seq_aux_loss_coeff > 0 (sequences), got {list(x_shape)}")
-    if token_mask is None:
-        return
-    shape, dtype = token_mask
-    if list(shape) != list(x_shape[:-1]) or dtype != "bool":
-        _fail(
-            "token_mask", f"expected bool {list(x_shape[:-1])} (x's leading shape), got {dtype} {list(shape)}"
-        )
+    if token_mask is not None:
+        shape, dtype = token_mask
+        if list(shape) != list(x_shape[:-1]) or dtype != "bool":
+            _fail(
+                "token_mask",
+                f"expected bool {list(x_shape[:-1])} (x's leading shape), got {dtype} {list(shape)}",
+            )
+    if routing_indices is not None:
+        shape, dtype = routing_indices
+        expected = [*x_shape[:-1], topk]
+        if list(shape) != expected or dtype not in ("int32", "int64"):
+            _fail(
+                "routing_indices",
+                f"expected int32 or int64 {expected} (x's leading shape, topk), got {dtype} {list(shape)}",
+            )
 
 
 @dataclass(frozen=True)

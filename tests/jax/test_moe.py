@@ -115,6 +115,73 @@ def test_pipeline_chunks_on_one_device_match_reference(chunks):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_router_replay_of_the_router_s_own_choice_is_the_same_call(capacity_factor):
+    """routing_indices = the ids the router itself chooses on these logits: outputs, losses and every
+    gradient bit for bit those of the call without them."""
+    from moetriton.jax import fused_topk_with_score_function
+    from moetriton.jax.moe.experts import dense_dot
+
+    problem = fixed_problem(1, 1, routing="random", topk=2, align_size=2)
+    x, gate, gate_up, down = map(jnp.asarray, (problem.x, problem.gate, problem.gate_up, problem.down))
+    options = dict(topk=2, score_function="sigmoid", aux_loss_coeff=1e-2, capacity_factor=capacity_factor)
+    logits = dense_dot(x.reshape(-1, x.shape[-1]), gate)
+    chosen = fused_topk_with_score_function(logits, 2, score_function="sigmoid", return_indices=True)[2]
+    cotangent = jnp.asarray(np.random.default_rng(0).normal(size=x.shape).astype(np.float32))
+
+    def loss(x, gate, gate_up, down, routing_indices):
+        out, aux_loss, dropped = moe(x, gate, gate_up, down, **options, routing_indices=routing_indices)
+        return jnp.sum(out * cotangent) + aux_loss, (out, aux_loss, dropped)
+
+    step = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+    free = step(x, gate, gate_up, down, None)
+    replayed = step(x, gate, gate_up, down, chosen.reshape(*x.shape[:2], 2))
+    for a, b in zip(jax.tree.leaves(replayed), jax.tree.leaves(free), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_expert_mlp_rebuilding_the_activation_keeps_the_gradients_bit_for_bit():
+    """expert_mlp rematerialises the activation output in the backward: its output and every gradient
+    equal those of the same ops without the checkpoint bit for bit, and the activation output [N, F] is not
+    among the residuals while the gate/up output [N, 2F] is."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from moetriton.jax.activation import grouped_activation
+    from moetriton.jax.grouped_gemm import grouped_matmul
+    from moetriton.jax.moe.config import MoEConfig
+    from moetriton.jax.moe.experts import expert_mlp
+
+    rng = np.random.default_rng(0)
+    rows, hidden, ffn = 9, 8, 6
+    x = jnp.asarray(rng.normal(size=(rows, hidden)).astype(np.float32))
+    gate_up = jnp.asarray(rng.normal(0, 0.3, (3, hidden, 2 * ffn)).astype(np.float32))
+    down = jnp.asarray(rng.normal(0, 0.3, (3, ffn, hidden)).astype(np.float32))
+    sizes = jnp.asarray([3, 0, 5])  # the last row lies past the groups
+    cotangent = jnp.asarray(rng.normal(size=(rows, hidden)).astype(np.float32))
+    config = MoEConfig(
+        topk=1, dtype="float32", mesh=None, ep_axis=None, data_axes=(), exchange="ragged", num_shards=1,
+        ep_size=1,
+    )  # fmt: skip
+
+    def fused(x, gate_up, down):
+        return expert_mlp(x, sizes, gate_up, down, config)
+
+    def unfused(x, gate_up, down):
+        h = grouped_matmul(x, gate_up, sizes, zero_tail=False)
+        return grouped_matmul(grouped_activation(h, sizes, "swiglu"), down, sizes, zero_tail=False)
+
+    results = []
+    for function in (fused, unfused):
+        out, vjp = jax.vjp(function, x, gate_up, down)
+        grad_x, grad_gate_up, grad_down = vjp(cotangent)
+        # rows past the groups are unspecified (zero_tail=False), forward and backward
+        results.append((out[:8], grad_x[:8], grad_gate_up, grad_down))
+    for got, expected in zip(*results, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    kept = [residual.shape for residual, _ in saved_residuals(fused, x, gate_up, down)]
+    assert (rows, ffn) not in kept and (rows, 2 * ffn) in kept, kept
+
+
 def test_bf16_compute_matches_fp32_reference():
     problem = fixed_problem(1, 1, routing="empty_ranks", topk=2, align_size=4)
     with jax.default_matmul_precision("highest"):

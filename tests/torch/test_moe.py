@@ -526,6 +526,33 @@ def test_expert_mlp_fallback_zeroes_tail_rows():
     assert torch.equal(got[6:], torch.zeros_like(got[6:]))
 
 
+@pytest.mark.parametrize("use_grouped_mm", [False, True])
+def test_expert_mlp_rebuilding_the_activation_keeps_the_gradients_bit_for_bit(use_grouped_mm):
+    """expert_mlp keeps the gate/up output, not the activation output, and computes the latter again in the
+    backward: its output and every gradient equal autograd's through the unfused ops bit for bit
+    (torch._grouped_mm runs on CPU too, in bf16), and the rows' tail past the groups gets what it got."""
+    from moetriton.torch.activation import ACTIVATE
+    from moetriton.torch.moe.experts import grouped_linear
+
+    dtype = torch.bfloat16 if use_grouped_mm else torch.float32
+    _, gate_up, down = _weights(dtype=dtype)
+    rows = torch.cat([_tokens(6, dtype=dtype), torch.zeros(2, H, device=DEVICE, dtype=dtype)])
+    sizes = torch.tensor([2, 0, 3, 1], device=DEVICE)
+    cotangent = _tokens(8, seed=3, dtype=dtype)
+    results = []
+    for fused in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (rows, gate_up, down)]
+        if fused:
+            out = expert_mlp(*leaves[:1], sizes, *leaves[1:], "swiglu", use_grouped_mm=use_grouped_mm)
+        else:
+            hidden = grouped_linear(leaves[0], sizes, leaves[1], use_grouped_mm=use_grouped_mm)
+            out = grouped_linear(ACTIVATE(hidden, "swiglu"), sizes, leaves[2], use_grouped_mm=use_grouped_mm)
+        (out * cotangent).sum().backward()
+        results.append([out.detach(), *(leaf.grad for leaf in leaves)])
+    for fused, unfused in zip(*results, strict=True):
+        assert torch.equal(fused, unfused)
+
+
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
 def test_bf16_layer_routes_like_the_reference(capacity_factor):
     """bf16 tokens and weights: the same experts and drops as the fp32 reference (which rounds the logits
@@ -566,6 +593,75 @@ def test_geglu_activation():
     out, _, _, _ = _run(x, [gate, gate_up, down], topk=2, activation="geglu")
     expected, _, _ = moe_reference(x, gate, gate_up, down, topk=2, activation="geglu")
     torch.testing.assert_close(out, expected, **TOLERANCE)
+
+
+def test_clamped_swiglu_activation():
+    """GPT-OSS's activation in the layer, gate_up scaled so that a third of the pre-activations lie past
+    +-7 (the clamps matter): the output and every gradient are the reference's."""
+    x = _tokens(6)
+    gate, gate_up, down = _weights()
+    gate_up = 8 * gate_up
+    assert ((x @ gate_up).abs() > 7).float().mean() > 0.2
+    out, _, _, grads = _run(x, [gate, gate_up, down], topk=2, activation="clamped_swiglu")
+    leaves = [w.clone().requires_grad_() for w in (x, gate, gate_up, down)]
+    expected, expected_aux, _ = moe_reference(*leaves, topk=2, activation="clamped_swiglu")
+    weights = torch.linspace(-1, 1, expected.numel(), device=DEVICE).view_as(expected)
+    ((expected * weights).sum() + expected_aux).backward()
+    for got, want in zip([out, *grads], [expected, *(leaf.grad for leaf in leaves)], strict=True):
+        torch.testing.assert_close(got, want.detach(), **TOLERANCE)
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_router_replay_of_the_router_s_own_choice_is_the_same_call(score_function):
+    """routing_indices = the ids the router itself chooses on these logits: outputs, losses and every
+    gradient bit for bit those of the call without them (weights come from the logits either way)."""
+    x = _tokens(6)
+    weights = _weights()
+    options = dict(topk=2, score_function=score_function, aux_loss_coeff=1e-2, z_loss_coeff=1e-3)
+    logits = torch.nn.functional.linear(x, weights[0])
+    _, _, chosen = mt.fused_topk_with_score_function(
+        logits, 2, score_function=score_function, return_indices=True
+    )
+    free = _run(x, weights, **options)
+    replayed = _run(x, weights, **options, routing_indices=chosen)
+    for got, want in zip([*replayed[:3], *replayed[3]], [*free[:3], *free[3]], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_router_replay_of_hostile_ids_matches_the_reference():
+    """Replayed ids out of range, negative, past int32 and repeated within a token (they select nothing),
+    with the aux loss: the output, losses and gradients are the reference's replay."""
+    x = _tokens(6).view(2, 3, H)
+    gate, gate_up, down = _weights()
+    ids = torch.tensor([[[0, 0], [5, -1], [E, 2]], [[1, 3], [-(2**40), 2**40], [2, 1]]], device=DEVICE)
+    options = dict(topk=2, score_function="sigmoid", aux_loss_coeff=1e-2)
+    leaves = [w.clone().requires_grad_() for w in (x, gate, gate_up, down)]
+    out, aux_loss, dropped = mt.moe(*leaves, **options, routing_indices=ids)
+    expected_leaves = [w.clone().requires_grad_() for w in (x, gate, gate_up, down)]
+    expected, expected_aux, expected_dropped = moe_reference(*expected_leaves, **options, routing_indices=ids)
+    cotangent = torch.linspace(-1, 1, out.numel(), device=DEVICE).view_as(out)
+    for result, aux in ((out, aux_loss), (expected, expected_aux)):
+        ((result.float() * cotangent).sum() + aux).backward()
+    torch.testing.assert_close(out, expected, **TOLERANCE)
+    torch.testing.assert_close(aux_loss, expected_aux, **TOLERANCE)
+    assert int(dropped) == int(expected_dropped) == 0
+    for leaf, want in zip(leaves, expected_leaves, strict=True):
+        torch.testing.assert_close(leaf.grad, want.grad, **TOLERANCE)
+    # token (1, 1) replays no valid id: its output is exactly zero
+    assert not out[1, 1].any()
+
+
+@pytest.mark.parametrize(
+    ("routing_indices", "match"),
+    [
+        (torch.zeros(6, 3, dtype=torch.int64), r"routing_indices: expected int32 or int64 \[6, 2\]"),
+        (torch.zeros(6, 2), r"routing_indices: expected int32 or int64 \[6, 2\]"),
+        (torch.zeros(6, 2, dtype=torch.int16), "got int16"),
+    ],
+)
+def test_router_replay_refuses_bad_ids(routing_indices, match):
+    with pytest.raises(ValueError, match=match):
+        mt.moe(_tokens(6), *_weights(), topk=2, routing_indices=routing_indices.to(DEVICE))
 
 
 def test_module_runs_the_functional_layer():

@@ -96,6 +96,7 @@ def _check_moe(
     shared_down: Signature | None,
     shared_gate: Signature | None,
     token_mask: Signature | None,
+    routing_indices: Signature | None,
     ep_size: int,
     activation,
     score_function,
@@ -127,11 +128,13 @@ def _check_moe(
     )
     shared = dict(shared_gate_up=shared_gate_up, shared_down=shared_down, shared_gate=shared_gate)
     arrays = dict(gate_weight=gate_weight, gate_up=gate_up, down=down, expert_bias=expert_bias, **shared)
-    same_device(x=x, token_mask=token_mask, **arrays)
+    same_device(x=x, token_mask=token_mask, routing_indices=routing_indices, **arrays)
     layer_rules.check_tokens(
         x_shape=tuple(x[0]),
         token_mask=None if token_mask is None else (tuple(token_mask[0]), str(token_mask[1]).split(".")[-1]),
         seq_aux_loss_coeff=coefficients["seq_aux_loss_coeff"],
+        routing_indices=describe(routing_indices),
+        topk=router[0],
     )
     if len(gate_weight[0]) != 2:
         raise ValueError(f"gate_weight: expected [E, H], got shape {list(gate_weight[0])}")
@@ -212,6 +215,7 @@ def moe(
     token_mask: Tensor | None = None,
     return_stats: bool = False,
     balance_counts: str = "routed",
+    routing_indices: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor] | tuple[Tensor, Tensor, Tensor, MoEStats]:
     """One MoE layer on this rank's tokens, experts sharded over `ep_group` (see the module docstring).
 
@@ -240,7 +244,8 @@ def moe(
             selection; MoEStats.routed is the routed slots either way.
         align_size: rows per expert block padded to a multiple of this (dropless; the capacity is rounded
             up to it).
-        activation: "swiglu" (default), "geglu" (gated), "gelu" or "relu" (non-gated): ACTIVATIONS.
+        activation: "swiglu" (default), "geglu", "clamped_swiglu" (gated; GPT-OSS's), "gelu" or "relu"
+            (non-gated): ACTIVATIONS.
         capacity_factor: None for dropless; c > 0 for C = c x the balanced load per (rank, expert).
         drop_policy: which slots a full expert keeps under capacity_factor: "position" (its first C, in
             token order) or "probs" (its C of highest merging weight, ties to the earlier slot).
@@ -280,6 +285,11 @@ def moe(
             slot, counts in no loss, load or capacity, and gets a zero output row and zero gradient.
         return_stats: also return the call's MoEStats (losses by name, per-expert routed and kept slots,
             loads), device tensors global over token_group.
+        routing_indices: int32/int64 [..., K] (x's leading shape) or None: router replay, the expert ids
+            the router takes instead of choosing (e.g. recorded at inference, from the router's returned
+            indices), with this call's weights from this call's logits; ids outside [0, E) and repeats
+            within a token select nothing (docs/router.md, "Router replay"). Losses and statistics follow
+            the replayed selection.
 
     Returns:
         (out [..., H] in x.dtype, aux_loss fp32 scalar, dropped int32 scalar), and the MoEStats with
@@ -309,6 +319,7 @@ def moe(
         shared_down=signature(shared_down),
         shared_gate=signature(shared_gate),
         token_mask=signature(token_mask),
+        routing_indices=signature(routing_indices),
         ep_size=ep_size,
         activation=activation,
         score_function=score_function,
@@ -338,11 +349,13 @@ def moe(
     )
     row_exchange = _exchange(layout, ep_group, ep_rank, tokens.device, exchange)
     with stage("router"):
+        replayed = None if routing_indices is None else routing_indices.reshape(-1, topk)  # [T, K]
         routing = route(
             tokens,
             gate_weight,
             valid,
             expert_bias,
+            replayed,
             **dict(zip(layer_rules.ROUTER_OPTIONS, router, strict=True)),
         )
         aux_loss, dropped, stats = routing_statistics(
@@ -402,9 +415,9 @@ class MoELayer(nn.Module):
     (Qwen-MoE) also shared_gate [H, 1], scaling their output per token by sigmoid(x @ shared_gate) (see
     `moe`).
 
-    forward(x [..., H], token_mask=None, return_stats=False) -> (out [..., H], aux_loss fp32 scalar,
-    dropped int32 scalar[, MoEStats]); the loss coefficients, drop_policy and balance_counts are `moe`'s
-    options.
+    forward(x [..., H], token_mask=None, return_stats=False, routing_indices=None) -> (out [..., H],
+    aux_loss fp32 scalar, dropped int32 scalar[, MoEStats]); the loss coefficients, drop_policy and
+    balance_counts are `moe`'s options.
 
     The dropless row exchange with EP > 1 is `exchange` ("auto": peer memory on GPUs of one host,
     all_to_all_single otherwise, an EP group that spans hosts included); every rank's host comes from the
@@ -527,9 +540,14 @@ class MoELayer(nn.Module):
                 nn.init.normal_(weight, std=weight.shape[0] ** -0.5)
 
     def forward(
-        self, x: Tensor, token_mask: Tensor | None = None, return_stats: bool = False
+        self,
+        x: Tensor,
+        token_mask: Tensor | None = None,
+        return_stats: bool = False,
+        routing_indices: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor] | tuple[Tensor, Tensor, Tensor, MoEStats]:
-        """`moe` with this layer's parameters and options: (out, aux_loss, dropped[, stats])."""
+        """`moe` with this layer's parameters and options: (out, aux_loss, dropped[, stats]);
+        routing_indices [..., K] replays a recorded selection (`moe`)."""
         return moe(
             x,
             self.gate_weight,
@@ -543,6 +561,7 @@ class MoELayer(nn.Module):
             shared_gate=self.shared_gate,
             token_mask=token_mask,
             return_stats=return_stats,
+            routing_indices=routing_indices,
             **self.options,
         )
 

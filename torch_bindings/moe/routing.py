@@ -29,17 +29,23 @@ class Routing:
 
 
 def route(
-    tokens: Tensor, gate_weight: Tensor, valid: Tensor | None, expert_bias: Tensor | None, **router
+    tokens: Tensor,
+    gate_weight: Tensor,
+    valid: Tensor | None,
+    expert_bias: Tensor | None,
+    routing_indices: Tensor | None = None,
+    **router,
 ) -> Routing:
     """The router on tokens [T, H] with gate_weight [E, H] (logits in tokens.dtype, fp32 accumulation) and
     the router's options (moetriton.kernels.rules.moe.ROUTER_OPTIONS, by name). valid [T] bool or None:
     False marks padding, which takes no slot (index -1 is no expert to the dispatch), no weight and no
-    count."""
+    count. routing_indices [T, K] or None: the router's replay (a slot it refuses has index -1)."""
     logits = F.linear(tokens, gate_weight)  # [T, E]
     probs, routing_map, indices = fused_topk_with_score_function(
-        logits, expert_bias=expert_bias, return_indices=True, **router
+        logits, expert_bias=expert_bias, return_indices=True, routing_indices=routing_indices, **router
     )
-    merging = probs.gather(1, indices.long())  # [T, K]
+    # [T, K]; a slot without expert (-1, from a replay) has weight 0
+    merging = torch.where(indices >= 0, probs.gather(1, indices.clamp_min(0).long()), 0.0)
     if valid is not None:
         routing_map = routing_map & valid[:, None]
         indices = torch.where(valid[:, None], indices, -1)
