@@ -239,8 +239,8 @@ def moe_arguments(block: nn.Module) -> dict:
     renormalisation); DeepSeek-V3 and GLM-4-MoE (sigmoid, correction bias, groups scored by their top-2
     sum, with or without renormalisation, scaling, shared experts); DeepSeek-V2 (softmax, greedy or
     group-limited by the group's largest score, scaling, shared experts); ERNIE-4.5-MoE (softmax, selection
-    with a correction bias, renormalised, shared experts). Other blocks (GPT-OSS: expert biases and a clamped
-    gate; Llama 4: weights on the experts' input) raise NotImplementedError naming what is missing.
+    with a correction bias, renormalised, shared experts). Other blocks (GPT-OSS: a router bias and expert
+    biases; Llama 4: weights on the experts' input) raise NotImplementedError naming what is missing.
 
     Example:
         >>> from transformers import MixtralConfig
