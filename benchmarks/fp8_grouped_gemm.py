@@ -9,10 +9,11 @@ For every layer shape (rows = T x K routed slots split evenly over E experts) an
 (gate_up: K = H, N = 2F; down: K = F, N = H), per recipe: the quantization of the rows (rowwise and
 columnwise), of the output gradient and of the weights (both copies), in ms and GB/s of bytes read and
 written; the three products (forward, data gradient, weight gradient with bf16 output) in ms and TFLOP/s
-(2 M K N per GEMM); beside them our bf16 grouped GEMM's forward and a dense FP8 GEMM (torch._scaled_mm,
-tensorwise scales) of M x K x N, both timed in the same run. GPU timings are CUDA-graph replays
-(benchmarks.timing.time_graph). --tiny runs a tiny shape, on the GPU or, without one, on CPU under the
-Triton interpreter (host wall-clock times), with no dense baselines: a check that every path runs. Writes
+(2 M K N per GEMM); beside them our bf16 grouped GEMM's forward, a dense FP8 GEMM (torch._scaled_mm,
+tensorwise scales) and a dense bf16 GEMM of M x K x N, all timed in the same run. GPU timings are
+CUDA-graph replays (benchmarks.timing.time_graph). --tiny runs a tiny shape, on the GPU or, without one, on
+CPU under the Triton interpreter (host wall-clock times), with no dense baselines: a check that every path
+runs. Writes
 <out>/<machine>/fp8_grouped_gemm.csv (benchmarks.common).
 """
 
@@ -55,6 +56,14 @@ def _dense_fp8_ms(timer, rows: int, depth: int, num_cols: int) -> float:
     rhs = torch.randn(num_cols, depth, device="cuda").to(torch.float8_e4m3fn).t()
     one = torch.ones((), device="cuda")
     return timer([lambda: torch._scaled_mm(lhs, rhs, one, one, out_dtype=torch.bfloat16)])
+
+
+def _dense_bf16_ms(timer, rows: int, depth: int, num_cols: int) -> float:
+    """ms of a dense [M, K] x [K, N] bf16 GEMM (cuBLAS through torch.matmul): the bf16 tensor cores' rate
+    on these sizes, beside which the FP8 ones read."""
+    lhs = torch.randn(rows, depth, device="cuda", dtype=torch.bfloat16)
+    rhs = torch.randn(depth, num_cols, device="cuda", dtype=torch.bfloat16)
+    return timer([lambda: lhs @ rhs])
 
 
 def _bf16_forward_ms(timer, rows, weights, sizes) -> float:
@@ -154,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
                     timer, operands["rows"], operands["weights"], operands["group_sizes"]
                 )
                 dense_ms = _dense_fp8_ms(timer, num_rows, depth, num_cols)
+                dense_bf16_ms = _dense_bf16_ms(timer, num_rows, depth, num_cols)
                 baselines = dict(
                     bf16_forward_tflops=round(flops / bf16_ms / 1e9, 2),
                     dense_fp8_tflops=round(flops / dense_ms / 1e9, 2),
+                    dense_bf16_tflops=round(flops / dense_bf16_ms / 1e9, 2),
                 )
             for recipe in args.recipes.split(","):
                 row = dict(
@@ -167,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{name:<8} {gemm:<8} {recipe:<10} forward {row['forward_tflops']:8.2f} dgrad "
                     f"{row['dgrad_tflops']:8.2f} wgrad {row['wgrad_tflops']:8.2f} TFLOP/s"
                     + (f"  (bf16 {baselines['bf16_forward_tflops']}, dense fp8 "
-                       f"{baselines['dense_fp8_tflops']})" if baselines else ""),
+                       f"{baselines['dense_fp8_tflops']}, dense bf16 {baselines['dense_bf16_tflops']})"
+                       if baselines else ""),
                     flush=True,
                 )  # fmt: skip
             del operands

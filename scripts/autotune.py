@@ -154,68 +154,66 @@ def _cases(shape: MoEShape, kind: str, device, tuned):
 
 
 def _fp8_cases(shape: MoEShape, info, generator: torch.Generator):
-    """The FP8 grouped GEMMs of both recipes at a layer shape's gate/up projection (K = H, N = 2F, balanced
-    groups): forward and data gradient (one search space per recipe) and weight gradient. One input set:
-    the operands exceed the L2 many times over."""
+    """The FP8 grouped GEMMs of both recipes at a layer shape's two projections (gate/up: K = H, N = 2F;
+    down: K = F, N = H; balanced groups): forward and data gradient (one search space per recipe) and weight
+    gradient. One input set: the operands exceed the L2 many times over."""
     layer = MOE_LAYER_SHAPES.get(shape.name)
     if layer is None:
         return
     import moetriton.torch as mt
 
-    rows, depth, num_cols, experts = (
-        layer.num_tokens * layer.topk,
-        layer.hidden,
-        2 * layer.ffn,
-        layer.num_experts,
-    )
+    rows, experts = layer.num_tokens * layer.topk, layer.num_experts
     sizes = torch.full((experts,), rows // experts, dtype=torch.int32, device="cuda")
     sizes[: rows % experts] += 1
-    features = dict(rows_per_group=-(-rows // experts), depth=depth, num_cols=num_cols)
     common = dict(num_rows=rows, num_groups=experts, device=info)
-    for recipe, spec in RECIPES.items():
-        x = torch.randn(rows, depth, device="cuda", generator=generator, dtype=DTYPE)
-        dy = torch.randn(rows, num_cols, device="cuda", generator=generator, dtype=DTYPE)
-        w = torch.randn(experts, depth, num_cols, device="cuda", generator=generator, dtype=DTYPE)
-        x_rows, x_scale, x_cols, x_cols_scale = mt.quantize(x, sizes, recipe, columnwise=True)
-        gradient = getattr(torch, spec.gradient_dtype)
-        dy_rows, dy_scale, dy_cols, dy_cols_scale = mt.quantize(
-            dy, sizes, recipe, fp8_dtype=gradient, columnwise=True
-        )
-        w_rows, w_cols, w_scale = mt.quantize_weights(w, recipe)
-        del x, dy, w
-        space = f"fp8_grouped_matmul_{recipe}"
-        yield (
-            space,
-            features,
-            lambda c, r=recipe: kernels.fp8_grouped_matmul_plan(
-                recipe=r, depth=depth, num_cols=num_cols, **common, config=c
-            ),
-            [dict(lhs=x_rows, rhs=w_cols, lhs_scale=x_scale, rhs_scale=w_scale, group_sizes=sizes)],
-        )
-        yield (
-            space,
-            dict(features, depth=num_cols, num_cols=depth),
-            lambda c, r=recipe: kernels.fp8_grouped_matmul_plan(
-                recipe=r, depth=num_cols, num_cols=depth, data_gradient=True, **common, config=c
-            ),
-            [dict(lhs=dy_rows, rhs=w_rows, lhs_scale=dy_scale, rhs_scale=w_scale, group_sizes=sizes)],
-        )
-        yield (
-            f"fp8_grouped_matmul_wgrad_{recipe}",
-            features,
-            lambda c, r=recipe: kernels.fp8_grouped_matmul_wgrad_plan(
-                recipe=r, depth=depth, num_cols=num_cols, **common, config=c
-            ),
-            [
-                dict(
-                    lhs=x_cols,
-                    grad=dy_cols,
-                    lhs_scale=x_cols_scale,
-                    grad_scale=dy_cols_scale,
-                    group_sizes=sizes,
-                )
-            ],
-        )
+    for depth, num_cols in ((layer.hidden, 2 * layer.ffn), (layer.ffn, layer.hidden)):
+        features = dict(rows_per_group=-(-rows // experts), depth=depth, num_cols=num_cols)
+        shapes = dict(depth=depth, num_cols=num_cols)
+        transposed = dict(depth=num_cols, num_cols=depth)
+        for recipe, spec in RECIPES.items():
+            x = torch.randn(rows, depth, device="cuda", generator=generator, dtype=DTYPE)
+            dy = torch.randn(rows, num_cols, device="cuda", generator=generator, dtype=DTYPE)
+            w = torch.randn(experts, depth, num_cols, device="cuda", generator=generator, dtype=DTYPE)
+            x_rows, x_scale, x_cols, x_cols_scale = mt.quantize(x, sizes, recipe, columnwise=True)
+            gradient = getattr(torch, spec.gradient_dtype)
+            dy_rows, dy_scale, dy_cols, dy_cols_scale = mt.quantize(
+                dy, sizes, recipe, fp8_dtype=gradient, columnwise=True
+            )
+            w_rows, w_cols, w_scale = mt.quantize_weights(w, recipe)
+            del x, dy, w
+            space = f"fp8_grouped_matmul_{recipe}"
+            yield (
+                space,
+                features,
+                lambda c, r=recipe, s=shapes: kernels.fp8_grouped_matmul_plan(
+                    recipe=r, **s, **common, config=c
+                ),
+                [dict(lhs=x_rows, rhs=w_cols, lhs_scale=x_scale, rhs_scale=w_scale, group_sizes=sizes)],
+            )
+            yield (
+                space,
+                dict(features, **transposed),
+                lambda c, r=recipe, s=transposed: kernels.fp8_grouped_matmul_plan(
+                    recipe=r, **s, data_gradient=True, **common, config=c
+                ),
+                [dict(lhs=dy_rows, rhs=w_rows, lhs_scale=dy_scale, rhs_scale=w_scale, group_sizes=sizes)],
+            )
+            yield (
+                f"fp8_grouped_matmul_wgrad_{recipe}",
+                features,
+                lambda c, r=recipe, s=shapes: kernels.fp8_grouped_matmul_wgrad_plan(
+                    recipe=r, **s, **common, config=c
+                ),
+                [
+                    dict(
+                        lhs=x_cols,
+                        grad=dy_cols,
+                        lhs_scale=x_cols_scale,
+                        grad_scale=dy_cols_scale,
+                        group_sizes=sizes,
+                    )
+                ],
+            )
 
 
 def _router_cases(shape: MoEShape, info, generator: torch.Generator):
