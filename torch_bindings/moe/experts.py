@@ -45,6 +45,12 @@ def _group_ends(group_sizes: Tensor, num_rows: int) -> Tensor:
     return offsets
 
 
+def _expert_of_row(offsets: Tensor, num_rows: int) -> Tensor:
+    """[N, 1] int64 the group of each of num_rows rows from `_group_ends`' offsets [L] (no host sync)."""
+    positions = torch.arange(num_rows, device=offsets.device, dtype=torch.int32)
+    return torch.searchsorted(offsets, positions, right=True)[:, None]
+
+
 def grouped_linear(
     rows: Tensor,
     group_sizes: Tensor,
@@ -77,8 +83,7 @@ def grouped_linear(
             out = torch._grouped_mm(rows, weight, offs=offsets)
             expert_of_row = None
         else:
-            positions = torch.arange(rows.shape[0], device=rows.device, dtype=torch.int32)
-            expert_of_row = torch.searchsorted(offsets, positions, right=True)[:, None]  # [N, 1]
+            expert_of_row = _expert_of_row(offsets, rows.shape[0])
             out = rows.new_zeros(rows.shape[0], weight.shape[2])
             for expert in range(weight.shape[0]):
                 mine = expert_of_row == expert
@@ -89,8 +94,7 @@ def grouped_linear(
         if bias is None:
             return out
         if expert_of_row is None:
-            positions = torch.arange(rows.shape[0], device=rows.device, dtype=torch.int32)
-            expert_of_row = torch.searchsorted(offsets, positions, right=True)[:, None]
+            expert_of_row = _expert_of_row(offsets, rows.shape[0])
         # Rows past the groups searchsort to L; they join the last group as in the product.
         return out + bias[expert_of_row[:, 0].clamp_max(weight.shape[0] - 1)].to(out.dtype)
 
@@ -101,8 +105,7 @@ def _grouped_weight_gradient(rows: Tensor, grad: Tensor, group_sizes: Tensor, us
     offsets = _group_ends(group_sizes, rows.shape[0])
     if use_grouped_mm:
         return torch._grouped_mm(rows.t(), grad, offs=offsets)
-    positions = torch.arange(rows.shape[0], device=rows.device, dtype=torch.int32)
-    expert_of_row = torch.searchsorted(offsets, positions, right=True)[:, None]  # [N, 1]
+    expert_of_row = _expert_of_row(offsets, rows.shape[0])
     # Each group's rows alone on both sides: another group's non-finite row must not reach this gradient.
     return torch.stack(
         [
