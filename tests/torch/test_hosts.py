@@ -7,7 +7,9 @@ Every spawned group runs under a time limit, so a rank left waiting fails the te
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 
 import pytest
 import torch
@@ -164,6 +166,17 @@ def _refusal_worker(rank: int, world: int, store: str) -> None:
         total = torch.ones(1)
         dist.all_reduce(total)  # nobody was left inside a collective
         assert total.item() == world
+
+        # The hosts' memo holds no group alive: a dropped group is freed (gloo groups that outlive their
+        # destruction are torn down at interpreter exit, where their threads can abort the process).
+        os.environ[HOSTS_VARIABLE] = TWO_HOSTS_OF_TWO
+        dropped = dist.new_group(list(range(world)))
+        assert group_hosts(dropped) == (0, 0, 1, 1)
+        dist.destroy_process_group(dropped)
+        freed = weakref.ref(dropped)
+        del dropped
+        gc.collect()
+        assert freed() is None
     finally:
         dist.destroy_process_group()
 

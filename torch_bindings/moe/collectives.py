@@ -4,9 +4,9 @@ per group)."""
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
+import weakref
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -69,7 +69,11 @@ def host_label(rank: int, world_size: int, environ: Mapping[str, str]) -> str:
     return socket.gethostname() if node is None else f"{socket.gethostname()} node {node}"
 
 
-@functools.cache
+# Weak keys: a memo must not keep a process group alive after its owner drops it (a gloo group that outlives
+# destroy_process_group is torn down during interpreter shutdown, where its threads can abort the process).
+_HOSTS_OF_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def group_hosts(group: dist.ProcessGroup) -> tuple[int, ...]:
     """The host id of every rank of `group` [group size] (ints from 0, in the order of each host's first
     rank; see `host_label`), the same tuple on every rank. A collective on the first call for a group (every
@@ -81,6 +85,9 @@ def group_hosts(group: dist.ProcessGroup) -> tuple[int, ...]:
         >>> group_hosts(dist.group.WORLD)  # doctest: +SKIP
         (0, 0, 1, 1)
     """
+    group = dist.group.WORLD if group is None else group
+    if group in _HOSTS_OF_GROUP:
+        return _HOSTS_OF_GROUP[group]
     declared = os.environ.get(HOSTS_VARIABLE)
     try:
         mine = (declared, host_label(dist.get_rank(), dist.get_world_size(), os.environ), None)
@@ -95,7 +102,9 @@ def group_hosts(group: dist.ProcessGroup) -> tuple[int, ...]:
     if len(set(values)) > 1:
         raise ValueError(f"{HOSTS_VARIABLE}: expected the same value on every rank, got {values}")
     ids: dict[str, int] = {}
-    return tuple(ids.setdefault(label, len(ids)) for _, label, _ in everyone)
+    hosts = tuple(ids.setdefault(label, len(ids)) for _, label, _ in everyone)
+    _HOSTS_OF_GROUP[group] = hosts
+    return hosts
 
 
 def _all_to_all(
