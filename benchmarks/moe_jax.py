@@ -132,7 +132,7 @@ from moetriton.jax import reference_router, token_combine, token_dispatch
 from moetriton.jax.activation import apply_activation
 from moetriton.jax.moe import MoEConfig, dropless_forward, dropless_reverse, exchange_sizes, moe
 from moetriton.jax.moe.exchange import resolve_exchange
-from moetriton.jax.moe.experts import expert_major_rows, expert_mlp
+from moetriton.jax.moe.experts import ExpertWeights, expert_major_rows, expert_mlp
 from moetriton.jax.moe.routing import route
 from moetriton.jax.router import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss
 from moetriton.kernels.rules.expert_parallel import ep_layout
@@ -226,7 +226,7 @@ def router_stage(x_flat, gate, expert_bias, config: MoEConfig, num_tokens_global
     """The layer's router stage alone (moetriton.jax.moe.routing.route), without a mask, as this benchmark
     times it: (merging weights [T, K] fp32, indices [T, K] int32, routed slots per expert [E] int32, partial
     load-balancing loss of this shard (fp32 scalar; the psum over token shards is the global loss))."""
-    logits, weights, indices, routing_map = route(x_flat, gate, expert_bias, None, config)
+    logits, weights, indices, routing_map = route(x_flat, gate, None, expert_bias, None, config)
     routed = routing_map.sum(0, dtype=jnp.int32)
     if config.aux_loss_coeff == 0 or num_tokens_global == 0:  # no tokens anywhere: no loss
         return weights, indices, routed, jnp.zeros((), jnp.float32)
@@ -559,7 +559,7 @@ def stage_times(case: Case, mesh: Mesh | None, arrays, steps: int) -> dict[str, 
         order = None
         if case.ep > 1:  # received rows, source-major: read and written in expert-major order
             order = expert_major_rows(sizes["chunk_sizes"], layout, False, rows.shape[0])
-        return expert_mlp(rows, sizes["group_sizes"], gate_up, down, config, order)
+        return expert_mlp(rows, sizes["group_sizes"], ExpertWeights(gate_up, down), config, order)
 
     def combine(rows, weights, row_id_map):
         return token_combine(rows, row_id_map, weights)

@@ -24,10 +24,14 @@ from .activation import apply_activation
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _expert(x: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str) -> jax.Array:
-    """One slot per token: x [T, H] through per-token expert weights gate_up [T, H, 2F], down [T, F, H]."""
+def _expert(x, gate_up, down, activation: str, gate_up_bias=None, down_bias=None) -> jax.Array:
+    """One slot per token: x [T, H] through per-token expert weights gate_up [T, H, 2F], down [T, F, H]
+    and biases gate_up_bias [T, 2F], down_bias [T, H] where given."""
     hidden = jnp.einsum("th,thf->tf", x, gate_up, precision=_HIGHEST)
-    return jnp.einsum("tf,tfh->th", apply_activation(hidden, activation), down, precision=_HIGHEST)
+    if gate_up_bias is not None:
+        hidden = hidden + gate_up_bias
+    out = jnp.einsum("tf,tfh->th", apply_activation(hidden, activation), down, precision=_HIGHEST)
+    return out if down_bias is None else out + down_bias
 
 
 def _kept(
@@ -104,6 +108,9 @@ def moe_reference(
     down: jax.Array,
     *,
     expert_bias: jax.Array | None = None,
+    gate_bias: jax.Array | None = None,
+    gate_up_bias: jax.Array | None = None,
+    down_bias: jax.Array | None = None,
     shared_gate_up: jax.Array | None = None,
     shared_down: jax.Array | None = None,
     shared_gate: jax.Array | None = None,
@@ -120,6 +127,8 @@ def moe_reference(
     shared_gate_up [H, 2Fs] (or [H, Fs]), shared_down [Fs, H], shared_gate [H, 1]: the shared experts, a
     dense FFN of every token added to the routed output (times sigmoid(x @ shared_gate) per token).
     token_mask [B, S] bool: False tokens are routed nowhere, counted nowhere, output zero.
+    gate_bias [E], gate_up_bias [E, 2F] (or [E, F]), down_bias [E, H]: the router's logit bias and the
+    experts' projection biases.
 
     Example:
         >>> out, aux_loss, dropped = moe_reference(x, gate, gate_up, down, topk=2, capacity_factor=1.0,
@@ -138,6 +147,8 @@ def moe_reference(
     # Padding enters as zeros (NON_FINITE "padding"): what it holds reaches no result and no gradient.
     x_flat = jnp.where(valid[:, None], x.reshape(num_tokens, hidden).astype(jnp.float32), 0.0)
     logits = jnp.dot(x_flat, gate.astype(jnp.float32), precision=_HIGHEST)
+    if gate_bias is not None:
+        logits = logits + gate_bias.astype(jnp.float32)
     bias = None if expert_bias is None else jax.lax.stop_gradient(expert_bias.astype(jnp.float32))
     probs, routing_map, indices = reference_router.fused_topk_with_score_function(
         logits,
@@ -163,13 +174,18 @@ def moe_reference(
         out = jnp.zeros((shard_tokens, hidden), jnp.float32)
         for slot in range(topk):
             expert = indices[rows, slot]
+            weight = weights[rows, slot, None]
             y = _expert(
-                x_flat[rows],
+                weight * x_flat[rows] if opts.probs_on_input else x_flat[rows],
                 gate_up[expert].astype(jnp.float32),
                 down[expert].astype(jnp.float32),
                 activation,
+                *(
+                    None if bias is None else bias[expert].astype(jnp.float32)
+                    for bias in (gate_up_bias, down_bias)
+                ),
             )
-            out += jnp.where(kept[:, slot, None], weights[rows, slot, None] * y, 0.0)
+            out += jnp.where(kept[:, slot, None], y if opts.probs_on_input else weight * y, 0.0)
         outputs.append(out)
     out = jnp.concatenate(outputs)  # [T, H]
     kept = jnp.concatenate(kept_per_shard) if kept_per_shard else routed  # [T, K]

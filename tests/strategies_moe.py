@@ -7,7 +7,7 @@ function (groups sometimes), alignment on or off, and a capacity policy (droples
 enough to force overflow sometimes). Values are small and well scaled, so bf16 and fp32 runs stay close to the
 fp32 dense reference. `with_shared_experts(problem, ...)` adds the shared experts' weights (and picks the
 activation) to a problem; `with_recipe_options(problem, ...)` a padding mask, the other two losses and the
-drop policy.
+drop policy; `with_biases(problem)` GPT-OSS's router bias and expert projection biases.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from moetriton.kernels.rules.expert_parallel import gate_up_width
-from moetriton.kernels.rules.moe import SHARED_WEIGHTS
+from moetriton.kernels.rules.moe import BIASES, SHARED_WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,9 @@ class MoEProblem:
     shared_down: np.ndarray | None = None  # [Fs, H] float32
     shared_gate: np.ndarray | None = None  # [H, 1] float32
     token_mask: np.ndarray | None = None  # [B, S] bool, False: padding
+    gate_bias: np.ndarray | None = None  # [E] float32: the router's logit bias
+    gate_up_bias: np.ndarray | None = None  # [E, 2F] float32 ([E, F] for a non-gated activation)
+    down_bias: np.ndarray | None = None  # [E, H] float32
     options: dict = field(default_factory=dict)  # more layer options: seq / z-loss coefficients, drop_policy
 
     @property
@@ -52,6 +55,12 @@ class MoEProblem:
         """The shared experts' weights the problem has, by argument name (empty without shared experts)."""
         shared = (self.shared_gate_up, self.shared_down, self.shared_gate)  # the layers' argument order
         return {name: value for name, value in zip(SHARED_WEIGHTS, shared, strict=True) if value is not None}
+
+    @property
+    def biases(self) -> dict[str, np.ndarray]:
+        """The router and projection biases the problem has, by argument name (BIASES order)."""
+        biases = (self.gate_bias, self.gate_up_bias, self.down_bias)
+        return {name: value for name, value in zip(BIASES, biases, strict=True) if value is not None}
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +94,26 @@ def with_shared_experts(
         shared_down=rng.normal(0, 1 / np.sqrt(shared_ffn), (shared_ffn, hidden)).astype(np.float32),
         shared_gate=rng.normal(0, scale, (hidden, 1)).astype(np.float32) if gate else None,
     )
+
+
+def with_biases(problem: MoEProblem, *, router: bool = True, projections: bool = True) -> MoEProblem:
+    """`problem` with GPT-OSS's biases: a router bias [E] (large enough to change the selection) and/or
+    each expert's projection biases [E, W] and [E, H]."""
+    rng = np.random.default_rng(problem.num_tokens * 5 + problem.num_experts + 1)
+    experts, width = problem.num_experts, problem.gate_up.shape[-1]
+    biases = {}
+    if router:
+        biases["gate_bias"] = rng.normal(0, 0.5, experts).astype(np.float32)
+    if projections:
+        biases["gate_up_bias"] = rng.normal(0, 0.5, (experts, width)).astype(np.float32)
+        biases["down_bias"] = rng.normal(0, 0.5, (experts, problem.hidden)).astype(np.float32)
+    return replace(problem, **biases)
+
+
+def with_probs_on_input(problem: MoEProblem) -> MoEProblem:
+    """`problem` routed top-1 with the weight on the expert's input (Llama 4), groups off."""
+    options = dict(problem.options, probs_on_input=True)
+    return replace(problem, topk=1, num_groups=None, group_topk=None, options=options)
 
 
 def with_recipe_options(

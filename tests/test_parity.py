@@ -243,6 +243,11 @@ _LAYER_CASES = {
         shared_gate=np.zeros((1, _H), np.float32),
     ),
     "shared_gate alone": dict(shared_gate=np.zeros((_H, 1), np.float32)),
+    "gate_bias shape": dict(gate_bias=np.zeros((_E, 1), np.float32)),
+    "gate_up_bias width": dict(gate_up_bias=np.zeros((_E, _F), np.float32)),
+    "down_bias shape": dict(down_bias=np.zeros((_E - 1, _H), np.float32)),
+    "probs_on_input with topk 2": dict(probs_on_input=True),
+    "probs_on_input not a bool": dict(probs_on_input=1, topk=1),
 }
 
 
@@ -255,6 +260,7 @@ def _layer_error(framework: str, case: dict) -> Exception:
         down=np.zeros((_E, _F, _H), np.float32),
         expert_bias=None,
         **dict.fromkeys(layer_rules.SHARED_WEIGHTS),
+        **dict.fromkeys(layer_rules.BIASES),
     )
     options = dict(topk=2, score_function="softmax", aux_loss_coeff=0.0, activation="swiglu")
     for name, value in case.items():
@@ -295,15 +301,20 @@ def test_layers_name_their_exchanges_from_one_vocabulary():
 
 
 @pytest.mark.parametrize(
-    ("gate", "activation", "recipe"),
-    [(True, "swiglu", False), (False, "gelu", False), (True, "swiglu", True)],
+    ("gate", "activation", "recipe", "biases"),
+    [
+        (True, "swiglu", False, False),
+        (False, "gelu", False, False),
+        (True, "swiglu", True, False),
+        (False, "clamped_swiglu", True, True),
+    ],
 )
-def test_layers_with_shared_experts_agree(gate, activation, recipe):
+def test_layers_with_shared_experts_agree(gate, activation, recipe, biases):
     """The two layers with shared experts on the same inputs (with `recipe`: a padding mask, all three losses
-    and the probs drop policy too): outputs, aux loss, dropped count, every MoEStats field and every
-    gradient (the shared weights' included) agree to fp32 rounding (their GEMMs differ: PyTorch's and
-    XLA's); the counts exactly."""
-    from tests.strategies_moe import MoEProblem, with_recipe_options, with_shared_experts
+    and the probs drop policy too; with `biases`: GPT-OSS's router and projection biases): outputs, aux
+    loss, dropped count, every MoEStats field and every gradient (the shared weights' and biases' included)
+    agree to fp32 rounding (their GEMMs differ: PyTorch's and XLA's); the counts exactly."""
+    from tests.strategies_moe import MoEProblem, with_biases, with_recipe_options, with_shared_experts
 
     rng = np.random.default_rng(3)
     problem = MoEProblem(
@@ -319,9 +330,12 @@ def test_layers_with_shared_experts_agree(gate, activation, recipe):
     problem = with_shared_experts(problem, gate=gate, activation=activation)
     if recipe:
         problem = with_recipe_options(problem)
+    if biases:
+        problem = with_biases(problem)
     cotangent = rng.normal(size=problem.x.shape).astype(np.float32)
     arrays = dict(x=problem.x, gate=problem.gate, gate_up=problem.gate_up, down=problem.down)
     arrays.update(problem.shared_weights)
+    arrays.update(problem.biases)
     options = problem.layer_options(aux_loss_coeff=1e-2)
     mask = problem.token_mask
 

@@ -74,6 +74,12 @@ MODELS = {
         "gpt_oss",
         dict(num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention", "full_attention"]),
     ),
+    "llama4": (
+        "llama4_text",
+        dict(
+            num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=40, interleave_moe_layer_step=1
+        ),
+    ),
 }
 
 

@@ -20,8 +20,13 @@ from moetriton.kernels.rules.moe import LayerOptions, MoEStats
 from . import reference, reference_router
 
 
-def _expert(rows: Tensor, gate_up: Tensor, down: Tensor, activation: str) -> Tensor:
-    return reference.activate(rows @ gate_up, activation) @ down  # fp32 rows: no rounding
+def _expert(
+    rows: Tensor, gate_up: Tensor, down: Tensor, activation: str, gate_up_bias=None, down_bias=None
+) -> Tensor:
+    """One FFN in fp32 (no rounding), each bias added to its projection where given."""
+    hidden = rows @ gate_up if gate_up_bias is None else rows @ gate_up + gate_up_bias.float()
+    out = reference.activate(hidden, activation) @ down
+    return out if down_bias is None else out + down_bias.float()
 
 
 def moe_reference(
@@ -31,6 +36,9 @@ def moe_reference(
     down: Tensor,
     *,
     expert_bias: Tensor | None = None,
+    gate_bias: Tensor | None = None,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
     shared_gate_up: Tensor | None = None,
     shared_down: Tensor | None = None,
     shared_gate: Tensor | None = None,
@@ -50,6 +58,8 @@ def moe_reference(
         shared_gate_up [H, 2Fs] (or [H, Fs]), shared_down [Fs, H], shared_gate [H, 1]: the shared experts,
             a dense FFN of every token added to the routed output (times sigmoid(x @ shared_gate) per token).
         routing_indices: [..., K] expert ids the router replays (the reference router's replay).
+        gate_bias [E], gate_up_bias [E, 2F] (or [E, F]), down_bias [E, H]: the router's logit bias and the
+            experts' projection biases (every expert's).
         expert_bias, token_mask, return_stats and options (topk, score_function, ..., drop_policy: the
             fields of `moetriton.kernels.rules.moe.LayerOptions`): `moe`'s.
 
@@ -75,7 +85,8 @@ def moe_reference(
     tokens = torch.where(valid.to(tokens.device)[:, None], tokens, 0.0)
     # The layer's logits are in x.dtype (one rounding of an fp32 accumulation): round alike, so bf16 and fp16
     # inputs route the same tokens to the same experts here.
-    logits = F.linear(tokens, gate_weight.float()).to(x.dtype).float()
+    router_bias = None if gate_bias is None else gate_bias.float()
+    logits = F.linear(tokens, gate_weight.float(), router_bias).to(x.dtype).float()
     probs, routing_map = reference_router.fused_topk_with_score_function(
         logits,
         topk,
@@ -114,8 +125,17 @@ def moe_reference(
     out = torch.zeros_like(tokens)
     for expert in range(num_experts):
         rows = kept[:, expert].nonzero().squeeze(1)
-        expert_out = _expert(tokens[rows], gate_up[expert].float(), down[expert].float(), activation)
-        out = out.index_add(0, rows, probs[rows, expert, None].float() * expert_out)
+        biases = [None if bias is None else bias[expert] for bias in (gate_up_bias, down_bias)]
+        weights = probs[rows, expert, None].float()
+        if opts.probs_on_input:  # expert(w x): the weight scales the input
+            expert_out = _expert(
+                weights * tokens[rows], gate_up[expert].float(), down[expert].float(), activation, *biases
+            )
+        else:
+            expert_out = weights * _expert(
+                tokens[rows], gate_up[expert].float(), down[expert].float(), activation, *biases
+            )
+        out = out.index_add(0, rows, expert_out)
     if shared_gate_up is not None:
         shared = _expert(tokens, shared_gate_up.float(), shared_down.float(), activation)  # [T, H]
         if shared_gate is not None:

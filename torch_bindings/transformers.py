@@ -26,6 +26,8 @@ except ImportError as error:  # transformers < 5 has no experts registry
         "'moetriton[transformers]'"
     ) from error
 
+from moetriton.kernels.rules.activation import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
+
 from .activation import ACTIVATE
 from .moe.experts import grouped_linear
 from .permutation import token_combine, token_dispatch
@@ -155,7 +157,7 @@ def experts_forward(
 # model type -> how its router selects and weights (in moetriton's router options), for `moe_arguments`.
 _SOFTMAX_TOP_K = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 _SIGMOID_GROUPED = ("deepseek_v3", "glm4_moe")
-_SUPPORTED = (*_SOFTMAX_TOP_K, *_SIGMOID_GROUPED, "deepseek_v2", "ernie4_5_moe")
+_SUPPORTED = (*_SOFTMAX_TOP_K, *_SIGMOID_GROUPED, "deepseek_v2", "ernie4_5_moe", "gpt_oss", "llama4_text")
 
 
 def _groups(config) -> dict:
@@ -228,6 +230,54 @@ def _shared_weights(block: nn.Module) -> dict:
     return weights
 
 
+def _gpt_oss_arguments(block: nn.Module, experts: nn.Module) -> dict:
+    """GPT-OSS: logits x @ W^T + b, the top K of them, softmax over those K; experts with biases in both
+    projections and the clamped SwiGLU on interleaved gate/up columns (gate the even ones, up the odd ones:
+    gathered here into moetriton's [gate | up] halves, an autograd copy of the parameters)."""
+    if (experts.alpha, experts.limit) != (CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT):
+        raise NotImplementedError(
+            f"moe_arguments: GPT-OSS's gate with alpha={experts.alpha}, limit={experts.limit}; moetriton's "
+            f"clamped_swiglu has alpha={CLAMPED_SWIGLU_ALPHA}, limit={CLAMPED_SWIGLU_LIMIT}"
+        )
+
+    def halves(interleaved: Tensor) -> Tensor:  # [..., 2F] (g0, u0, g1, u1, ...) -> [..., 2F] [g | u]
+        return torch.cat([interleaved[..., 0::2], interleaved[..., 1::2]], dim=-1)
+
+    return dict(
+        gate_weight=block.router.weight,  # [E, H]
+        gate_bias=block.router.bias,  # [E]
+        gate_up=halves(_input_major(experts, "gate_up_proj")),  # [E, H, 2F]
+        down=_input_major(experts, "down_proj"),  # [E, F, H]
+        gate_up_bias=halves(experts.gate_up_proj_bias),  # [E, 2F]
+        down_bias=experts.down_proj_bias,  # [E, H]
+        activation="clamped_swiglu",
+        topk=experts.config.num_experts_per_tok,
+        score_function="softmax",  # after the top-k: over the K selected logits
+    )
+
+
+def _llama4_arguments(block: nn.Module) -> dict:
+    """Llama 4: the top K of the logits, each weight sigmoid(logit) without renormalisation, applied to the
+    expert's input (topk 1, as Llama 4 routes); SwiGLU experts whose gate_up is [E, H, 2F] [gate | up]; an
+    ungated shared expert."""
+    experts = block.experts
+    if not isinstance(experts.act_fn, (nn.SiLU, getattr(hf_activations, "SiLUActivation", nn.SiLU))):
+        raise NotImplementedError(
+            f"moe_arguments: Llama 4 experts with {type(experts.act_fn).__name__}, not SiLU"
+        )
+    return dict(
+        gate_weight=block.router.weight,  # [E, H]
+        gate_up=experts.gate_up_proj,  # [E, H, 2F]
+        down=experts.down_proj,  # [E, F, H]
+        activation="swiglu",
+        topk=block.top_k,
+        score_function="sigmoid",
+        normalize_topk=False,
+        probs_on_input=True,
+        **_shared_weights(block),
+    )
+
+
 def moe_arguments(block: nn.Module) -> dict:
     """The keyword arguments of `moetriton.torch.moe` that compute a transformers sparse-MoE block.
 
@@ -239,8 +289,10 @@ def moe_arguments(block: nn.Module) -> dict:
     renormalisation); DeepSeek-V3 and GLM-4-MoE (sigmoid, correction bias, groups scored by their top-2
     sum, with or without renormalisation, scaling, shared experts); DeepSeek-V2 (softmax, greedy or
     group-limited by the group's largest score, scaling, shared experts); ERNIE-4.5-MoE (softmax, selection
-    with a correction bias, renormalised, shared experts). Other blocks (GPT-OSS: a router bias and expert
-    biases; Llama 4: weights on the experts' input) raise NotImplementedError naming what is missing.
+    with a correction bias, renormalised, shared experts); GPT-OSS (a router bias, softmax over the top-k
+    logits, expert biases, the clamped SwiGLU on interleaved columns); Llama 4 (top-1 sigmoid weights on the
+    expert's input, shared expert). Other blocks raise NotImplementedError or TypeError naming what is
+    missing.
 
     Example:
         >>> from transformers import MixtralConfig
@@ -254,7 +306,11 @@ def moe_arguments(block: nn.Module) -> dict:
     router = getattr(block, "gate", None) or getattr(block, "router", None)
     if experts is None or router is None or not hasattr(router, "weight"):
         raise TypeError(f"moe_arguments: {type(block).__name__} has no experts and gate (router) modules")
+    if type(block).__name__ == "Llama4TextMoe":  # experts without the experts interface's layout flags
+        return _llama4_arguments(block)
     _check_layout(experts)
+    if getattr(experts.config, "model_type", None) == "gpt_oss":
+        return _gpt_oss_arguments(block, experts)
     if experts.has_bias or not experts.has_gate or _fused_activation(experts) != "swiglu":
         raise NotImplementedError(
             f"moe_arguments: {type(experts).__name__} is not gated SiLU experts without biases (use the "

@@ -36,7 +36,7 @@ from moetriton.kernels.rules.expert_parallel import EPLayout, dropless_exchange,
 
 from ..executor import run_plan, uses_kernels
 from .config import MoEConfig
-from .experts import expert_major_rows, expert_mlp
+from .experts import ExpertWeights, expert_major_rows, expert_mlp
 
 
 def _block_rows(buffer: jax.Array, offsets: jax.Array, sizes: jax.Array, rows: int) -> jax.Array:
@@ -231,7 +231,7 @@ def dropless_reverse(recv, sizes: dict, layout: EPLayout, config: MoEConfig):
     return _return_blocks(shape, blocks, *_padded_exchange_args(sizes), None)
 
 
-def dropless_experts(send, counts, gate_up, down, layout: EPLayout, config: MoEConfig):
+def dropless_experts(send, counts, experts: ExpertWeights, layout: EPLayout, config: MoEConfig):
     """Dropless, EP > 1: send buffer [send_rows, H] and its counts per expert [E] -> expert outputs in the
     same rows, through the EP group's experts. The grouped GEMMs read the received rows in expert-major
     order and write the results back in the received order. With the padded exchange the receiver places
@@ -252,9 +252,7 @@ def dropless_experts(send, counts, gate_up, down, layout: EPLayout, config: MoEC
         block = (send.shape[0], layout.exchange_block_rows, config.ep_axis, False)
         sent = (*_padded_exchange_args(sizes), destinations)
         expert_major = _send_blocks(block, send, *sent)
-        return _return_blocks(block, expert_mlp(expert_major, group_sizes, gate_up, down, config), *sent)
+        return _return_blocks(block, expert_mlp(expert_major, group_sizes, experts, config), *sent)
     recv = dropless_forward(send, sizes, layout, config)
     order = expert_major_rows(sizes["chunk_sizes"], layout, False, recv.shape[0])
-    return dropless_reverse(
-        expert_mlp(recv, group_sizes, gate_up, down, config, order), sizes, layout, config
-    )
+    return dropless_reverse(expert_mlp(recv, group_sizes, experts, config, order), sizes, layout, config)

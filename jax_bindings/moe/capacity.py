@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from moetriton.kernels.rules.expert_parallel import EPLayout
 
 from .config import MoEConfig
-from .experts import expert_major_rows, expert_mlp
+from .experts import ExpertWeights, expert_major_rows, expert_mlp
 
 
 def capacity_exchange(buffer: jax.Array, layout: EPLayout, config: MoEConfig) -> jax.Array:
@@ -21,7 +21,7 @@ def capacity_exchange(buffer: jax.Array, layout: EPLayout, config: MoEConfig) ->
     return jax.lax.all_to_all(slabs, config.ep_axis, 0, 0).reshape(buffer.shape)
 
 
-def capacity_experts(send, gate_up, down, layout: EPLayout, config: MoEConfig):
+def capacity_experts(send, experts: ExpertWeights, layout: EPLayout, config: MoEConfig):
     """Capacity, EP > 1: send buffer [E * C, H] = [EP, L, C] slabs -> expert outputs in the same rows,
     through the EP group's experts; the grouped GEMMs read the received [EP, L, C] rows in expert-major order
     and write the results back in the received order."""
@@ -30,4 +30,4 @@ def capacity_experts(send, gate_up, down, layout: EPLayout, config: MoEConfig):
     group_sizes = jnp.full((local,), ep * layout.capacity, jnp.int32)
     recv = capacity_exchange(send, layout, config)
     order = expert_major_rows(chunk_sizes, layout, False, recv.shape[0])
-    return capacity_exchange(expert_mlp(recv, group_sizes, gate_up, down, config, order), layout, config)
+    return capacity_exchange(expert_mlp(recv, group_sizes, experts, config, order), layout, config)

@@ -10,19 +10,19 @@ from moetriton.kernels.rules.expert_parallel import EPLayout
 from .all_to_all import dropless_experts
 from .capacity import capacity_experts
 from .config import MoEConfig
-from .experts import expert_mlp
+from .experts import ExpertWeights, expert_mlp
 
 
-def exchanged_experts(send, counts, gate_up, down, layout: EPLayout, config: MoEConfig):
+def exchanged_experts(send, counts, experts: ExpertWeights, layout: EPLayout, config: MoEConfig):
     """Send buffer [send_rows, H] (token_dispatch's, with its counts per expert [E]) -> the expert outputs in
     the same rows: with one EP rank the send buffer is the receive buffer, already expert-major; with more,
     the rows go to their experts' ranks and come back (dropless: `dropless_experts`, capacity:
     `capacity_experts`)."""
     if layout.ep_size == 1:
-        return expert_mlp(send, counts, gate_up, down, config)
+        return expert_mlp(send, counts, experts, config)
     if layout.dropless:
-        return dropless_experts(send, counts, gate_up, down, layout, config)
-    return capacity_experts(send, gate_up, down, layout, config)
+        return dropless_experts(send, counts, experts, layout, config)
+    return capacity_experts(send, experts, layout, config)
 
 
 def resolve_exchange(exchange: str) -> str:

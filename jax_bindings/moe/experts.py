@@ -4,6 +4,7 @@ and activation), reading and writing the rows through a permutation when they ar
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,17 +17,45 @@ from ..grouped_gemm import grouped_matmul
 from .config import MoEConfig
 
 
+class ExpertWeights(NamedTuple):
+    """The experts' arrays as one pytree, sharded alike over the EP axis (one spec for every leaf):
+    gate_up [L, H, W], down [L, F, H], and the projection biases gate_up_bias [L, W] and down_bias [L, H]
+    or None."""
+
+    gate_up: jax.Array
+    down: jax.Array
+    gate_up_bias: jax.Array | None = None
+    down_bias: jax.Array | None = None
+
+
+def _group_bias(bias: jax.Array, group_sizes: jax.Array, num_rows: int, dtype) -> jax.Array:
+    """[N, M] in dtype: bias [L, M] row j on each row of group j, zero on the rows past the groups (whose
+    gradients are unspecified: `take`'s fill drops them from the bias gradient)."""
+    ends = jnp.cumsum(group_sizes)  # [L]
+    expert_of_row = jnp.searchsorted(ends, jnp.arange(num_rows, dtype=ends.dtype), side="right")  # L: tail
+    return jnp.take(bias.astype(dtype), expert_of_row, axis=0, mode="fill", fill_value=0)
+
+
 def expert_mlp(
-    rows: jax.Array, group_sizes: jax.Array, gate_up, down, config: MoEConfig, order: jax.Array | None = None
+    rows: jax.Array,
+    group_sizes: jax.Array,
+    experts: ExpertWeights,
+    config: MoEConfig,
+    order: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped expert MLP on rows [N, H] with group_sizes [L]: expert-major rows, or rows[order] expert-major
-    (order [N]: a row permutation), the result in the rows' order. Rows past the groups are left
-    unspecified, forward and backward: every caller's buffer is sized for a worst case (up to EP times the
-    routed rows) and reads back only the groups' rows, so no kernel streams the tail."""
+    (order [N]: a row permutation), the result in the rows' order; each expert's biases added to its
+    projections where given. Rows past the groups are left unspecified, forward and backward: every
+    caller's buffer is sized for a worst case (up to EP times the routed rows) and reads back only the
+    groups' rows, so no kernel streams the tail."""
     dtype = jnp.dtype(config.dtype)
+    gate_up, down, gate_up_bias, down_bias = experts
+    num_rows = rows.shape[0]
     hidden = grouped_matmul(
         rows.astype(dtype), gate_up.astype(dtype), group_sizes, lhs_rows=order, zero_tail=False
-    )
+    )  # [N, W], expert-major
+    if gate_up_bias is not None:
+        hidden = hidden + _group_bias(gate_up_bias, group_sizes, num_rows, hidden.dtype)
     # Rematerialised: the backward keeps hidden [N, W] and computes the activation output [N, F] again (one
     # elementwise kernel) instead of keeping it; the down GEMM's forward is not rerun (its output is
     # unused in the backward, so it is dead code there).
@@ -34,7 +63,11 @@ def expert_mlp(
         partial(_down_of_activation, activation=config.activation),
         policy=jax.checkpoint_policies.nothing_saveable,
     )
-    return down_of_activation(hidden, down.astype(dtype), group_sizes, order)
+    out = down_of_activation(hidden, down.astype(dtype), group_sizes, order)  # [N, H], the rows' order
+    if down_bias is None:
+        return out
+    bias = _group_bias(down_bias, group_sizes, num_rows, out.dtype)  # [N, H], expert-major
+    return out + bias if order is None else out.at[order].add(bias, unique_indices=True)
 
 
 def _down_of_activation(hidden, down, group_sizes, order, activation: str) -> jax.Array:

@@ -4,7 +4,8 @@ The block owns the layer's parameters, with logical-axis annotations so they sha
 (`nn.logical_axis_rules`): gate [H, E] ("embed", "router_experts"), fused gate+up [E, H, 2F] ("experts",
 "embed", "mlp") and down [E, F, H] ("experts", "mlp", "embed"); the optional shared experts' shared_gate_up
 [H, 2Fs] ("embed", "mlp"), shared_down [Fs, H] ("mlp", "embed") and shared_gate [H, 1] ("embed", None),
-replicated by the default rules. DEFAULT_LOGICAL_AXIS_RULES puts "experts"
+replicated by the default rules; the optional biases gate_bias [E] ("router_experts"), gate_up_bias [E, 2F]
+("experts", "mlp") and down_bias [E, H] ("experts", "embed"). DEFAULT_LOGICAL_AXIS_RULES puts "experts"
 on the "ep" mesh axis and replicates the rest, which is the layout `moetriton.jax.moe` computes in; rules
 that also shard "embed" or "mlp" (FSDP) work too: jit gathers those weights before the layer. The optional
 expert bias (sigmoid / sqrtsoftplus routing) is not trained by gradients: it lives in the "moe" collection,
@@ -68,6 +69,14 @@ _SHARED_INIT_AND_AXES = {
 }
 
 
+#: The biases' logical axes (GPT-OSS's router bias and expert projection biases; zeros at init).
+_BIAS_AXES = {
+    "gate_bias": ("router_experts",),
+    "gate_up_bias": ("experts", "mlp"),
+    "down_bias": ("experts", "embed"),
+}
+
+
 class MoEBlock(nn.Module):
     """Mixture-of-experts MLP with expert parallelism; `__call__(x [B, S, H], token_mask=None,
     return_stats=False, routing_indices=None)` returns (out [B, S, H], aux_loss fp32 scalar, dropped int32
@@ -88,13 +97,16 @@ class MoEBlock(nn.Module):
             load-balancing and router z losses (moetriton.kernels.rules.moe.LOSSES; aux_loss is their sum).
         align_size, capacity_factor (None: dropless), drop_policy ("position" or "probs": which slots a full
             expert keeps), activation, pipeline_chunks (dropless: the routed path in this many token
-            chunks), balance_counts ("routed" or "scores": the load-balancing losses' counts): layer
-            options.
+            chunks), balance_counts ("routed" or "scores": the load-balancing losses' counts),
+            probs_on_input (top-1: the weight scales the expert's input, Llama 4): layer options.
         num_shared_experts: always-on shared experts (DeepSeek-V3: 1), one FFN of width
             Fs = num_shared_experts * ffn_dim (parameters shared_gate_up [H, 2Fs] or [H, Fs] and
             shared_down [Fs, H], initialised by expert_init); 0: none.
         shared_expert_gate: scale the shared output per token by sigmoid(x @ shared_gate) (Qwen-MoE;
             shared_gate [H, 1], initialised by gate_init).
+        use_gate_bias: a router bias gate_bias [E] ("router_experts"), added to the logits; with
+            use_projection_biases the experts' biases gate_up_bias [E, 2F] ("experts", "mlp") and down_bias
+            [E, H] ("experts", "embed") (GPT-OSS). Trained parameters, zeros at init.
         dtype: compute dtype (default: the input's); param_dtype: parameter dtype.
         mesh, ep_axis, data_axes, exchange: where the layer runs (mesh None: one device).
 
@@ -153,6 +165,9 @@ class MoEBlock(nn.Module):
     exchange: str = "auto"
     num_shared_experts: int = 0
     shared_expert_gate: bool = False
+    use_gate_bias: bool = False
+    use_projection_biases: bool = False
+    probs_on_input: bool = False
 
     @nn.compact
     def __call__(
@@ -174,6 +189,8 @@ class MoEBlock(nn.Module):
             pipeline_chunks=self.pipeline_chunks,
             capacity_factor=self.capacity_factor,
             balance_counts=self.balance_counts,
+            probs_on_input=self.probs_on_input,
+            topk=self.topk,
         )
         hidden, experts = x.shape[-1], self.num_experts
         shared_shapes = layer_rules.shared_weight_shapes(
@@ -207,6 +224,24 @@ class MoEBlock(nn.Module):
             init, axes = _SHARED_INIT_AND_AXES[name]
             init = nn.with_logical_partitioning(getattr(self, init), axes)
             shared[name] = self.param(name, init, shape, self.param_dtype)
+        bias_shapes = layer_rules.bias_shapes(
+            hidden=hidden,
+            ffn=self.ffn_dim,
+            num_experts=experts,
+            experts_held=experts,
+            activation=self.activation,
+            gate_bias=self.use_gate_bias,
+            projection_biases=self.use_projection_biases,
+        )
+        biases = {
+            name: self.param(
+                name,
+                nn.with_logical_partitioning(nn.initializers.zeros_init(), _BIAS_AXES[name]),
+                shape,
+                self.param_dtype,
+            )
+            for name, shape in bias_shapes.items()
+        }
         expert_bias = None
         if self.use_expert_bias:
             expert_bias = self.variable(
@@ -241,6 +276,7 @@ class MoEBlock(nn.Module):
             data_axes=self.data_axes,
             exchange=self.exchange,
             **shared,
+            **biases,
             seq_aux_loss_coeff=self.seq_aux_loss_coeff,
             z_loss_coeff=self.z_loss_coeff,
             drop_policy=self.drop_policy,
@@ -249,4 +285,5 @@ class MoEBlock(nn.Module):
             return_stats=return_stats,
             routing_indices=routing_indices,
             balance_counts=self.balance_counts,
+            probs_on_input=self.probs_on_input,
         )

@@ -46,7 +46,7 @@ from moetriton.kernels.rules.moe import MoEStats
 from ..permutation import token_combine, token_dispatch
 from .config import MoEConfig
 from .exchange import exchanged_experts, resolve_exchange
-from .experts import shared_mlp
+from .experts import ExpertWeights, shared_mlp
 from .routing import apply_drop_policy, route
 from .statistics import routing_statistics
 
@@ -55,12 +55,14 @@ EXCHANGES = layer_rules.JAX_EXCHANGES
 ACTIVATIONS = layer_rules.ACTIVATIONS
 
 
-def _shard(x, gate, gate_up, down, expert_bias, shared_weights, per_token, *, config: MoEConfig):
+def _shard(x, router_weights, experts, expert_bias, shared_weights, per_token, *, config: MoEConfig):
     """What one token shard computes: x [B_local, S, H] -> (out [B_local, S, H], aux loss, dropped), and
-    MoEStats with config.return_stats. shared_weights: (shared_gate_up, shared_down, shared_gate or None),
+    MoEStats with config.return_stats. router_weights: (gate [H, E], gate_bias [E] or None); experts: the
+    shard's ExpertWeights; shared_weights: (shared_gate_up, shared_down, shared_gate or None),
     or None without shared experts; per_token: (token_mask [B_local, S] bool or None, routing_indices
     [B_local, S, K] or None)."""
     token_mask, routing_indices = per_token
+    gate, gate_bias = router_weights
     shape = x.shape
     num_tokens, hidden = shape[0] * shape[1], shape[2]
     num_experts = gate.shape[1]
@@ -79,10 +81,18 @@ def _shard(x, gate, gate_up, down, expert_bias, shared_weights, per_token, *, co
         # Padding tokens enter as zeros: whatever they hold (NaN included) reaches no result or gradient.
         x_flat = jnp.where(valid[:, None], x_flat, jnp.zeros((), x_flat.dtype))
     replayed = None if routing_indices is None else routing_indices.reshape(num_tokens, -1)  # [T, K]
-    logits, weights, indices, routing_map = route(x_flat, gate, expert_bias, valid, config, replayed)
+    logits, weights, indices, routing_map = route(
+        x_flat, gate, gate_bias, expert_bias, valid, config, replayed
+    )
     aux_loss, dropped, stats = routing_statistics(logits, routing_map, valid, layout, config, shape[0])
     indices = apply_drop_policy(indices, weights, layout, config.drop_policy)
     tokens = x_flat.astype(config.dtype)
+    routed_tokens = tokens
+    if (
+        config.probs_on_input
+    ):  # [T, H] scaled by the top-1 weight (fp32, one rounding); the combine weighs 1 or 0
+        routed_tokens = (x_flat.astype(jnp.float32) * weights).astype(config.dtype)
+        weights = (indices >= 0).astype(weights.dtype)
     # From the tokens alone: no data dependency on the dispatch or the exchange.
     shared = None if shared_weights is None else shared_mlp(tokens, *shared_weights, config)  # [T, H]
     if layout.dropless:
@@ -95,11 +105,10 @@ def _shard(x, gate, gate_up, down, expert_bias, shared_weights, per_token, *, co
         ]
         parts = [
             _routed(
-                tokens[start:end],
+                routed_tokens[start:end],
                 indices[start:end],
                 weights[start:end],
-                gate_up,
-                down,
+                experts,
                 config.layout(end - start, num_experts),
                 config,
             )
@@ -107,7 +116,7 @@ def _shard(x, gate, gate_up, down, expert_bias, shared_weights, per_token, *, co
         ]
         out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     else:
-        out = _routed(tokens, indices, weights, gate_up, down, layout, config)
+        out = _routed(routed_tokens, indices, weights, experts, layout, config)
     if shared is not None:  # summed in fp32, rounded once to x.dtype below
         shared = shared.astype(jnp.float32)
         if valid is not None:
@@ -117,7 +126,7 @@ def _shard(x, gate, gate_up, down, expert_bias, shared_weights, per_token, *, co
     return (out, aux_loss, dropped) if stats is None else (out, aux_loss, dropped, stats)
 
 
-def _routed(tokens, indices, weights, gate_up, down, layout, config: MoEConfig):
+def _routed(tokens, indices, weights, experts: ExpertWeights, layout, config: MoEConfig):
     """tokens [T, H] routed to their experts by indices [T, K] and merged with weights [T, K]: dispatch,
     exchange (EP > 1), experts and combine -> [T, H] in tokens' dtype (masked tokens' rows zero)."""
     num_experts = layout.num_experts
@@ -129,7 +138,7 @@ def _routed(tokens, indices, weights, gate_up, down, layout, config: MoEConfig):
         send, _, row_id_map, pad_offsets, counts = token_dispatch(
             tokens, indices=indices, num_experts=num_experts, capacity=layout.capacity
         )
-    expert_out = exchanged_experts(send, counts, gate_up, down, layout, config)
+    expert_out = exchanged_experts(send, counts, experts, layout, config)
     return token_combine(expert_out, row_id_map, weights, pad_offsets)
 
 
@@ -137,6 +146,7 @@ def _routed(tokens, indices, weights, gate_up, down, layout, config: MoEConfig):
 ARGUMENTS = ("x", "gate", "gate_up", "down")
 OPTIONAL_ARGUMENTS = (
     "expert_bias", "token_mask", "shared_gate_up", "shared_down", "shared_gate", "routing_indices",
+    *layer_rules.BIASES,
 )  # fmt: skip
 
 
@@ -185,6 +195,9 @@ def moe(
     *,
     topk: int,
     expert_bias: jax.Array | None = None,
+    gate_bias: jax.Array | None = None,
+    gate_up_bias: jax.Array | None = None,
+    down_bias: jax.Array | None = None,
     score_function: str = "softmax",
     use_pre_softmax: bool = False,
     num_groups: int | None = None,
@@ -212,6 +225,7 @@ def moe(
     return_stats: bool = False,
     balance_counts: str = "routed",
     routing_indices: jax.Array | None = None,
+    probs_on_input: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array, MoEStats]:
     """A mixture-of-experts MLP layer with expert parallelism.
 
@@ -230,6 +244,12 @@ def moe(
             gradient). Aux-loss-free balancing
             updates it between steps from the routed counts: `update_expert_bias(expert_bias,
             stats.routed, rate)`.
+        gate_bias: [E] or None (replicated): added to the router's logits in fp32 before any score
+            (GPT-OSS's router); differentiable.
+        gate_up_bias, down_bias: [E, 2F] ([E, F] non-gated) and [E, H], or None, sharded over ep_axis as
+            the experts are: each expert's projection biases (GPT-OSS's experts), cast to the compute dtype
+            and added to its gate/up and down products; differentiable. A slot an expert drops or a masked
+            token adds no bias to any output.
         score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, normalize_topk,
             group_score: the router's options, as in `fused_topk_with_score_function`, so that a model's
             routing recipe (DeepSeek-V3's top-2 group scores and unnormalised weights, Qwen3-MoE's
@@ -294,6 +314,8 @@ def moe(
             expert bias and group limits included) or "scores" (the top-K of the aux-loss scores without
             bias or groups, Megatron-Core's counts). They differ only where a bias or groups steer the
             selection; MoEStats.routed is the routed slots either way.
+        probs_on_input: the merging weight scales the token before its expert (Llama 4: expert(w x)) instead
+            of the expert's output (w expert(x)); topk 1 only. The shared experts see the unscaled tokens.
 
     Returns:
         (out [B, S, H] in x.dtype, aux_loss fp32 scalar: the sum of the three weighted losses, dropped
@@ -325,15 +347,19 @@ def moe(
         capacity_factor=capacity_factor,
         return_stats=return_stats,
         balance_counts=balance_counts,
+        probs_on_input=probs_on_input,
+        topk=topk,
     )
     x, gate, gate_up, down = (
         _array(name, value) for name, value in zip(ARGUMENTS, (x, gate, gate_up, down), strict=True)
     )
     optional = (expert_bias, token_mask, shared_gate_up, shared_down, shared_gate, routing_indices)
-    expert_bias, token_mask, shared_gate_up, shared_down, shared_gate, routing_indices = (
+    optional += (gate_bias, gate_up_bias, down_bias)
+    expert_bias, token_mask, shared_gate_up, shared_down, shared_gate, routing_indices, *biases = (
         None if value is None else _array(name, value)
         for name, value in zip(OPTIONAL_ARGUMENTS, optional, strict=True)
     )
+    biases = dict(zip(layer_rules.BIASES, biases, strict=True))
     if x.ndim != 3:
         raise ValueError(f"x: expected rank 3 [B, S, H], got shape {tuple(x.shape)}")
     mask_type = None if token_mask is None else (tuple(token_mask.shape), jnp.dtype(token_mask.dtype).name)
@@ -349,7 +375,7 @@ def moe(
     if gate.ndim != 2:
         raise ValueError(f"gate: expected [H, E], got shape {list(gate.shape)}")
     hidden, num_experts = gate.shape
-    layer_rules.check_weights(
+    shape = layer_rules.check_weights(
         x_shape=tuple(x.shape),
         gate=("gate", "[H, E]", num_experts, hidden),
         gate_up=tuple(gate_up.shape),
@@ -360,13 +386,19 @@ def moe(
         score_function=score_function,
         use_pre_softmax=use_pre_softmax,
     )
+    layer_rules.check_biases(
+        shape=shape,
+        experts_held=None,
+        activation=activation,
+        **{name: None if array is None else tuple(array.shape) for name, array in biases.items()},
+    )
     shared = dict(shared_gate_up=shared_gate_up, shared_down=shared_down, shared_gate=shared_gate)
     layer_rules.check_shared_weights(
         hidden=hidden,
         activation=activation,
         **{name: None if array is None else tuple(array.shape) for name, array in shared.items()},
     )
-    weights = dict(gate=gate, gate_up=gate_up, down=down, **shared)
+    weights = dict(gate=gate, gate_up=gate_up, down=down, **biases, **shared)
     layer_rules.check_layer_dtypes(
         x=_dtype_name(x),
         weights={name: None if array is None else _dtype_name(array) for name, array in weights.items()},
@@ -394,6 +426,7 @@ def moe(
         drop_policy=drop_policy,
         pipeline_chunks=pipeline_chunks,
         balance_counts=balance_counts,
+        probs_on_input=probs_on_input,
         dtype=jnp.dtype(dtype or x.dtype).name,
         mesh=mesh,
         ep_axis=ep_axis if mesh is not None else None,
@@ -415,7 +448,9 @@ def moe(
         config = dataclasses.replace(config, capacity_factor=float(capacity_factor))
     shared_weights = None if shared_gate_up is None else (shared_gate_up, shared_down, shared_gate)
     per_token = (token_mask, routing_indices)
-    return _jitted(config)(x, gate, gate_up, down, expert_bias, shared_weights, per_token, config)
+    router_weights = (gate, biases["gate_bias"])
+    experts = ExpertWeights(gate_up, down, biases["gate_up_bias"], biases["down_bias"])
+    return _jitted(config)(x, router_weights, experts, expert_bias, shared_weights, per_token, config)
 
 
 @cache
@@ -428,23 +463,23 @@ def _jitted(config: MoEConfig):
     if {AxisType.Auto, AxisType.Explicit} <= kinds:
         tokens = NamedSharding(mesh, PartitionSpec(config.token_axes or None))
         results = 4 if config.return_stats else 3
-        return jax.jit(_moe, static_argnums=(7,), out_shardings=(tokens, *(None,) * (results - 1)))
+        return jax.jit(_moe, static_argnums=(6,), out_shardings=(tokens, *(None,) * (results - 1)))
     return _moe_jit
 
 
-def _moe(x, gate, gate_up, down, expert_bias, shared_weights, per_token, config: MoEConfig):
+def _moe(x, router_weights, experts, expert_bias, shared_weights, per_token, config: MoEConfig):
     if config.mesh is None:
-        return _shard(x, gate, gate_up, down, expert_bias, shared_weights, per_token, config=config)
+        return _shard(x, router_weights, experts, expert_bias, shared_weights, per_token, config=config)
     tokens = PartitionSpec(config.token_axes or None)
-    experts = PartitionSpec(config.ep_axis)
-    # The shared experts' weights are replicated (PartitionSpec() for every leaf; None leaves are no arrays);
-    # the token mask [B, S] and the replayed ids [B, S, K] shard like x, on its batch axis.
-    specs = (tokens, PartitionSpec(), experts, experts, PartitionSpec(), PartitionSpec(), tokens)
+    # One spec for every leaf of a tuple (None leaves are no arrays): the router's weight and bias and the
+    # shared experts' weights replicated, every expert array sharded over the EP axis on its expert axis,
+    # the token mask [B, S] and the replayed ids [B, S, K] like x, on its batch axis.
+    specs = (tokens, PartitionSpec(), PartitionSpec(config.ep_axis), PartitionSpec(), PartitionSpec(), tokens)
 
-    def body(x, gate, gate_up, down, expert_bias, shared_weights, per_token):
-        return _shard(x, gate, gate_up, down, expert_bias, shared_weights, per_token, config=config)
+    def body(x, router_weights, experts, expert_bias, shared_weights, per_token):
+        return _shard(x, router_weights, experts, expert_bias, shared_weights, per_token, config=config)
 
-    arrays = (x, gate, gate_up, down, expert_bias, shared_weights, per_token)
+    arrays = (x, router_weights, experts, expert_bias, shared_weights, per_token)
     if AxisType.Explicit in tuple(config.mesh.axis_types):
         # Explicit axes: shard_map's in_specs must be the shardings the arrays' types carry, so each array
         # is resharded to its spec (what jit does by itself on Auto axes).
@@ -460,16 +495,12 @@ def _moe(x, gate, gate_up, down, expert_bias, shared_weights, per_token, config:
     return sharded(*arrays)
 
 
-_moe_jit = jax.jit(_moe, static_argnums=(7,))
+_moe_jit = jax.jit(_moe, static_argnums=(6,))
 
 
 def _resharded(arrays, mesh: Mesh, spec: PartitionSpec):
-    """`arrays` (an array, None, or a tuple of them: the shared weights) resharded to `spec` on `mesh` over
-    its Explicit axes (a type names no other: Auto axes are jit's to place)."""
-    if isinstance(arrays, tuple):
-        return tuple(_resharded(array, mesh, spec) for array in arrays)
-    if arrays is None:
-        return None
+    """`arrays` (an array, None, or a pytree of them: the experts, the shared weights) resharded to `spec` on
+    `mesh` over its Explicit axes (a type names no other: Auto axes are jit's to place)."""
     explicit = {
         axis for axis, kind in zip(mesh.axis_names, mesh.axis_types, strict=True) if kind == AxisType.Explicit
     }
@@ -477,4 +508,5 @@ def _resharded(arrays, mesh: Mesh, spec: PartitionSpec):
     for entry in spec:
         axes = tuple(axis for axis in (entry if isinstance(entry, tuple) else (entry,)) if axis in explicit)
         entries.append(axes or None)
-    return jax.sharding.reshard(arrays, NamedSharding(mesh, PartitionSpec(*entries)))
+    sharding = NamedSharding(mesh, PartitionSpec(*entries))
+    return jax.tree.map(lambda array: jax.sharding.reshard(array, sharding), arrays)

@@ -27,7 +27,7 @@ from moetriton.kernels.rules import moe as layer_rules
 from moetriton.kernels.rules.expert_parallel import gate_up_width
 from moetriton.kernels.rules.moe import MoEStats
 
-from .flax import _SHARED_INIT_AND_AXES, DEFAULT_LOGICAL_AXIS_RULES, _expert_init
+from .flax import _BIAS_AXES, _SHARED_INIT_AND_AXES, DEFAULT_LOGICAL_AXIS_RULES, _expert_init
 from .layer import moe
 
 #: moe()'s arguments that the module supplies itself (its variables, the call's inputs, the options that
@@ -42,6 +42,7 @@ _OWN_ARGUMENTS = frozenset(
         "shared_gate_up",
         "shared_down",
         "shared_gate",
+        *layer_rules.BIASES,
         "topk",
         "activation",
         "mesh",
@@ -59,6 +60,7 @@ _CHECKED = (
     "pipeline_chunks",
     "capacity_factor",
     "balance_counts",
+    "probs_on_input",
     *layer_rules.LOSSES,
 )
 
@@ -85,6 +87,9 @@ class MoE(nnx.Module):
         num_shared_experts, shared_expert_gate: shared experts of width num_shared_experts * F, optionally
             gated per token (shared_gate [H, 1]).
         use_expert_bias: an ExpertBias [E] (zeros) for sigmoid / sqrtsoftplus selection.
+        use_gate_bias, use_projection_biases: the router bias gate_bias [E] and the experts' biases
+            gate_up_bias [E, 2F] and down_bias [E, H] (GPT-OSS), parameters with the Linen block's names and
+            logical axes, zeros at init.
         param_dtype: the parameters' dtype; gate_init, expert_init: their initialisers (the Linen block's).
         mesh: where the layer runs (None: one device); the variables are created sharded on it.
         rules: logical axis -> mesh axis, for the variables' shardings.
@@ -108,6 +113,8 @@ class MoE(nnx.Module):
         num_shared_experts: int = 0,
         shared_expert_gate: bool = False,
         use_expert_bias: bool = False,
+        use_gate_bias: bool = False,
+        use_projection_biases: bool = False,
         param_dtype: Any = jnp.float32,
         gate_init: Any = _gate_init,
         expert_init: Any = _expert_init,
@@ -119,7 +126,9 @@ class MoE(nnx.Module):
         if unknown:
             raise TypeError(f"MoE: unknown layer options {unknown}; moe() takes {LAYER_OPTIONS}")
         chosen = {name: options.get(name, _DEFAULTS[name]) for name in _CHECKED}
-        layer_rules.check_options(activation=activation, exchanges=layer_rules.JAX_EXCHANGES, **chosen)
+        layer_rules.check_options(
+            activation=activation, exchanges=layer_rules.JAX_EXCHANGES, topk=topk, **chosen
+        )
         self.topk, self.activation, self.mesh, self.options = topk, activation, mesh, dict(options)
         shapes = {
             "gate": (hidden, num_experts),
@@ -132,6 +141,15 @@ class MoE(nnx.Module):
                 shared_expert_gate=shared_expert_gate,
                 activation=activation,
             ),
+            **layer_rules.bias_shapes(
+                hidden=hidden,
+                ffn=ffn_dim,
+                num_experts=num_experts,
+                experts_held=num_experts,
+                activation=activation,
+                gate_bias=use_gate_bias,
+                projection_biases=use_projection_biases,
+            ),
         }
         inits_and_axes = {
             "gate": (gate_init, ("embed", "router_experts")),
@@ -141,6 +159,7 @@ class MoE(nnx.Module):
                 name: (gate_init if init == "gate_init" else expert_init, axes)
                 for name, (init, axes) in _SHARED_INIT_AND_AXES.items()
             },
+            **{name: (nnx.initializers.zeros_init(), axes) for name, axes in _BIAS_AXES.items()},
         }
         # Eager sharding places each variable on the mesh as it is created; without a mesh there is nothing
         # to place, and the annotations stay as metadata (nnx.get_partition_spec reads them).
@@ -157,7 +176,7 @@ class MoE(nnx.Module):
                 if use_expert_bias
                 else None
             )
-        self._shared_names = tuple(name for name in _SHARED_INIT_AND_AXES if name in shapes)
+        self._optional_names = tuple(name for name in (*_SHARED_INIT_AND_AXES, *_BIAS_AXES) if name in shapes)
 
     def __call__(
         self,
@@ -178,6 +197,6 @@ class MoE(nnx.Module):
             token_mask=token_mask,
             return_stats=return_stats,
             routing_indices=routing_indices,
-            **{name: getattr(self, name)[...] for name in self._shared_names},
+            **{name: getattr(self, name)[...] for name in self._optional_names},
             **self.options,
         )

@@ -13,12 +13,15 @@ from .config import MoEConfig
 from .experts import dense_dot
 
 
-def route(x_flat, gate, expert_bias, valid, config: MoEConfig, routing_indices=None):
-    """(logits [T, E] fp32, merging weights [T, K] fp32, indices [T, K] int32, routing map [T, E] bool).
+def route(x_flat, gate, gate_bias, expert_bias, valid, config: MoEConfig, routing_indices=None):
+    """(logits [T, E] fp32, merging weights [T, K] fp32, indices [T, K] int32, routing map [T, E] bool):
+    logits = x_flat @ gate [H, E] (+ gate_bias [E], in fp32).
     valid [T] bool or None: a masked token's slots get index -1 (no expert), weight 0 and no routing-map
     row, so it takes no expert row, no capacity and no count. routing_indices [T, K] or None: the router's
     replay (a slot it refuses has index -1)."""
     logits = dense_dot(x_flat, gate.astype(x_flat.dtype))  # [T, E]
+    if gate_bias is not None:
+        logits = logits + gate_bias.astype(jnp.float32)
     probs, routing_map, indices = fused_topk_with_score_function(
         logits,
         config.topk,

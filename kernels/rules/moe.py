@@ -246,14 +246,16 @@ def check_options(
     capacity_factor=None,
     return_stats=False,
     balance_counts="routed",
+    probs_on_input=False,
+    topk=None,
     **coefficients,
 ) -> None:
     """The layer's option values: an activation of ACTIVATIONS, a score function, an exchange among the
     framework's `exchanges`, a drop policy of DROP_POLICIES, pipeline_chunks an int >= 1 (above 1 only
     dropless: capacity_factor None), return_stats a bool (TypeError otherwise: it decides how many results
-    come back), balance_counts one of BALANCE_COUNTS and, for each loss coefficient given by name
-    (aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff: LOSSES), a finite number >= 0 (TypeError for a
-    non-number)."""
+    come back), balance_counts one of BALANCE_COUNTS, probs_on_input a bool and True only with topk 1
+    (where given), and, for each loss coefficient given by name (aux_loss_coeff, seq_aux_loss_coeff,
+    z_loss_coeff: LOSSES), a finite number >= 0 (TypeError for a non-number)."""
     if not isinstance(return_stats, bool):
         raise TypeError(f"return_stats: expected a bool, got {type(return_stats).__name__}")
     if activation not in ACTIVATIONS:
@@ -270,6 +272,12 @@ def check_options(
         _fail("drop_policy", f"expected one of {tuple(DROP_POLICIES)}, got {drop_policy!r}")
     if balance_counts not in BALANCE_COUNTS:
         _fail("balance_counts", f"expected one of {tuple(BALANCE_COUNTS)}, got {balance_counts!r}")
+    if not isinstance(probs_on_input, bool):
+        _fail("probs_on_input", f"expected a bool, got {probs_on_input!r}")
+    if probs_on_input and topk is not None and topk != 1:
+        # The weight scales the token before the expert sees it: with K > 1 every slot of a token would
+        # need its own scaled copy of the row (Megatron-Core's moe_apply_probs_on_input has the same rule).
+        _fail("probs_on_input", f"expected topk 1 (one weight per token to scale its input), got topk {topk}")
     if not isinstance(pipeline_chunks, int) or isinstance(pipeline_chunks, bool) or pipeline_chunks < 1:
         _fail("pipeline_chunks", f"expected an int >= 1, got {pipeline_chunks!r}")
     if pipeline_chunks > 1 and capacity_factor is not None:
@@ -336,6 +344,7 @@ class LayerOptions:
     z_loss_coeff: float = 0.0
     drop_policy: str = "position"
     pipeline_chunks: int = 1  # the dropless routed path in this many token chunks (results unchanged)
+    probs_on_input: bool = False  # the merging weight scales the expert's input, not its output (top-1)
     balance_counts: str = "routed"  # BALANCE_COUNTS: the counts of the two load-balancing losses
 
 
@@ -393,6 +402,58 @@ def check_weights(
         if list(expert_bias) != [num_experts]:
             _fail("expert_bias", f"expected [E] = [{num_experts}], got {list(expert_bias)}")
     return LayerShape(hidden, num_experts, ffn)
+
+
+#: The layers' optional bias arrays (GPT-OSS's): the router's logit bias and each expert's projection biases.
+BIASES = ("gate_bias", "gate_up_bias", "down_bias")
+
+
+def bias_shapes(
+    *,
+    hidden: int,
+    ffn: int,
+    num_experts: int,
+    experts_held: int,
+    activation: str,
+    gate_bias: bool,
+    projection_biases: bool,
+) -> dict[str, tuple[int, ...]]:
+    """The modules' bias parameters by name: gate_bias [E] with `gate_bias`, and gate_up_bias [n, 2F] ([n, F]
+    non-gated) and down_bias [n, H] with `projection_biases` (n: the experts a rank's weights hold)."""
+    shapes = dict(gate_bias=(num_experts,)) if gate_bias else {}
+    if projection_biases:
+        shapes.update(
+            gate_up_bias=(experts_held, gate_up_width(activation, ffn)), down_bias=(experts_held, hidden)
+        )
+    return shapes
+
+
+def check_biases(
+    *,
+    shape: LayerShape,
+    experts_held: int | None,
+    activation: str,
+    gate_bias: tuple[int, ...] | None,
+    gate_up_bias: tuple[int, ...] | None,
+    down_bias: tuple[int, ...] | None,
+) -> None:
+    """Shapes of the optional biases, each independent of the others: gate_bias [E] (added to the router's
+    logits before any score), gate_up_bias [n, 2F] (gated; [n, F] otherwise) and down_bias [n, H] (added
+    to each expert's projections), n the experts a rank's weights hold as in `check_weights`."""
+    held = shape.num_experts if experts_held is None else experts_held
+    expected = dict(
+        gate_bias=("[E]", [shape.num_experts]),
+        gate_up_bias=(
+            f"[n, {'2F' if GATED_ACTIVATIONS[activation] else 'F'}]",
+            [held, gate_up_width(activation, shape.ffn)],
+        ),
+        down_bias=("[n, H]", [held, shape.hidden]),
+    )
+    given = dict(gate_bias=gate_bias, gate_up_bias=gate_up_bias, down_bias=down_bias)
+    for name, bias_shape in given.items():
+        layout, sizes = expected[name]
+        if bias_shape is not None and list(bias_shape) != sizes:
+            _fail(name, f"expected {layout} = {sizes} (n = {held} experts held), got {list(bias_shape)}")
 
 
 def shared_ffn_dim(num_shared_experts, ffn: int, shared_expert_gate: bool) -> int:

@@ -52,9 +52,15 @@ from jax.sharding import Mesh
 from moetriton.jax import reference_router
 from moetriton.jax.moe import moe
 from moetriton.jax.reference_moe import moe_reference
-from moetriton.kernels.rules.expert_parallel import ep_layout
+from moetriton.kernels.rules.expert_parallel import ep_layout, gate_up_width
 from moetriton.kernels.rules.moe import SHARED_WEIGHTS, MoEStats
-from tests.strategies_moe import MoEProblem, moe_problems, with_shared_experts
+from tests.strategies_moe import (
+    MoEProblem,
+    moe_problems,
+    with_biases,
+    with_probs_on_input,
+    with_shared_experts,
+)
 from tests.strategies_moe_hostile import record
 
 _SETTINGS = dict(
@@ -75,8 +81,10 @@ def make_mesh(data: int, ep: int, explicit: bool | tuple[bool, bool] = False) ->
 
 
 def _arrays(problem: MoEProblem) -> tuple[jax.Array, ...]:
-    """(x, gate, gate_up, down, then the shared experts' weights the problem has, in SHARED order)."""
+    """(x, gate, gate_up, down, then the shared experts' weights and the biases the problem has, in SHARED
+    and BIASES order)."""
     arrays = (problem.x, problem.gate, problem.gate_up, problem.down, *problem.shared_weights.values())
+    arrays += tuple(problem.biases.values())
     return tuple(jnp.asarray(a) for a in arrays)
 
 
@@ -123,7 +131,7 @@ def layer_and_reference(
     num_shards = 1 if mesh is None else mesh.size
     placement = {} if mesh is None else dict(mesh=mesh, ep_axis="ep", data_axes=("data",))
 
-    shared_names = tuple(problem.shared_weights)
+    shared_names = (*problem.shared_weights, *problem.biases)
 
     def layer(x, gate, gate_up, down, *shared):
         shared = dict(zip(shared_names, shared, strict=True))
@@ -188,7 +196,7 @@ def check_against_reference(problem: MoEProblem, mesh: Mesh | None, **call) -> t
     assert int(got[2]) == int(expected[2]), (int(got[2]), int(expected[2]), what)
     if stats:
         _check_stats(got[3], expected[3], got, what)
-    names = ("x", "gate", "gate_up", "down", *problem.shared_weights)
+    names = ("x", "gate", "gate_up", "down", *problem.shared_weights, *problem.biases)
     for name, g, e in zip(names, grads, expected_grads, strict=True):
         _close(g, e, f"grad {name} of {what}", grad_rtol)
     if token_mask is not None:
@@ -486,6 +494,61 @@ def check_shared_experts() -> None:
     expected = moe(x, params["gate"], params["gate_up"], params["down"], **options, **shared)
     for a, b in zip(out, expected, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def check_model_recipes() -> None:
+    """GPT-OSS's router bias and expert projection biases on meshes 1x2 and 2x2, dropless (aligned:
+    padding rows inside the groups) and under a capacity (empty and dropped slots add no bias), with
+    padding tokens, against the reference: every gradient, the biases' included (the router bias
+    replicated, the experts' sharded with them); Llama 4's top-1 weight on the expert's input alike;
+    then the Linen block and the NNX module with biases: sharded by the default rules, their results the
+    functional layer's."""
+    from flax import linen as nn
+    from flax import nnx
+
+    from moetriton.jax.moe.flax import MoEBlock, init_sharded
+    from moetriton.jax.moe.nnx import MoE
+
+    for (data, ep), activation, capacity_factor, masked in (
+        ((1, 2), "clamped_swiglu", None, True),
+        ((2, 2), "swiglu", 0.5, False),
+        ((1, 2), "gelu", 0.5, True),
+    ):
+        problem = fixed_problem(
+            data, ep, routing="empty_ranks", topk=2, align_size=2, capacity_factor=capacity_factor
+        )
+        width = gate_up_width(activation, problem.ffn)
+        problem = dataclasses.replace(problem, activation=activation, gate_up=problem.gate_up[..., :width])
+        mask = padding_mask(problem.batch, problem.seq) if masked else None
+        check_against_reference(with_biases(problem), make_mesh(data, ep), token_mask=mask)
+        check_against_reference(with_probs_on_input(problem), make_mesh(data, ep), token_mask=mask)
+    mesh = make_mesh(2, 2)
+    x = jnp.asarray(fixed_problem(2, 2, routing="empty_ranks", topk=2, align_size=2).x)
+    options = dict(topk=2, mesh=mesh, ep_axis="ep", data_axes=("data",))
+    flags = dict(use_gate_bias=True, use_projection_biases=True)
+    block = MoEBlock(num_experts=4, ffn_dim=8, **flags, **options)
+    params = nn.meta.unbox(init_sharded(block, jax.random.key(0), x, mesh=mesh)["params"])
+    module = MoE(8, num_experts=4, ffn_dim=8, rngs=nnx.Rngs(0), **flags, **options)
+    expected_specs = {"gate_bias": (None,), "gate_up_bias": ("ep", None), "down_bias": ("ep", None)}
+    for name, spec in expected_specs.items():
+        assert tuple(params[name].sharding.spec) == spec, (name, params[name].sharding)
+        assert tuple(getattr(module, name)[...].sharding.spec) == spec, name
+        assert not np.asarray(params[name]).any(), f"{name} starts at zero"
+    rng = np.random.default_rng(3)
+    params = {
+        name: value + rng.normal(0, 0.5, value.shape).astype(np.float32) for name, value in params.items()
+    }
+    for name in expected_specs:
+        getattr(module, name)[...] = params[name]
+    biases = {name: params[name] for name in expected_specs}
+    for module_weights, apply in (
+        (params, lambda: jax.jit(block.apply)({"params": params}, x)),
+        ({name: getattr(module, name)[...] for name in ("gate", "gate_up", "down")}, lambda: module(x)),
+    ):
+        weights = [module_weights[name] for name in ("gate", "gate_up", "down")]
+        expected = moe(x, *weights, **options, **biases)
+        for a, b in zip(apply(), expected, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def check_pipeline() -> None:
@@ -792,6 +855,7 @@ CHECKS = {
     "options-1x2": lambda: check_options(1, 2),
     "options-2x2": lambda: check_options(2, 2),
     "pipeline": check_pipeline,
+    "model-recipes": check_model_recipes,
     "explicit-mesh": check_explicit_mesh,
     "hostile-1x2": check_hostile,
 }
@@ -817,6 +881,7 @@ DEVICES.update(
         "options-1x2": 2,
         "options-2x2": 4,
         "pipeline": 2,
+        "model-recipes": 4,
         "explicit-mesh": 4,
         "hostile-1x2": 2,
     }

@@ -149,7 +149,7 @@ def test_expert_mlp_rebuilding_the_activation_keeps_the_gradients_bit_for_bit():
     from moetriton.jax.activation import grouped_activation
     from moetriton.jax.grouped_gemm import grouped_matmul
     from moetriton.jax.moe.config import MoEConfig
-    from moetriton.jax.moe.experts import expert_mlp
+    from moetriton.jax.moe.experts import ExpertWeights, expert_mlp
 
     rng = np.random.default_rng(0)
     rows, hidden, ffn = 9, 8, 6
@@ -164,7 +164,7 @@ def test_expert_mlp_rebuilding_the_activation_keeps_the_gradients_bit_for_bit():
     )  # fmt: skip
 
     def fused(x, gate_up, down):
-        return expert_mlp(x, sizes, gate_up, down, config)
+        return expert_mlp(x, sizes, ExpertWeights(gate_up, down), config)
 
     def unfused(x, gate_up, down):
         h = grouped_matmul(x, gate_up, sizes, zero_tail=False)

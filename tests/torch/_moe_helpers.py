@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moetriton.kernels.rules.moe import SHARED_WEIGHTS
+from moetriton.kernels.rules.moe import BIASES, SHARED_WEIGHTS
 from tests.strategies_moe import MoEProblem
 from tests.strategies_moe_hostile import ARRAYS, EXPERTS, record
 
@@ -17,6 +17,11 @@ TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # fp32 layer vs fp32 reference: GEMM and
 #: The shared experts' weights: replicated on every rank, their gradients summed over the ranks as the
 #: router weight's.
 SHARED = SHARED_WEIGHTS
+#: The arrays every rank holds whole (gradients summed over the ranks) and those sharded over EP with the
+#: experts, beyond gate_weight, gate_up and down.
+REPLICATED = ("gate_bias", *SHARED)
+PER_EXPERT = ("gate_up_bias", "down_bias")
+assert set(BIASES) <= {*REPLICATED, *PER_EXPERT}
 
 
 def options(problem: MoEProblem) -> dict:
@@ -35,6 +40,7 @@ def tensors(problem: MoEProblem, device: torch.device) -> dict[str, torch.Tensor
         down=torch.from_numpy(problem.down),
         cotangent=torch.randn(problem.x.shape, generator=generator),
         **{name: torch.from_numpy(value) for name, value in problem.shared_weights.items()},
+        **{name: torch.from_numpy(value) for name, value in problem.biases.items()},
     )
     if problem.expert_bias is not None:
         values["expert_bias"] = torch.from_numpy(problem.expert_bias)
@@ -60,7 +66,8 @@ def run_layer(
         gate_weight=full["gate_weight"].clone(),
         gate_up=full["gate_up"][experts].clone(),
         down=full["down"][experts].clone(),
-        **{name: full[name].clone() for name in SHARED if name in full},
+        **{name: full[name].clone() for name in REPLICATED if name in full},
+        **{name: full[name][experts].clone() for name in PER_EXPERT if name in full},
     )
     for value in inputs.values():
         value.requires_grad_()
@@ -88,7 +95,8 @@ def reference(problem: MoEProblem, full: dict, num_shards: int = 1) -> dict:
     """The unsharded reference: outputs and gradients of every input."""
     from moetriton.torch.reference_moe import moe_reference
 
-    names = ("x", "gate_weight", "gate_up", "down", *(name for name in SHARED if name in full))
+    optional = (name for name in (*REPLICATED, *PER_EXPERT) if name in full)
+    names = ("x", "gate_weight", "gate_up", "down", *optional)
     inputs = {name: full[name].clone().requires_grad_() for name in names}
     out, aux_loss, dropped, stats = moe_reference(
         **inputs,
@@ -141,7 +149,8 @@ def check_rank(
         ("grad gate_weight", ...),
         ("grad gate_up", experts),
         ("grad down", experts),
-        *((f"grad {name}", ...) for name in SHARED if f"grad {name}" in expected),
+        *((f"grad {name}", ...) for name in REPLICATED if f"grad {name}" in expected),
+        *((f"grad {name}", experts) for name in PER_EXPERT if f"grad {name}" in expected),
     ):
         torch.testing.assert_close(
             got[name], expected[name][part], **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}"
@@ -197,12 +206,13 @@ def ep_worker(
                     runs.append(run_layer(problem, full, rank, world, exchange, **groups))
                     # Replicated parameters' gradients are summed over their replicas, as DDP would: the
                     # gate's over every rank, the experts' over the ranks that hold the same experts.
-                    for name in ("gate_weight", *SHARED):
+                    for name in ("gate_weight", *REPLICATED):
                         if f"grad {name}" in runs[-1]:
                             dist.all_reduce(runs[-1][f"grad {name}"])
                     if data > 1:
-                        for name in ("grad gate_up", "grad down"):
-                            dist.all_reduce(runs[-1][name], group=replicas[ep_rank])
+                        for name in ("gate_up", "down", *PER_EXPERT):
+                            if f"grad {name}" in runs[-1]:
+                                dist.all_reduce(runs[-1][f"grad {name}"], group=replicas[ep_rank])
                 check_rank(problem, runs[0], expected, rank, world, ep_rank, ep)
                 for name, value in runs[0].items():
                     pairs = (

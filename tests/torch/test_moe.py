@@ -25,7 +25,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import moetriton.torch as mt
-from moetriton.kernels.rules.expert_parallel import ep_layout, padded_counts
+from moetriton.kernels.rules.expert_parallel import ep_layout, gate_up_width, padded_counts
 from moetriton.torch.moe import expert_mlp, grouped_mm_supported
 from moetriton.torch.moe.routing import most_probable_slots
 from moetriton.torch.reference_moe import moe_reference
@@ -34,7 +34,9 @@ from tests.strategies_moe import (
     kept_by_weight,
     moe_problems,
     probs_policy_slots,
+    with_biases,
     with_pipeline_chunks,
+    with_probs_on_input,
     with_recipe_options,
     with_shared_experts,
 )
@@ -127,6 +129,53 @@ def test_recipe_options_match_the_dense_reference(problem):
         variant = with_recipe_options(variant, masked=masked, drop_policy=drop_policy)
         if shared:
             variant = with_shared_experts(variant, gate=True)
+        full = tensors(variant, DEVICE)
+        check_rank(variant, run_layer(variant, full, 0, 1), reference(variant, full), 0, 1)
+
+
+#: Bias variants (GPT-OSS): (router bias, projection biases, capacity factor, padding mask, activation).
+BIAS_VARIANTS = (
+    (True, True, None, False, "clamped_swiglu"),
+    (False, True, 0.5, True, "swiglu"),
+    (True, False, None, True, "swiglu"),
+    (True, True, 0.25, False, "gelu"),
+)
+
+
+@settings(max_examples=3)
+@given(problem=moe_problems())
+def test_biases_match_the_dense_reference(problem):
+    """The router bias and the experts' projection biases, dropless (aligned or not: padding rows inside
+    the groups) and under a capacity (empty slots and dropped slots add no bias), with padding tokens:
+    forward, stats and every gradient, the biases' included."""
+    for router, projections, capacity_factor, masked, activation in BIAS_VARIANTS:
+        width = gate_up_width(activation, problem.ffn)
+        variant = dataclasses.replace(
+            problem,
+            capacity_factor=capacity_factor,
+            activation=activation,
+            gate_up=problem.gate_up[..., :width].copy(),
+        )
+        if masked:
+            variant = with_recipe_options(variant, drop_policy="position")
+        variant = with_biases(variant, router=router, projections=projections)
+        full = tensors(variant, DEVICE)
+        got = run_layer(variant, full, 0, 1)
+        assert {f"grad {name}" for name in variant.biases} <= set(got)
+        check_rank(variant, got, reference(variant, full), 0, 1)
+
+
+@settings(max_examples=3)
+@given(problem=moe_problems())
+def test_probs_on_input_matches_the_dense_reference(problem):
+    """Llama 4's top-1 weight on the expert's input, with and without padding tokens and shared experts
+    (which see the unscaled tokens): forward, stats and every gradient against the reference."""
+    for masked, shared in ((False, False), (True, True)):
+        variant = with_probs_on_input(problem)
+        if masked:
+            variant = with_probs_on_input(with_recipe_options(variant, drop_policy="position"))
+        if shared:
+            variant = with_shared_experts(variant, gate=False)
         full = tensors(variant, DEVICE)
         check_rank(variant, run_layer(variant, full, 0, 1), reference(variant, full), 0, 1)
 
@@ -690,6 +739,36 @@ def test_module_runs_the_functional_layer():
     assert "local_experts=4" in repr(layer)
 
 
+@pytest.mark.parametrize("activation", ["clamped_swiglu", "relu"])
+def test_module_biases(activation):
+    """gate_bias=True and projection_biases=True: trained parameters of the functional layer's shapes,
+    zero after reset (the layer without biases), passed to `moe` as they are."""
+    layer = mt.MoELayer(H, F, E, 2, activation=activation, gate_bias=True, projection_biases=True)
+    layer = layer.to(DEVICE)
+    width = 2 * F if activation == "clamped_swiglu" else F
+    shapes = {"gate_bias": (E,), "gate_up_bias": (E, width), "down_bias": (E, H)}
+    assert {name: tuple(getattr(layer, name).shape) for name in shapes} == shapes
+    assert {name for name, _ in layer.named_parameters()} >= set(shapes)
+    assert not any(getattr(layer, name).any() for name in shapes)
+    assert "gate_bias=True, projection_biases=True" in repr(layer)
+    x = _tokens(6).view(2, 3, H)
+    without = mt.MoELayer(H, F, E, 2, activation=activation).to(DEVICE)
+    without.load_state_dict({k: v for k, v in layer.state_dict().items() if k not in shapes})
+    assert torch.equal(layer(x)[0], without(x)[0])  # zero biases: the layer without them
+    with torch.no_grad():
+        for name in shapes:
+            getattr(layer, name).normal_()
+    out, aux_loss, dropped = layer(x)
+    weights = (layer.gate_weight, layer.gate_up, layer.down)
+    biases = {name: getattr(layer, name) for name in shapes}
+    expected = mt.moe(x, *weights, topk=2, activation=activation, **biases)
+    for got, want in zip((out, aux_loss, dropped), expected, strict=True):
+        assert torch.equal(got, want)
+    out.sum().backward()
+    assert all(getattr(layer, name).grad is not None for name in shapes)
+    assert mt.MoELayer(H, F, E, 2).gate_bias is None
+
+
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 def test_module_shared_experts(activation):
     """num_shared_experts shared experts of F columns each: one FFN of width Fs = n * F, replicated; with
@@ -770,6 +849,8 @@ def _bad(name: str):
         "pipeline_chunks type": dict(pipeline_chunks=2.0),
         "pipeline_chunks capacity": dict(pipeline_chunks=2, capacity_factor=1.0),
         "balance_counts": dict(balance_counts="bias"),
+        "gate_bias dtype": dict(gate_bias=torch.zeros(E, device=DEVICE, dtype=torch.float16)),
+        "down_bias shape": dict(down_bias=torch.zeros(E, H + 1, device=DEVICE)),
     }
     return (x, gate, gate_up, down), kwargs | bad_kwargs[name]
 
@@ -783,6 +864,8 @@ def _bad(name: str):
         ("down", "down: expected"),
         ("dtype", "gate_weight: expected dtype"),
         ("x dtype", "x: expected dtype"),
+        ("gate_bias dtype", r"gate_bias: expected dtype float32 \(as x\), got float16"),
+        ("down_bias shape", r"down_bias: expected \[n, H\] = \[4, 8\]"),
         ("capacity_factor", "capacity_factor"),
         ("negative capacity_factor", "capacity_factor"),
         ("align_size", "align_size"),
@@ -942,6 +1025,22 @@ def test_data_times_expert_parallel_gloo(tmp_path, world, data):
     @given(problems=_ep_problems(world))
     def check(problems):
         _spawn(tmp_path, world, "gloo", problems, data=data)
+
+    check()
+
+
+@pytest.mark.parametrize("world, data", [(2, 1), (4, 2)])
+def test_model_recipes_under_expert_parallel_gloo(tmp_path, world, data):
+    """GPT-OSS's biases and Llama 4's weights on the experts' input over EP and data x EP, dropless and
+    capacity: the router bias replicated (its gradient summed over the ranks), each rank's experts'
+    biases sharded with them, the scaled tokens crossing the exchange."""
+
+    @_ONE_SPAWN
+    @given(problems=_ep_problems(world))
+    def check(problems):
+        recipes = [with_biases(problem) for problem in problems]
+        recipes += [with_probs_on_input(problem) for problem in problems]
+        _spawn(tmp_path, world, "gloo", recipes, data=data)
 
     check()
 

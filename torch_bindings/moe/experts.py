@@ -51,6 +51,14 @@ def _expert_of_row(offsets: Tensor, num_rows: int) -> Tensor:
     return torch.searchsorted(offsets, positions, right=True)[:, None]
 
 
+def _group_bias(bias: Tensor, group_sizes: Tensor, num_rows: int) -> Tensor:
+    """[N, M]: bias [L, M] row j on each row of group j, zero on rows past the groups (so that zero rows
+    there stay zero through a projection with bias). From the group sizes on the device: no host sync."""
+    ends = group_sizes.cumsum(0, dtype=torch.int32)  # [L], not `_group_ends`: the tail is told apart
+    padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])  # [L + 1, M]: row L for the tail
+    return padded[_expert_of_row(ends, num_rows)[:, 0]]
+
+
 def grouped_linear(
     rows: Tensor,
     group_sizes: Tensor,
@@ -63,7 +71,7 @@ def grouped_linear(
 
     Args:
         rows: [N, K]; group j's rows follow group j - 1's, group_sizes[j] of them; rows past the last group
-            join it.
+            join it in the product and take no bias.
         group_sizes: [L] int32/int64 on rows' device (no host sync).
         weight: [L, K, M] (any strides: a transposed view of [L, M, K] is read in place by
             torch._grouped_mm); bias: [L, M] or None.
@@ -81,7 +89,6 @@ def grouped_linear(
     with stage("grouped_gemm"):
         if use_grouped_mm:
             out = torch._grouped_mm(rows, weight, offs=offsets)
-            expert_of_row = None
         else:
             expert_of_row = _expert_of_row(offsets, rows.shape[0])
             out = rows.new_zeros(rows.shape[0], weight.shape[2])
@@ -93,10 +100,7 @@ def grouped_linear(
                 out = torch.where(mine, torch.where(mine, rows, 0) @ weight[expert], out)
         if bias is None:
             return out
-        if expert_of_row is None:
-            expert_of_row = _expert_of_row(offsets, rows.shape[0])
-        # Rows past the groups searchsort to L; they join the last group as in the product.
-        return out + bias[expert_of_row[:, 0].clamp_max(weight.shape[0] - 1)].to(out.dtype)
+        return out + _group_bias(bias, group_sizes, rows.shape[0]).to(out.dtype)
 
 
 def _grouped_weight_gradient(rows: Tensor, grad: Tensor, group_sizes: Tensor, use_grouped_mm: bool) -> Tensor:
@@ -179,17 +183,21 @@ def expert_mlp(
     down: Tensor,
     activation: str,
     use_grouped_mm: bool | None = None,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
 ) -> Tensor:
     """Dropless experts on expert-major rows: [N, H] -> [N, H].
 
     Args:
         rows: [N, H]; expert j's rows follow expert j - 1's, group_sizes[j] of them; rows past the last
-            group must be zero (token_dispatch's tail): they join the last group and come out zero.
+            group must be zero (token_dispatch's tail): they join the last group, take no bias and come out
+            zero.
         group_sizes: [L] int32/int64 on rows' device (no host sync).
         gate_up: [L, H, 2F] (SwiGLU) or [L, H, F]; down: [L, F, H].
         activation: one of ACTIVATIONS.
         use_grouped_mm: force torch._grouped_mm (True) or the masked per-expert loop (False); None picks
             `grouped_mm_supported`.
+        gate_up_bias: [L, 2F] (or [L, F]) and down_bias [L, H], or None: each expert's projection biases.
 
     Example:
         >>> rows = torch.randn(5, 8)
@@ -199,16 +207,35 @@ def expert_mlp(
     """
     if use_grouped_mm is None:
         use_grouped_mm = grouped_mm_supported(rows, gate_up, down)
-    hidden = grouped_linear(rows, group_sizes, gate_up, use_grouped_mm=use_grouped_mm)
-    return _activated_down(hidden, group_sizes, down, activation, use_grouped_mm)
+    hidden = grouped_linear(rows, group_sizes, gate_up, gate_up_bias, use_grouped_mm=use_grouped_mm)
+    out = _activated_down(hidden, group_sizes, down, activation, use_grouped_mm)
+    if down_bias is None:
+        return out
+    with stage("grouped_gemm"):
+        return out + _group_bias(down_bias, group_sizes, rows.shape[0]).to(out.dtype)
 
 
-def batched_mlp(rows: Tensor, gate_up: Tensor, down: Tensor, activation: str) -> Tensor:
-    """Capacity experts: rows [L * M, H], M rows per local expert -> [L * M, H], one bmm per projection."""
+def batched_mlp(
+    rows: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    activation: str,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+) -> Tensor:
+    """Capacity experts: rows [L * M, H], M rows per local expert -> [L * M, H], one bmm per projection;
+    gate_up_bias [L, W] and down_bias [L, H] or None. A slot no token fills computes the biases' output,
+    which no combine reads."""
     slabs = rows.view(gate_up.shape[0], -1, rows.shape[1])  # [L, M, H]
     with stage("grouped_gemm"):
         hidden = torch.bmm(slabs, gate_up)
-    return _activated_down(hidden, None, down, activation, False).reshape(rows.shape)
+        if gate_up_bias is not None:
+            hidden = hidden + gate_up_bias[:, None, :]
+    out = _activated_down(hidden, None, down, activation, False)
+    if down_bias is not None:
+        with stage("grouped_gemm"):
+            out = out + down_bias[:, None, :]
+    return out.reshape(rows.shape)
 
 
 @dataclass  # not frozen: torch 2.11's dynamo loses the fields a frozen dataclass sets in a compiled region
@@ -220,11 +247,14 @@ class Experts:
     gate_up: Tensor
     down: Tensor
     activation: str
+    gate_up_bias: Tensor | None = None
+    down_bias: Tensor | None = None
 
     def __call__(self, rows: Tensor, group_sizes: Tensor | None = None) -> Tensor:
+        biases = dict(gate_up_bias=self.gate_up_bias, down_bias=self.down_bias)
         if group_sizes is None:
-            return batched_mlp(rows, self.gate_up, self.down, self.activation)
-        return expert_mlp(rows, group_sizes, self.gate_up, self.down, self.activation)
+            return batched_mlp(rows, self.gate_up, self.down, self.activation, **biases)
+        return expert_mlp(rows, group_sizes, self.gate_up, self.down, self.activation, **biases)
 
 
 def shared_mlp(

@@ -55,6 +55,7 @@ uses torch.bmm on every device.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -92,6 +93,9 @@ def _check_moe(
     gate_up: Signature,
     down: Signature,
     expert_bias: Signature | None,
+    gate_bias: Signature | None,
+    gate_up_bias: Signature | None,
+    down_bias: Signature | None,
     shared_gate_up: Signature | None,
     shared_down: Signature | None,
     shared_gate: Signature | None,
@@ -106,6 +110,7 @@ def _check_moe(
     capacity_factor,
     return_stats,
     balance_counts,
+    probs_on_input,
     router: tuple,
     align_size,
     **coefficients,
@@ -124,10 +129,14 @@ def _check_moe(
         capacity_factor=capacity_factor,
         return_stats=return_stats,
         balance_counts=balance_counts,
+        probs_on_input=probs_on_input,
+        topk=router[0],
         **coefficients,
     )
     shared = dict(shared_gate_up=shared_gate_up, shared_down=shared_down, shared_gate=shared_gate)
+    biases = dict(gate_bias=gate_bias, gate_up_bias=gate_up_bias, down_bias=down_bias)
     arrays = dict(gate_weight=gate_weight, gate_up=gate_up, down=down, expert_bias=expert_bias, **shared)
+    arrays.update(biases)
     same_device(x=x, token_mask=token_mask, routing_indices=routing_indices, **arrays)
     layer_rules.check_tokens(
         x_shape=tuple(x[0]),
@@ -153,6 +162,12 @@ def _check_moe(
         score_function=score_function,
         use_pre_softmax=router["use_pre_softmax"],
     )
+    layer_rules.check_biases(
+        shape=shape,
+        experts_held=num_experts // ep_size,
+        activation=activation,
+        **{name: None if sig is None else tuple(sig[0]) for name, sig in biases.items()},
+    )
     layer_rules.check_shared_weights(
         hidden=hidden,
         activation=activation,
@@ -167,7 +182,7 @@ def _check_moe(
         align_size=align_size,
         capacity_factor=capacity_factor,
     )
-    weights = dict(gate_weight=gate_weight, gate_up=gate_up, down=down, **shared)
+    weights = dict(gate_weight=gate_weight, gate_up=gate_up, down=down, **biases, **shared)
     layer_rules.check_layer_dtypes(
         x=describe(x)[1],
         weights={name: describe(sig)[1] if sig else None for name, sig in weights.items()},
@@ -191,6 +206,9 @@ def moe(
     *,
     topk: int,
     expert_bias: Tensor | None = None,
+    gate_bias: Tensor | None = None,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
     score_function: str = "softmax",
     use_pre_softmax: bool = False,
     num_groups: int | None = None,
@@ -216,6 +234,7 @@ def moe(
     return_stats: bool = False,
     balance_counts: str = "routed",
     routing_indices: Tensor | None = None,
+    probs_on_input: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor] | tuple[Tensor, Tensor, Tensor, MoEStats]:
     """One MoE layer on this rank's tokens, experts sharded over `ep_group` (see the module docstring).
 
@@ -233,6 +252,11 @@ def moe(
             a model's routing recipe (DeepSeek-V3's top-2 group scores and unnormalised weights, Qwen3-MoE's
             norm_topk_prob, ERNIE-4.5's bias on a softmax before the top-k) carries over; expert_bias [E]
             steers selection only.
+        gate_bias: [E] x.dtype or None: added to the router's logits (x @ gate_weight^T + gate_bias) before
+            any score (GPT-OSS's router); differentiable.
+        gate_up_bias, down_bias: [L, 2F] ([L, F] non-gated) and [L, H] x.dtype, or None: each local expert's
+            projection biases (GPT-OSS's experts), added to its gate/up and down products; differentiable.
+            A slot an expert drops or a padding token adds no bias to any output.
         aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff: weights of the switch load-balancing loss, the
             sequence-wise one of DeepSeek-V3 (needs x [B, S, H]) and the router z-loss, each global over
             token_group as moetriton.kernels.rules.moe.LOSSES defines it (0: that loss is off); aux_loss is
@@ -290,6 +314,8 @@ def moe(
             indices), with this call's weights from this call's logits; ids outside [0, E) and repeats
             within a token select nothing (docs/router.md, "Router replay"). Losses and statistics follow
             the replayed selection.
+        probs_on_input: the merging weight scales the token before its expert (Llama 4: expert(w x)) instead
+            of the expert's output (w expert(x)); topk 1 only. The shared experts see the unscaled tokens.
 
     Returns:
         (out [..., H] in x.dtype, aux_loss fp32 scalar, dropped int32 scalar), and the MoEStats with
@@ -315,6 +341,9 @@ def moe(
         gate_up=signature(gate_up),
         down=signature(down),
         expert_bias=signature(expert_bias),
+        gate_bias=signature(gate_bias),
+        gate_up_bias=signature(gate_up_bias),
+        down_bias=signature(down_bias),
         shared_gate_up=signature(shared_gate_up),
         shared_down=signature(shared_down),
         shared_gate=signature(shared_gate),
@@ -329,6 +358,7 @@ def moe(
         capacity_factor=capacity_factor,
         return_stats=return_stats,
         balance_counts=balance_counts,
+        probs_on_input=probs_on_input,
         router=router,
         align_size=align_size,
         aux_loss_coeff=aux_loss_coeff,
@@ -353,6 +383,7 @@ def moe(
         routing = route(
             tokens,
             gate_weight,
+            gate_bias,
             valid,
             expert_bias,
             replayed,
@@ -370,7 +401,11 @@ def moe(
             balance_counts=balance_counts,
         )
         routing = apply_drop_policy(routing, layout, drop_policy)
-    chunks = token_chunks(tokens, routing, layout, pipeline_chunks)
+    routed_tokens = tokens
+    if probs_on_input:  # [T, H] scaled by the top-1 weight (fp32, one rounding); the combine weighs 1 or 0
+        routed_tokens = (tokens.float() * routing.merging).to(tokens.dtype)
+        routing = replace(routing, merging=(routing.indices >= 0).to(routing.merging.dtype))
+    chunks = token_chunks(routed_tokens, routing, layout, pipeline_chunks)
     row_exchange.start(chunks)
     sends = (dispatch(chunk, row_exchange) for chunk in chunks)
     if not row_exchange.in_turn:  # every chunk dispatched before the shared experts and the first row moves
@@ -381,7 +416,7 @@ def moe(
     shared = None
     if shared_gate_up is not None:
         shared = shared_mlp(tokens, shared_gate_up, shared_down, shared_gate, activation)
-    experts = Experts(gate_up, down, activation)
+    experts = Experts(gate_up, down, activation, gate_up_bias, down_bias)
     parts = [row_exchange.combine(rows, send) for send, rows in row_exchange(sends, experts)]
     out = add_shared(parts[0] if len(parts) == 1 else torch.cat(parts), shared, valid)
     return (out.reshape(x.shape), aux_loss, dropped, *((stats,) if return_stats else ()))
@@ -413,7 +448,8 @@ class MoELayer(nn.Module):
     (DeepSeek-V3: 1) the shared experts, one always-on FFN of width Fs = n * F: shared_gate_up [H, 2Fs]
     ([H, Fs] non-gated) and shared_down [Fs, H], replicated on every rank; with `shared_expert_gate=True`
     (Qwen-MoE) also shared_gate [H, 1], scaling their output per token by sigmoid(x @ shared_gate) (see
-    `moe`).
+    `moe`). With `gate_bias=True` a router bias gate_bias [E], and with `projection_biases=True` the
+    experts' biases gate_up_bias [L, 2F] ([L, F] non-gated) and down_bias [L, H] (GPT-OSS), zero at reset.
 
     forward(x [..., H], token_mask=None, return_stats=False, routing_indices=None) -> (out [..., H],
     aux_loss fp32 scalar, dropped int32 scalar[, MoEStats]); the loss coefficients, drop_policy and
@@ -447,6 +483,8 @@ class MoELayer(nn.Module):
         normalize_topk: bool | None = None,
         group_score: str = "topk_sum",
         expert_bias: bool = False,
+        gate_bias: bool = False,
+        projection_biases: bool = False,
         aux_loss_coeff: float = 0.0,
         align_size: int | None = None,
         activation: str = "swiglu",
@@ -461,6 +499,7 @@ class MoELayer(nn.Module):
         drop_policy: str = "position",
         pipeline_chunks: int = 1,
         balance_counts: str = "routed",
+        probs_on_input: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -474,6 +513,8 @@ class MoELayer(nn.Module):
             pipeline_chunks=pipeline_chunks,
             capacity_factor=capacity_factor,
             balance_counts=balance_counts,
+            probs_on_input=probs_on_input,
+            topk=topk,
             aux_loss_coeff=aux_loss_coeff,
             seq_aux_loss_coeff=seq_aux_loss_coeff,
             z_loss_coeff=z_loss_coeff,
@@ -493,15 +534,24 @@ class MoELayer(nn.Module):
         self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
         self.gate_up = nn.Parameter(torch.empty(local, hidden_size, width, **factory))
         self.down = nn.Parameter(torch.empty(local, ffn_hidden_size, hidden_size, **factory))
-        shared_shapes = layer_rules.shared_weight_shapes(
+        optional_shapes = layer_rules.shared_weight_shapes(
             hidden=hidden_size,
             ffn=ffn_hidden_size,
             num_shared_experts=num_shared_experts,
             shared_expert_gate=shared_expert_gate,
             activation=activation,
         )
-        for name in layer_rules.SHARED_WEIGHTS:  # absent ones are None attributes
-            shape = shared_shapes.get(name)
+        optional_shapes |= layer_rules.bias_shapes(
+            hidden=hidden_size,
+            ffn=ffn_hidden_size,
+            num_experts=num_experts,
+            experts_held=local,
+            activation=activation,
+            gate_bias=gate_bias,
+            projection_biases=projection_biases,
+        )
+        for name in (*layer_rules.SHARED_WEIGHTS, *layer_rules.BIASES):  # absent ones are None attributes
+            shape = optional_shapes.get(name)
             weight = None if shape is None else nn.Parameter(torch.empty(shape, **factory))
             self.register_parameter(name, weight)
         bias = torch.zeros(num_experts, dtype=torch.float32, device=device) if expert_bias else None
@@ -527,6 +577,7 @@ class MoELayer(nn.Module):
             drop_policy=drop_policy,
             pipeline_chunks=pipeline_chunks,
             balance_counts=balance_counts,
+            probs_on_input=probs_on_input,
         )
         self.reset_parameters()
 
@@ -538,6 +589,9 @@ class MoELayer(nn.Module):
         for weight in (self.shared_gate_up, self.shared_down, self.shared_gate):
             if weight is not None:  # [fan_in, fan_out]: the routed experts' layout without the expert axis
                 nn.init.normal_(weight, std=weight.shape[0] ** -0.5)
+        for bias in (self.gate_bias, self.gate_up_bias, self.down_bias):
+            if bias is not None:  # zero: the layer starts as the one without biases
+                nn.init.zeros_(bias)
 
     def forward(
         self,
@@ -554,6 +608,9 @@ class MoELayer(nn.Module):
             self.gate_up,
             self.down,
             expert_bias=self.expert_bias,
+            gate_bias=self.gate_bias,
+            gate_up_bias=self.gate_up_bias,
+            down_bias=self.down_bias,
             ep_group=self.ep_group,
             token_group=self.token_group,
             shared_gate_up=self.shared_gate_up,
@@ -580,6 +637,8 @@ class MoELayer(nn.Module):
         options = ", ".join(f"{name}={value}" for name, value in self.options.items())
         shared = "" if self.shared_down is None else f", shared_ffn={self.shared_down.shape[0]}"
         shared += ", shared_expert_gate=True" if self.shared_gate is not None else ""
+        shared += ", gate_bias=True" if self.gate_bias is not None else ""
+        shared += ", projection_biases=True" if self.down_bias is not None else ""
         return (
             f"hidden={hidden}, ffn={ffn}, experts={experts}, local_experts={self.down.shape[0]}{shared},"
             f" {options}"

@@ -31,16 +31,18 @@ class Routing:
 def route(
     tokens: Tensor,
     gate_weight: Tensor,
+    gate_bias: Tensor | None,
     valid: Tensor | None,
     expert_bias: Tensor | None,
     routing_indices: Tensor | None = None,
     **router,
 ) -> Routing:
-    """The router on tokens [T, H] with gate_weight [E, H] (logits in tokens.dtype, fp32 accumulation) and
+    """The router on tokens [T, H] with gate_weight [E, H] and gate_bias [E] or None (logits in tokens.dtype,
+    fp32 accumulation) and
     the router's options (moetriton.kernels.rules.moe.ROUTER_OPTIONS, by name). valid [T] bool or None:
     False marks padding, which takes no slot (index -1 is no expert to the dispatch), no weight and no
     count. routing_indices [T, K] or None: the router's replay (a slot it refuses has index -1)."""
-    logits = F.linear(tokens, gate_weight)  # [T, E]
+    logits = F.linear(tokens, gate_weight, gate_bias)  # [T, E]
     probs, routing_map, indices = fused_topk_with_score_function(
         logits, expert_bias=expert_bias, return_indices=True, routing_indices=routing_indices, **router
     )
