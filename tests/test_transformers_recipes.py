@@ -132,3 +132,57 @@ def test_unsupported_blocks_name_what_is_missing():
         moe_arguments(block)
     with pytest.raises(TypeError, match="has no experts and gate"):
         moe_arguments(torch.nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe-shared", "deepseek_v3", "gpt_oss", "llama4"])
+def test_replaced_blocks_compute_the_model(name):
+    """replace_moe_blocks on a 2-layer model: the logits, the loss with transformers' own load-balancing
+    loss (output_router_logits), the router logits it returns and every parameter gradient equal the eager
+    model's to fp32 rounding; the parameter names are the model's."""
+    import copy
+
+    from moetriton.torch.transformers import replace_moe_blocks
+
+    model = tiny_model(name)
+    eager = copy.deepcopy(model)
+    names = [key for key, _ in model.named_parameters()]
+    replaced = replace_moe_blocks(model)
+    assert len(replaced) == 2 and [key for key, _ in model.named_parameters()] == names
+
+    def not_called(*args, **kwargs):
+        raise AssertionError("a replaced block ran transformers' experts")
+
+    for key in replaced:  # the replacement computes the experts itself
+        model.get_submodule(key).experts.forward = not_called
+    tokens = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(4))
+    results = []
+    for network in (model, eager):
+        output = network(tokens, labels=tokens, output_router_logits=True)
+        output.loss.backward()
+        grads = {key: value.grad for key, value in network.named_parameters() if value.requires_grad}
+        results.append((output, grads))
+    (got, got_grads), (expected, expected_grads) = results
+    _close(got.logits.detach(), expected.logits.detach(), "logits")
+    _close(got.loss.detach(), expected.loss.detach(), "loss")
+    for what in ("aux_loss", "router_logits"):
+        mine, theirs = getattr(got, what, None), getattr(expected, what, None)
+        assert (mine is None) == (theirs is None), what
+        if theirs is not None:
+            mine, theirs = (torch.stack(list(v)) if isinstance(v, tuple) else v for v in (mine, theirs))
+            _close(mine.detach(), theirs.detach(), what)
+    for key, reference in expected_grads.items():
+        grad = got_grads[key]
+        _close(torch.zeros_like(reference) if grad is None else grad, reference, key)
+
+
+def test_replacement_refuses_what_it_cannot_compute():
+    from moetriton.torch.transformers import replace_moe_blocks
+
+    with pytest.raises(TypeError, match=r"unexpected options \['aux_loss_coeff'\]"):
+        replace_moe_blocks(tiny_model("mixtral"), aux_loss_coeff=0.01)
+    with pytest.raises(ValueError, match="holds no sparse-MoE block"):
+        replace_moe_blocks(torch.nn.Linear(4, 4))
+    model = tiny_model("mixtral")
+    model.model.layers[0].mlp.jitter_noise = 0.1
+    with pytest.raises(NotImplementedError, match=r"router_jitter_noise=0\.1"):
+        replace_moe_blocks(model)

@@ -6,12 +6,17 @@ top_k_index [T, K], top_k_weights [T, K]) -> [T, H]`, picked by name with
 `from_pretrained(..., experts_implementation=NAME)` or `model.set_experts_implementation(NAME)`. `register()`
 adds moetriton there, after which the model keeps its own router and runs dispatch, the expert GEMMs, the
 activation and combine on moetriton's kernels (and `torch._grouped_mm` where the layer uses it).
+`moe_arguments(block)` maps a sparse-MoE block (router recipe, experts, shared experts) onto
+`moetriton.torch.moe`'s arguments, and `replace_moe_blocks(model)` has every such block of a model computed by
+that layer, router included, the parameters and their names kept.
 
 transformers is an optional dependency (the `transformers` extra): this module imports it, and
 `moetriton.torch` does not import this module.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +34,7 @@ except ImportError as error:  # transformers < 5 has no experts registry
 from moetriton.kernels.rules.activation import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 
 from .activation import ACTIVATE
+from .moe import moe
 from .moe.experts import grouped_linear
 from .permutation import token_combine, token_dispatch
 
@@ -325,3 +331,75 @@ def moe_arguments(block: nn.Module) -> dict:
         **_router_options(block, config),
         **_shared_weights(block),
     )
+
+
+#: The layer options a replaced block takes: where and how the layer runs. The losses are the model's own
+#: (transformers computes its load-balancing loss from the router logits it records), so moetriton's loss
+#: options, whose values the block could not return, are not among them.
+BLOCK_OPTIONS = ("align_size", "capacity_factor", "drop_policy", "pipeline_chunks")
+
+
+def _router_of(module: nn.Module) -> nn.Module | None:
+    router = getattr(module, "gate", None) or getattr(module, "router", None)
+    return router if isinstance(router, nn.Module) and hasattr(router, "weight") else None
+
+
+def _block_forward(block: nn.Module, options: dict, hidden_states: Tensor):
+    """A replaced block's forward: the block's own router module runs once on the tokens (transformers
+    records its logits there, for `output_router_logits` and its load-balancing loss), then
+    moetriton.torch.moe computes the block from its parameters; returned in the block's own convention."""
+    router_outputs = _router_of(block)(hidden_states.reshape(-1, hidden_states.shape[-1]))
+    out = moe(hidden_states, **moe_arguments(block), **options)[0]
+    kind = type(block).__name__
+    if kind == "Llama4TextMoe":  # (out [T, H], router logits)
+        return out.reshape(-1, out.shape[-1]), router_outputs[1]
+    if kind == "GptOssMLP":  # (out, router scores)
+        return out, router_outputs[1]
+    return out
+
+
+def replace_moe_blocks(model: nn.Module, **options) -> list[str]:
+    """Replaces the forward of every sparse-MoE block of a transformers model by one call of
+    `moetriton.torch.moe` on the block's own parameters (`moe_arguments`): moetriton's fused router, dispatch,
+    grouped GEMMs, activation, combine and shared experts, for the model types `moe_arguments` maps. The
+    parameters and their names stay the block's (checkpoints load and save as before), and the block's
+    router module still runs once per call, so `output_router_logits=True` and transformers'
+    load-balancing loss work unchanged (that router call is the replacement's only extra work: one [T, E]
+    product and top-k). Returns the replaced modules' names.
+
+    Args:
+        model: a transformers model (or any module holding the blocks).
+        **options: the layer's BLOCK_OPTIONS (align_size, capacity_factor, drop_policy, pipeline_chunks);
+            anything else is refused, as is a block `moe_arguments` does not map (naming what is missing)
+            and Mixtral's router jitter noise (a random input scaling the layer does not draw).
+
+    Example:
+        >>> import transformers
+        >>> config = transformers.MixtralConfig(
+        ...     hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+        ...     num_key_value_heads=2, vocab_size=64, num_local_experts=4,
+        ... )
+        >>> model = transformers.AutoModelForCausalLM.from_config(config)
+        >>> replace_moe_blocks(model)
+        ['model.layers.0.mlp']
+    """
+    unknown = sorted(set(options) - set(BLOCK_OPTIONS))
+    if unknown:
+        raise TypeError(f"replace_moe_blocks: unexpected options {unknown}; a block takes {BLOCK_OPTIONS}")
+    replaced = []
+    for name, module in model.named_modules():
+        if not hasattr(module, "experts") or _router_of(module) is None:
+            continue
+        if getattr(module, "jitter_noise", 0):
+            raise NotImplementedError(
+                f"replace_moe_blocks: {name} has router_jitter_noise={module.jitter_noise} (a random scaling"
+                " of its input in training that the layer does not draw)"
+            )
+        moe_arguments(module)  # an unmapped block is refused now, not at its first call
+        module.forward = functools.partial(_block_forward, module, dict(options))
+        replaced.append(name)
+    if not replaced:
+        raise ValueError(
+            f"replace_moe_blocks: {type(model).__name__} holds no sparse-MoE block (experts and a router)"
+        )
+    return replaced
