@@ -117,6 +117,7 @@ def moe_reference(
     token_mask: jax.Array | None = None,
     num_shards: int = 1,
     return_stats: bool = False,
+    routing_indices: jax.Array | None = None,
     **options,
 ) -> tuple[jax.Array, jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array, MoEStats]:
     """Reference of `moetriton.jax.moe` on one device: same arrays, the options (topk, ...,
@@ -128,7 +129,8 @@ def moe_reference(
     dense FFN of every token added to the routed output (times sigmoid(x @ shared_gate) per token).
     token_mask [B, S] bool: False tokens are routed nowhere, counted nowhere, output zero.
     gate_bias [E], gate_up_bias [E, 2F] (or [E, F]), down_bias [E, H]: the router's logit bias and the
-    experts' projection biases.
+    experts' projection biases. routing_indices [B, S, K]: the ids the reference router replays (a slot it
+    refuses, index -1, takes no expert).
 
     Example:
         >>> out, aux_loss, dropped = moe_reference(x, gate, gate_up, down, topk=2, capacity_factor=1.0,
@@ -162,9 +164,13 @@ def moe_reference(
         return_indices=True,
         normalize_topk=opts.normalize_topk,
         group_score=opts.group_score,
+        routing_indices=None
+        if routing_indices is None
+        else jnp.asarray(routing_indices).reshape(num_tokens, topk),
     )
-    weights = jnp.take_along_axis(probs, indices, axis=1)  # [T, K]
-    routed = jnp.broadcast_to(valid[:, None], indices.shape)  # [T, K]: slots that take an expert
+    chosen = indices >= 0  # [T, K]: a replay's refused slot is -1
+    weights = jnp.where(chosen, jnp.take_along_axis(probs, jnp.maximum(indices, 0), axis=1), 0.0)  # [T, K]
+    routed = valid[:, None] & chosen  # [T, K]: slots that take an expert
     routing_map = routing_map & valid[:, None]
     outputs, kept_per_shard = [], []
     for shard in range(num_shards):

@@ -396,8 +396,9 @@ def expert_parallel_calls(shards: int = 2, unequal: bool = True) -> list[Hostile
     with every option on: NaN tokens in one shard (under the probs policy, and dropless in pipelined chunks),
     overflowing tokens, one shard all padding, every token to one expert under a small capacity (most slots
     dropped) and under a large one (most of the fixed slabs' rows unused), the scores' counts, unnormalised
-    sigmoid weights, group-limited selection by the groups' top two and by their largest score, no tokens
-    on any shard, and, with `unequal` (process groups: dropless allows it), a rank without tokens."""
+    sigmoid weights, group-limited selection by the groups' top two and by their largest score, replayed
+    expert ids in and out of range (dropless in chunks and under a capacity), no tokens on any shard, and,
+    with `unequal` (process groups: dropless allows it), a rank without tokens."""
     rng = np.random.default_rng(11)
     cases = [
         ("nan_tokens", dict(capacity_factor=0.5, drop_policy="probs")),
@@ -406,6 +407,8 @@ def expert_parallel_calls(shards: int = 2, unequal: bool = True) -> list[Hostile
         ("overflow", dict(capacity_factor=0.25, drop_policy="position", **_GROUPS, group_score="top2_sum")),
         ("overflow", dict(capacity_factor=4.0, drop_policy="probs", **_GROUPS, group_score="max")),
         ("one_shard_masked", dict(capacity_factor=1.0, drop_policy="probs", balance_counts="scores")),
+        ("replayed_ids", dict(capacity_factor=None, pipeline_chunks=2)),
+        ("replayed_ids", dict(capacity_factor=0.5, drop_policy="probs")),
     ]
     calls = []
     for corruption, options in cases:
@@ -417,11 +420,15 @@ def expert_parallel_calls(shards: int = 2, unequal: bool = True) -> list[Hostile
         if corruption == "nan_tokens":  # the first shard's first token alone: the other shards whole
             arrays["x"][0, 0] = np.nan
             arrays["token_mask"][0, 0] = True
-        call = corrupted(
-            arrays, dict(EVERY_OPTION, **options), "none" if corruption == "nan_tokens" else corruption, rng
-        )
+        if corruption == "replayed_ids":  # router replay of ids in and out of range, repeats included
+            shape = (2 * shards, 3, EVERY_OPTION["topk"])
+            arrays["routing_indices"] = rng.integers(-2, EXPERTS + 2, shape).astype(np.int32)
+        # Corrupted here, not by `corrupted`, which sees no further corruption in them.
+        own = corruption in ("nan_tokens", "replayed_ids")
+        call = corrupted(arrays, dict(EVERY_OPTION, **options), "none" if own else corruption, rng)
         if corruption == "nan_tokens":
             call.broken[0, 0] = True
+        if own:
             call = dataclasses.replace(call, corruption=corruption)
         calls.append(call)
     arrays = dict(base_arrays(0, 3, seed=10), **shared_arrays(gate=True))  # no tokens anywhere
@@ -486,28 +493,34 @@ def same_results(got: dict, expected: dict, call: HostileCall, what: str) -> Non
         agree(mine[both], grad[both], f"grad {name} where finite {what}", rtol=1e-3)
 
 
+def routed_slots(call: HostileCall) -> int:
+    """The slots the router routes in `call` (its whole batch): K per unmasked token, or with a replay
+    those of each unmasked token's ids that are in range and new to the token."""
+    valid = call.valid
+    replayed = call.arrays.get("routing_indices")
+    if replayed is None:
+        return call.options["topk"] * int(valid.sum())
+    slots = [
+        len({int(i) for i in ids if 0 <= i < EXPERTS}) for ids in replayed.reshape(-1, replayed.shape[-1])
+    ]
+    return int(np.asarray(slots).reshape(valid.shape)[valid].sum())
+
+
 def check_invariants(
-    call: HostileCall, results: dict, unmasked: int | None = None, first_expert: int = 0
+    call: HostileCall, results: dict, routed: int | None = None, first_expert: int = 0
 ) -> None:
     """What docs/moe.md promises whatever the data: padding rows and their gradients exactly zero; exact
     counts; the finite tokens' outputs finite; every weight of an expert that kept no slot a zero gradient
     (no unused row of a capacity slab or of a worst-case buffer reaches it). For one rank of a group:
-    `unmasked`, the group's unmasked tokens (the counts are the group's), and `first_expert`, the global id
-    of the first expert whose weights the results' gradients hold."""
+    `routed`, the group's routed slots (`routed_slots` of the whole call: the counts are the group's), and
+    `first_expert`, the global id of the first expert whose weights the results' gradients hold."""
     valid, out = call.valid, results["out"]
     assert (out[~valid] == 0).all(), "padding rows of out"
     assert (results["grads"]["x"][~valid] == 0).all(), "padding rows of the x gradient"
     stats = results["stats"]
-    unmasked = valid.sum() if unmasked is None else unmasked
     replayed = call.arrays.get("routing_indices")
-    if replayed is None:
-        assert stats["routed"].sum() == call.options["topk"] * unmasked, stats
-    else:  # a replayed slot counts where its id is in range and new to its token
-        slots = [
-            len({int(i) for i in ids if 0 <= i < EXPERTS}) for ids in replayed.reshape(-1, replayed.shape[-1])
-        ]
-        expected = np.asarray(slots).reshape(valid.shape)[valid].sum()
-        assert stats["routed"].sum() == expected, (stats, replayed)
+    expected = routed_slots(call) if routed is None else routed
+    assert stats["routed"].sum() == expected, (stats, replayed)
     assert stats["dropped"] == (stats["routed"] - stats["kept"]).sum() == results["dropped"], stats
     finite = valid & ~call.broken
     if replayed is not None:  # a replay may pick an expert of NaN logits (nan_gate): NaN weights

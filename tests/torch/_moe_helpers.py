@@ -613,7 +613,12 @@ def hostile_worker(rank: int, world: int, store: str) -> None:
     of padding alone, overflowing and mostly unused capacity slabs, a rank without tokens, every option on)
     against the dense reference, on every rank, with exact zeros for padding and for the experts no slot
     reached."""
-    from tests.strategies_moe_hostile import check_invariants, expert_parallel_calls, same_results
+    from tests.strategies_moe_hostile import (
+        check_invariants,
+        expert_parallel_calls,
+        routed_slots,
+        same_results,
+    )
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     originals = {name: getattr(dist, name) for name in _COLLECTIVES}
@@ -642,7 +647,7 @@ def hostile_worker(rank: int, world: int, store: str) -> None:
             reference = functools.partial(moe_reference, num_shards=1 if call.batches else world)
             expected = _rank_part(hostile_results(call, reference, _cotangent(call)), rows, experts)
             same_results(got, expected, mine, f"rank {rank}, {call.corruption} {call.options}")
-            check_invariants(mine, got, unmasked=int(call.valid.sum()), first_expert=rank * EXPERTS // world)
+            check_invariants(mine, got, routed=routed_slots(call), first_expert=rank * EXPERTS // world)
     finally:
         for name, function in originals.items():
             setattr(dist, name, function)
