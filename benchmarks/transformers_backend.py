@@ -1,5 +1,7 @@
-"""moetriton as a transformers experts implementation: the training step of small MoE models beside
-transformers' own `grouped_mm` and `eager` experts.
+"""moetriton in transformers models: the training step of small MoE models with moetriton as the experts
+implementation ("moetriton") and with every sparse-MoE block computed by moetriton's MoE layer
+(`replace_moe_blocks`: "moetriton_block", router and shared experts included), beside transformers' own
+`grouped_mm` and `eager` experts.
 
     python -m benchmarks.transformers_backend            # CUDA GPU, bf16: mixtral, qwen3_moe, deepseek_v3
     TRITON_INTERPRET=1 python -m benchmarks.transformers_backend --tiny   # CPU smoke run, one step
@@ -7,9 +9,9 @@ transformers' own `grouped_mm` and `eager` experts.
 Each row: one model (a 2-layer *ForCausalLM from a local config, no download), one experts implementation,
 the median time of a training step (forward with the balancing loss, backward; no optimizer) over --steps
 steps after two warm-up steps, timed with CUDA events around each step, and the step's peak allocated
-memory (torch.cuda.max_memory_allocated after a reset, minus the memory held before the step). The router,
-attention and everything outside the experts are transformers' in every row, so differences are the
-experts'. Writes <out>/<machine>/transformers_backend.csv.
+memory (torch.cuda.max_memory_allocated after a reset, minus the memory held before the step). Attention
+and everything outside the MoE blocks are transformers' in every row, and so is the router but in the
+"moetriton_block" rows. Writes <out>/<machine>/transformers_backend.csv.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from .common import add_out_option, write_results
 
-IMPLS = ("moetriton", "grouped_mm", "eager")
+IMPLS = ("moetriton", "moetriton_block", "grouped_mm", "eager")
 
 # model type -> (its MoE options, tokens per step as [batch, sequence]) at a mid size: the experts' shapes
 # of each family scaled down to two layers on one GPU.
@@ -94,7 +96,13 @@ def _model(name: str, implementation: str, device: torch.device, dtype: torch.dt
         **{"intermediate_size": 4096, "head_dim": 128 if not tiny else 8, **options, **sizes},
     )
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation=implementation)
+    block = implementation == "moetriton_block"  # the blocks replaced; their experts module never runs
+    experts = "eager" if block else implementation
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation=experts)
+    if block:
+        from moetriton.torch.transformers import replace_moe_blocks
+
+        replace_moe_blocks(model)
     return model.to(device=device, dtype=dtype), config
 
 
