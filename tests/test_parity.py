@@ -248,6 +248,7 @@ _LAYER_CASES = {
     "down_bias shape": dict(down_bias=np.zeros((_E - 1, _H), np.float32)),
     "probs_on_input with topk 2": dict(probs_on_input=True),
     "probs_on_input not a bool": dict(probs_on_input=1, topk=1),
+    "fp8 recipe": dict(fp8="e4m3"),
 }
 
 

@@ -13,6 +13,7 @@ from moetriton.kernels.rules.expert_parallel import EPLayout
 
 from ..activation import apply_activation, grouped_activation
 from ..chunk_sort import sort_chunks_by_index
+from ..fp8 import fp8_grouped_linear
 from ..grouped_gemm import grouped_matmul
 from .config import MoEConfig
 
@@ -51,6 +52,8 @@ def expert_mlp(
     dtype = jnp.dtype(config.dtype)
     gate_up, down, gate_up_bias, down_bias = experts
     num_rows = rows.shape[0]
+    if config.fp8 is not None:
+        return _fp8_mlp(rows, group_sizes, experts, config, order)
     hidden = grouped_matmul(
         rows.astype(dtype), gate_up.astype(dtype), group_sizes, lhs_rows=order, zero_tail=False
     )  # [N, W], expert-major
@@ -68,6 +71,24 @@ def expert_mlp(
         return out
     bias = _group_bias(down_bias, group_sizes, num_rows, out.dtype)  # [N, H], expert-major
     return out + bias if order is None else out.at[order].add(bias, unique_indices=True)
+
+
+def _fp8_mlp(rows, group_sizes, experts: ExpertWeights, config: MoEConfig, order) -> jax.Array:
+    """expert_mlp with both projections in FP8 (`fp8_grouped_linear` by config.fp8's recipe, forward and
+    VJP; the weights quantized on each call). Rows in another order are gathered to expert-major first and
+    the results scattered back: the FP8 GEMM reads its rows in order."""
+    dtype = jnp.dtype(config.dtype)
+    gate_up, down, gate_up_bias, down_bias = experts
+    num_rows = rows.shape[0]
+    rows = rows.astype(dtype) if order is None else rows.astype(dtype)[order]  # [N, H] expert-major
+    hidden = fp8_grouped_linear(rows, group_sizes, gate_up.astype(dtype), config.fp8)
+    if gate_up_bias is not None:
+        hidden = hidden + _group_bias(gate_up_bias, group_sizes, num_rows, hidden.dtype)
+    act = grouped_activation(hidden, group_sizes, config.activation)
+    out = fp8_grouped_linear(act, group_sizes, down.astype(dtype), config.fp8)
+    if down_bias is not None:
+        out = out + _group_bias(down_bias, group_sizes, num_rows, out.dtype)
+    return out if order is None else jnp.zeros_like(out).at[order].set(out, unique_indices=True)
 
 
 def _down_of_activation(hidden, down, group_sizes, order, activation: str) -> jax.Array:

@@ -98,7 +98,8 @@ class MoEBlock(nn.Module):
         align_size, capacity_factor (None: dropless), drop_policy ("position" or "probs": which slots a full
             expert keeps), activation, pipeline_chunks (dropless: the routed path in this many token
             chunks), balance_counts ("routed" or "scores": the load-balancing losses' counts),
-            probs_on_input (top-1: the weight scales the expert's input, Llama 4): layer options.
+            probs_on_input (top-1: the weight scales the expert's input, Llama 4), fp8 (None, "tensorwise"
+            or "blockwise": the routed experts' GEMMs in FP8): layer options.
         num_shared_experts: always-on shared experts (DeepSeek-V3: 1), one FFN of width
             Fs = num_shared_experts * ffn_dim (parameters shared_gate_up [H, 2Fs] or [H, Fs] and
             shared_down [Fs, H], initialised by expert_init); 0: none.
@@ -168,6 +169,7 @@ class MoEBlock(nn.Module):
     use_gate_bias: bool = False
     use_projection_biases: bool = False
     probs_on_input: bool = False
+    fp8: str | None = None
 
     @nn.compact
     def __call__(
@@ -191,6 +193,7 @@ class MoEBlock(nn.Module):
             balance_counts=self.balance_counts,
             probs_on_input=self.probs_on_input,
             topk=self.topk,
+            fp8=self.fp8,
         )
         hidden, experts = x.shape[-1], self.num_experts
         shared_shapes = layer_rules.shared_weight_shapes(
@@ -286,4 +289,5 @@ class MoEBlock(nn.Module):
             routing_indices=routing_indices,
             balance_counts=self.balance_counts,
             probs_on_input=self.probs_on_input,
+            fp8=self.fp8,
         )

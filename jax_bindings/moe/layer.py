@@ -226,6 +226,7 @@ def moe(
     balance_counts: str = "routed",
     routing_indices: jax.Array | None = None,
     probs_on_input: bool = False,
+    fp8: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array, MoEStats]:
     """A mixture-of-experts MLP layer with expert parallelism.
 
@@ -316,6 +317,10 @@ def moe(
             selection; MoEStats.routed is the routed slots either way.
         probs_on_input: the merging weight scales the token before its expert (Llama 4: expert(w x)) instead
             of the expert's output (w expert(x)); topk 1 only. The shared experts see the unscaled tokens.
+        fp8: None (default: the expert GEMMs in `dtype`) or an FP8 recipe, "tensorwise" (TE's current
+            scaling) or "blockwise" (DeepSeek-V3's 1x128 / 128x128 scales): both projections of the routed
+            experts as `moetriton.jax.fp8_grouped_linear`, forward and VJP, the weights quantized on each
+            call; router, combine and shared experts unchanged (docs/fp8.md, "The MoE layer in FP8").
 
     Returns:
         (out [B, S, H] in x.dtype, aux_loss fp32 scalar: the sum of the three weighted losses, dropped
@@ -349,6 +354,7 @@ def moe(
         balance_counts=balance_counts,
         probs_on_input=probs_on_input,
         topk=topk,
+        fp8=fp8,
     )
     x, gate, gate_up, down = (
         _array(name, value) for name, value in zip(ARGUMENTS, (x, gate, gate_up, down), strict=True)
@@ -427,6 +433,7 @@ def moe(
         pipeline_chunks=pipeline_chunks,
         balance_counts=balance_counts,
         probs_on_input=probs_on_input,
+        fp8=fp8,
         dtype=jnp.dtype(dtype or x.dtype).name,
         mesh=mesh,
         ep_axis=ep_axis if mesh is not None else None,

@@ -61,6 +61,7 @@ _CHECKED = (
     "capacity_factor",
     "balance_counts",
     "probs_on_input",
+    "fp8",
     *layer_rules.LOSSES,
 )
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .expert_parallel import GATED_ACTIVATIONS, gate_up_width
+from .fp8 import RECIPES as FP8_RECIPES
 from .router import BIAS_DTYPES as ROUTER_BIAS_DTYPES
 from .router import SCORE_FUNCTIONS, TOPK_OPTIONS, check_topk
 
@@ -248,12 +249,14 @@ def check_options(
     balance_counts="routed",
     probs_on_input=False,
     topk=None,
+    fp8=None,
     **coefficients,
 ) -> None:
     """The layer's option values: an activation of ACTIVATIONS, a score function, an exchange among the
     framework's `exchanges`, a drop policy of DROP_POLICIES, pipeline_chunks an int >= 1 (above 1 only
     dropless: capacity_factor None), return_stats a bool (TypeError otherwise: it decides how many results
-    come back), balance_counts one of BALANCE_COUNTS, probs_on_input a bool and True only with topk 1
+    come back), balance_counts one of BALANCE_COUNTS, fp8 None or an FP8 recipe's name (FP8_RECIPES),
+    probs_on_input a bool and True only with topk 1
     (where given), and, for each loss coefficient given by name (aux_loss_coeff, seq_aux_loss_coeff,
     z_loss_coeff: LOSSES), a finite number >= 0 (TypeError for a non-number)."""
     if not isinstance(return_stats, bool):
@@ -272,6 +275,8 @@ def check_options(
         _fail("drop_policy", f"expected one of {tuple(DROP_POLICIES)}, got {drop_policy!r}")
     if balance_counts not in BALANCE_COUNTS:
         _fail("balance_counts", f"expected one of {tuple(BALANCE_COUNTS)}, got {balance_counts!r}")
+    if fp8 is not None and fp8 not in FP8_RECIPES:
+        _fail("fp8", f"expected None or one of {tuple(FP8_RECIPES)}, got {fp8!r}")
     if not isinstance(probs_on_input, bool):
         _fail("probs_on_input", f"expected a bool, got {probs_on_input!r}")
     if probs_on_input and topk is not None and topk != 1:
@@ -345,6 +350,7 @@ class LayerOptions:
     drop_policy: str = "position"
     pipeline_chunks: int = 1  # the dropless routed path in this many token chunks (results unchanged)
     probs_on_input: bool = False  # the merging weight scales the expert's input, not its output (top-1)
+    fp8: str | None = None  # the routed experts' GEMMs in FP8 by this recipe (FP8_RECIPES), else as the dtype
     balance_counts: str = "routed"  # BALANCE_COUNTS: the counts of the two load-balancing losses
 
 

@@ -32,6 +32,7 @@ from tests.jax.moe_checks import (
     CHECKS,
     DEVICES,
     check_against_reference,
+    check_fp8,
     fixed_problem,
     padding_mask,
     with_ties,
@@ -44,7 +45,7 @@ from tests.strategies_moe import (
     with_shared_experts,
 )
 
-INTERPRETED = {"mesh-1x1", "mesh-1x2", "overflow", "errors", "options-1x2"}
+INTERPRETED = {"mesh-1x1", "mesh-1x2", "overflow", "errors", "options-1x2", "fp8-1x2"}
 
 
 def _run_check(name: str, env: dict) -> None:
@@ -138,6 +139,10 @@ def test_router_replay_of_the_router_s_own_choice_is_the_same_call(capacity_fact
     replayed = step(x, gate, gate_up, down, chosen.reshape(*x.shape[:2], 2))
     for a, b in zip(jax.tree.leaves(replayed), jax.tree.leaves(free), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fp8_layer_tracks_the_reference_on_one_device():
+    check_fp8(ep=1)
 
 
 def test_expert_mlp_rebuilding_the_activation_keeps_the_gradients_bit_for_bit():

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .._stages import stage
 from ..activation import ACTIVATE, ACTIVATE_BACKWARD
+from ..fp8 import fp8_grouped_linear
 
 
 def _activate(hidden: Tensor, activation: str) -> Tensor:
@@ -176,6 +177,32 @@ def _down(act: Tensor, group_sizes: Tensor | None, down: Tensor, use_grouped_mm:
     return grouped_linear(act, group_sizes, down, use_grouped_mm=use_grouped_mm)
 
 
+def _fp8_mlp(
+    rows: Tensor,
+    group_sizes: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    activation: str,
+    recipe: str,
+    gate_up_bias: Tensor | None,
+    down_bias: Tensor | None,
+) -> Tensor:
+    """The grouped MLP with both projections in FP8 (`fp8_grouped_linear`: operands quantized by `recipe`,
+    FP8 products forward and backward; the weights quantized on each call, once per step). The activation
+    output is kept for the backward here, as the FP8 projection keeps its own quantized copy of it."""
+    with stage("grouped_gemm"):
+        hidden = fp8_grouped_linear(rows, group_sizes, gate_up, recipe)
+        if gate_up_bias is not None:
+            hidden = hidden + _group_bias(gate_up_bias, group_sizes, rows.shape[0]).to(hidden.dtype)
+    with stage("activation"):
+        act = _activate(hidden, activation)
+    with stage("grouped_gemm"):
+        out = fp8_grouped_linear(act, group_sizes, down, recipe)
+        if down_bias is None:
+            return out
+        return out + _group_bias(down_bias, group_sizes, rows.shape[0]).to(out.dtype)
+
+
 def expert_mlp(
     rows: Tensor,
     group_sizes: Tensor,
@@ -185,6 +212,7 @@ def expert_mlp(
     use_grouped_mm: bool | None = None,
     gate_up_bias: Tensor | None = None,
     down_bias: Tensor | None = None,
+    fp8: str | None = None,
 ) -> Tensor:
     """Dropless experts on expert-major rows: [N, H] -> [N, H].
 
@@ -198,6 +226,7 @@ def expert_mlp(
         use_grouped_mm: force torch._grouped_mm (True) or the masked per-expert loop (False); None picks
             `grouped_mm_supported`.
         gate_up_bias: [L, 2F] (or [L, F]) and down_bias [L, H], or None: each expert's projection biases.
+        fp8: None, or the FP8 recipe of both projections ("tensorwise" / "blockwise": `_fp8_mlp`).
 
     Example:
         >>> rows = torch.randn(5, 8)
@@ -205,6 +234,8 @@ def expert_mlp(
         >>> expert_mlp(rows, torch.tensor([3, 2]), gate_up, down, "swiglu").shape
         torch.Size([5, 8])
     """
+    if fp8 is not None:
+        return _fp8_mlp(rows, group_sizes, gate_up, down, activation, fp8, gate_up_bias, down_bias)
     if use_grouped_mm is None:
         use_grouped_mm = grouped_mm_supported(rows, gate_up, down)
     hidden = grouped_linear(rows, group_sizes, gate_up, gate_up_bias, use_grouped_mm=use_grouped_mm)
@@ -222,10 +253,15 @@ def batched_mlp(
     activation: str,
     gate_up_bias: Tensor | None = None,
     down_bias: Tensor | None = None,
+    fp8: str | None = None,
 ) -> Tensor:
-    """Capacity experts: rows [L * M, H], M rows per local expert -> [L * M, H], one bmm per projection;
-    gate_up_bias [L, W] and down_bias [L, H] or None. A slot no token fills computes the biases' output,
-    which no combine reads."""
+    """Capacity experts: rows [L * M, H], M rows per local expert -> [L * M, H], one bmm per projection
+    (with `fp8`, the FP8 grouped MLP on L equal groups); gate_up_bias [L, W] and down_bias [L, H] or None.
+    A slot no token fills computes the biases' output, which no combine reads."""
+    if fp8 is not None:
+        experts = gate_up.shape[0]
+        sizes = torch.full((experts,), rows.shape[0] // experts, dtype=torch.int32, device=rows.device)
+        return _fp8_mlp(rows, sizes, gate_up, down, activation, fp8, gate_up_bias, down_bias)
     slabs = rows.view(gate_up.shape[0], -1, rows.shape[1])  # [L, M, H]
     with stage("grouped_gemm"):
         hidden = torch.bmm(slabs, gate_up)
@@ -249,9 +285,10 @@ class Experts:
     activation: str
     gate_up_bias: Tensor | None = None
     down_bias: Tensor | None = None
+    fp8: str | None = None
 
     def __call__(self, rows: Tensor, group_sizes: Tensor | None = None) -> Tensor:
-        biases = dict(gate_up_bias=self.gate_up_bias, down_bias=self.down_bias)
+        biases = dict(gate_up_bias=self.gate_up_bias, down_bias=self.down_bias, fp8=self.fp8)
         if group_sizes is None:
             return batched_mlp(rows, self.gate_up, self.down, self.activation, **biases)
         return expert_mlp(rows, group_sizes, self.gate_up, self.down, self.activation, **biases)

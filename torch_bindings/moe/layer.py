@@ -111,6 +111,7 @@ def _check_moe(
     return_stats,
     balance_counts,
     probs_on_input,
+    fp8,
     router: tuple,
     align_size,
     **coefficients,
@@ -131,6 +132,7 @@ def _check_moe(
         balance_counts=balance_counts,
         probs_on_input=probs_on_input,
         topk=router[0],
+        fp8=fp8,
         **coefficients,
     )
     shared = dict(shared_gate_up=shared_gate_up, shared_down=shared_down, shared_gate=shared_gate)
@@ -235,6 +237,7 @@ def moe(
     balance_counts: str = "routed",
     routing_indices: Tensor | None = None,
     probs_on_input: bool = False,
+    fp8: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor] | tuple[Tensor, Tensor, Tensor, MoEStats]:
     """One MoE layer on this rank's tokens, experts sharded over `ep_group` (see the module docstring).
 
@@ -316,6 +319,11 @@ def moe(
             the replayed selection.
         probs_on_input: the merging weight scales the token before its expert (Llama 4: expert(w x)) instead
             of the expert's output (w expert(x)); topk 1 only. The shared experts see the unscaled tokens.
+        fp8: None (default: the expert GEMMs in x.dtype) or an FP8 recipe, "tensorwise" (TE's current
+            scaling) or "blockwise" (DeepSeek-V3's 1x128 / 128x128 scales): both projections of the routed
+            experts as `moetriton.torch.fp8_grouped_linear`, forward and backward, the master weights kept
+            in their dtype and quantized on each call; router, combine and shared experts unchanged
+            (docs/fp8.md, "The MoE layer in FP8").
 
     Returns:
         (out [..., H] in x.dtype, aux_loss fp32 scalar, dropped int32 scalar), and the MoEStats with
@@ -359,6 +367,7 @@ def moe(
         return_stats=return_stats,
         balance_counts=balance_counts,
         probs_on_input=probs_on_input,
+        fp8=fp8,
         router=router,
         align_size=align_size,
         aux_loss_coeff=aux_loss_coeff,
@@ -416,7 +425,7 @@ def moe(
     shared = None
     if shared_gate_up is not None:
         shared = shared_mlp(tokens, shared_gate_up, shared_down, shared_gate, activation)
-    experts = Experts(gate_up, down, activation, gate_up_bias, down_bias)
+    experts = Experts(gate_up, down, activation, gate_up_bias, down_bias, fp8)
     parts = [row_exchange.combine(rows, send) for send, rows in row_exchange(sends, experts)]
     out = add_shared(parts[0] if len(parts) == 1 else torch.cat(parts), shared, valid)
     return (out.reshape(x.shape), aux_loss, dropped, *((stats,) if return_stats else ()))
@@ -500,6 +509,7 @@ class MoELayer(nn.Module):
         pipeline_chunks: int = 1,
         balance_counts: str = "routed",
         probs_on_input: bool = False,
+        fp8: str | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -515,6 +525,7 @@ class MoELayer(nn.Module):
             balance_counts=balance_counts,
             probs_on_input=probs_on_input,
             topk=topk,
+            fp8=fp8,
             aux_loss_coeff=aux_loss_coeff,
             seq_aux_loss_coeff=seq_aux_loss_coeff,
             z_loss_coeff=z_loss_coeff,
@@ -578,6 +589,7 @@ class MoELayer(nn.Module):
             pipeline_chunks=pipeline_chunks,
             balance_counts=balance_counts,
             probs_on_input=probs_on_input,
+            fp8=fp8,
         )
         self.reset_parameters()
 
