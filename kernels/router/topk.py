@@ -342,8 +342,8 @@ def topk_plan(
     """fused_topk_with_score_function forward. num_groups = group_topk = 0: no groups. `normalize_topk` and
     `group_score`: as moetriton.kernels.rules.router.normalizes_topk and group_score_count read them.
     `replay`: the selection is the "routing_indices" input's. Groups and bias then change no result: the
-    launch keeps only the groups' tile layout, so that the weights' fp32 sums run in the order of the call
-    being replayed (bit-identical probs for the same logits).
+    launch keeps the groups' tile layout and the call's grid and warps; compiled, the REPLAY variant is a
+    kernel of its own, whose fp32 sums of the weights Triton may order otherwise (docs/router.md).
 
     Inputs: "logits" [T, E], "bias" [E] or None, "routing_indices" [T, K] int32 or int64 (expert ids; an id
     outside [0, E), or a repeat of an earlier slot's id, selects nothing) or None. Results: probs [T, E]

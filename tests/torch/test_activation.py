@@ -5,8 +5,6 @@ CPU the kernels run under the Triton interpreter (the conftest sets it), on a GP
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -87,7 +85,7 @@ def test_empty_dimensions(rows, ffn):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's sigmoid(-170): 0
 def test_clamped_swiglu_is_gpt_oss_experts_gate():
-    """Against transformers' own GptOssExperts._apply_gate (with GptOssConfig's alpha and limit) on its
+    """Against transformers' own GptOssExperts._apply_gate (with the module's alpha and limit) on its
     interleaved [gate0, up0, gate1, up1, ...] columns, de-interleaved to [gate | up] for ours: values past
     +-limit, at it and NaN; the gradients are autograd's of transformers' code."""
     transformers = pytest.importorskip(
@@ -95,15 +93,17 @@ def test_clamped_swiglu_is_gpt_oss_experts_gate():
     )
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    config = transformers.GptOssConfig()
-    experts = SimpleNamespace(alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+    # The module's own attributes: transformers 5.17 fixes them in GptOssExperts, later versions read them
+    # from the config (swiglu_alpha, swiglu_limit).
+    config = transformers.GptOssConfig(hidden_size=4, intermediate_size=4, num_local_experts=1)
+    experts = GptOssExperts(config)
     generator = torch.Generator().manual_seed(5)
     interleaved = 8 * torch.randn(7, 2 * 20, generator=generator)
     interleaved[0, :8] = torch.tensor([7.0, -7.0, 100.0, -100.0, -7.0, 7.0, -100.0, 100.0])
     interleaved[1, :4] = torch.tensor([float("nan"), 1.0, 1.0, float("nan")])
     grad = torch.randn(7, 20, generator=generator)
     leaf = interleaved.clone().requires_grad_(True)
-    expected = GptOssExperts._apply_gate(experts, leaf)
+    expected = experts._apply_gate(leaf)
     expected.backward(grad)
     ours = torch.cat([interleaved[:, ::2], interleaved[:, 1::2]], dim=1).to(DEVICE).requires_grad_(True)
     out = ACTIVATE(ours, "clamped_swiglu")

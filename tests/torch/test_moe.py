@@ -670,7 +670,9 @@ def test_fp8_layer_tracks_the_reference(recipe, score_function, capacity_factor,
         shapes = dict(gate_bias=(4,), gate_up_bias=(4, 2 * sizes["ffn"]), down_bias=(4, sizes["hidden"]))
     else:
         shapes = dict(shared_gate_up=(sizes["hidden"], 32), shared_down=(16, sizes["hidden"]))
-    optional = {name: torch.randn(shape, generator=generator) / 4 for name, shape in shapes.items()}
+    optional = {
+        name: torch.randn(shape, generator=generator).to(DEVICE) / 4 for name, shape in shapes.items()
+    }
     options = dict(topk=sizes["topk"], score_function=score_function, capacity_factor=capacity_factor)
     runs = []
     for layer, extra in ((mt.moe, dict(fp8=recipe)), (moe_reference, {})):

@@ -559,9 +559,9 @@ def _replay_kwargs(case: int, score_function, pre, groups, bias, routing_map_for
     ("score_function", "pre", "groups", "bias", "dtype", "routing_map_format"), REPLAY_GRID
 )
 def test_replay_reproduces_an_earlier_call(score_function, pre, groups, bias, dtype, routing_map_format):
-    """routing_indices = an earlier call's indices: with the same logits every output and the gradient are
-    that call's bit for bit; with other logits the selection stays, and probs and gradient are the
-    reference's weights of that selection."""
+    """routing_indices = an earlier call's indices: with the same logits the routing map, indices and
+    gradient are that call's exactly, probs within rounding; with other logits the selection stays, and
+    probs and gradient are the reference's weights of that selection."""
     case = REPLAY_GRID.index((score_function, pre, groups, bias, dtype, routing_map_format))
     generator = torch.Generator().manual_seed(100 + case)
     logits = torch.randn(2, 3, 12, generator=generator).to(DEVICE, getattr(torch, dtype))
@@ -574,8 +574,12 @@ def test_replay_reproduces_an_earlier_call(score_function, pre, groups, bias, dt
     again = logits.clone().requires_grad_(True)
     replayed = fused_topk_with_score_function(again, 4, **kwargs, routing_indices=recorded[2])
     (replayed_grad,) = torch.autograd.grad(replayed[0], again, cotangent)
-    for actual, expected in zip((*replayed, replayed_grad), (*recorded, recorded_grad), strict=True):
-        assert actual.dtype == expected.dtype and torch.equal(actual, expected)
+    assert [t.dtype for t in (*replayed, replayed_grad)] == [t.dtype for t in (*recorded, recorded_grad)]
+    # The routing map, the indices and the gradient (the ordinary backward) exactly; probs up to the order
+    # of the weights' fp32 sums (compiled, the replaying kernel is a kernel of its own).
+    for actual, expected in zip((*replayed[1:], replayed_grad), (*recorded[1:], recorded_grad), strict=True):
+        assert torch.equal(actual, expected)
+    _assert_close(replayed[0], recorded[0], dtype)
 
     other = torch.randn(logits.shape, generator=generator).to(logits)
     mine, theirs = other.clone().requires_grad_(True), other.clone().requires_grad_(True)
