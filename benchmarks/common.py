@@ -113,6 +113,8 @@ LAYER_VARIANTS = {
     "pipeline2": dict(pipeline_chunks=2),
     "pipeline4": dict(pipeline_chunks=4),
     "shared_pipeline2": dict(num_shared_experts=1, pipeline_chunks=2),
+    "fp8": dict(fp8="tensorwise"),
+    "fp8_blockwise": dict(fp8="blockwise"),
 }
 #: Tokens per sequence of the layer benchmarks' [B, S, H] inputs (the sequence-wise loss reads S).
 SEQUENCE_LENGTH = 4096

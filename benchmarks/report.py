@@ -90,7 +90,8 @@ def eager(rows: list[dict]) -> str:
 
 
 def moe(rows: list[dict], framework: str) -> str:
-    """One row per implementation and shape: step ms, routing share, GEMM TFLOP/s, exchange rates."""
+    """One row per implementation (with its layer variant unless plain) and shape: step ms, routing share,
+    GEMM TFLOP/s, exchange rates."""
     out = [_heading(rows, f"MoE layer step, {framework} (benchmarks.moe_{framework})"), ""]
     out += [
         "| impl | shape | EP | step ms | routing share | GEMM TFLOP/s | all-to-all / plain GB/s |",
@@ -119,9 +120,9 @@ def moe(rows: list[dict], framework: str) -> str:
             else ("out of memory" if "memory" in (row.get("error") or row.get("note") or "").lower() else "-")
         )
         tflops = f"{float(tflops):.0f}" if tflops else "-"
-        out.append(
-            f"| {row['impl']} | {row['shape']} | {row['ep']} | {step} | {routing} | {tflops} | {a2a} |"
-        )
+        variant = row.get("variant") or "plain"
+        impl = row["impl"] if variant == "plain" else f"{row['impl']} ({variant})"
+        out.append(f"| {impl} | {row['shape']} | {row['ep']} | {step} | {routing} | {tflops} | {a2a} |")
     return "\n".join(out) + "\n"
 
 
