@@ -220,6 +220,13 @@ def interpreted_kernels_problem() -> str | None:
     return result.stdout.strip() or None
 
 
+def skip_unless_interpreter_runs(what: str) -> None:
+    """Skips the calling test, naming `what`, where the kernels cannot run under TRITON_INTERPRET=1 in a
+    fresh process (interpreted_kernels_problem)."""
+    if problem := interpreted_kernels_problem():
+        pytest.skip(f"{what} runs the kernels interpreted, which cannot run here: {problem}")
+
+
 def run_test_module(module: str, *, drop: tuple[str, ...] = (), **env: str) -> str:
     """Runs `python -m <module>` from the repository root with the current environment, minus the
     variables in `drop`, plus `env` (e.g. XLA_FLAGS, which jax reads once, at import); fails with its

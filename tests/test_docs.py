@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from .strategies_router import interpreted_kernels_problem
+from .strategies_router import skip_unless_interpreter_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -80,8 +80,8 @@ def test_every_doc_file_is_read():
 def test_code_block_runs(block: Block, tmp_path: Path):
     if block.skip is not None:
         pytest.skip(f"{block.name}: {block.skip}")
-    if "TRITON_INTERPRET" in block.code and (problem := interpreted_kernels_problem()):
-        pytest.skip(f"{block.name} runs the kernels interpreted, which cannot run here: {problem}")
+    if "TRITON_INTERPRET" in block.code:
+        skip_unless_interpreter_runs(block.name)
     script = tmp_path / "block.py"
     script.write_text(block.code)
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}

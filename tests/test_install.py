@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.strategies_router import interpreted_kernels_problem
+from tests.strategies_router import skip_unless_interpreter_runs
 from tests.test_docs import blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,8 +231,7 @@ def test_wheel_installs_imports_and_runs(wheels: dict[str, Path], built_from: st
             assert run.returncode == 0, f"{block.name}: {run.stderr[-8000:]}"
 
     # The installed kernels, interpreted, against the installed references.
-    if problem := interpreted_kernels_problem():
-        pytest.skip(f"the installed kernels run interpreted, which cannot run here: {problem}")
+    skip_unless_interpreter_runs("the installed package's check")
     script.write_text(CHECK)
     result = subprocess.run(
         [python, str(script), str(site), VERSION],

@@ -44,7 +44,7 @@ from tests.strategies_moe import (
     probs_policy_slots,
     with_shared_experts,
 )
-from tests.strategies_router import interpreted_kernels_problem
+from tests.strategies_router import skip_unless_interpreter_runs
 
 INTERPRETED = {"mesh-1x1", "mesh-1x2", "overflow", "errors", "options-1x2", "fp8-1x2"}
 #: Checks of ops with no pure-JAX reference (the FP8 GEMMs): on CPU devices they need the interpreter.
@@ -64,8 +64,7 @@ def test_moe_on_cpu_devices(name):
     if name not in INTERPRETED:
         env.pop("TRITON_INTERPRET", None)
     if name in KERNELS_ONLY:
-        if problem := interpreted_kernels_problem():
-            pytest.skip(f"{name} runs the FP8 kernels interpreted, which cannot run here: {problem}")
+        skip_unless_interpreter_runs(name)
         env["TRITON_INTERPRET"] = "1"
     _run_check(name, env)
 

@@ -9,14 +9,11 @@ moetriton.jax.router), so the comparison also checks kernels against reference u
 
 from __future__ import annotations
 
-import pytest
-
-from ..strategies_router import interpreted_kernels_problem, run_test_module
+from ..strategies_router import run_test_module, skip_unless_interpreter_runs
 
 
 def test_sharded_router_matches_unsharded():
-    if problem := interpreted_kernels_problem():
-        pytest.skip(problem)
+    skip_unless_interpreter_runs("the sharded router check")
     stdout = run_test_module(
         "tests.jax.test_router_sharded",
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
